@@ -1,0 +1,43 @@
+# make demo   - the whole pipeline on the embedded default (tiny models, generated data, CPU)
+# make test   - the test suite
+# Both create .venv with the pinned dependencies first if needed, and are safe to run twice.
+
+SHELL := /bin/bash
+VENV := .venv
+BIN := $(CURDIR)/$(VENV)/bin
+# Python 3.12 (MaxText needs >= 3.12): python3.12 on PATH, else pyenv's, else say how to get one.
+PY312 := $(shell command -v python3.12 2>/dev/null || ls -d $$(pyenv root 2>/dev/null || echo $$HOME/.pyenv)/versions/3.12*/bin/python 2>/dev/null | tail -n 1)
+export PATH := $(BIN):$(PATH)
+export GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT := false
+export NO_GCE_CHECK := true
+
+.PHONY: demo test test-fast bench lock clean-work
+
+$(VENV)/.installed: requirements.lock pyproject.toml
+	@test -n "$(PY312)" || { echo "Python 3.12 not found: install it (e.g. 'uv python install 3.12' or 'pyenv install 3.12')" >&2; exit 1; }
+	@test -x $(BIN)/python || $(PY312) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet --no-deps -r requirements.lock
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(BIN)/python -m pip check
+	@touch $@
+
+demo: $(VENV)/.installed
+	dvc repro
+	dvc metrics show
+	dvc plots show --out dvc_plots >/dev/null && echo "loss curves: dvc_plots/index.html"
+
+test: $(VENV)/.installed
+	python -m pytest
+
+test-fast: $(VENV)/.installed
+	python -m pytest -m "not slow"
+
+bench: $(VENV)/.installed
+	python benchmarks/bench_dvc.py
+
+lock: $(VENV)/.installed
+	python -m pip freeze --exclude-editable | grep -v '^mtpipe' > requirements.lock
+
+clean-work:
+	rm -rf work

@@ -1,0 +1,1 @@
+"""mtpipe: MaxText post-training tutorials as a DVC pipeline wrapped by doit tasks."""

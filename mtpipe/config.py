@@ -1,0 +1,178 @@
+"""Configuration: params.yaml + OmegaConf presets in conf/, resolved once per stage.
+
+A branch (``sft`` or ``rl``) names a preset in ``conf/preset/``. The preset composes a model, a
+dataset and a hardware preset (its ``defaults:`` mapping) and holds one section per stage. Values in
+``params.yaml`` override the preset; ``null`` there keeps the preset's value.
+
+The ``configure`` stage resolves everything and writes ``config/<branch>/<stage>.yaml``: exactly what
+that stage reads, nothing more. Each pipeline stage depends on its own file, so DVC reruns a stage
+when, and only when, a value it reads changes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from mtpipe.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF_DIR = ROOT / "conf"
+RESOLVED_DIR = ROOT / "config"
+
+GROUPS = ("model", "dataset", "hardware")
+
+# The sections of the composed branch config that each stage reads.
+STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
+    "hf_download": ("model", "dataset", "hf_download"),
+    "to_maxtext": ("model", "to_maxtext"),
+    "train_sft": ("model", "dataset", "hardware", "train_sft"),
+    "train_rl": ("model", "dataset", "hardware", "train_rl"),
+    "to_huggingface": ("model", "to_huggingface"),
+}
+BRANCH_STAGES: dict[str, tuple[str, ...]] = {
+    "sft": ("hf_download", "to_maxtext", "train_sft", "to_huggingface"),
+    "rl": ("hf_download", "to_maxtext", "train_rl", "to_huggingface"),
+}
+# params.yaml keys that are not stage sections of a branch.
+BRANCH_KEYS = ("preset", *GROUPS)
+
+
+def load_yaml(path: Path) -> DictConfig:
+    """Load one YAML file as a DictConfig."""
+    cfg = OmegaConf.load(path)
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(str(path), "is not a mapping", "write it as `key: value` lines")
+    return cfg
+
+
+def available(group: str) -> list[str]:
+    """Names of the presets in ``conf/<group>/``."""
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def _load_named(group: str, name: Any, key: str) -> DictConfig:
+    path = CONF_DIR / group / f"{name}.yaml"
+    if not isinstance(name, str) or not path.is_file():
+        raise ConfigError(
+            key, f"unknown {group} preset {name!r}", f"use one of {available(group)} (files in conf/{group}/)"
+        )
+    return load_yaml(path)
+
+
+def compose(branch: str, params: DictConfig) -> DictConfig:
+    """Compose one branch: its preset's parts, the preset, then non-null params overrides."""
+    if branch not in params or not isinstance(params[branch], DictConfig):
+        raise ConfigError(branch, "missing section in params.yaml", f"restore the `{branch}:` section from git")
+    branch_params = params[branch]
+    preset = _load_named("preset", branch_params.get("preset"), f"{branch}.preset")
+    defaults = preset.pop("defaults", {})
+    parts = {}
+    for group in GROUPS:
+        name = branch_params.get(group) or defaults.get(group)
+        parts[group] = _load_named(group, name, f"{branch}.{group}")
+        parts[group].name = name
+    overrides = {k: v for k, v in OmegaConf.to_container(branch_params).items() if k not in BRANCH_KEYS}
+    cfg = OmegaConf.merge(OmegaConf.create(parts), preset, _drop_nulls(overrides))
+    if branch == "sft" and params.get("steps") is not None:
+        cfg.train_sft.steps = params.steps
+    cfg.branch = branch
+    validate(branch, cfg)
+    return cfg
+
+
+def _drop_nulls(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _drop_nulls(v) for k, v in tree.items() if v is not None and _drop_nulls(v) != {}}
+    return tree
+
+
+def _positive_int(cfg: DictConfig, key: str, fix: str, required: bool = True) -> None:
+    value = OmegaConf.select(cfg, key)
+    if value is None and not required:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(key, f"must be a positive integer, got {value!r}", fix)
+
+
+def validate(branch: str, cfg: DictConfig) -> None:
+    """Reject bad values early, naming the key and the fix."""
+    for section in ("model", "dataset"):
+        source = cfg[section].get("source")
+        kind = source.get("kind") if source else None
+        if kind not in ("hub", "local"):
+            raise ConfigError(f"{section}.source.kind", f"must be 'hub' or 'local', got {kind!r}",
+                              f"fix conf/{section}/{cfg[section].name}.yaml")
+        if kind == "hub":
+            revision = str(source.get("revision"))
+            if not re.fullmatch(r"[0-9a-f]{40}", revision):
+                raise ConfigError(f"{section}.source.revision", f"must be a 40-hex commit sha, got {revision!r}",
+                                  "pin the commit shown on the Hub's 'Files and versions' page")
+    if branch == "sft":
+        _positive_int(cfg, "train_sft.steps", "set e.g. `dvc exp run -S steps=200`")
+        _positive_int(cfg, "train_sft.per_device_batch_size", "set sft.train_sft.per_device_batch_size >= 1")
+        _positive_int(cfg, "train_sft.checkpoint_period", "set sft.train_sft.checkpoint_period >= 1")
+        _positive_int(cfg, "train_sft.max_target_length", "set sft.train_sft.max_target_length >= 16", False)
+    else:
+        for key in ("num_batches", "num_test_batches"):
+            _positive_int(cfg, f"train_rl.{key}", f"set rl.train_rl.{key} >= 1")
+        for key in ("num_generations", "batch_size", "max_prefill_predict_length", "max_target_length"):
+            _positive_int(cfg, f"train_rl.{key}", f"set rl.train_rl.{key} >= 1", False)
+        backend = OmegaConf.select(cfg, "train_rl.rollout_backend")
+        if backend not in ("cpu_jax", "vllm"):
+            raise ConfigError("rl.train_rl.rollout_backend", f"must be cpu_jax or vllm, got {backend!r}",
+                              "use vllm on a TPU VM, cpu_jax on a CPU")
+    dtype = OmegaConf.select(cfg, "to_huggingface.weight_dtype")
+    if dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"{branch}.to_huggingface.weight_dtype", f"must be float32 or bfloat16, got {dtype!r}",
+                          "set it to bfloat16 (the tutorial) or float32 (exact round trip)")
+
+
+def load_params(path: Path = ROOT / "params.yaml") -> DictConfig:
+    """Read params.yaml."""
+    if not path.is_file():
+        raise ConfigError("params.yaml", "not found", "run from the repository root, or restore it from git")
+    return load_yaml(path)
+
+
+def stage_view(cfg: DictConfig, stage: str) -> DictConfig:
+    """The part of a branch config that one stage reads."""
+    return OmegaConf.create({s: cfg[s] for s in STAGE_SECTIONS[stage] if s in cfg} | {"branch": cfg.branch})
+
+
+def resolved_path(branch: str, stage: str, root: Path = ROOT) -> Path:
+    """Where ``configure`` writes the view of ``stage`` in ``branch``."""
+    return root / "config" / branch / f"{stage}.yaml"
+
+
+def write_resolved(params: DictConfig, root: Path = ROOT) -> list[Path]:
+    """Compose every branch (all validation first), then write each stage's view atomically."""
+    composed = {branch: compose(branch, params) for branch in BRANCH_STAGES}
+    written = []
+    for branch, cfg in composed.items():
+        for stage in BRANCH_STAGES[branch]:
+            path = resolved_path(branch, stage, root)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            text = OmegaConf.to_yaml(stage_view(cfg, stage), sort_keys=True)
+            if path.is_file() and path.read_text() == text:
+                written.append(path)
+                continue
+            tmp = path.with_suffix(".yaml.partial")
+            tmp.write_text(text)
+            os.replace(tmp, path)
+            written.append(path)
+    return written
+
+
+def load_stage(branch: str, stage: str, root: Path = ROOT) -> DictConfig:
+    """Load the resolved view a stage reads (written by the ``configure`` stage)."""
+    path = resolved_path(branch, stage, root)
+    if not path.is_file():
+        raise ConfigError(str(path.relative_to(root)), "not found", "run `dvc repro configure` first")
+    cfg = load_yaml(path)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg

@@ -1,0 +1,127 @@
+"""Validate local dataset files (parquet or JSON lines) before a long job reads them.
+
+A bad row fails here, in seconds, with the file, row index, column and fix named, instead of
+deep inside a MaxText input pipeline on a billed TPU VM.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.json as pajson
+import pyarrow.parquet as pq
+
+from mtpipe.errors import ConfigError
+
+ROLES = ("system", "user", "assistant")
+_GSM8K_ANSWER = re.compile(r"####\s*-?[\d,]*\.?\d+\s*$")
+_BATCH_ROWS = 4096
+
+# A row check returns None when the value is fine, else what is wrong with it.
+RowCheck = Callable[[object], "str | None"]
+
+
+def check_chat_rows(files: Iterable[Path | str], column: str = "messages") -> dict[str, int]:
+    """Check that every row of ``column`` is a chat: [{role, content}, ...] with an assistant turn.
+
+    Returns the number of rows per file.
+    """
+    fix = (
+        f"make every {column!r} value a non-empty list of {{role: system|user|assistant, content: str}} "
+        "with at least one assistant turn (the UltraChat schema), or drop the row"
+    )
+    return {str(f): _check_file(Path(f), {column: (_chat_problem, fix)}) for f in _require(files)}
+
+
+def check_gsm8k_rows(files: Iterable[Path | str]) -> dict[str, int]:
+    """Check GSM8K rows: a ``question`` string and an ``answer`` string ending in ``#### <number>``.
+
+    Returns the number of rows per file.
+    """
+    checks = {
+        "question": (_text_problem, "give every row a non-empty question string"),
+        "answer": (_answer_problem, "end every answer with '#### <number>', as openai/gsm8k does"),
+    }
+    return {str(f): _check_file(Path(f), checks) for f in _require(files)}
+
+
+def _require(files: Iterable[Path | str]) -> list[Path | str]:
+    files = list(files)
+    if not files:
+        raise ConfigError("files", "no dataset file given", "check the dataset's allow_patterns or splits")
+    return files
+
+
+def _check_file(path: Path, checks: dict[str, tuple[RowCheck, str]]) -> int:
+    """Run each column's check over every row; raise a ConfigError at the first bad row."""
+    rows = 0
+    for batch in _batches(path, list(checks)):
+        values = {name: batch.column(name).to_pylist() for name in checks}
+        for offset in range(batch.num_rows):
+            for name, (check, fix) in checks.items():
+                if problem := check(values[name][offset]):
+                    raise ConfigError(f"{path} row {rows + offset} column {name!r}", problem, fix)
+        rows += batch.num_rows
+    return rows
+
+
+def _batches(path: Path, columns: list[str]) -> Iterator[pa.RecordBatch]:
+    if not path.is_file():
+        raise ConfigError(str(path), "dataset file does not exist", "rerun the hf_download stage")
+    if path.suffix == ".parquet":
+        parquet = pq.ParquetFile(path)
+        _require_columns(path, columns, parquet.schema_arrow.names)
+        yield from parquet.iter_batches(batch_size=_BATCH_ROWS, columns=columns)
+    elif path.suffix in (".json", ".jsonl"):
+        table = pajson.read_json(path)
+        _require_columns(path, columns, table.column_names)
+        yield from table.select(columns).to_batches(max_chunksize=_BATCH_ROWS)
+    else:
+        raise ConfigError(str(path), f"unsupported file type {path.suffix!r}", "use .parquet or .jsonl files")
+
+
+def _require_columns(path: Path, wanted: list[str], present: list[str]) -> None:
+    missing = [c for c in wanted if c not in present]
+    if missing:
+        raise ConfigError(
+            f"{path} column {missing[0]!r}",
+            f"the file has no such column (it has {present})",
+            "point the column setting at one of those columns, or fetch the dataset whose schema matches",
+        )
+
+
+def _chat_problem(value: object) -> str | None:
+    if not isinstance(value, list) or not value:
+        return f"expected a non-empty list of turns, got {_short(value)}"
+    for i, turn in enumerate(value):
+        if not isinstance(turn, dict):
+            return f"turn {i} is {_short(turn)}, not a {{role, content}} mapping"
+        if turn.get("role") not in ROLES:
+            return f"turn {i} has role {_short(turn.get('role'))}, expected one of {list(ROLES)}"
+        if not isinstance(turn.get("content"), str):
+            return f"turn {i} has content {_short(turn.get('content'))}, expected a string"
+    if not any(turn["role"] == "assistant" for turn in value):
+        return "no assistant turn, so there is nothing to train on"
+    return None
+
+
+def _text_problem(value: object) -> str | None:
+    if not isinstance(value, str) or not value.strip():
+        return f"expected a non-empty string, got {_short(value)}"
+    return None
+
+
+def _answer_problem(value: object) -> str | None:
+    if problem := _text_problem(value):
+        return problem
+    if not _GSM8K_ANSWER.search(value):  # type: ignore[arg-type]
+        return f"the answer does not end with '#### <number>': ...{value[-40:]!r}"  # type: ignore[index]
+    return None
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,212 @@
+"""Compute Engine VM + firewall lifecycle with google-cloud-compute.
+
+Every long-running call is waited on explicitly with Zone/GlobalOperationsClient.wait:
+`ExtendedOperation.result()` polls through a client that ignores `client_options` (and so would
+call the real Google endpoint from a test). `MTPIPE_COMPUTE_ENDPOINT` points every client at another
+endpoint (the loopback fake in tests); only then, and only without GOOGLE_APPLICATION_CREDENTIALS,
+anonymous credentials are used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import google.auth
+from google.api_core import exceptions as gexc
+from google.auth import exceptions as auth_exc
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import compute_v1
+
+ENDPOINT_ENV = "MTPIPE_COMPUTE_ENDPOINT"
+SCOPE = "https://www.googleapis.com/auth/cloud-platform"
+CREDENTIALS_FIX = (
+    "run `gcloud auth application-default login` (or point GOOGLE_APPLICATION_CREDENTIALS at a "
+    "service-account key file) and retry"
+)
+
+
+class GcpError(RuntimeError):
+    """A Compute Engine failure, worded for the user (what failed and how to fix it)."""
+
+
+@contextlib.contextmanager
+def explained(action: str) -> Iterator[None]:
+    """Turn google.auth / google.api_core errors raised while doing `action` into GcpError."""
+    try:
+        yield
+    except auth_exc.DefaultCredentialsError as e:
+        raise GcpError(f"{action}: no usable Google credentials ({e}); {CREDENTIALS_FIX}") from e
+    except auth_exc.RefreshError as e:
+        raise GcpError(
+            f"{action}: Google credentials expired or revoked ({e}); {CREDENTIALS_FIX}") from e
+    except gexc.Forbidden as e:
+        raise GcpError(
+            f"{action}: permission denied ({e.message}); grant roles/compute.admin (or "
+            "roles/compute.editor) and roles/iam.serviceAccountUser on the project") from e
+    except gexc.GoogleAPICallError as e:
+        raise GcpError(f"{action}: {e.code} {e.message}") from e
+
+
+def client_kwargs() -> dict[str, Any]:
+    """Credentials and endpoint shared by every Compute client."""
+    endpoint = os.environ.get(ENDPOINT_ENV)
+    with explained("loading Google credentials"):
+        if endpoint and not os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"):
+            credentials: Any = AnonymousCredentials()
+        else:
+            credentials, _ = google.auth.default(scopes=[SCOPE])
+    kwargs: dict[str, Any] = {"credentials": credentials}
+    if endpoint:
+        kwargs["client_options"] = {"api_endpoint": endpoint}
+    return kwargs
+
+
+def instance_body(cfg: Any, name: str, ssh_public_key: str, labels: dict[str, str]) -> dict:
+    """The instances.insert body: the tutorial's `gcloud compute instances create` flags + safety."""
+    scheduling: dict[str, Any] = {
+        "provisioning_model": "RESERVATION_BOUND",   # --provisioning-model
+        "instance_termination_action": "DELETE",     # --instance-termination-action
+        "on_host_maintenance": "TERMINATE",          # --maintenance-policy
+        "automatic_restart": False,
+    }
+    if cfg.max_run_duration_s:
+        scheduling["max_run_duration"] = {"seconds": int(cfg.max_run_duration_s)}
+    return {
+        "name": name,
+        "machine_type": f"zones/{cfg.zone}/machineTypes/{cfg.machine_type}",
+        "disks": [{
+            "boot": True,
+            "auto_delete": True,
+            "initialize_params": {
+                "source_image":
+                    f"projects/{cfg.image_project}/global/images/family/{cfg.image_family}",
+                "disk_size_gb": int(cfg.boot_disk_gb),
+            },
+        }],
+        "network_interfaces": [{
+            "network": f"global/networks/{cfg.network}",
+            "access_configs": [{"name": "External NAT", "type_": "ONE_TO_ONE_NAT"}],
+        }],
+        "tags": {"items": [name]},                   # --tags=NAME (the firewall rule's target)
+        "scheduling": scheduling,
+        "reservation_affinity": {                    # --reservation-affinity=specific
+            "consume_reservation_type": "SPECIFIC_RESERVATION",
+            "key": "compute.googleapis.com/reservation-name",
+            "values": [cfg.reservation],
+        },
+        "service_accounts": [{"email": cfg.service_account, "scopes": list(cfg.scopes)}],
+        "labels": labels,
+        "metadata": {"items": [{"key": "ssh-keys", "value": f"{cfg.ssh.user}:{ssh_public_key}"}]},
+    }
+
+
+def firewall_body(cfg: Any, name: str, firewall: str) -> dict:
+    """The tutorials' SSH rule: tcp:22 from the IAP range to VMs tagged with the VM's name."""
+    return {
+        "name": firewall,
+        "network": f"global/networks/{cfg.network}",
+        "direction": "INGRESS",
+        "allowed": [{"I_p_protocol": "tcp", "ports": ["22"]}],
+        "source_ranges": list(cfg.firewall.source_ranges),
+        "target_tags": [name],
+        "description": f"SSH to the mtpipe VM {name}",
+    }
+
+
+class Compute:
+    """The few Compute Engine calls the VM lifecycle needs, each waited on until DONE."""
+
+    def __init__(self, project: str, zone: str, timeout_s: float = 900) -> None:
+        kw = client_kwargs()
+        self.project, self.zone, self.timeout_s = project, zone, timeout_s
+        self.instances = compute_v1.InstancesClient(**kw)
+        self.firewalls = compute_v1.FirewallsClient(**kw)
+        self.zone_ops = compute_v1.ZoneOperationsClient(**kw)
+        self.global_ops = compute_v1.GlobalOperationsClient(**kw)
+
+    def get_instance(self, name: str) -> compute_v1.Instance | None:
+        with explained(f"reading VM {name}"):
+            try:
+                return self.instances.get(project=self.project, zone=self.zone, instance=name)
+            except gexc.NotFound:
+                return None
+
+    def create_instance(self, body: dict) -> compute_v1.Instance:
+        """Insert the VM and wait until the operation is DONE; return the instance."""
+        name = body["name"]
+        with explained(f"creating VM {name}"):
+            op = self.instances.insert(project=self.project, zone=self.zone,
+                                       instance_resource=compute_v1.Instance(body))
+            self._wait(op.name, f"creating VM {name}", zonal=True)
+        instance = self.get_instance(name)
+        if instance is None:
+            raise GcpError(f"VM {name} vanished right after it was created")
+        return instance
+
+    def delete_instance(self, name: str) -> bool:
+        """Delete the VM; False when it was already gone."""
+        with explained(f"deleting VM {name}"):
+            try:
+                op = self.instances.delete(project=self.project, zone=self.zone, instance=name)
+            except gexc.NotFound:
+                return False
+            self._wait(op.name, f"deleting VM {name}", zonal=True)
+        return True
+
+    def get_firewall(self, name: str) -> compute_v1.Firewall | None:
+        with explained(f"reading firewall rule {name}"):
+            try:
+                return self.firewalls.get(project=self.project, firewall=name)
+            except gexc.NotFound:
+                return None
+
+    def create_firewall(self, body: dict) -> bool:
+        """Create the rule; False when it already existed."""
+        with explained(f"creating firewall rule {body['name']}"):
+            try:
+                op = self.firewalls.insert(project=self.project,
+                                           firewall_resource=compute_v1.Firewall(body))
+            except gexc.Conflict:
+                return False
+            self._wait(op.name, f"creating firewall rule {body['name']}", zonal=False)
+        return True
+
+    def delete_firewall(self, name: str) -> bool:
+        """Delete the rule; False when it was already gone."""
+        with explained(f"deleting firewall rule {name}"):
+            try:
+                op = self.firewalls.delete(project=self.project, firewall=name)
+            except gexc.NotFound:
+                return False
+            self._wait(op.name, f"deleting firewall rule {name}", zonal=False)
+        return True
+
+    def _wait(self, operation: str, what: str, zonal: bool) -> None:
+        """Call operations.wait until DONE; raise GcpError with the operation's errors if any."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            if zonal:
+                op = self.zone_ops.wait(project=self.project, zone=self.zone, operation=operation)
+            else:
+                op = self.global_ops.wait(project=self.project, operation=operation)
+            if op.status == compute_v1.Operation.Status.DONE:
+                break
+            if time.monotonic() > deadline:
+                raise GcpError(f"{what}: operation {operation} not DONE after {self.timeout_s} s; "
+                               "check the Cloud console, then rerun")
+        errors = [f"{e.code}: {e.message}" for e in op.error.errors]
+        if errors:
+            raise GcpError(f"{what} failed: {'; '.join(errors)}")
+
+
+def external_ip(instance: compute_v1.Instance) -> str | None:
+    """The VM's external (NAT) address, if it has one yet."""
+    for nic in instance.network_interfaces:
+        for ac in nic.access_configs:
+            if ac.nat_i_p:
+                return ac.nat_i_p
+    return None

@@ -1,0 +1,195 @@
+"""Every patch MaxText 0.2.5 needs, in one place (see docs/maxtext-adapter.md).
+
+``mtpipe.launch`` calls :func:`apply` in the child process, before it runs the MaxText module.
+The same code serves the real checkpoints (google/gemma-3-4b-it, Llama 3.1 8B) and their tiny
+twins from ``mtpipe.embedded``: every patch is driven by the source checkpoint on disk.
+
+Patches, for ``maxtext.checkpoint_conversion.to_maxtext`` and ``.to_huggingface``:
+
+1. ``use_source_config`` (monkeypatch): ``HF_MODEL_CONFIGS[model_name]`` becomes the source's
+   ``config.json``. MaxText takes the architecture from that hard-coded table, so shrunk models
+   fail without it, and the 4B export got a wrong config.json (global rope theta 1e4, "gelu").
+2. ``use_checkpoint_tensor_names`` (monkeypatch, gemma3 only): MaxText's gemma3 mapping uses the
+   in-memory transformers names (``model.language_model.*``) while the files on the Hub use the
+   legacy names (``language_model.model.*``); the torch-free lazy loader reads the files, so the
+   mapping (and the export's names) follow the names found in the source checkpoint.
+3. ``copy_generation_config`` (post-processing, to_huggingface): MaxText writes no
+   ``generation_config.json``; without it the export does not stop at ``<end_of_turn>``/``<|eot_id|>``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+TO_MAXTEXT = "maxtext.checkpoint_conversion.to_maxtext"
+TO_HUGGINGFACE = "maxtext.checkpoint_conversion.to_huggingface"
+
+# transformers in-memory name prefix -> on-disk (legacy) prefix, for Gemma3ForConditionalGeneration.
+GEMMA3_LEGACY_PREFIXES = (
+    ("model.language_model.", "language_model.model."),
+    ("model.vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("lm_head.", "language_model.lm_head."),
+)
+
+_SECRET_KEYS = ("hf_access_token",)
+
+
+class AdapterError(ValueError):
+    """Bad launch arguments; the message names the key and the fix."""
+
+
+@dataclass(frozen=True)
+class ConversionArgs:
+    """The arguments of a conversion run that the patches depend on."""
+
+    model_name: str
+    hf_model_path: Path
+    output_dir: str | None
+    loads_file_names: bool  # False only for to_maxtext's eager "transformers" loader (renames in memory)
+
+
+def _arg_value(argv: list[str], key: str) -> str | None:
+    """Value of `key` given as `key=v`, `--key=v` or `--key v` (the last one wins, as in MaxText)."""
+    value = None
+    for i, arg in enumerate(argv):
+        for form in (f"{key}=", f"--{key}="):
+            if arg.startswith(form):
+                value = arg[len(form) :]
+        if arg == f"--{key}" and i + 1 < len(argv):
+            value = argv[i + 1]
+    return value
+
+
+def reject_secrets(argv: list[str]) -> None:
+    """Secrets belong in the environment (HF_TOKEN), never in argv (visible in `ps` and logs)."""
+    for key in _SECRET_KEYS:
+        if any(a.startswith((f"{key}=", f"--{key}")) for a in argv):
+            raise AdapterError(f"`{key}` must not be passed on the command line: export HF_TOKEN instead")
+
+
+def parse_conversion_args(module: str, argv: list[str]) -> ConversionArgs:
+    """Read model_name, --hf_model_path and the output directory; fail early on bad values."""
+    model_name = _arg_value(argv, "model_name")
+    if not model_name:
+        raise AdapterError(f"{module}: `model_name=` is required (e.g. model_name=gemma3-4b)")
+    path = _arg_value(argv, "hf_model_path")
+    if not path:
+        raise AdapterError(
+            f"{module}: `--hf_model_path=<dir>` is required: the local Hugging Face model directory "
+            "(from hf_download) whose config.json describes the model"
+        )
+    hf_dir = Path(path)
+    if not (hf_dir / "config.json").is_file():
+        raise AdapterError(f"{module}: --hf_model_path={path} has no config.json: pass the downloaded model directory")
+    eager = (_arg_value(argv, "lazy_load_tensors") or "true").lower() in ("false", "0", "no", "f", "n")
+    by_transformers = eager and _arg_value(argv, "eager_load_method") == "transformers"
+    return ConversionArgs(
+        model_name=model_name,
+        hf_model_path=hf_dir,
+        output_dir=_arg_value(argv, "base_output_directory"),
+        loads_file_names=not (module == TO_MAXTEXT and by_transformers),
+    )
+
+
+def _table_keys(model_name: str) -> list[str]:
+    """MaxText looks tables up by the given name and, for "-Instruct" names, by the base name."""
+    return sorted({model_name, model_name.replace("-Instruct", "")})
+
+
+def use_source_config(model_name: str, hf_dir: Path) -> None:
+    """Patch 1: MaxText's hard-coded HF config for `model_name` becomes the source's config.json."""
+    from transformers import AutoConfig
+
+    from maxtext.checkpoint_conversion.utils.hf_model_configs import HF_MODEL_CONFIGS
+
+    source = AutoConfig.from_pretrained(hf_dir)
+    for key in _table_keys(model_name):
+        HF_MODEL_CONFIGS[key] = source
+
+
+def checkpoint_tensor_names(hf_dir: Path) -> list[str]:
+    """Tensor names in the safetensors of `hf_dir` (index file or single file; [] if none)."""
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted(json.loads(index.read_text())["weight_map"])
+    single = hf_dir / "model.safetensors"
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(single), framework="np") as f:
+            return sorted(f.keys())
+    return []
+
+
+def to_legacy_gemma3_name(name: str) -> str:
+    """`model.language_model.layers.0...` -> `language_model.model.layers.0...` (Hub file names)."""
+    for new, legacy in GEMMA3_LEGACY_PREFIXES:
+        if name.startswith(new):
+            return legacy + name[len(new) :]
+    return name
+
+
+def _rename(value: Any, fn: Callable[[str], str]) -> Any:
+    """Apply `fn` to every name in a mapping value (str, nested lists/tuples of str, or None)."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, list):
+        return [_rename(v, fn) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_rename(v, fn) for v in value)
+    return value
+
+
+def use_checkpoint_tensor_names(model_name: str, hf_dir: Path) -> bool:
+    """Patch 2: for gemma3, map to the legacy on-disk names when the source files use them.
+
+    A directory without weights (e.g. tokenizer only) gets the Hub layout, the legacy names.
+    Returns whether the mapping was renamed.
+    """
+    from maxtext.checkpoint_conversion.utils import hf_shape, param_mapping
+
+    keys = [k for k in _table_keys(model_name) if param_mapping.PARAM_MAPPING.get(k) is param_mapping.GEMMA3_MAXTEXT_TO_HF_PARAM_MAPPING]
+    names = checkpoint_tensor_names(hf_dir)
+    if not keys or (names and not any(n.startswith("language_model.model.") for n in names)):
+        return False
+    for key in keys:
+        mapping_fn, shape_fn = param_mapping.PARAM_MAPPING[key], hf_shape.HF_SHAPE[key]
+
+        def legacy_mapping(*args, _fn=mapping_fn, **kwargs):
+            return {mt: _rename(hf, to_legacy_gemma3_name) for mt, hf in _fn(*args, **kwargs).items()}
+
+        def legacy_shapes(*args, _fn=shape_fn, **kwargs):
+            return {to_legacy_gemma3_name(hf): shape for hf, shape in _fn(*args, **kwargs).items()}
+
+        param_mapping.PARAM_MAPPING[key] = legacy_mapping
+        hf_shape.HF_SHAPE[key] = legacy_shapes
+    return True
+
+
+def copy_generation_config(hf_dir: Path, output_dir: str | None) -> None:
+    """Post-processing 3: give the export the source's generation_config.json (stop tokens)."""
+    src = hf_dir / "generation_config.json"
+    if not src.is_file() or not output_dir or "://" in output_dir:
+        return
+    dst = Path(output_dir) / "generation_config.json"
+    if Path(output_dir).is_dir() and not dst.exists():
+        shutil.copyfile(src, dst)
+
+
+def apply(module: str, argv: list[str]) -> Callable[[], None]:
+    """Patch MaxText for `module` run with `argv`; return the post-processing step to run on success."""
+    reject_secrets(argv)
+    if module not in (TO_MAXTEXT, TO_HUGGINGFACE):
+        return lambda: None
+    args = parse_conversion_args(module, argv)
+    use_source_config(args.model_name, args.hf_model_path)
+    if args.loads_file_names:
+        use_checkpoint_tensor_names(args.model_name, args.hf_model_path)
+    if module == TO_HUGGINGFACE:
+        return lambda: copy_generation_config(args.hf_model_path, args.output_dir)
+    return lambda: None

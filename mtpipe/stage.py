@@ -1,0 +1,98 @@
+"""What every stage script shares: paths, atomic outputs, input digests, metrics files.
+
+An output directory is written as ``<out>.partial`` and renamed into place only after the stage
+checked it, so an interrupted stage never leaves an output that DVC (or a later stage) would trust.
+Each output carries ``mtpipe.json``: the stage, and a digest of everything that produced it (the
+stage's resolved config and the digests of its inputs). Training derives its MaxText ``run_name``
+from that digest: identical inputs resume a killed run, changed inputs start clean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from mtpipe.config import ROOT
+
+WORK = ROOT / "work"                # untracked: MaxText run dirs (resume), logs, JAX compile cache
+JAX_CACHE = WORK / "jax_cache"
+STAMP = "mtpipe.json"
+
+
+def artifact(branch: str, name: str) -> Path:
+    """``artifacts/<branch>/<name>``: a DVC output of the pipeline."""
+    return ROOT / "artifacts" / branch / name
+
+
+def log_path(branch: str, stage: str) -> Path:
+    """Where a stage's full MaxText log goes."""
+    return WORK / "logs" / branch / f"{stage}.log"
+
+
+@contextlib.contextmanager
+def atomic_dir(out: Path) -> Iterator[Path]:
+    """Yield ``<out>.partial``; on success replace ``out`` with it, on failure remove it."""
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        yield partial
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(partial, out)
+
+
+def digest(cfg: DictConfig, *inputs: Path, content: str = "") -> str:
+    """sha256 of a resolved config, the digests stamped in its input directories, and ``content``."""
+    h = hashlib.sha256(OmegaConf.to_yaml(cfg, sort_keys=True).encode())
+    for path in inputs:
+        h.update(read_stamp(path)["digest"].encode())
+    h.update(content.encode())
+    return h.hexdigest()
+
+
+def read_stamp(out: Path) -> dict[str, Any]:
+    """The ``mtpipe.json`` of an output; fails if the producing stage did not finish."""
+    path = out / STAMP
+    if not path.is_file():
+        raise FileNotFoundError(f"{out} has no {STAMP}: its stage did not finish; run `dvc repro` for it")
+    return json.loads(path.read_text())
+
+
+def write_stamp(out: Path, stage: str, digest_hex: str, **extra: Any) -> None:
+    """Record what produced ``out``."""
+    (out / STAMP).write_text(json.dumps({"stage": stage, "digest": digest_hex, **extra}, indent=2) + "\n")
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write a metrics file (created with its directory)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+class Timer:
+    """Wall time of a stage, for its metrics."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+
+    def seconds(self) -> float:
+        return round(time.monotonic() - self.start, 1)
+
+
+def require(path: Path, what: str) -> Path:
+    """Fail loudly when a tool did not produce what it should have."""
+    if not path.exists():
+        raise RuntimeError(f"{what} missing: {path} (the MaxText command did not produce it)")
+    return path

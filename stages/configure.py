@@ -1,0 +1,23 @@
+"""Stage configure: compose params.yaml with conf/ presets, validate, write config/<branch>/<stage>.yaml.
+
+Every later stage reads only its own resolved file (and DVC hashes it), so a value reruns exactly
+the stages that read it. Bad values stop here, before any download, conversion or VM.
+Run: dvc repro configure   (or: python stages/configure.py)
+"""
+
+import sys
+
+from mtpipe.config import load_params, write_resolved
+from mtpipe.errors import ConfigError
+
+
+def main() -> None:
+    try:
+        for path in write_resolved(load_params()):
+            print(f"  {path.relative_to(path.parents[2])}")
+    except ConfigError as err:
+        sys.exit(f"configure: {err}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""Stage hf_download@<branch>: the model and the dataset at pinned revisions, into DVC outputs.
+
+Hub sources go through huggingface_hub (HF_TOKEN from the environment only); a local source (the
+embedded default) is copied. Dataset rows are checked here, so a malformed row stops the pipeline
+before any conversion or training starts. Writes artifacts/<branch>/source/{model,dataset}/ and a
+manifest (files, sizes, sha256, resolved revision) beside them.
+Run: dvc repro hf_download@sft   (or: python stages/hf_download.py sft)
+"""
+
+import json
+import sys
+
+from mtpipe import datasets_check, hub
+from mtpipe.config import load_stage
+from mtpipe.errors import ConfigError
+from mtpipe.stage import artifact, atomic_dir, digest, write_stamp
+
+
+def check_rows(cfg, files) -> int:
+    """Validate every row of the training files against the dataset's schema."""
+    if cfg.dataset.schema == "chat":
+        return datasets_check.check_chat_rows(files, column=cfg.dataset.columns[0])
+    return datasets_check.check_gsm8k_rows(files)
+
+
+def main(branch: str) -> None:
+    cfg = load_stage(branch, "hf_download")
+    with atomic_dir(artifact(branch, "source")) as out:
+        manifest = {
+            "model": hub.fetch_model(cfg.model.source, out / "model"),
+            "dataset": hub.fetch_dataset(cfg.dataset.source, out / "dataset"),
+        }
+        files = sorted((out / "dataset").glob(cfg.dataset.train_files))
+        if not files:
+            raise ConfigError("dataset.train_files", f"no downloaded file matches {cfg.dataset.train_files!r}",
+                              f"fix conf/dataset/{cfg.dataset.name}.yaml (train_files or allow_patterns)")
+        rows = check_rows(cfg, files)
+        text = json.dumps(manifest, indent=2, sort_keys=True)
+        (out / "manifest.json").write_text(text + "\n")
+        write_stamp(out, "hf_download", digest(cfg, content=text))
+        print(f"  model: {len(manifest['model']['files'])} files, dataset: {len(manifest['dataset']['files'])}"
+              f" files, training rows checked: {rows}")
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1])
+    except ConfigError as err:
+        sys.exit(f"hf_download: {err}")

@@ -1,0 +1,30 @@
+"""Stage to_huggingface@<branch>: export the trained params as a standard Hugging Face directory.
+
+Runs maxtext.checkpoint_conversion.to_huggingface (config.json, safetensors, the source's tokenizer
+files) and checks the result before it replaces artifacts/<branch>/hf/.
+Run: dvc repro to_huggingface@sft   (or: python stages/to_huggingface.py sft)
+"""
+
+import sys
+
+from mtpipe import commands, runner
+from mtpipe.config import load_stage
+from mtpipe.stage import ROOT, Timer, artifact, atomic_dir, digest, log_path, require, write_json, write_stamp
+
+
+def main(branch: str) -> None:
+    cfg, timer = load_stage(branch, "to_huggingface"), Timer()
+    trained, source = artifact(branch, "trained"), artifact(branch, "source")
+    with atomic_dir(artifact(branch, "hf")) as out:
+        cmd = commands.to_huggingface(cfg, params=trained / "model_params", hf_src_dir=source / "model", out_dir=out)
+        runner.run(cmd, log_path(branch, "to_huggingface"))
+        require(out / "config.json", "exported config.json")
+        if not list(out.glob("*.safetensors")):
+            raise RuntimeError(f"no *.safetensors in {out}: to_huggingface wrote no weights")
+        require(out / "tokenizer_config.json", "exported tokenizer")
+        write_stamp(out, "to_huggingface", digest(cfg, trained))
+    write_json(ROOT / "metrics" / branch / "to_huggingface.json", {"wall_s": timer.seconds()})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

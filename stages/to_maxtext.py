@@ -1,0 +1,27 @@
+"""Stage to_maxtext@<branch>: convert the downloaded HF checkpoint to MaxText format (scanned layers).
+
+Runs maxtext.checkpoint_conversion.to_maxtext on the host CPU, as the tutorial does, and checks that
+it wrote an orbax checkpoint at artifacts/<branch>/maxtext/0/items.
+Run: dvc repro to_maxtext@sft   (or: python stages/to_maxtext.py sft)
+"""
+
+import sys
+
+from mtpipe import commands, runner
+from mtpipe.config import load_stage
+from mtpipe.stage import ROOT, Timer, artifact, atomic_dir, digest, log_path, require, write_json, write_stamp
+
+
+def main(branch: str) -> None:
+    cfg, timer = load_stage(branch, "to_maxtext"), Timer()
+    source = artifact(branch, "source")
+    with atomic_dir(artifact(branch, "maxtext")) as out:
+        cmd = commands.to_maxtext(cfg, hf_dir=source / "model", out_dir=out)
+        runner.run(cmd, log_path(branch, "to_maxtext"))
+        require(out / "0" / "items", "MaxText checkpoint 0/items")
+        write_stamp(out, "to_maxtext", digest(cfg, source))
+    write_json(ROOT / "metrics" / branch / "to_maxtext.json", {"wall_s": timer.seconds()})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

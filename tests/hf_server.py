@@ -1,0 +1,198 @@
+"""A Hugging Face Hub stand-in for tests: serves repos from a directory on 127.0.0.1.
+
+Layout: ``root/{models,datasets}/<repo_id>/<commit sha>/<files>`` plus ``refs/<branch>`` files that
+hold a commit sha; :func:`publish` writes one commit. The server speaks the subset of the Hub API
+that ``huggingface_hub`` 1.x uses for ``snapshot_download`` and ``repo_info``:
+
+* ``GET /api/{models,datasets}/<repo>/revision/<rev>``: repo info (``sha``, ``siblings``)
+* ``GET /api/{models,datasets}/<repo>/tree/<rev>[/<dir>]?recursive=``: file listing, LFS metadata
+* ``HEAD|GET /<repo>/resolve/<rev>/<path>``, ``/datasets/<repo>/resolve/<rev>/<path>``: files with
+  ``X-Repo-Commit``, ``ETag`` and, for LFS files, ``X-Linked-Etag`` / ``X-Linked-Size``
+
+Errors carry the Hub's ``X-Error-Code`` (RepoNotFound, RevisionNotFound, EntryNotFound, GatedRepo).
+A gated repo answers 401 without ``Authorization: Bearer <token>`` and 403 with a wrong token.
+Every request is recorded (method, path, whether it carried an Authorization header; never its value).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, unquote, urlsplit
+
+LFS_SUFFIXES = (".safetensors", ".parquet", ".bin", ".model")  # stored in LFS, like the Hub's .gitattributes
+_API = re.compile(r"/api/(models|datasets)/(.+?)/(revision|tree)/([^/]+)(?:/(.*))?")
+_RESOLVE = re.compile(r"/(datasets/)?(.+?)/resolve/([^/]+)/(.+)")
+_SHA = re.compile(r"[0-9a-f]{40}")
+
+
+def publish(root: Path, repo_id: str, files: dict[str, bytes], repo_type: str = "model", branch: str = "main") -> str:
+    """Write one commit of ``repo_id`` under ``root``, point ``branch`` at it, return its sha."""
+    digest = hashlib.sha1(repo_id.encode())
+    for path in sorted(files):
+        digest.update(path.encode() + b"\0" + hashlib.sha256(files[path]).digest())
+    sha = digest.hexdigest()
+    repo = root / f"{repo_type}s" / repo_id
+    for path, data in files.items():
+        (repo / sha / path).parent.mkdir(parents=True, exist_ok=True)
+        (repo / sha / path).write_bytes(data)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / branch).write_text(sha)
+    return sha
+
+
+def git_blob_sha1(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+@dataclass(frozen=True)
+class Request:
+    method: str
+    path: str
+    authorized: bool  # an Authorization header was present
+
+
+@dataclass
+class HubServer:
+    """Threaded Hub-compatible server; use as a context manager, read ``url`` and ``requests``."""
+
+    root: Path
+    gated: dict[str, str] = field(default_factory=dict)  # repo_id -> the one token that has access
+    corrupt: set[str] = field(default_factory=set)  # file paths served with flipped bytes (same size)
+    requests: list[Request] = field(default_factory=list)
+
+    def __enter__(self) -> HubServer:
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join()
+
+    @property
+    def url(self) -> str:
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+
+class _HubError(Exception):
+    def __init__(self, status: int, code: str, message: str, commit: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.commit = status, code, message, commit
+
+
+def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self._serve(body=True)
+
+        def do_HEAD(self) -> None:
+            self._serve(body=False)
+
+        def log_message(self, format: str, *args: object) -> None:  # keep test output quiet
+            pass
+
+        def _serve(self, body: bool) -> None:
+            url = urlsplit(self.path)
+            path = unquote(url.path)
+            hub.requests.append(Request(self.command, self.path, "Authorization" in self.headers))
+            try:
+                if m := _API.fullmatch(url.path):
+                    kind, repo_id, endpoint, rev = m[1], m[2], m[3], unquote(m[4])
+                    repo, sha = self._open(kind, repo_id, rev)
+                    if endpoint == "revision":
+                        data = _info(repo_id, sha, repo / sha)
+                    else:
+                        if not (repo / sha / unquote(m[5] or "")).is_dir():
+                            raise _HubError(404, "EntryNotFound", f"no folder {m[5]} at {sha}", commit=sha)
+                        recursive = parse_qs(url.query).get("recursive", ["false"])[0].lower() == "true"
+                        data = _tree(repo / sha, unquote(m[5] or ""), recursive)
+                    self._send(200, json.dumps(data).encode(), {"Content-Type": "application/json"}, body)
+                elif m := _RESOLVE.fullmatch(url.path):
+                    kind = "datasets" if m[1] else "models"
+                    repo, sha = self._open(kind, m[2], unquote(m[3]))
+                    self._file(repo / sha, unquote(m[4]), sha, body)
+                else:
+                    raise _HubError(404, "RepoNotFound", f"no route for {path}")
+            except _HubError as err:
+                headers = {"X-Error-Code": err.code, "X-Error-Message": err.message}
+                if err.commit:
+                    headers["X-Repo-Commit"] = err.commit
+                data = json.dumps({"error": err.message}).encode()
+                self._send(err.status, data, {**headers, "Content-Type": "application/json"}, body)
+
+        def _open(self, kind: str, repo_id: str, rev: str) -> tuple[Path, str]:
+            """Find the repo directory and the commit sha of ``rev``, enforcing gating."""
+            repo = hub.root / kind / repo_id
+            if not (repo / "refs").is_dir():
+                raise _HubError(404, "RepoNotFound", f"Repository {repo_id} not found")
+            if repo_id in hub.gated:
+                auth = self.headers.get("Authorization")
+                what = f"Access to {kind[:-1]} {repo_id} is restricted"
+                if auth is None:
+                    raise _HubError(401, "GatedRepo", f"{what}. You must be authenticated to access it.")
+                if auth != f"Bearer {hub.gated[repo_id]}":
+                    raise _HubError(403, "GatedRepo", f"{what} and you are not in the authorized list.")
+            ref = repo / "refs" / rev
+            sha = ref.read_text() if not _SHA.fullmatch(rev) and ref.is_file() else rev
+            if not _SHA.fullmatch(sha) or not (repo / sha).is_dir():
+                raise _HubError(404, "RevisionNotFound", f"Invalid rev id: {rev}")
+            return repo, sha
+
+        def _file(self, snapshot: Path, rel: str, sha: str, body: bool) -> None:
+            target = snapshot / rel
+            if not target.is_file() or not target.resolve().is_relative_to(snapshot.resolve()):
+                raise _HubError(404, "EntryNotFound", f"{rel} does not exist at {sha}", commit=sha)
+            data = target.read_bytes()
+            headers = {"X-Repo-Commit": sha, "Content-Type": "application/octet-stream"}
+            if rel.endswith(LFS_SUFFIXES):
+                digest = hashlib.sha256(data).hexdigest()
+                headers |= {"ETag": f'"{digest}"', "X-Linked-Etag": f'"{digest}"', "X-Linked-Size": str(len(data))}
+            else:
+                headers["ETag"] = f'"{git_blob_sha1(data)}"'
+            if rel in hub.corrupt:
+                data = bytes(b ^ 0xFF for b in data)
+            self._send(200, data, headers, body)
+
+        def _send(self, status: int, data: bytes, headers: dict[str, str], body: bool) -> None:
+            self.send_response(status)
+            for name, value in {**headers, "Content-Length": str(len(data))}.items():
+                self.send_header(name, value)
+            self.end_headers()
+            if body:
+                self.wfile.write(data)
+
+    return Handler
+
+
+def _info(repo_id: str, sha: str, snapshot: Path) -> dict:
+    files = sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file())
+    return {"id": repo_id, "sha": sha, "private": False, "siblings": [{"rfilename": f} for f in files]}
+
+
+def _tree(snapshot: Path, folder: str, recursive: bool) -> list[dict]:
+    """Entries as the Hub lists them: files with git oid and LFS metadata, and directories."""
+    base = snapshot / folder
+    entries = []
+    for p in sorted(base.rglob("*") if recursive else base.iterdir()):
+        rel = p.relative_to(snapshot).as_posix()
+        if p.is_dir():
+            entries.append({"type": "directory", "oid": hashlib.sha1(rel.encode()).hexdigest(), "size": 0, "path": rel})
+            continue
+        data = p.read_bytes()
+        entry = {"type": "file", "oid": git_blob_sha1(data), "size": len(data), "path": rel}
+        if rel.endswith(LFS_SUFFIXES):
+            digest = hashlib.sha256(data).hexdigest()
+            pointer = f"version https://git-lfs.github.com/spec/v1\noid sha256:{digest}\nsize {len(data)}\n".encode()
+            entry |= {"oid": git_blob_sha1(pointer), "lfs": {"oid": digest, "size": len(data), "pointerSize": len(pointer)}}
+        entries.append(entry)
+    return entries
