@@ -136,6 +136,8 @@ def to_huggingface(cfg: DictConfig, *, params: Path, hf_src_dir: Path, out_dir: 
         f"scan_layers={opts.scan_layers}",
         f"use_multimodal={opts.use_multimodal}",
         f"weight_dtype={opts.weight_dtype}",
+        "hardware=cpu",
+        "skip_jax_distributed_system=true",
         f"--hf_model_path={hf_src_dir}",
         *kv(cfg.model.maxtext_overrides),
     ]

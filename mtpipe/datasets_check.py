@@ -24,28 +24,28 @@ _BATCH_ROWS = 4096
 RowCheck = Callable[[object], "str | None"]
 
 
-def check_chat_rows(files: Iterable[Path | str], column: str = "messages") -> dict[str, int]:
+def check_chat_rows(files: Iterable[Path | str], column: str = "messages") -> int:
     """Check that every row of ``column`` is a chat: [{role, content}, ...] with an assistant turn.
 
-    Returns the number of rows per file.
+    Returns the number of rows checked.
     """
     fix = (
         f"make every {column!r} value a non-empty list of {{role: system|user|assistant, content: str}} "
         "with at least one assistant turn (the UltraChat schema), or drop the row"
     )
-    return {str(f): _check_file(Path(f), {column: (_chat_problem, fix)}) for f in _require(files)}
+    return sum(_check_file(Path(f), {column: (_chat_problem, fix)}) for f in _require(files))
 
 
-def check_gsm8k_rows(files: Iterable[Path | str]) -> dict[str, int]:
+def check_gsm8k_rows(files: Iterable[Path | str]) -> int:
     """Check GSM8K rows: a ``question`` string and an ``answer`` string ending in ``#### <number>``.
 
-    Returns the number of rows per file.
+    Returns the number of rows checked.
     """
     checks = {
         "question": (_text_problem, "give every row a non-empty question string"),
         "answer": (_answer_problem, "end every answer with '#### <number>', as openai/gsm8k does"),
     }
-    return {str(f): _check_file(Path(f), checks) for f in _require(files)}
+    return sum(_check_file(Path(f), checks) for f in _require(files))
 
 
 def _require(files: Iterable[Path | str]) -> list[Path | str]:

@@ -43,24 +43,23 @@ _HF_CACHE = Path(".cache") / "huggingface"  # metadata that snapshot_download(lo
 
 def fetch_model(source: Mapping, dest: Path) -> dict:
     """Fetch a model (config, safetensors, tokenizer files) into ``dest``; return its manifest."""
-    return _fetch(source, Path(dest), "model", _patterns(source, MODEL_PATTERNS))
+    return _fetch(source, Path(dest), "model", _patterns(source, MODEL_PATTERNS, "model"))
 
 
 def fetch_dataset(source: Mapping, dest: Path) -> dict:
     """Fetch the split files of a dataset into ``dest``; return its manifest."""
-    return _fetch(source, Path(dest), "dataset", _patterns(source, _split_patterns(source)))
+    default = () if source.get("allow_patterns") else _split_patterns(source)
+    return _fetch(source, Path(dest), "dataset", _patterns(source, default, "dataset"))
 
 
 def _split_patterns(source: Mapping) -> list[str]:
     """Patterns for the files of the given splits: ``[subset/]split-*.parquet``, ``split.jsonl``, ..."""
-    if source.get("allow_patterns"):
-        return []
     splits = source.get("splits")
     if isinstance(splits, str):
         splits = [splits]
     if not splits:
         raise ConfigError(
-            "splits",
+            _key("dataset", "splits"),
             "the dataset source names neither splits nor allow_patterns, so which files to fetch is unknown",
             "set splits: [train_sft] (and subset: <config> for multi-config repos such as openai/gsm8k) "
             "or allow_patterns: ['data/train_sft-*.parquet']",
@@ -70,11 +69,13 @@ def _split_patterns(source: Mapping) -> list[str]:
     return [p for split in splits for p in (f"{parent}{split}[-.]*", f"*/{parent}{split}[-.]*")]
 
 
-def _patterns(source: Mapping, default: Sequence[str]) -> list[str]:
+def _patterns(source: Mapping, default: Sequence[str], repo_type: str) -> list[str]:
     patterns = source.get("allow_patterns") or default
     patterns = [patterns] if isinstance(patterns, str) else list(patterns)
     if not all(isinstance(p, str) and p for p in patterns):
-        raise ConfigError("allow_patterns", f"{patterns!r} is not a list of glob strings", "write e.g. ['*.json']")
+        raise ConfigError(
+            _key(repo_type, "allow_patterns"), f"{patterns!r} is not a list of glob strings", "write e.g. ['*.json']"
+        )
     return patterns
 
 
@@ -86,12 +87,14 @@ def _fetch(source: Mapping, dest: Path, repo_type: str, patterns: list[str]) -> 
         manifest = {"kind": "hub", "repo_type": repo_type, "repo_id": repo_id, "revision": revision}
         files = _download(repo_id, revision, repo_type, patterns, partial)
     elif kind == "local":
-        src = _local_source(source)
+        src = _local_source(source, repo_type)
         manifest = {"kind": "local", "repo_type": repo_type, "path": str(src), "revision": None}
-        files = _copy(src, patterns, partial)
+        files = _copy(src, patterns, partial, repo_type)
     else:
         raise ConfigError(
-            "kind", f"{kind!r} is not a source kind", "use kind: hub (a Hub repo at a commit sha) or kind: local"
+            _key(repo_type, "kind"),
+            f"{kind!r} is not a source kind",
+            "use kind: hub (a Hub repo at a commit sha) or kind: local",
         )
     shutil.rmtree(partial / _HF_CACHE, ignore_errors=True)
     if (partial / ".cache").is_dir() and not any((partial / ".cache").iterdir()):
@@ -108,22 +111,22 @@ def _fetch(source: Mapping, dest: Path, repo_type: str, patterns: list[str]) -> 
 def _hub_source(source: Mapping, repo_type: str) -> tuple[str, str]:
     repo_id = source.get("repo_id")
     if not isinstance(repo_id, str) or not repo_id:
-        raise ConfigError("repo_id", "missing for a kind: hub source", "set repo_id: <org>/<name>")
+        raise ConfigError(_key(repo_type, "repo_id"), "missing for a kind: hub source", "set repo_id: <org>/<name>")
     revision = source.get("revision")
     if not isinstance(revision, str) or not _COMMIT_SHA.fullmatch(revision):
         raise ConfigError(
-            "revision",
+            _key(repo_type, "revision"),
             f"{revision!r} is not a 40-character commit sha, and branch or tag names move",
             f"pin a full commit sha of {repo_id}, listed at {_repo_url(repo_id, repo_type)}/commits/main",
         )
     return repo_id, revision
 
 
-def _local_source(source: Mapping) -> Path:
+def _local_source(source: Mapping, repo_type: str) -> Path:
     path = source.get("path")
     if not path or not Path(path).is_dir():
         raise ConfigError(
-            "path",
+            _key(repo_type, "path"),
             f"local source directory {path!r} does not exist",
             "run `dvc repro make_embedded` to build the embedded default, or point path at an existing directory",
         )
@@ -145,7 +148,7 @@ def _download(repo_id: str, revision: str, repo_type: str, patterns: list[str], 
         wanted = set(filter_repo_objects(listing, allow_patterns=patterns))
         if not wanted:
             raise ConfigError(
-                "allow_patterns",
+                _key(repo_type, "allow_patterns"),
                 f"no file of {repo_id}@{revision} matches {patterns}",
                 f"choose patterns from the file list at {_repo_url(repo_id, repo_type)}/tree/{revision}",
             )
@@ -167,7 +170,7 @@ def _download(repo_id: str, revision: str, repo_type: str, patterns: list[str], 
     if bad:
         shutil.rmtree(partial)
         raise ConfigError(
-            "revision",
+            _key(repo_type, "revision"),
             f"{len(bad)} downloaded file(s) of {repo_id}@{revision} differ from the Hub listing: {bad[:3]}",
             "rerun the stage (the partial download was removed); if it repeats, check HF_ENDPOINT and any proxy",
         )
@@ -181,11 +184,13 @@ def _matches(remote: RepoFile, size: int, sha256: str, git_sha1: str) -> bool:
     return remote.size == size and remote.blob_id == git_sha1
 
 
-def _copy(src: Path, patterns: list[str], partial: Path) -> dict:
+def _copy(src: Path, patterns: list[str], partial: Path, repo_type: str) -> dict:
     shutil.rmtree(partial, ignore_errors=True)
     chosen = list(filter_repo_objects(_files(src), allow_patterns=patterns))
     if not chosen:
-        raise ConfigError("allow_patterns", f"no file in {src} matches {patterns}", f"list {src} and fix the patterns")
+        raise ConfigError(
+            _key(repo_type, "allow_patterns"), f"no file in {src} matches {patterns}", f"list {src}, fix the patterns"
+        )
     for rel in chosen:
         (partial / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src / rel, partial / rel)
@@ -212,6 +217,11 @@ def _hash_file(path: Path) -> tuple[int, str, str]:
     return size, sha256.hexdigest(), git_sha1.hexdigest()
 
 
+def _key(repo_type: str, name: str) -> str:
+    """The config key of a source setting, e.g. ``model.source.revision``."""
+    return f"{repo_type}.source.{name}"
+
+
 def _endpoint() -> str:
     return os.environ.get("HF_ENDPOINT", DEFAULT_ENDPOINT).rstrip("/")
 
@@ -228,7 +238,9 @@ def _hub_errors(repo_id: str, revision: str, repo_type: str) -> Iterator[None]:
         yield
     except RevisionNotFoundError as err:
         raise ConfigError(
-            "revision", f"{revision} is not a commit of {repo_id}", f"copy a commit sha from {url}/commits/main"
+            _key(repo_type, "revision"),
+            f"{revision} is not a commit of {repo_id}",
+            f"copy a commit sha from {url}/commits/main",
         ) from err
     except HfHubHTTPError as err:
         status = err.response.status_code if err.response is not None else None
@@ -247,11 +259,11 @@ def _hub_errors(repo_id: str, revision: str, repo_type: str) -> Iterator[None]:
             ) from err
         if isinstance(err, RepositoryNotFoundError):
             raise ConfigError(
-                "repo_id", f"{repo_type} repo {repo_id} does not exist on {_endpoint()}", "check the spelling"
+                _key(repo_type, "repo_id"),
+                f"{repo_type} repo {repo_id} does not exist on {_endpoint()}",
+                "check the spelling",
             ) from err
-        raise ConfigError(
-            "HF_ENDPOINT", f"{_endpoint()} answered HTTP {status} for {repo_id}", "retry later"
-        ) from err
+        raise ConfigError("HF_ENDPOINT", f"{_endpoint()} answered HTTP {status} for {repo_id}", "retry later") from err
     except (httpx.TransportError, OfflineModeIsEnabled) as err:
         raise ConfigError(
             "HF_ENDPOINT",

@@ -43,7 +43,7 @@ def summarize_sft(rows: list[dict]) -> dict:
     evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
     tps = sorted(r["tokens_per_s"] for r in rows[1:] if "tokens_per_s" in r)
     return {
-        "steps": rows[-1]["step"] + 1,
+        "steps": rows[-1]["step"],
         "loss_first": rows[0]["loss"],
         "loss_last": rows[-1]["loss"],
         "loss_first5_mean": round(sum(r["loss"] for r in head) / len(head), 5),

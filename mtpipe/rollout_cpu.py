@@ -33,6 +33,7 @@ import traceback
 import types
 from typing import Any, NoReturn, Optional, Sequence, Tuple
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -158,6 +159,10 @@ class CpuJaxRollout(base_rollout.BaseRollout):
         top_p=rollout_config.top_p,
       )
     self.last_generate_seconds = time.perf_counter() - start
+    logging.info(
+        "cpu_jax rollout: %d prompts, prompt length %d, %d new tokens max, %.2f s",
+        len(prompts), prompt_len, rollout_config.max_tokens_to_generate, self.last_generate_seconds,
+    )
     return base_rollout.RolloutOutput(
         text=[self._tokenizer.decode(t.tolist()) for t in tokens],
         logits=None,
@@ -223,10 +228,7 @@ class CpuJaxRollout(base_rollout.BaseRollout):
     for i in range(max_new_tokens):
       key, sub = jax.random.split(key)
       step = prompt_len + i
-      tok, lp = _decode_step(
-        graphdef, state, buffer, step, sub,
-        temperature=float(temperature), top_k=top_k, top_p=top_p, pad_id=pad, forbid_pad=forbid_pad,
-      )
+      tok, lp = step_fn(state, buffer, step, sub)
       tok = np.where(done, pad, np.asarray(tok))
       out[:, i] = tok
       out_logprobs[:, i] = np.asarray(lp)

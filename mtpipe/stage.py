@@ -39,15 +39,21 @@ def log_path(branch: str, stage: str) -> Path:
 
 
 @contextlib.contextmanager
-def atomic_dir(out: Path) -> Iterator[Path]:
-    """Yield ``<out>.partial``; on success replace ``out`` with it, on failure remove it."""
+def atomic_dir(out: Path, resume: bool = False) -> Iterator[Path]:
+    """Yield ``<out>.partial``; on success replace ``out`` with it.
+
+    On failure the partial directory is removed, unless ``resume`` (a download that verifies every
+    file it keeps) asks to pick it up again on the next run.
+    """
     partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    if not resume:
+        shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True, exist_ok=True)
     try:
         yield partial
     except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
+        if not resume:
+            shutil.rmtree(partial, ignore_errors=True)
         raise
     shutil.rmtree(out, ignore_errors=True)
     os.replace(partial, out)

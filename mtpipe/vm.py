@@ -9,6 +9,7 @@ shell builtin `read`, so they never appear in argv, metadata, logs or files.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import getpass
 import hashlib
 import io
@@ -64,10 +65,15 @@ def load_config(params: dict[str, Any] | None = None, state: dict | None = None)
         if not cfg[key] and state and state.get(key):
             cfg[key] = state[key]
     if not cfg.name:
-        cfg.name = "mtpipe-" + re.sub(r"[^a-z0-9-]", "-", getpass.getuser().lower())[:40]
+        cfg.name = "mtpipe-" + label_value(getpass.getuser()).replace("_", "-")[:40]
     if not cfg.firewall.name:
         cfg.firewall.name = f"{cfg.name}-ssh"
     return cfg
+
+
+def label_value(text: str) -> str:
+    """A Compute label value: lowercase letters, digits, dashes and underscores, 63 at most."""
+    return re.sub(r"[^a-z0-9_-]", "-", text.lower())[:63]
 
 
 def require(cfg: DictConfig, *keys: str) -> None:
@@ -163,8 +169,10 @@ class Remote:
 
 
 async def _pump(stream: asyncssh.SSHReader, sink: Any) -> None:
+    """Copy remote output to a local text stream as it arrives (doit may have replaced it)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     while chunk := await stream.read(65536):
-        sink.write(chunk)
+        sink.write(decoder.decode(chunk))
         sink.flush()
 
 
@@ -180,11 +188,11 @@ async def _run(remote: Remote, command: str, stdin: bytes, stream: bool) -> tupl
         proc.stdin.write(stdin)
         proc.stdin.write_eof()
         if stream:
-            await asyncio.gather(_pump(proc.stdout, sys.stdout.buffer),
-                                 _pump(proc.stderr, sys.stderr.buffer))
+            await asyncio.gather(_pump(proc.stdout, sys.stdout),
+                                 _pump(proc.stderr, sys.stderr))
             out = b""
         else:
-            out, _ = await asyncio.gather(proc.stdout.read(), _pump(proc.stderr, sys.stderr.buffer))
+            out, _ = await asyncio.gather(proc.stdout.read(), _pump(proc.stderr, sys.stderr))
         result = await proc.wait()
         return (result.exit_status if result.exit_status is not None else 255), out
 

@@ -2,7 +2,7 @@
 
 Every later stage reads only its own resolved file (and DVC hashes it), so a value reruns exactly
 the stages that read it. Bad values stop here, before any download, conversion or VM.
-Run: dvc repro configure   (or: python stages/configure.py)
+Run: dvc repro configure   (or: python -m stages.configure)
 """
 
 import sys

@@ -4,11 +4,14 @@ Hub sources go through huggingface_hub (HF_TOKEN from the environment only); a l
 embedded default) is copied. Dataset rows are checked here, so a malformed row stops the pipeline
 before any conversion or training starts. Writes artifacts/<branch>/source/{model,dataset}/ and a
 manifest (files, sizes, sha256, resolved revision) beside them.
-Run: dvc repro hf_download@sft   (or: python stages/hf_download.py sft)
+Run: dvc repro hf_download@sft   (or: python -m stages.hf_download sft)
 """
 
 import json
+import os
 import sys
+
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")  # before huggingface_hub is imported
 
 from mtpipe import datasets_check, hub
 from mtpipe.config import load_stage
@@ -25,7 +28,7 @@ def check_rows(cfg, files) -> int:
 
 def main(branch: str) -> None:
     cfg = load_stage(branch, "hf_download")
-    with atomic_dir(artifact(branch, "source")) as out:
+    with atomic_dir(artifact(branch, "source"), resume=True) as out:
         manifest = {
             "model": hub.fetch_model(cfg.model.source, out / "model"),
             "dataset": hub.fetch_dataset(cfg.dataset.source, out / "dataset"),

@@ -2,7 +2,7 @@
 
 Runs maxtext.checkpoint_conversion.to_huggingface (config.json, safetensors, the source's tokenizer
 files) and checks the result before it replaces artifacts/<branch>/hf/.
-Run: dvc repro to_huggingface@sft   (or: python stages/to_huggingface.py sft)
+Run: dvc repro to_huggingface@sft   (or: python -m stages.to_huggingface sft)
 """
 
 import sys

@@ -2,7 +2,7 @@
 
 Runs maxtext.checkpoint_conversion.to_maxtext on the host CPU, as the tutorial does, and checks that
 it wrote an orbax checkpoint at artifacts/<branch>/maxtext/0/items.
-Run: dvc repro to_maxtext@sft   (or: python stages/to_maxtext.py sft)
+Run: dvc repro to_maxtext@sft   (or: python -m stages.to_maxtext sft)
 """
 
 import sys

@@ -5,7 +5,7 @@ converted checkpoint, the data), and its run directory lives in work/ where DVC 
 a killed run with identical inputs resumes from its last checkpoint, changed inputs start clean.
 On success the final model_params move into artifacts/sft/trained/ and the run directory goes.
 Writes metrics/sft/train_sft.json (DVC metrics) and plots/sft/loss.csv (DVC plot).
-Run: dvc repro train_sft   (or: python stages/train_sft.py)
+Run: dvc repro train_sft   (or: python -m stages.train_sft)
 """
 
 import os

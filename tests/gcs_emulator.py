@@ -154,7 +154,7 @@ def _serve(data_dir: str, bucket: str) -> None:
 
     from gcp_storage_emulator.server import create_server
 
-    pass  # patch_emulator()
+    patch_emulator()
     server = create_server("127.0.0.1", 0, default_bucket=bucket, data_dir=data_dir)
     server.start()
     print(f"PORT {server._api._httpd.server_address[1]}", flush=True)

@@ -69,7 +69,7 @@ class HubServer:
     def __enter__(self) -> HubServer:
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.05,), daemon=True)
         self._thread.start()
         return self
 
@@ -193,6 +193,9 @@ def _tree(snapshot: Path, folder: str, recursive: bool) -> list[dict]:
         if rel.endswith(LFS_SUFFIXES):
             digest = hashlib.sha256(data).hexdigest()
             pointer = f"version https://git-lfs.github.com/spec/v1\noid sha256:{digest}\nsize {len(data)}\n".encode()
-            entry |= {"oid": git_blob_sha1(pointer), "lfs": {"oid": digest, "size": len(data), "pointerSize": len(pointer)}}
+            entry |= {
+                "oid": git_blob_sha1(pointer),
+                "lfs": {"oid": digest, "size": len(data), "pointerSize": len(pointer)},
+            }
         entries.append(entry)
     return entries

@@ -6,11 +6,12 @@
 `.../checkpoints/<step>/model_params`. `overrides` are extra MaxText `key=value` settings, e.g. the
 shrunk dims of a tiny model (`override_model_config=true base_emb_dim=64 ...`).
 
-The child builds the model the way MaxText's own logit checker does (tests/utils/
-forward_pass_logit_checker.py upstream, Linen path): `pyconfig.initialize`, `transformer_as_linen`,
-`maxtext_utils.setup_decode_state` (which reads the checkpoint with `checkpointing.load_params_from_path`),
-then `model.apply(params, ids, positions, segment_ids)`. It runs in float32 with the highest matmul
-precision and plain dot-product attention, so only MaxText's deliberate roundings remain.
+The child builds the model the way MaxText's own logit checker does on its NNX path (tests/utils/
+forward_pass_logit_checker.py upstream): `pyconfig.initialize`, then
+`model_creation_utils.from_pretrained` (the loader the SFT trainer uses too; it reads both the
+converter's Linen layout and the trainer's NNX `model_params`), then
+`model(decoder_input_tokens, decoder_positions, decoder_segment_ids)`. It runs in float32 with the
+highest matmul precision and plain dot-product attention, so only MaxText's deliberate roundings remain.
 
 Run as a script it is that child: `python tests/maxtext_forward.py TOKENS.npy OUT.npy key=value ...`.
 """
@@ -42,9 +43,10 @@ _FORWARD_SETTINGS = (
 )
 
 
-def _as_args(overrides: Mapping[str, object] | Sequence[str]) -> list[str]:
+def as_args(overrides: Mapping[str, object] | Sequence[str]) -> list[str]:
+    """MaxText `key=value` arguments from a mapping (booleans as true/false) or a list of them."""
     if isinstance(overrides, Mapping):
-        return [f"{k}={v}" for k, v in overrides.items()]
+        return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in overrides.items()]
     return list(overrides)
 
 
@@ -76,7 +78,7 @@ def logits(
             f"base_output_directory={tmp}/run",
             f"jax_cache_dir={env['JAX_COMPILATION_CACHE_DIR']}",
             *_FORWARD_SETTINGS,
-            *_as_args(overrides),
+            *as_args(overrides),
         ]
         proc = subprocess.run(
             [sys.executable, __file__, str(tokens), str(out), *args],
@@ -93,31 +95,24 @@ def logits(
 
 def _child(tokens_path: str, out_path: str, maxtext_args: list[str]) -> None:
     """Load the checkpoint into MaxText's Transformer and save its logits for the tokens."""
-    import functools
-
     import jax
 
     from maxtext.common.common_types import DECODING_ACTIVE_SEQUENCE_INDICATOR, MODEL_MODE_TRAIN
     from maxtext.configs import pyconfig
-    from maxtext.layers import quantizations
-    from maxtext.models import models
-    from maxtext.utils import maxtext_utils
+    from maxtext.utils import maxtext_utils, model_creation_utils
 
     config = pyconfig.initialize(["maxtext_forward", *maxtext_args])
-    rng = jax.random.PRNGKey(config.init_weights_seed)
     mesh = jax.sharding.Mesh(maxtext_utils.create_device_mesh(config), config.mesh_axes)
-    model = models.transformer_as_linen(
-        config, mesh, quant=quantizations.configure_quantization(config), model_mode=MODEL_MODE_TRAIN
-    )
-    init_state = functools.partial(maxtext_utils.init_initial_state, model, None, config, False, rng)
-    state, _ = maxtext_utils.setup_decode_state(config, mesh, None, init_state)
+    model = model_creation_utils.from_pretrained(config, mesh=mesh, model_mode=MODEL_MODE_TRAIN)
 
     ids = np.load(tokens_path)
     batch = config.global_batch_size_to_train_on
     tokens = np.tile(ids[None, :], (batch, 1))
     positions = np.tile(np.arange(ids.size, dtype=np.int32)[None, :], (batch, 1))
     segments = np.full_like(tokens, DECODING_ACTIVE_SEQUENCE_INDICATOR)
-    out = model.apply(state.params, tokens, positions, segments, enable_dropout=False, rngs={"aqt": rng})
+    out = model(
+        decoder_input_tokens=tokens, decoder_positions=positions, decoder_segment_ids=segments, enable_dropout=False
+    )
     np.save(out_path, np.asarray(out[0], dtype=np.float32))
 
 

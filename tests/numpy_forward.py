@@ -46,6 +46,9 @@ class Weights:
             with safe_open(f, framework="np") as h:
                 self._where.update({k: f for k in h.keys()})
 
+    def names(self) -> list[str]:
+        return sorted(self._where)
+
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
@@ -278,9 +281,9 @@ def logits(hf_dir: str | Path, token_ids: Sequence[int], *, match_maxtext: bool 
     ids = np.asarray(token_ids, dtype=np.int64)
     if ids.ndim != 1 or ids.size == 0:
         raise ValueError("token_ids must be a non-empty 1-D sequence of ints")
+    if model_type not in ("gemma3", "gemma3_text", "llama"):
+        raise ValueError(f"{hf_dir}/config.json model_type={model_type!r}: only gemma3, gemma3_text and llama are supported")
     cfg, w = _config(hf_dir), Weights(hf_dir)
-    if model_type in ("gemma3", "gemma3_text"):
-        return _gemma3(cfg, w, ids, match_maxtext)
     if model_type == "llama":
         return _llama(cfg, w, ids)
-    raise ValueError(f"{hf_dir}/config.json model_type={model_type!r}: only gemma3, gemma3_text and llama are supported")
+    return _gemma3(cfg, w, ids, match_maxtext)

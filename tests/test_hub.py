@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from pathlib import Path
@@ -10,13 +11,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from huggingface_hub import HfApi, constants
+from huggingface_hub import HfApi, constants, snapshot_download
 from safetensors.numpy import load_file, save
 
 from mtpipe.datasets_check import check_chat_rows, check_gsm8k_rows
 from mtpipe.errors import ConfigError
 from mtpipe.hub import fetch_dataset, fetch_model
-from tests.hf_server import HubServer, publish
+from hf_server import HubServer, publish
 
 TOKEN = "hf_test_secret_0123456789"
 CHAT_OK = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
@@ -79,7 +80,7 @@ def test_model_pinned_revisions_give_their_own_content(hub: HubServer, tmp_path:
     entry = next(f for f in manifest["files"] if f["path"] == "model.safetensors")
     data = (tmp_path / "v1/model.safetensors").read_bytes()
     assert entry["size"] == len(data)
-    assert entry["sha256"] == __import__("hashlib").sha256(data).hexdigest()
+    assert entry["sha256"] == hashlib.sha256(data).hexdigest()
     assert all(r.path.split("?")[0].split("/")[-1] != "README.md" for r in hub.requests)
 
 
@@ -92,7 +93,7 @@ def test_allow_patterns_override_defaults(hub: HubServer, tmp_path: Path) -> Non
 
 def test_patterns_matching_nothing_fail_before_download(hub: HubServer, tmp_path: Path) -> None:
     rev = publish(hub.root, "org/tiny", model_files(1))
-    with pytest.raises(ConfigError, match=r"^allow_patterns: no file of org/tiny"):
+    with pytest.raises(ConfigError, match=r"^model.source.allow_patterns: no file of org/tiny"):
         fetch_model(hub_source("org/tiny", rev, allow_patterns=["*.gguf"]), tmp_path / "m")
     assert not (tmp_path / "m").exists()
     assert not any("/resolve/" in r.path for r in hub.requests)
@@ -117,9 +118,7 @@ def test_dataset_fetches_only_the_split_files(hub: HubServer, tmp_path: Path) ->
     assert (tmp_path / "ds/data/train_sft-00000-of-00001.parquet").read_bytes() == train
     assert not (tmp_path / "ds/.cache").exists()
     assert any(r.path.startswith("/datasets/org/chat/resolve/") for r in hub.requests)
-    assert check_chat_rows([tmp_path / "ds/data/train_sft-00000-of-00001.parquet"]) == {
-        str(tmp_path / "ds/data/train_sft-00000-of-00001.parquet"): 2
-    }
+    assert check_chat_rows([tmp_path / "ds/data/train_sft-00000-of-00001.parquet"]) == 2
 
 
 def test_dataset_subset_selects_one_config_directory(hub: HubServer, tmp_path: Path) -> None:
@@ -127,15 +126,22 @@ def test_dataset_subset_selects_one_config_directory(hub: HubServer, tmp_path: P
     rev = publish(
         hub.root,
         "org/math",
-        {f"{cfg}/{split}-00000-of-00001.parquet": parquet_bytes(rows) for cfg in ("main", "socratic") for split in ("train", "test")},
+        {
+            f"{cfg}/{split}-00000-of-00001.parquet": parquet_bytes(rows)
+            for cfg in ("main", "socratic")
+            for split in ("train", "test")
+        },
         repo_type="dataset",
     )
     manifest = fetch_dataset(hub_source("org/math", rev, subset="main", splits=["train", "test"]), tmp_path / "ds")
-    assert [f["path"] for f in manifest["files"]] == ["main/test-00000-of-00001.parquet", "main/train-00000-of-00001.parquet"]
+    assert [f["path"] for f in manifest["files"]] == [
+        "main/test-00000-of-00001.parquet",
+        "main/train-00000-of-00001.parquet",
+    ]
 
 
 def test_dataset_without_splits_or_patterns_is_rejected(hub: HubServer, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"^splits: .*Fix: set splits"):
+    with pytest.raises(ConfigError, match=r"^dataset.source.splits: .*Fix: set splits"):
         fetch_dataset(hub_source("org/chat", "a" * 40), tmp_path / "ds")
     assert hub.requests == []
 
@@ -170,14 +176,16 @@ def test_gated_repo_needs_hf_token(
 
 def test_unknown_revision_names_revision(hub: HubServer, tmp_path: Path) -> None:
     publish(hub.root, "org/tiny", model_files(1))
-    with pytest.raises(ConfigError, match=r"^revision: 0{40} is not a commit of org/tiny"):
+    with pytest.raises(ConfigError, match=r"^model.source.revision: 0{40} is not a commit of org/tiny"):
         fetch_model(hub_source("org/tiny", "0" * 40), tmp_path / "m")
 
 
 def test_non_sha_revision_rejected_before_any_request(hub: HubServer, tmp_path: Path) -> None:
     publish(hub.root, "org/tiny", model_files(1))
     for revision in ("main", "v1.0", "abc123", None):
-        with pytest.raises(ConfigError, match=r"^revision: .* not a 40-character commit sha.*Fix: pin a full commit sha"):
+        with pytest.raises(
+            ConfigError, match=r"^model.source.revision: .* not a 40-character commit sha.*Fix: pin a full commit sha"
+        ):
             fetch_model(hub_source("org/tiny", revision), tmp_path / "m")
     assert hub.requests == []
 
@@ -190,15 +198,22 @@ def test_corrupted_transfer_is_rejected_and_leaves_no_output(hub: HubServer, tmp
     assert not (tmp_path / "m").exists() and not (tmp_path / "m.partial").exists()
 
 
-def test_stale_partial_is_resumed_and_cleaned(hub: HubServer, tmp_path: Path) -> None:
+def test_interrupted_download_resumes_and_stale_files_go(hub: HubServer, tmp_path: Path) -> None:
     rev = publish(hub.root, "org/tiny", model_files(1))
     partial = tmp_path / "m.partial"
-    partial.mkdir()
-    (partial / "leftover.safetensors").write_bytes(b"junk")
-    (partial / "config.json").write_text('{"version": 0}')  # stale content from an interrupted run
+    # an interrupted run: the safetensors file arrived completely, then the process died
+    snapshot_download("org/tiny", revision=rev, allow_patterns=["*.safetensors"], local_dir=partial, endpoint=hub.url)
+    (partial / "leftover.safetensors").write_bytes(b"junk")  # from a run with other settings
+    (partial / "config.json").write_text('{"version": 0}')  # stale, without download metadata
+    hub.requests.clear()
     fetch_model(hub_source("org/tiny", rev), tmp_path / "m")
+    assert not any(r.path.endswith("/model.safetensors") for r in hub.requests)  # not fetched again
     assert sorted(p.name for p in (tmp_path / "m").iterdir()) == [
-        "chat_template.jinja", "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"
+        "chat_template.jinja",
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
     ]
     assert json.loads((tmp_path / "m/config.json").read_text()) == {"version": 1}
 
@@ -210,16 +225,20 @@ def test_local_source_copies_matching_files(tmp_path: Path) -> None:
         (src / name).write_bytes(data)
     manifest = fetch_model({"kind": "local", "path": str(src)}, tmp_path / "m")
     assert sorted(f["path"] for f in manifest["files"]) == [
-        "chat_template.jinja", "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"
+        "chat_template.jinja",
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
     ]
     assert manifest["path"] == str(src) and manifest["revision"] is None
     assert (tmp_path / "m/model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
 
 
 def test_local_source_missing_names_path_and_make_embedded(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"^path: .*Fix: run `dvc repro make_embedded`"):
+    with pytest.raises(ConfigError, match=r"^model.source.path: .*Fix: run `dvc repro make_embedded`"):
         fetch_model({"kind": "local", "path": str(tmp_path / "embedded/nope")}, tmp_path / "m")
-    with pytest.raises(ConfigError, match=r"^kind: 'git' is not a source kind"):
+    with pytest.raises(ConfigError, match=r"^model.source.kind: 'git' is not a source kind"):
         fetch_model({"kind": "git", "path": "x"}, tmp_path / "m")
 
 
@@ -256,8 +275,12 @@ def test_chat_rows_bad_row_is_named(tmp_path: Path) -> None:
 
 
 def test_gsm8k_rows(tmp_path: Path) -> None:
-    good = write_parquet(tmp_path / "good.parquet", {"question": ["a?", "b?"], "answer": ["x\n#### 72", "y #### -1,000"]})
-    assert check_gsm8k_rows([good]) == {str(good): 2}
+    good = write_parquet(
+        tmp_path / "good.parquet", {"question": ["a?", "b?"], "answer": ["x\n#### 72", "y #### -1,000"]}
+    )
+    assert check_gsm8k_rows([good, good]) == 4
     bad = write_parquet(tmp_path / "bad.parquet", {"question": ["a?", "b?"], "answer": ["#### 3", "the answer is 4"]})
-    with pytest.raises(ConfigError, match=r"bad.parquet row 1 column 'answer': the answer does not end with '#### <number>'"):
+    with pytest.raises(
+        ConfigError, match=r"bad.parquet row 1 column 'answer': the answer does not end with '#### <number>'"
+    ):
         check_gsm8k_rows([bad])

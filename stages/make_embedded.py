@@ -1,0 +1,24 @@
+"""Stage make_embedded: the embedded default (tiny models, tokenizers, datasets) into embedded/.
+
+Deterministic and offline (see mtpipe/embedded.py): writes <out>.partial, then renames it to <out>.
+Run: dvc repro make_embedded   (or: python -m stages.make_embedded embedded)
+"""
+
+import sys
+from pathlib import Path
+
+from mtpipe import embedded
+from mtpipe.stage import Timer, atomic_dir
+
+
+def main(out: str) -> None:
+    timer = Timer()
+    with atomic_dir(Path(out)) as partial:
+        embedded.write_all(partial)
+    print(f"  wrote {', '.join(embedded.WRITERS)} into {out} in {timer.seconds()} s")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python stages/make_embedded.py <output dir, e.g. embedded>")
+    main(sys.argv[1])

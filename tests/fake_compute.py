@@ -1,0 +1,196 @@
+"""A fake Compute Engine REST API on 127.0.0.1 for the VM lifecycle tests (stdlib http.server).
+
+It behaves like the real one where mtpipe depends on it: instances and firewalls are created and
+deleted by operations that go PENDING -> RUNNING -> DONE, one step per `get`/`wait` call; a missing
+resource is a 404 and a duplicate a 409 with Google's error body; an insert naming an unknown
+reservation ends in an operation error; a RUNNING instance has an external (NAT) IP that points at
+127.0.0.1. `POST /token` answers like an OAuth server refusing an expired refresh token. Every
+request is recorded (method, path, Host header, headers, body) so tests can check what was sent
+and to whom.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+PREFIX = "/compute/v1/projects/"
+
+
+@dataclass
+class Recorded:
+    method: str
+    path: str
+    host: str
+    headers: dict[str, str]
+    body: str
+
+    def json(self) -> dict:
+        return json.loads(self.body)
+
+
+@dataclass
+class FakeCompute:
+    """State of the fake API; `url` is set once the server runs."""
+
+    reservations: set[str] = field(default_factory=lambda: {"v6e-res"})
+    nat_ip: str = "127.0.0.1"
+    url: str = ""
+    requests: list[Recorded] = field(default_factory=list)
+    instances: dict[tuple[str, str, str], dict] = field(default_factory=dict)
+    firewalls: dict[tuple[str, str], dict] = field(default_factory=dict)
+    operations: dict[str, dict] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    _ids: Iterator[int] = field(default_factory=lambda: itertools.count(1000))
+
+    def calls(self, method: str, suffix: str) -> list[Recorded]:
+        """Recorded requests with this method whose path (without query) ends with suffix."""
+        return [r for r in self.requests
+                if r.method == method and urlsplit(r.path).path.endswith(suffix)]
+
+    # --------------------------------------------------------- request handling
+
+    def handle(self, method: str, path: str, body: dict) -> tuple[int, dict]:
+        parts = path[len(PREFIX):].split("/") if path.startswith(PREFIX) else []
+        with self.lock:
+            match parts:
+                case [project, "zones", zone, "instances"] if method == "POST":
+                    return self._insert_instance(project, zone, body)
+                case [project, "zones", zone, "instances", name]:
+                    return self._instance(method, project, zone, name)
+                case [project, "global", "firewalls"] if method == "POST":
+                    return self._insert_firewall(project, body)
+                case [project, "global", "firewalls", name]:
+                    return self._firewall(method, project, name)
+                case [_, "zones", _, "operations", op, *wait] | [_, "global", "operations", op, *wait]:
+                    if op not in self.operations:
+                        return _error(404, f"The resource 'operations/{op}' was not found")
+                    return 200, self._advance(op)
+        return _error(404, f"unknown path {path}")
+
+    def _insert_instance(self, project: str, zone: str, body: dict) -> tuple[int, dict]:
+        key = (project, zone, body["name"])
+        if key in self.instances:
+            return _error(409, f"The resource 'projects/{project}/zones/{zone}/instances/"
+                               f"{body['name']}' already exists")
+        reservation = (body.get("reservationAffinity") or {}).get("values", [""])[0]
+        if reservation not in self.reservations:
+            msg = f"The resource 'projects/{project}/zones/{zone}/reservations/{reservation}' was not found"
+            return 200, self._operation(project, zone, error=msg)
+        now = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+        instance = {**body, "id": str(next(self._ids)), "status": "PROVISIONING",
+                    "creationTimestamp": now, "zone": f"{self.url}{PREFIX}{project}/zones/{zone}"}
+        for nic in instance.get("networkInterfaces", []):
+            nic["networkIP"] = "10.128.0.2"
+            for ac in nic.get("accessConfigs", []):
+                ac["natIP"] = self.nat_ip
+        self.instances[key] = instance
+        return 200, self._operation(project, zone, done=lambda: instance.update(status="RUNNING"))
+
+    def _instance(self, method: str, project: str, zone: str, name: str) -> tuple[int, dict]:
+        key = (project, zone, name)
+        if key not in self.instances:
+            return _error(404, f"The resource 'projects/{project}/zones/{zone}/instances/{name}' "
+                               "was not found")
+        if method == "DELETE":
+            self.instances[key]["status"] = "STOPPING"
+            return 200, self._operation(project, zone, done=lambda: self.instances.pop(key, None))
+        return 200, self.instances[key]
+
+    def _insert_firewall(self, project: str, body: dict) -> tuple[int, dict]:
+        key = (project, body["name"])
+        if key in self.firewalls:
+            return _error(409, f"The resource 'projects/{project}/global/firewalls/"
+                               f"{body['name']}' already exists")
+        self.firewalls[key] = {**body, "id": str(next(self._ids))}
+        return 200, self._operation(project, None)
+
+    def _firewall(self, method: str, project: str, name: str) -> tuple[int, dict]:
+        key = (project, name)
+        if key not in self.firewalls:
+            return _error(404, f"The resource 'projects/{project}/global/firewalls/{name}' "
+                               "was not found")
+        if method == "DELETE":
+            return 200, self._operation(project, None, done=lambda: self.firewalls.pop(key, None))
+        return 200, self.firewalls[key]
+
+    def _operation(self, project: str, zone: str | None, done=None, error: str = "") -> dict:
+        name = f"operation-{next(self._ids)}"
+        where = f"zones/{zone}" if zone else "global"
+        op = {"kind": "compute#operation", "name": name, "status": "PENDING",
+              "selfLink": f"{self.url}{PREFIX}{project}/{where}/operations/{name}"}
+        if zone:
+            op["zone"] = zone
+        self.operations[name] = {"op": op, "done": done, "error": error}
+        return dict(op)
+
+    def _advance(self, name: str) -> dict:
+        """One poll: PENDING -> RUNNING -> DONE; the effect happens when DONE is reached."""
+        entry = self.operations[name]
+        op = entry["op"]
+        if op["status"] == "PENDING":
+            op["status"] = "RUNNING"
+        elif op["status"] == "RUNNING":
+            op["status"] = "DONE"
+            if entry["error"]:
+                op["error"] = {"errors": [{"code": "RESOURCE_NOT_FOUND", "message": entry["error"]}]}
+                op["httpErrorStatusCode"] = 404
+            elif entry["done"]:
+                entry["done"]()
+        return dict(op)
+
+
+def _error(code: int, message: str) -> tuple[int, dict]:
+    reason = {404: "notFound", 409: "alreadyExists"}.get(code, "invalid")
+    return code, {"error": {"code": code, "message": message,
+                            "errors": [{"message": message, "domain": "global", "reason": reason}]}}
+
+
+def _handler(fake: FakeCompute) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def _serve(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length).decode() if length else ""
+            fake.requests.append(Recorded(self.command, self.path, self.headers.get("Host", ""),
+                                          dict(self.headers), raw))
+            path = urlsplit(self.path).path
+            if path == "/token":   # an OAuth token endpoint refusing an expired refresh token
+                code, out = 400, {"error": "invalid_grant",
+                                  "error_description": "Token has been expired or revoked."}
+            else:
+                code, out = fake.handle(self.command, path, json.loads(raw) if raw else {})
+            data = json.dumps(out).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json; charset=UTF-8")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_POST = do_DELETE = _serve
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    return Handler
+
+
+@contextmanager
+def running_fake(fake: FakeCompute | None = None) -> Iterator[FakeCompute]:
+    """Serve a FakeCompute on 127.0.0.1 (free port) in a thread."""
+    fake = fake or FakeCompute()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(fake))
+    fake.url = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield fake
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -1,0 +1,113 @@
+"""Config composition, validation and the per-stage views that make invalidation exact."""
+
+import subprocess
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+from mtpipe import config
+from mtpipe.errors import ConfigError
+
+
+def params(**sft) -> OmegaConf:
+    base = config.load_params()
+    return OmegaConf.merge(base, {"sft": sft}) if sft else base
+
+
+def test_default_params_compose_both_branches():
+    p = config.load_params()
+    sft, rl = config.compose("sft", p), config.compose("rl", p)
+    assert (sft.model.name, sft.dataset.name, sft.hardware.name) == ("gemma3-tiny", "ultrachat-tiny", "cpu")
+    assert (rl.model.name, rl.dataset.name) == ("llama3.1-tiny", "gsm8k-tiny")
+
+
+def test_top_level_steps_overrides_the_preset():
+    p = OmegaConf.merge(config.load_params(), {"steps": 2000})
+    assert config.compose("sft", p).train_sft.steps == 2000
+
+
+def test_null_keeps_preset_and_value_overrides():
+    p = params(train_sft={"learning_rate": 5e-4, "per_device_batch_size": None})
+    cfg = config.compose("sft", p)
+    assert cfg.train_sft.learning_rate == 5e-4
+    assert cfg.train_sft.per_device_batch_size == 4
+
+
+def test_group_override_swaps_a_part():
+    cfg = config.compose("sft", params(hardware="v6e-8"))
+    assert cfg.hardware.env.TPU_TOPOLOGY == "2x4"
+    assert cfg.model.name == "gemma3-tiny"
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "fix"),
+    [
+        ({"preset": "nope"}, "sft.preset", "embedded-sft"),
+        ({"model": "gpt5"}, "sft.model", "gemma3-4b"),
+        ({"dataset": "missing"}, "sft.dataset", "ultrachat-200k"),
+        ({"train_sft": {"per_device_batch_size": 0}}, "train_sft.per_device_batch_size", ">= 1"),
+        ({"to_huggingface": {"weight_dtype": "fp8"}}, "sft.to_huggingface.weight_dtype", "bfloat16"),
+    ],
+)
+def test_bad_input_names_key_and_fix(override, key, fix):
+    with pytest.raises(ConfigError) as err:
+        config.compose("sft", params(**override))
+    assert err.value.key == key
+    assert fix in str(err.value)
+
+
+@pytest.mark.parametrize("steps", [0, -5, "ten", 2.5])
+def test_bad_steps_rejected(steps):
+    with pytest.raises(ConfigError, match=r"train_sft.steps: must be a positive integer.*Fix: set e.g. `dvc exp run"):
+        config.compose("sft", OmegaConf.merge(config.load_params(), {"steps": steps}))
+
+
+def test_bad_rollout_backend_rejected():
+    p = OmegaConf.merge(config.load_params(), {"rl": {"train_rl": {"rollout_backend": "sglang"}}})
+    with pytest.raises(ConfigError, match="rollout_backend"):
+        config.compose("rl", p)
+
+
+def test_unpinned_hub_revision_rejected(tmp_path, monkeypatch):
+    (tmp_path / "model").mkdir()
+    src = config.CONF_DIR / "model" / "gemma3-4b.yaml"
+    (tmp_path / "model" / "gemma3-4b.yaml").write_text(src.read_text().replace(
+        "093f9f388b31de276ce2de164bdc2081324b9767", "main"))
+    for group in ("preset", "dataset", "hardware"):
+        (tmp_path / group).symlink_to(config.CONF_DIR / group)
+    monkeypatch.setattr(config, "CONF_DIR", tmp_path)
+    with pytest.raises(ConfigError, match="model.source.revision: must be a 40-hex commit sha"):
+        config.compose("sft", params(preset="gemma3-4b-ultrachat-v6e8"))
+
+
+def test_views_change_only_for_the_stages_that_read_a_value(tmp_path):
+    base = config.load_params()
+    config.write_resolved(base, tmp_path / "a")
+    config.write_resolved(OmegaConf.merge(base, {"steps": 7}), tmp_path / "b")
+    changed = {
+        f"{p.parent.name}/{p.stem}"
+        for p in (tmp_path / "a").rglob("*.yaml")
+        if p.read_text() != (tmp_path / "b" / p.relative_to(tmp_path / "a")).read_text()
+    }
+    assert changed == {"sft/train_sft"}
+
+
+def test_configure_fails_early_and_keeps_existing_views(tmp_path):
+    """A bad value stops `configure` with the key and the fix; the files already written stay."""
+    good = config.load_params()
+    config.write_resolved(good, tmp_path)
+    before = {p: p.read_text() for p in tmp_path.rglob("*.yaml")}
+    with pytest.raises(ConfigError):
+        config.write_resolved(OmegaConf.merge(good, {"steps": 0}), tmp_path)
+    assert {p: p.read_text() for p in tmp_path.rglob("*.yaml")} == before
+
+
+def test_configure_stage_exit_message(tmp_path):
+    (tmp_path / "params.yaml").write_text("steps: 0\nsft: {preset: embedded-sft}\nrl: {preset: embedded-rl}\n")
+    code = ("import sys; from pathlib import Path; from mtpipe import config; "
+            "config.write_resolved(config.load_params(Path(sys.argv[1])), Path(sys.argv[2]))")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "params.yaml"), str(tmp_path)],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "train_sft.steps: must be a positive integer, got 0" in proc.stderr

@@ -1,0 +1,181 @@
+"""HF -> MaxText -> HF through `python -m mtpipe.launch` keeps every text tensor bit-exact.
+
+The slow tests run the real MaxText converters (to_maxtext with lazy, torch-free loading; then
+to_huggingface) on the tiny twins; the fast ones check the adapter and launcher on their own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from mtpipe import embedded, maxtext_adapter
+
+ROOT = Path(__file__).resolve().parents[1]
+JAX_CACHE = ROOT / "work" / "jax_cache"
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("models")
+    embedded.write_gemma3_tiny(root / "gemma3-tiny")
+    embedded.write_llama31_tiny(root / "llama3.1-tiny")
+    return root
+
+
+def model_args(name: str) -> list[str]:
+    overrides = embedded.MAXTEXT_OVERRIDES[name]
+    values = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in overrides.items()}
+    return [f"model_name={embedded.MAXTEXT_MODEL_NAME[name]}", *(f"{k}={v}" for k, v in values.items())]
+
+
+def to_maxtext_args(name: str, hf_dir: Path, out: Path) -> list[str]:
+    return [
+        *model_args(name), f"base_output_directory={out}", "scan_layers=True", "use_multimodal=False",
+        "hardware=cpu", "skip_jax_distributed_system=true", "checkpoint_storage_use_zarr3=1",
+        "checkpoint_storage_use_ocdbt=1", f"jax_cache_dir={JAX_CACHE}", f"--hf_model_path={hf_dir}",
+        "--lazy_load_tensors=True",
+    ]  # fmt: skip
+
+
+def to_huggingface_args(name: str, hf_dir: Path, items: Path, out: Path) -> list[str]:
+    return [
+        *model_args(name), f"load_parameters_path={items}", f"base_output_directory={out}", "scan_layers=True",
+        "use_multimodal=False", "weight_dtype=float32", "hardware=cpu", "skip_jax_distributed_system=true",
+        f"jax_cache_dir={JAX_CACHE}", f"--hf_model_path={hf_dir}",
+    ]  # fmt: skip
+
+
+def launch(module: str, args: list[str], log: Path) -> tuple[int, float, str]:
+    """Run `python -m mtpipe.launch module args` as MaxText runs on CPU; return status, seconds, output."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "DECOUPLE_GCLOUD": "TRUE"}
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "mtpipe.launch", module, *args],
+        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    log.write_text(proc.stdout)
+    return proc.returncode, time.monotonic() - start, proc.stdout
+
+
+def read_tensors(model_dir: Path) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma3-tiny", "llama3.1-tiny"])
+def test_round_trip_is_bit_exact(models, tmp_path, name, record_property):
+    from transformers import AutoConfig, AutoTokenizer
+
+    src = models / name
+    mt, hf = tmp_path / "maxtext", tmp_path / "hf"
+    rc, t1, out = launch(maxtext_adapter.TO_MAXTEXT, to_maxtext_args(name, src, mt), tmp_path / "to_maxtext.log")
+    assert rc == 0, out[-3000:]
+    assert (mt / "0" / "items").is_dir()
+    items = mt / "0" / "items"
+    rc, t2, out = launch(maxtext_adapter.TO_HUGGINGFACE, to_huggingface_args(name, src, items, hf), tmp_path / "to_hf.log")
+    assert rc == 0, out[-3000:]
+    record_property("to_maxtext_s", round(t1, 1))
+    record_property("to_huggingface_s", round(t2, 1))
+    print(f"\n{name}: to_maxtext {t1:.1f} s, to_huggingface {t2:.1f} s")
+
+    source, export = read_tensors(src), read_tensors(hf)
+    text = {k: v for k, v in source.items() if not k.startswith(VISION_PREFIXES)}
+    assert set(export) == set(text)
+    for key, want in text.items():
+        got = export[key]
+        assert (got.dtype, got.shape) == (want.dtype, want.shape), key
+        assert got.tobytes() == want.tobytes(), f"{key}: max |diff| {np.abs(got - want).max()}"
+
+    want_cfg, got_cfg = AutoConfig.from_pretrained(src), AutoConfig.from_pretrained(hf)
+    assert type(got_cfg) is type(want_cfg)
+    assert got_cfg.architectures == want_cfg.architectures
+    if name.startswith("gemma3"):
+        assert got_cfg.text_config.to_dict() == want_cfg.text_config.to_dict()
+        assert got_cfg.text_config.rope_parameters["full_attention"]["rope_theta"] == 1e6
+        assert got_cfg.text_config.hidden_activation == "gelu_pytorch_tanh"
+    else:
+        assert got_cfg.to_dict() == want_cfg.to_dict()
+    assert json.loads((hf / "generation_config.json").read_text()) == json.loads((src / "generation_config.json").read_text())
+    tok = AutoTokenizer.from_pretrained(hf)
+    assert tok.chat_template == AutoTokenizer.from_pretrained(src).chat_template and len(tok) == embedded.TINY_VOCAB
+
+
+def test_gemma3_mapping_uses_the_checkpoint_names(models, monkeypatch):
+    """After the patches, every name and shape MaxText asks for is the one in the Hub-layout files."""
+    from maxtext.checkpoint_conversion.utils import hf_model_configs, hf_shape, param_mapping
+
+    key = "gemma3-4b"
+    monkeypatch.setitem(hf_model_configs.HF_MODEL_CONFIGS, key, hf_model_configs.HF_MODEL_CONFIGS[key])
+    monkeypatch.setitem(param_mapping.PARAM_MAPPING, key, param_mapping.PARAM_MAPPING[key])
+    monkeypatch.setitem(hf_shape.HF_SHAPE, key, hf_shape.HF_SHAPE[key])
+    src = models / "gemma3-tiny"
+    maxtext_adapter.use_source_config(key, src)
+    assert maxtext_adapter.use_checkpoint_tensor_names(key, src)
+
+    cfg = hf_model_configs.HF_MODEL_CONFIGS[key].to_dict()
+    tensors = read_tensors(src)
+    shapes = hf_shape.HF_SHAPE[key](cfg)
+    assert {n: list(a.shape) for n, a in tensors.items()} == {n: list(shapes[n]) for n in tensors if n in shapes}
+    for scan in (True, False):
+        names: list[str] = []
+        for value in param_mapping.PARAM_MAPPING[key](cfg, None, scan).values():
+            names += value if isinstance(value, list) else [value]
+        assert set(names) == set(tensors)
+
+
+def test_gemma3_mapping_kept_for_in_memory_names(tmp_path, monkeypatch):
+    """A checkpoint saved with transformers' in-memory names needs no renaming."""
+    from maxtext.checkpoint_conversion.utils import param_mapping
+
+    monkeypatch.setitem(param_mapping.PARAM_MAPPING, "gemma3-4b", param_mapping.PARAM_MAPPING["gemma3-4b"])
+    save_file({"model.language_model.norm.weight": np.zeros(4, np.float32)}, str(tmp_path / "model.safetensors"))
+    assert not maxtext_adapter.use_checkpoint_tensor_names("gemma3-4b", tmp_path)
+    assert param_mapping.PARAM_MAPPING["gemma3-4b"] is param_mapping.GEMMA3_MAXTEXT_TO_HF_PARAM_MAPPING
+
+
+def test_launch_refuses_a_token_in_argv_without_echoing_it(models):
+    secret = "hf_NotARealTokenButSecret123"
+    args = ["model_name=gemma3-4b", f"hf_access_token={secret}", f"--hf_model_path={models / 'gemma3-tiny'}"]
+    proc = subprocess.run([sys.executable, "-m", "mtpipe.launch", maxtext_adapter.TO_MAXTEXT, *args],
+                          cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 2
+    assert "hf_access_token" in proc.stderr and "HF_TOKEN" in proc.stderr
+    assert secret not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["model_name=gemma3-4b"], "--hf_model_path"),
+        (["--hf_model_path=/nonexistent/dir"], "model_name="),
+        (["model_name=gemma3-4b", "--hf_model_path", "/nonexistent/dir"], "has no config.json"),
+    ],
+)
+def test_launch_fails_early_on_bad_conversion_args(args, message):
+    proc = subprocess.run([sys.executable, "-m", "mtpipe.launch", maxtext_adapter.TO_HUGGINGFACE, *args],
+                          cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_launch_exits_with_the_module_status(tmp_path):
+    good, bad = tmp_path / "good.py", tmp_path / "bad.py"
+    good.write_text("x = 1\n")
+    bad.write_text("def broken(:\n")
+    run = lambda f: subprocess.run([sys.executable, "-m", "mtpipe.launch", "py_compile", str(f)], cwd=ROOT,  # noqa: E731
+                                   capture_output=True, text=True)  # fmt: skip
+    assert run(good).returncode == 0
+    failed = run(bad)
+    assert failed.returncode == 1 and "SyntaxError" in failed.stderr

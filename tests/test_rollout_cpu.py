@@ -1,0 +1,184 @@
+"""The cpu_jax rollout backend (mtpipe.rollout_cpu) for MaxText's GRPO trainer.
+
+Fast tests check the sampling pieces and the stand-in modules without MaxText's model. The slow ones
+build the tiny Llama 3.1 twin's MaxText model the way train_rl does (random weights, the embedded
+tokenizer) and compare the sampler with an independent reference decode: MaxText's own forward on
+the unpadded, growing sequence (no left padding, no fixed buffer, plain positions), argmax per step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtpipe import rollout_cpu
+
+RL_YML = Path(importlib.util.find_spec("maxtext").origin).parent / "configs" / "post_train" / "rl.yml"
+PROMPTS = ["Tom has 3 pens. He gets 4 more. How many pens?", "Mia has 12 coins and gives 5 away. How many are left?"]
+NEW_TOKENS = 12
+
+
+# ----------------------------------------------------------------------------- fast
+
+
+def test_greedy_pick_is_argmax_with_zero_logprob_shape():
+    logits = jnp.array([[0.1, 2.0, -1.0], [3.0, 0.0, 2.9]])
+    tokens, logprobs = rollout_cpu._sample_next(logits, jax.random.PRNGKey(0), 0.0, None, None)
+    assert tokens.tolist() == [1, 0]
+    assert logprobs.shape == (2,)
+
+
+def test_top_k_and_top_p_only_draw_allowed_tokens():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 256))
+    keys = jax.random.split(jax.random.PRNGKey(1), 4)
+    top2, lp = rollout_cpu._sample_next(logits, keys[0], 1.0, 2, None)
+    assert set(np.asarray(top2).tolist()) == {0, 1}
+    # logprob under the renormalised top-2 distribution
+    np.testing.assert_allclose(np.exp(np.asarray(lp)), np.where(np.asarray(top2) == 0, 0.5 / 0.8, 0.3 / 0.8), rtol=1e-5)
+    nucleus, _ = rollout_cpu._sample_next(logits, keys[1], 1.0, None, 0.7)  # 0.5 + 0.3 reaches 0.7
+    assert set(np.asarray(nucleus).tolist()) == {0, 1}
+    everything, _ = rollout_cpu._sample_next(logits, keys[2], 1.0, None, 1.0)
+    assert set(np.asarray(everything).tolist()) == {0, 1, 2, 3}
+
+
+def test_trim_keeps_first_eos_and_left_pad():
+    tokens = np.array([[5, 2, 9, 9], [5, 6, 7, 8]])
+    rows, lps = rollout_cpu._trim(tokens, np.ones_like(tokens, np.float32), np.array([2]))
+    assert [r.tolist() for r in rows] == [[5, 2], [5, 6, 7, 8]]
+    assert [len(x) for x in lps] == [2, 4]
+    assert rollout_cpu._left_pad([7, 8], 4, 0).tolist() == [0, 0, 7, 8]
+
+
+def test_install_replaces_only_the_two_vllm_modules():
+    rollout_cpu.install()
+    assert sys.modules[rollout_cpu.ROLLOUT_MODULE].MaxTextVllmRollout is rollout_cpu.CpuJaxRollout
+    assert sys.modules[rollout_cpu.ADAPTER_MODULE].register() is None
+    from maxtext.integration.vllm import maxtext_vllm_rollout  # what train_rl imports
+
+    assert maxtext_vllm_rollout.MaxTextVllmRollout is rollout_cpu.CpuJaxRollout
+
+
+def test_missing_vllm_backend_names_the_key_and_the_fix():
+    if importlib.util.find_spec("vllm") and importlib.util.find_spec("tpu_inference"):
+        pytest.skip("vLLM and tpu-inference are installed here")
+    with pytest.raises(RuntimeError, match=r"rollout_backend=vllm.*rollout_backend: cpu_jax"):
+        rollout_cpu.check_backend("vllm")
+    with pytest.raises(ValueError, match="rollout_backend"):
+        rollout_cpu.check_backend("sglang")
+    rollout_cpu.check_backend("cpu_jax")
+
+
+# ----------------------------------------------------------------------------- MaxText model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(rollout, model, tokenizer, mesh, config) for the tiny Llama 3.1 twin, random MaxText weights."""
+    from maxtext.configs import pyconfig, types
+    from maxtext.utils import model_creation_utils
+    from transformers import AutoTokenizer
+    from tunix.rl.rollout import base_rollout
+
+    from mtpipe import embedded
+
+    root = tmp_path_factory.mktemp("tiny")
+    embedded.write_llama31_tiny(root / "llama")
+    dims = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in embedded.MAXTEXT_OVERRIDES["llama3.1-tiny"].items()]
+    argv = [
+        "", str(RL_YML), "model_name=llama3.1-8b-Instruct", *dims, f"tokenizer_path={root / 'llama'}",
+        "convert_checkpoint_if_possible=false", "init_weights_seed=7", "hardware=cpu",
+        "use_pathways=false", "skip_jax_distributed_system=true", "chips_per_vm=1", "rollout_data_parallelism=1",
+        "rollout_tensor_parallelism=1", "weight_dtype=float32", "dtype=float32", "matmul_precision=highest",
+        "max_prefill_predict_length=64", f"max_target_length={64 + NEW_TOKENS}",
+        f"base_output_directory={root / 'out'}", "run_name=t", "enable_checkpointing=false", "log_config=false",
+    ]
+    config = pyconfig.initialize_pydantic(argv, config_class=types.RLConfig)
+    tokenizer = AutoTokenizer.from_pretrained(root / "llama")
+    model, mesh = model_creation_utils.from_pretrained(
+        config, devices=jax.devices(), wrap_with_tunix_adapter=True, tokenizer_pad_id=tokenizer.pad_token_id
+    )
+    rollout = rollout_cpu.CpuJaxRollout(
+        rollout_actor=model,
+        tokenizer=tokenizer,
+        mesh=mesh,
+        rollout_config=base_rollout.RolloutConfig(max_prompt_length=64, max_tokens_to_generate=NEW_TOKENS),
+        maxtext_config=config,
+    )
+    return rollout, model, tokenizer, mesh, config
+
+
+def _reference_greedy(tiny, prompt: str, steps: int) -> list[int]:
+    """MaxText forward on the unpadded sequence, re-run from scratch for every new token."""
+    from flax.linen import partitioning as nn_partitioning
+
+    rollout, model, tokenizer, mesh, config = tiny
+    seq = list(rollout._tokenize(prompt))
+    out = []
+    with mesh, nn_partitioning.axis_rules(config.logical_axis_rules):
+        for _ in range(steps):
+            x = jnp.asarray([seq], jnp.int32)
+            logits = model.base(
+                decoder_input_tokens=x,
+                decoder_positions=jnp.arange(len(seq))[None],
+                decoder_segment_ids=jnp.ones_like(x),
+            )
+            last = np.asarray(logits[0, -1], np.float64)
+            last[tokenizer.pad_token_id] = -np.inf  # the sampler never emits the pad token
+            out.append(int(np.argmax(last)))
+            seq.append(out[-1])
+    return out
+
+
+def _generate(tiny, prompts, **config):
+    from tunix.rl.rollout import base_rollout
+
+    rollout = tiny[0]
+    cfg = base_rollout.RolloutConfig(max_prompt_length=64, max_tokens_to_generate=NEW_TOKENS, **config)
+    return rollout.generate(prompts, cfg)
+
+
+@pytest.mark.slow
+def test_greedy_matches_reference_decode(tiny):
+    out = _generate(tiny, PROMPTS, temperature=0.0, eos_tokens=[-1])  # no stop: full length
+    assert out.left_padded_prompt_tokens.shape == (2, 64)
+    for prompt, tokens in zip(PROMPTS, out.tokens):
+        assert tokens.tolist() == _reference_greedy(tiny, prompt, NEW_TOKENS)
+    # the same prompts alone (other padding, batch of one) give the same tokens
+    alone = _generate(tiny, PROMPTS[1:], temperature=0.0, eos_tokens=[-1])
+    assert alone.tokens[0].tolist() == out.tokens[1].tolist()
+
+
+@pytest.mark.slow
+def test_stops_at_first_eos_and_keeps_it(tiny):
+    full = _generate(tiny, PROMPTS[:1], temperature=0.0, eos_tokens=[-1]).tokens[0].tolist()
+    k = next(i for i in range(2, len(full)) if full[i] not in full[:i])
+    out = _generate(tiny, PROMPTS[:1], temperature=0.0, eos_tokens=[full[k]])
+    assert out.tokens[0].tolist() == full[: k + 1]
+    assert out.text[0] == tiny[2].decode(full[: k + 1])
+
+
+@pytest.mark.slow
+def test_sampled_tokens_are_in_the_reference_top_k_with_their_logprob(tiny):
+    from flax.linen import partitioning as nn_partitioning
+
+    rollout, model, tokenizer, mesh, config = tiny
+    out = _generate(tiny, PROMPTS, temperature=0.7, top_k=3, eos_tokens=[-1], seed=3, return_logprobs=True)
+    for prompt, tokens, logprobs in zip(PROMPTS, out.tokens, out.logprobs):
+        seq = list(rollout._tokenize(prompt)) + tokens.tolist()
+        x = jnp.asarray([seq], jnp.int32)
+        with mesh, nn_partitioning.axis_rules(config.logical_axis_rules):
+            logits = np.asarray(model.base(x, jnp.arange(len(seq))[None], jnp.ones_like(x))[0], np.float64)
+        start = len(seq) - len(tokens) - 1
+        for i, tok in enumerate(tokens.tolist()):
+            step = logits[start + i] / 0.7
+            step[tokenizer.pad_token_id] = -np.inf
+            top = np.argsort(step)[-3:]
+            assert tok in top
+            ref = step[tok] - np.log(np.exp(step[top] - step[top].max()).sum()) - step[top].max()
+            assert abs(ref - logprobs[i]) < 1e-3
