@@ -4,7 +4,7 @@ Rows:
 * no-op `dvc repro` of a pipeline repo vs bare DVC on as many trivial stages (median of --runs);
 * `dvc add` of a synthetic orbax-like checkpoint (--size): first (hash + cache) vs second (state db);
 * disk used by workspace + cache for that checkpoint, per cache type, as a multiple of its size;
-* each stage's wall time vs the MaxText command it wraps (needs `stages/<stage>.py --print-command`;
+* each stage's wall time vs the MaxText command it wraps (needs the stage's `--print-command`;
   runs training, so only with --stage-overhead).
 
 Everything is created under a temporary directory (--workdir) and deleted at the end.
@@ -252,12 +252,22 @@ class StageInfo:
 
 
 def stage_infos(repo: Path, env: dict[str, str]) -> dict[str, StageInfo]:
-    """Stage name -> StageInfo, for the stages whose `cmd` runs a script in stages/."""
+    """Stage name -> StageInfo, for the stages whose `cmd` runs a module in stages/."""
     code = ("import json, sys; from dvc.repo import Repo\n"
             "print(json.dumps({s.addressing: [s.cmd, [str(o) for o in s.outs],"
             " [str(o) for o in s.outs if not o.use_cache]] for s in Repo(sys.argv[1]).index.stages if s.cmd}))")
     found = json.loads(run([sys.executable, "-c", code, str(repo)], repo, env).stdout)
-    return {name: StageInfo(*info) for name, info in found.items() if info[0].startswith("python stages/")}
+    return {name: StageInfo(*info) for name, info in found.items() if stage_script(info[0])}
+
+
+def stage_script(cmd: str) -> str | None:
+    """`stages/<stage>.py` for `python stages/<stage>.py ...` or `python -m stages.<stage> ...`."""
+    argv = shlex.split(cmd)
+    if argv[:2] == ["python", "-m"] and len(argv) > 2 and argv[2].startswith("stages."):
+        return argv[2].replace(".", "/") + ".py"
+    if len(argv) > 1 and argv[0] == "python" and argv[1].startswith("stages/"):
+        return argv[1]
+    return None
 
 
 def remove(paths: list[Path]) -> None:
@@ -274,10 +284,10 @@ def printed_command(repo: Path, cmd: str, env: dict[str, str]) -> tuple[str | No
     A script without the flag would ignore it and run the whole stage, so the flag must appear in
     the script or in mtpipe/ before it is passed.
     """
-    argv = shlex.split(cmd)
-    sources = [repo / argv[1], *sorted((repo / "mtpipe").glob("*.py"))]
+    argv, script = shlex.split(cmd), stage_script(cmd)
+    sources = [repo / str(script), *sorted((repo / "mtpipe").glob("*.py"))]
     if not any(p.is_file() and "--print-command" in p.read_text() for p in sources):
-        return None, f"{argv[1]} has no --print-command flag yet"
+        return None, f"{script} has no --print-command flag yet"
     try:
         proc = subprocess.run([*argv, "--print-command"], cwd=repo, env=env, capture_output=True,
                               text=True, timeout=120)

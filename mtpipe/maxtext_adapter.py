@@ -153,7 +153,8 @@ def use_checkpoint_tensor_names(model_name: str, hf_dir: Path) -> bool:
     """
     from maxtext.checkpoint_conversion.utils import hf_shape, param_mapping
 
-    keys = [k for k in _table_keys(model_name) if param_mapping.PARAM_MAPPING.get(k) is param_mapping.GEMMA3_MAXTEXT_TO_HF_PARAM_MAPPING]
+    gemma3 = param_mapping.GEMMA3_MAXTEXT_TO_HF_PARAM_MAPPING
+    keys = [k for k in _table_keys(model_name) if param_mapping.PARAM_MAPPING.get(k) is gemma3]
     names = checkpoint_tensor_names(hf_dir)
     if not keys or (names and not any(n.startswith("language_model.model.") for n in names)):
         return False

@@ -2,8 +2,8 @@
 
 Hub sources go through huggingface_hub (HF_TOKEN from the environment only); a local source (the
 embedded default) is copied. Dataset rows are checked here, so a malformed row stops the pipeline
-before any conversion or training starts. Writes artifacts/<branch>/source/{model,dataset}/ and a
-manifest (files, sizes, sha256, resolved revision) beside them.
+before any conversion or training starts. Writes artifacts/<branch>/model/ and
+artifacts/<branch>/dataset/, each stamped with its manifest (files, sizes, sha256, revision).
 Run: dvc repro hf_download@sft   (or: python -m stages.hf_download sft)
 """
 
@@ -28,21 +28,20 @@ def check_rows(cfg, files) -> int:
 
 def main(branch: str) -> None:
     cfg = load_stage(branch, "hf_download")
-    with atomic_dir(artifact(branch, "source"), resume=True) as out:
-        manifest = {
-            "model": hub.fetch_model(cfg.model.source, out / "model"),
-            "dataset": hub.fetch_dataset(cfg.dataset.source, out / "dataset"),
-        }
-        files = sorted((out / "dataset").glob(cfg.dataset.train_files))
+    with atomic_dir(artifact(branch, "dataset"), resume=True) as out:
+        manifest = hub.fetch_dataset(cfg.dataset.source, out / "files")
+        files = sorted((out / "files").glob(cfg.dataset.train_files))
         if not files:
             raise ConfigError("dataset.train_files", f"no downloaded file matches {cfg.dataset.train_files!r}",
                               f"fix conf/dataset/{cfg.dataset.name}.yaml (train_files or allow_patterns)")
         rows = check_rows(cfg, files)
-        text = json.dumps(manifest, indent=2, sort_keys=True)
-        (out / "manifest.json").write_text(text + "\n")
-        write_stamp(out, "hf_download", digest(cfg, content=text))
-        print(f"  model: {len(manifest['model']['files'])} files, dataset: {len(manifest['dataset']['files'])}"
-              f" files, training rows checked: {rows}")
+        text = json.dumps(manifest, sort_keys=True)
+        write_stamp(out, "hf_download", digest(cfg.dataset, content=text), manifest=manifest, rows=rows)
+    with atomic_dir(artifact(branch, "model"), resume=True) as out:
+        manifest = hub.fetch_model(cfg.model.source, out / "files")
+        text = json.dumps(manifest, sort_keys=True)
+        write_stamp(out, "hf_download", digest(cfg.model, content=text), manifest=manifest)
+    print(f"  model: {len(manifest['files'])} files; dataset: {rows} training rows checked")
 
 
 if __name__ == "__main__":

@@ -14,9 +14,9 @@ from mtpipe.stage import ROOT, Timer, artifact, atomic_dir, digest, log_path, re
 
 def main(branch: str) -> None:
     cfg, timer = load_stage(branch, "to_huggingface"), Timer()
-    trained, source = artifact(branch, "trained"), artifact(branch, "source")
+    trained, model = artifact(branch, "trained"), artifact(branch, "model")
     with atomic_dir(artifact(branch, "hf")) as out:
-        cmd = commands.to_huggingface(cfg, params=trained / "model_params", hf_src_dir=source / "model", out_dir=out)
+        cmd = commands.to_huggingface(cfg, params=trained / "model_params", hf_src_dir=model / "files", out_dir=out)
         runner.run(cmd, log_path(branch, "to_huggingface"))
         require(out / "config.json", "exported config.json")
         if not list(out.glob("*.safetensors")):

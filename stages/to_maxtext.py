@@ -14,12 +14,12 @@ from mtpipe.stage import ROOT, Timer, artifact, atomic_dir, digest, log_path, re
 
 def main(branch: str) -> None:
     cfg, timer = load_stage(branch, "to_maxtext"), Timer()
-    source = artifact(branch, "source")
+    model = artifact(branch, "model")
     with atomic_dir(artifact(branch, "maxtext")) as out:
-        cmd = commands.to_maxtext(cfg, hf_dir=source / "model", out_dir=out)
+        cmd = commands.to_maxtext(cfg, hf_dir=model / "files", out_dir=out)
         runner.run(cmd, log_path(branch, "to_maxtext"))
         require(out / "0" / "items", "MaxText checkpoint 0/items")
-        write_stamp(out, "to_maxtext", digest(cfg, source))
+        write_stamp(out, "to_maxtext", digest(cfg, model))
     write_json(ROOT / "metrics" / branch / "to_maxtext.json", {"wall_s": timer.seconds()})
 
 

@@ -26,8 +26,8 @@ def latest_checkpoint(run_dir) -> int | None:
 
 def main() -> None:
     cfg, timer = load_stage("sft", "train_sft"), Timer()
-    converted, source = artifact("sft", "maxtext"), artifact("sft", "source")
-    run_digest = digest(cfg, converted, source)
+    converted, dataset, model = artifact("sft", "maxtext"), artifact("sft", "dataset"), artifact("sft", "model")
+    run_digest = digest(cfg, converted, dataset)
     run_name = f"sft-{run_digest[:12]}"
     base = WORK / "train_sft"
     run_dir = base / run_name
@@ -37,7 +37,7 @@ def main() -> None:
         print(f"  resuming {run_name}: MaxText restores its checkpoint at step {resumed_from}")
     metrics_file = run_dir / "metrics.jsonl"
     cmd = commands.train_sft(
-        cfg, ckpt=converted / "0" / "items", data_dir=source / "dataset", tokenizer_dir=source / "model",
+        cfg, ckpt=converted / "0" / "items", data_dir=dataset / "files", tokenizer_dir=model / "files",
         base_output=base, run_name=run_name, metrics_file=metrics_file, jax_cache_dir=JAX_CACHE,
     )
     runner.run(cmd, log_path("sft", "train_sft"), total_steps=cfg.train_sft.steps)

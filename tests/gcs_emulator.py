@@ -92,16 +92,18 @@ class GcsEmulator:
 def running_emulator(data_dir: Path, bucket: str = BUCKET) -> Iterator[GcsEmulator]:
     """Start the patched emulator on 127.0.0.1 (free port) and stop it on exit."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(
-        [sys.executable, __file__, "--data-dir", str(data_dir), "--bucket", bucket],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    log = data_dir.parent / f"{data_dir.name}.emulator.log"
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "--data-dir", str(data_dir), "--bucket", bucket],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
     try:
         line = proc.stdout.readline() if proc.stdout else ""
         if not line.startswith("PORT "):
-            raise RuntimeError(f"gcs emulator did not start (rc={proc.poll()}, said {line!r})")
+            raise RuntimeError(f"gcs emulator did not start (rc={proc.poll()}): {log.read_text()[-2000:]}")
         port = int(line.split()[1])
         _wait_for_port(port)
         yield GcsEmulator(f"http://127.0.0.1:{port}", bucket, data_dir)

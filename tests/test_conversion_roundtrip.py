@@ -99,15 +99,13 @@ def test_round_trip_is_bit_exact(models, tmp_path, name, record_property):
         assert (got.dtype, got.shape) == (want.dtype, want.shape), key
         assert got.tobytes() == want.tobytes(), f"{key}: max |diff| {np.abs(got - want).max()}"
 
-    want_cfg, got_cfg = AutoConfig.from_pretrained(src), AutoConfig.from_pretrained(hf)
-    assert type(got_cfg) is type(want_cfg)
-    assert got_cfg.architectures == want_cfg.architectures
+    # MaxText wrote the source model's config (not its built-in table), and transformers loads it.
+    assert json.loads((hf / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+    cfg = AutoConfig.from_pretrained(hf)
+    assert type(cfg) is type(AutoConfig.from_pretrained(src))
     if name.startswith("gemma3"):
-        assert got_cfg.text_config.to_dict() == want_cfg.text_config.to_dict()
-        assert got_cfg.text_config.rope_parameters["full_attention"]["rope_theta"] == 1e6
-        assert got_cfg.text_config.hidden_activation == "gelu_pytorch_tanh"
-    else:
-        assert got_cfg.to_dict() == want_cfg.to_dict()
+        assert cfg.text_config.rope_parameters["full_attention"]["rope_theta"] == 1e6
+        assert cfg.text_config.hidden_activation == "gelu_pytorch_tanh"
     assert json.loads((hf / "generation_config.json").read_text()) == json.loads((src / "generation_config.json").read_text())
     tok = AutoTokenizer.from_pretrained(hf)
     assert tok.chat_template == AutoTokenizer.from_pretrained(src).chat_template and len(tok) == embedded.TINY_VOCAB
@@ -179,3 +177,38 @@ def test_launch_exits_with_the_module_status(tmp_path):
     assert run(good).returncode == 0
     failed = run(bad)
     assert failed.returncode == 1 and "SyntaxError" in failed.stderr
+
+
+# google/gemma-3-4b-it's config.json as published on the Hub (transformers 4.50 format).
+GEMMA_3_4B_IT_CONFIG = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999, "eoi_token_index": 256000,
+    "eos_token_id": [1, 106], "image_token_index": 262144, "initializer_range": 0.02, "mm_tokens_per_image": 256,
+    "model_type": "gemma3",
+    "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                    "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024},
+    "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+    "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                      "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                      "patch_size": 14, "vision_use_head": False},
+}  # fmt: skip
+
+
+def test_the_same_patches_serve_the_real_gemma_3_4b(tmp_path, monkeypatch):
+    """With the published 4B config (no weights here), the table and names follow the real model."""
+    from maxtext.checkpoint_conversion.utils import hf_model_configs, hf_shape, param_mapping
+
+    key = "gemma3-4b"
+    for table in (hf_model_configs.HF_MODEL_CONFIGS, param_mapping.PARAM_MAPPING, hf_shape.HF_SHAPE):
+        monkeypatch.setitem(table, key, table[key])
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA_3_4B_IT_CONFIG))
+    maxtext_adapter.use_source_config(key, tmp_path)
+    assert maxtext_adapter.use_checkpoint_tensor_names(key, tmp_path)  # no weights: the Hub's legacy names
+
+    text = hf_model_configs.HF_MODEL_CONFIGS[key].text_config
+    assert text.rope_parameters["full_attention"] == {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
+    assert text.rope_parameters["sliding_attention"]["rope_theta"] == 1e4
+    assert text.hidden_activation == "gelu_pytorch_tanh" and text.vocab_size == 262208
+    mapping = param_mapping.PARAM_MAPPING[key](hf_model_configs.HF_MODEL_CONFIGS[key].to_dict(), None, True)
+    assert mapping["params-decoder-layers_remainder-layers_3-mlp-wo-kernel"] == "language_model.model.layers.33.mlp.down_proj.weight"
+    assert mapping["params-decoder-layers-layers_0-mlp-wo-kernel"][-1] == "language_model.model.layers.24.mlp.down_proj.weight"

@@ -21,7 +21,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from gcs_emulator import GcsEmulator, add_dvc_remote, dvc_env, gcs_emulator  # noqa: F401
+from gcs_emulator import (  # noqa: F401 (gcs_emulator is a fixture)
+    GcsEmulator,
+    add_dvc_remote,
+    dvc_env,
+    gcs_emulator,
+    parse_multipart_related,
+)
 
 # The decision recorded in docs/remote-and-cache.md (keep in sync with the project's .dvc/config).
 PROJECT_CACHE_TYPE = "hardlink,copy"
@@ -89,8 +95,6 @@ def init_repo(repo: Path, env: dict[str, str]) -> None:
 
 def test_parser_keeps_bytes_next_to_the_boundary() -> None:
     """The patched parser returns the payload exactly, for LF (gcsfs) and CRLF framing."""
-    from gcs_emulator import parse_multipart_related
-
     for eol in (b"\n", b"\r\n"):
         for payload in (b"", b"x\r", b"\r\n", b"a\r\n\r", b"--==0= not a boundary\n"):
             body = eol.join(

@@ -67,13 +67,16 @@ class Env:
     def doit(self, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
         """Run doit in this process (importing google-cloud-compute once saves seconds a call)."""
         out, err, cwd = io.StringIO(), io.StringIO(), os.getcwd()
+        report = self.repo.parent / "doit-report.txt"
         with mock.patch.dict(os.environ, self.env, clear=True), \
                 contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                rc = DoitMain().run(["-f", str(ROOT / "dodo.py"), "-d", str(self.repo), *args])
+                rc = DoitMain().run(["-f", str(ROOT / "dodo.py"), "-d", str(self.repo),
+                                     "--output-file", str(report), *args])
             finally:
                 os.chdir(cwd)
-        proc = subprocess.CompletedProcess(args, rc, out.getvalue(), err.getvalue())
+        proc = subprocess.CompletedProcess(args, rc, out.getvalue() + report.read_text(),
+                                           err.getvalue())
         assert (rc == 0) == ok, f"doit {' '.join(args)} rc={rc}:\n{proc.stdout}{proc.stderr}"
         return proc
 
@@ -122,9 +125,10 @@ def make_repo(repo: Path, emulator: GcsEmulator, env: dict[str, str]) -> None:
     dvc = [sys.executable, "-m", "dvc"]
     _sh(["git", "init", "-q", "-b", "main"], repo, env)
     _sh(dvc + ["init", "-q"], repo, env)
-    _sh(dvc + ["remote", "add", "-d", "gcs", f"gs://{emulator.bucket}/{repo.parent.name}"], repo, env)
-    _sh(dvc + ["remote", "modify", "gcs", "endpointurl", emulator.endpoint], repo, env)
-    _sh(dvc + ["remote", "modify", "gcs", "allow_anonymous_login", "true"], repo, env)
+    with (repo / ".dvc" / "config").open("w") as config:   # what `dvc remote add/modify` writes
+        config.write(f"[core]\n    remote = gcs\n    analytics = false\n['remote \"gcs\"']\n"
+                     f"    url = gs://{emulator.bucket}/{repo.parent.name}\n"
+                     f"    endpointurl = {emulator.endpoint}\n    allow_anonymous_login = true\n")
     _sh(["git", "add", "-A"], repo, env)
     _sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"], repo, env)
 
@@ -196,6 +200,20 @@ def test_full_cycle(world: Env) -> None:
     outputs.append(w.doit("vm_setup").stdout)           # the marker makes the rerun a no-op
     assert "nothing to do" in outputs[-1]
     assert (w.sshd.home / "setup-count").read_text() == "ran\n"
+    assert "mtpipe: VM already set up" not in outputs[-2]
+
+    # vm_shell: the system ssh client, host key pinned; commands come from stdin here.
+    commands = w.repo.parent / "shell-input"
+    commands.write_text('echo "shell in $HOME" > "$HOME/shell-proof"\nexit\n')
+    saved = os.dup(0)
+    with commands.open() as stdin:
+        os.dup2(stdin.fileno(), 0)
+        try:
+            w.doit("vm_shell")
+        finally:
+            os.dup2(saved, 0)
+            os.close(saved)
+    assert (w.sshd.home / "shell-proof").read_text() == f"shell in {w.sshd.home}\n"
 
     outputs.append(w.doit("vm_run").stdout + w.doit("vm_status").stdout)
     metrics = json.loads((w.repo / "metrics" / "summary.json").read_text())

@@ -1,0 +1,80 @@
+"""dvc.yaml declares exactly what each stage reads: no hidden inputs, no spurious ones.
+
+* code: the stage script plus every project module it imports (and, for stages that run MaxText,
+  every module the child process `python -m mtpipe.launch` imports) are deps, and no other module;
+* config: a pipeline stage reads one resolved file, config/<branch>/<stage>.yaml, and declares it;
+* params: `configure` declares every top-level key of params.yaml (it is the only reader).
+"""
+
+from modulefinder import ModuleFinder
+from pathlib import Path
+
+import pytest
+import yaml
+from dvc.repo import Repo
+
+from mtpipe import config
+
+ROOT = config.ROOT
+MAXTEXT_STAGES = {"to_maxtext", "train_sft", "train_rl", "to_huggingface"}
+
+
+def project_modules(script: Path) -> set[str]:
+    """Project files a script imports, transitively (third-party modules are not followed)."""
+    finder = ModuleFinder(path=[str(ROOT)])
+    finder.run_script(str(script))
+    return {
+        str(Path(m.__file__).relative_to(ROOT))
+        for m in finder.modules.values()
+        if m.__file__ and Path(m.__file__).is_relative_to(ROOT) and Path(m.__file__) != script
+    }
+
+
+def dvc_stages() -> dict[str, object]:
+    with Repo(str(ROOT)) as repo:
+        return {stage.addressing: stage for stage in repo.index.stages}
+
+
+STAGES = dvc_stages()
+
+
+def deps_of(stage) -> set[str]:
+    return {str(Path(d.def_path)) for d in stage.deps}
+
+
+@pytest.mark.parametrize("name", sorted(STAGES))
+def test_code_deps_are_exactly_the_imported_modules(name):
+    stage = STAGES[name]
+    script_name = name.split("@")[0]
+    script = ROOT / "stages" / f"{script_name}.py"
+    assert f"python -m stages.{script_name}" in stage.cmd
+    expected = {f"stages/{script_name}.py"} | project_modules(script)
+    if script_name in MAXTEXT_STAGES:
+        expected |= project_modules(ROOT / "mtpipe" / "launch.py") | {"mtpipe/launch.py"}
+    declared = {d for d in deps_of(stage) if d.endswith(".py")}
+    assert declared == expected, f"missing: {expected - declared}, not used: {declared - expected}"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in STAGES if n.split("@")[0] in config.STAGE_SECTIONS))
+def test_each_stage_declares_its_resolved_config(name):
+    script_name, _, branch = name.partition("@")
+    branch = branch or {"train_sft": "sft", "train_rl": "rl"}[script_name]
+    source = (ROOT / "stages" / f"{script_name}.py").read_text()
+    assert f'"{script_name}")' in source, "the stage loads its own view with load_stage(..., stage)"
+    configs = {d for d in deps_of(STAGES[name]) if d.startswith("config/")}
+    assert configs == {f"config/{branch}/{script_name}.yaml"}
+    assert not STAGES[name].params, "pipeline stages read params only through their resolved view"
+
+
+def test_configure_declares_every_params_key():
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    declared = {p for dep in STAGES["configure"].deps for p in getattr(dep, "params", None) or []}
+    assert declared == set(params)
+    outs = {str(o.def_path) for o in STAGES["configure"].outs}
+    assert outs == {f"config/{b}/{s}.yaml" for b, stages in config.BRANCH_STAGES.items() for s in stages}
+
+
+def test_every_resolved_view_is_produced_and_consumed():
+    produced = {str(o.def_path) for o in STAGES["configure"].outs}
+    consumed = {d for s in STAGES.values() for d in deps_of(s) if d.startswith("config/")}
+    assert consumed <= produced

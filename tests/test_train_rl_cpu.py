@@ -1,0 +1,165 @@
+"""MaxText's GRPO trainer (train_rl) on CPU with the cpu_jax rollout backend, and MaxText's rewards.
+
+The slow test runs the real `maxtext.trainers.post_train.rl.train_rl` (through
+`python -m mtpipe.rollout_cpu`) on the tiny Llama 3.1 twin converted by the real converter, for two
+GRPO steps on GSM8K-format parquet files, and checks what a stage would rely on: exit status (no hang
+at exit), the actor checkpoint, changed parameters, the tensorboard scalars and the eval lines.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL_NAME = "llama3.1-8b-Instruct"
+
+
+REWARDS_CHILD = r"""
+import json, multiprocessing.pool, os, sys  # utils_rl needs multiprocessing.pool imported first
+from types import SimpleNamespace
+from omegaconf import OmegaConf
+from maxtext.trainers.post_train.rl import utils_rl
+
+rl = OmegaConf.load(sys.argv[1])  # MaxText's own rl.yml: the reward values are read, not copied
+cfg = SimpleNamespace(**{k: rl[k] for k in rl if k.startswith(("reward_", "penalty_", "reasoning_", "solution_"))},
+                      debug=False, math_verify_timeout=60, math_verify_num_procs=1)
+completions = json.loads(sys.argv[2])
+kw = {"prompts": ["p"] * len(completions), "completions": completions, "tmvp_config": cfg}
+out = {
+    "config": [cfg.reward_exact_answer, cfg.reward_exact_format_match, cfg.reward_partial_format_match],
+    "match_format_exactly": utils_rl.match_format_exactly(**kw),
+    "match_format_approximately": utils_rl.match_format_approximately(**kw),
+    "check_numbers": utils_rl.check_numbers(**kw, answer=['["7"]'] * len(completions), question=["q"] * len(completions)),
+}
+print(json.dumps(out), flush=True)
+os._exit(0)  # the math-verify process pool hangs a normal interpreter exit
+"""
+
+
+def test_maxtext_reward_functions_on_hand_written_completions(tmp_path):
+    import importlib.util
+
+    rl_yml = Path(importlib.util.find_spec("maxtext").origin).parent / "configs" / "post_train" / "rl.yml"
+    completions = [
+        "<reasoning>3 + 4 = 7</reasoning><answer>7</answer>",  # right answer, right format
+        "<reasoning>3 + 4 = 8</reasoning><answer>8</answer>",  # wrong answer (math-verify says no)
+        "<reasoning>3 + 4 = 7</reasoning> <answer>7.0</answer>",  # equal value, other spelling (math-verify)
+        "The answer is 7.",  # bad format: no tags at all
+    ]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", DECOUPLE_GCLOUD="TRUE")
+    run = subprocess.run([sys.executable, "-c", REWARDS_CHILD, str(rl_yml), json.dumps(completions)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    scores = json.loads(run.stdout.strip().splitlines()[-1])
+    assert scores["config"] == [1.0, 0.1, 0.0]  # rl.yml: exact answer 1.0, exact format 0.1, partial format 0.0
+    assert scores["match_format_exactly"] == [0.1, 0.1, 0.1, 0]
+    assert scores["match_format_approximately"] == [0.0, 0.0, 0.0, 0.0]
+    assert scores["check_numbers"] == [1.0, 0.0, 1.0, 0.0]
+
+
+# ----------------------------------------------------------------------------- the real run
+
+
+def _tb_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """tag -> [(step, value)] from tensorboard event files (read with tensorboardX's protos)."""
+    from tensorboardX.proto import event_pb2
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    for path in glob.glob(str(log_dir / "**" / "events.out.tfevents.*"), recursive=True):
+        with open(path, "rb") as f:
+            while header := f.read(12):
+                data = f.read(struct.unpack("<Q", header[:8])[0])
+                f.read(4)
+                event = event_pb2.Event.FromString(data)
+                for v in event.summary.value:
+                    if v.HasField("simple_value"):
+                        out.setdefault(v.tag, []).append((event.step, v.simple_value))
+    return out
+
+
+def _orbax_arrays(path: Path, strip: str, add: str) -> dict[str, np.ndarray]:
+    """Leaves of an orbax pytree checkpoint as numpy, keyed by path with `strip` -> '' and `add` appended."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    ckptr = ocp.PyTreeCheckpointer()
+    meta = ckptr.metadata(path).item_metadata.tree
+    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
+    tree = ckptr.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
+    leaves = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+    return {k.replace(strip, "").removesuffix(add): v for k, v in leaves.items() if k.startswith(strip)}
+
+
+REWARDS_PY = '''
+"""MaxText's three GSM8K rewards plus one that always separates a group, so GRPO has a signal."""
+from maxtext.trainers.post_train.rl.utils_rl import check_numbers, match_format_approximately, match_format_exactly
+
+
+def length_signal(prompts, completions, tmvp_config, **kwargs):
+    return [len(c) / 100.0 for c in completions]
+'''
+
+
+@pytest.mark.slow
+def test_train_rl_runs_two_grpo_steps_on_cpu(tmp_path):
+    from mtpipe import embedded
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu", DECOUPLE_GCLOUD="TRUE", PYTHONPATH=str(REPO))
+    cache = f"jax_cache_dir={REPO / 'work' / 'jax_cache'}"
+    embedded.write_llama31_tiny(tmp_path / "llama")
+    embedded.write_gsm8k_tiny(tmp_path / "gsm8k", n_train=8, n_test=2)
+    dims = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in embedded.MAXTEXT_OVERRIDES["llama3.1-tiny"].items()]
+    subprocess.run(
+        [sys.executable, "-m", "mtpipe.launch", "maxtext.checkpoint_conversion.to_maxtext", f"model_name={MODEL_NAME}",
+         *dims, f"base_output_directory={tmp_path / 'conv'}", "scan_layers=True", "use_multimodal=False",
+         "hardware=cpu", "skip_jax_distributed_system=true", cache, f"--hf_model_path={tmp_path / 'llama'}"],
+        env=env, check=True, capture_output=True, timeout=600,
+    )
+    (tmp_path / "rewards.py").write_text(REWARDS_PY)
+    data = tmp_path / "gsm8k" / "main"
+    argv = [
+        f"model_name={MODEL_NAME}", *dims, f"load_parameters_path={tmp_path / 'conv' / '0' / 'items'}",
+        "run_name=rl", f"base_output_directory={tmp_path / 'out'}", f"tokenizer_path={tmp_path / 'llama'}",
+        "dataset_name=openai/gsm8k", f"hf_train_files={data / 'train-00000-of-00001.parquet'}",
+        f"hf_eval_files={data / 'test-00000-of-00001.parquet'}", "hardware=cpu", "use_pathways=False",
+        "skip_jax_distributed_system=True", "chips_per_vm=1", "rollout_data_parallelism=1",
+        "rollout_tensor_parallelism=1", "batch_size=1", "num_batches=2", "num_test_batches=1", "num_generations=2",
+        "max_prefill_predict_length=160", "max_target_length=176", "weight_dtype=float32", "dtype=float32",
+        "learning_rate=1e-3", "adam_weight_decay=0.0", f"reward_functions_path={tmp_path / 'rewards.py'}",
+        "reward_functions=match_format_exactly,match_format_approximately,check_numbers,length_signal", cache,
+    ]
+    run = subprocess.run([sys.executable, "-m", "mtpipe.rollout_cpu", *argv], env=env, capture_output=True, text=True,
+                         timeout=900)
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, log[-4000:]
+
+    # eval before and after training, on stderr (absl warnings)
+    assert re.search(r"Pre RL Training: corr=\d+, total=1, accuracy=", log), log[-4000:]
+    assert re.search(r"Post RL Training: corr=\d+, total=1, accuracy=", log)
+    assert len(re.findall(r"cpu_jax rollout: 2 prompts", log)) == 2  # one rollout per GRPO step
+
+    params = tmp_path / "out" / "rl" / "checkpoints" / "actor" / "2" / "model_params"
+    assert params.is_dir()
+    before = _orbax_arrays(tmp_path / "conv" / "0" / "items", "['params']['params']", "")
+    after = _orbax_arrays(params, "['base']", "['value']")
+    assert before.keys() <= after.keys() and len(before) >= 10
+    changed = [k for k in before if not np.array_equal(before[k], after[k])]
+    assert all(before[k].shape == after[k].shape for k in before)
+    assert len(changed) >= len(before) // 2, changed  # weight decay is off: the change is GRPO's
+
+    scalars = _tb_scalars(tmp_path / "out" / "rl" / "tensorboard")
+    for tag in ("actor/train/loss", "actor/train/kl", "actor/train/grad_norm", "rewards/train/mean",
+                "rewards/train/check_numbers", "rewards/train/length_signal", "completions/train/mean_length"):
+        assert tag in scalars, sorted(scalars)
+    assert [step for step, _ in scalars["actor/train/loss"]] == [1, 2]
+    assert any(abs(v) > 0 for _, v in scalars["rewards/train/length_signal"])
