@@ -263,7 +263,7 @@ def task_vm_run() -> dict:
             {"name": "target", "long": "target", "type": str, "default": None,
              "help": "DVC stage to reproduce (default: the whole pipeline)"},
             {"name": "set", "long": "set", "type": list, "default": [],
-             "help": "run `dvc exp run -S VALUE` instead of repro (repeatable)"},
+             "help": "`dvc exp run -S VALUE` instead of repro: --set=steps=2000 (repeatable)"},
         ],
         "task_dep": ["vm_setup"],
     }

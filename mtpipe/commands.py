@@ -30,11 +30,10 @@ class MaxTextCommand:
     module: str
     args: list[str]
     env: dict[str, str] = field(default_factory=dict)
-    launch_flags: list[str] = field(default_factory=list)
 
     def argv(self) -> list[str]:
-        """The child process: ``python -m mtpipe.launch [flags] <module> <args>``."""
-        return [sys.executable, "-m", "mtpipe.launch", *self.launch_flags, self.module, *self.args]
+        """The child process: ``python -m mtpipe.launch <module> <args>``."""
+        return [sys.executable, "-m", "mtpipe.launch", self.module, *self.args]
 
     def as_tutorial(self) -> str:
         """The command as a user would type it (``python3 -m <module> <args>``)."""

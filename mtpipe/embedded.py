@@ -202,8 +202,10 @@ def _gsm8k_row(rng: random.Random) -> dict[str, str]:
     else:
         c = rng.randint(1, a + b - 1)
         s, r = a + b, a + b - c
-        q = f"{name} has {a} {item} and gets {b} more. Then {pron.lower()} gives {c} to a friend. How many {item} are left?"
-        steps = f"First {name} has {a} + {b} = <<{a}+{b}={s}>>{s} {item}.\nThen {s} - {c} = <<{s}-{c}={r}>>{r} {item} are left."
+        q = (f"{name} has {a} {item} and gets {b} more. Then {pron.lower()} gives {c} to a friend. "
+             f"How many {item} are left?")
+        steps = (f"First {name} has {a} + {b} = <<{a}+{b}={s}>>{s} {item}.\n"
+                 f"Then {s} - {c} = <<{s}-{c}={r}>>{r} {item} are left.")
     return {"question": q, "answer": f"{steps}\n#### {r}"}
 
 
@@ -401,8 +403,8 @@ def _gemma3_tensors(cfg) -> dict[str, np.ndarray]:
         w[p + "mlp.gate_proj.weight"] = _normal(rng, (inter, h), h**-0.5)
         w[p + "mlp.up_proj.weight"] = _normal(rng, (inter, h), h**-0.5)
         w[p + "mlp.down_proj.weight"] = _normal(rng, (h, inter), inter**-0.5)
-        for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"):
-            w[p + norm + ".weight"] = _on_grid(rng, (h,), 0.0)
+        for norm in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
+            w[p + norm + "_layernorm.weight"] = _on_grid(rng, (h,), 0.0)
     vh, vi, patch = v.hidden_size, v.intermediate_size, v.patch_size
     vp = "vision_tower.vision_model."
     w[vp + "embeddings.patch_embedding.weight"] = _normal(rng, (vh, v.num_channels, patch, patch))

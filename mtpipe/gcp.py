@@ -40,9 +40,12 @@ def explained(action: str) -> Iterator[None]:
         yield
     except auth_exc.DefaultCredentialsError as e:
         raise GcpError(f"{action}: no usable Google credentials ({e}); {CREDENTIALS_FIX}") from e
-    except auth_exc.RefreshError as e:
+    except (auth_exc.RefreshError, auth_exc.OAuthError) as e:
         raise GcpError(
             f"{action}: Google credentials expired or revoked ({e}); {CREDENTIALS_FIX}") from e
+    except gexc.Unauthorized as e:
+        raise GcpError(f"{action}: Google rejected the credentials ({e.message}); "
+                       f"{CREDENTIALS_FIX}") from e
     except gexc.Forbidden as e:
         raise GcpError(
             f"{action}: permission denied ({e.message}); grant roles/compute.admin (or "

@@ -10,33 +10,40 @@ imported, and changes nothing else:
   a tunix `BaseRollout` that samples with the MaxText actor model itself, in JAX.
 
 The rest of MaxText and tunix (config, model load, data, rewards, GrpoLearner, eval, checkpoints)
-runs unmodified. `run_train_rl(argv)` is the entry point: it installs the backend, runs train_rl's
-`main`, and leaves with `os._exit` because the math-verify process pool hangs interpreter shutdown.
+runs unmodified. `run_train_rl(argv)` is the entry point (`python -m mtpipe.rollout_cpu key=value
+...`): it installs the backend, runs train_rl's `main`, and leaves with `os._exit`, because the
+math-verify process pool hangs a normal interpreter exit.
 
 Sampling follows what tunix and vLLM hand back to the GRPO learner: prompts are tokenized like
-tunix (BOS prepended, then deduplicated), left-padded with the pad id to at least the config's
-`max_prompt_length` (never truncated); completions are sampled with temperature / top-k / top-p,
-stop at the first EOS, and are returned unpadded WITH that EOS (as vLLM returns them). The pad token
-is never sampled (when it differs from EOS), because the trainer treats every pad id as padding.
-Each step runs the full forward over a fixed-size buffer, with the same positions and segment ids
-the trainer uses for its log-probs, so the sampler's and the trainer's distributions agree.
+tunix (BOS prepended, then deduplicated), left-padded with the pad id to at least the trainer's
+`max_prefill_predict_length` (never truncated); completions are sampled with temperature / top-k /
+top-p, stop at the first EOS, and are returned unpadded WITH that EOS (as vLLM returns them). The
+pad token is never sampled (when it differs from EOS): the trainer treats every pad id as padding.
+Positions and segment ids are built from `tokens != pad` exactly as the trainer builds them for its
+log-probs, so the sampler's and the trainer's distributions agree.
+
+Two decoders give the same tokens (tests/test_rollout_cpu.py): MaxText's own KV cache (prefill,
+then one autoregressive step per token; the default), and a full forward over a fixed
+[B, prompt + new] buffer per token (used when the cache does not fit, or with
+MTPIPE_ROLLOUT_KV_CACHE=0).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import importlib
+import importlib.util
 import os
 import sys
 import time
 import traceback
 import types
-from typing import Any, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Callable, NoReturn, Optional, Sequence, Tuple
 
-from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import nnx
 from flax.linen import partitioning as nn_partitioning
 from tunix.generate import tokenizer_adapter
@@ -47,6 +54,10 @@ PARENT_PACKAGE = "maxtext.integration.vllm"
 ROLLOUT_MODULE = "maxtext.integration.vllm.maxtext_vllm_rollout"
 ADAPTER_MODULE = "maxtext.integration.vllm.maxtext_vllm_adapter"
 TRAIN_RL_MODULE = "maxtext.trainers.post_train.rl.train_rl"
+KV_CACHE_ENV = "MTPIPE_ROLLOUT_KV_CACHE"  # "0" switches to the full-forward decoder
+
+# advance(i, tokens sampled at step i-1 or None, key) -> (tokens [B], logprobs [B])
+Advance = Callable[[int, Optional[np.ndarray], jax.Array], Tuple[jax.Array, jax.Array]]
 
 
 def check_backend(backend: str) -> None:
@@ -55,29 +66,29 @@ def check_backend(backend: str) -> None:
     return
   if backend != "vllm":
     raise ValueError(f"rollout_backend={backend!r} is unknown: use 'vllm' (TPU) or 'cpu_jax' (CPU/GPU).")
-  import importlib.util  # pylint: disable=import-outside-toplevel
-
   missing = [m for m in ("vllm", "tpu_inference") if importlib.util.find_spec(m) is None]
   if missing:
     raise RuntimeError(
-      f"rollout_backend=vllm needs {' and '.join(missing)}, which is not installed here "
-      "(vLLM/tpu-inference run on TPU VMs only; install them with MaxText's "
-      "`install_tpu_post_train_extra_deps`). On CPU or GPU set `rollout_backend: cpu_jax`."
+        f"rollout_backend=vllm needs {' and '.join(missing)}, which is not installed here "
+        "(vLLM/tpu-inference run on TPU VMs only; install them with MaxText's "
+        "`install_tpu_post_train_extra_deps`). On CPU or GPU set `rollout_backend: cpu_jax`."
     )
+
+
+# ----------------------------------------------------------------------------- jitted steps
 
 
 def _sample_next(logits, key, temperature: float, top_k: Optional[int], top_p: Optional[float]):
   """Picks one token per row from `logits` [B, V]; returns (tokens [B], logprobs [B]).
 
-  Greedy (argmax) when temperature <= 0 or top_k == 1. Otherwise temperature, then top-k, then
-  top-p (nucleus) filtering, then a categorical draw. The logprob is taken under the distribution
-  the token was drawn from (vLLM's "processed_logprobs").
+  Greedy (argmax, logprob 0) when temperature <= 0 or top_k == 1. Otherwise temperature, then
+  top-k, then top-p (nucleus) filtering, then a categorical draw; the logprob is taken under the
+  distribution the token was drawn from (vLLM's default "processed_logprobs").
   """
   logits = logits.astype(jnp.float32)
   if temperature <= 0 or top_k == 1:
     tokens = jnp.argmax(logits, axis=-1)
-    logprobs = jnp.zeros(tokens.shape, jnp.float32)
-    return tokens, logprobs
+    return tokens, jnp.zeros(tokens.shape, jnp.float32)
   logits = logits / temperature
   if top_k is not None and 0 < top_k < logits.shape[-1]:
     kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
@@ -85,8 +96,7 @@ def _sample_next(logits, key, temperature: float, top_k: Optional[int], top_p: O
   if top_p is not None and top_p < 1.0:
     sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
     cum = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
-    # keep the smallest prefix whose mass reaches top_p (always at least one token)
-    cutoff_idx = jnp.sum(cum < top_p, axis=-1, keepdims=True)
+    cutoff_idx = jnp.sum(cum < top_p, axis=-1, keepdims=True)  # first token whose mass reaches top_p
     cutoff = jnp.take_along_axis(sorted_logits, cutoff_idx, axis=-1)
     logits = jnp.where(logits < cutoff, -jnp.inf, logits)
   tokens = jax.random.categorical(key, logits, axis=-1)
@@ -94,19 +104,59 @@ def _sample_next(logits, key, temperature: float, top_k: Optional[int], top_p: O
   return tokens, logprobs
 
 
-def _decode_step(graphdef, state, buffer, step, key, *, temperature, top_k, top_p, pad_id, forbid_pad):
-  """One full-forward decode step: samples the token at position `step` of `buffer` [B, T].
-
-  Positions and (inside the adapter) segment ids come from `buffer != pad_id`, exactly as the
-  trainer builds them for its log-probs; causality makes the pads after `step` irrelevant.
-  """
-  model = nnx.merge(graphdef, state)
-  positions = common.build_positions_from_mask(buffer != pad_id)
-  logits, _ = model(buffer, positions=positions, cache=None, attention_mask=None)
-  last = jax.lax.dynamic_index_in_dim(logits, step - 1, axis=1, keepdims=False)
+def _pick(last_logits, key, *, temperature, top_k, top_p, pad_id, forbid_pad):
   if forbid_pad:
-    last = last.at[:, pad_id].set(-jnp.inf)
-  return _sample_next(last, key, temperature, top_k, top_p)
+    last_logits = last_logits.at[:, pad_id].set(-jnp.inf)
+  return _sample_next(last_logits, key, temperature, top_k, top_p)
+
+
+def _full_forward_step(graphdef, state, buffer, step, key, **settings):
+  """Samples the token at position `step` of `buffer` [B, T] from one full forward (adapter call,
+  which derives segment ids from the pad id); causality makes the pads after `step` irrelevant."""
+  model = nnx.merge(graphdef, state)
+  positions = common.build_positions_from_mask(buffer != settings["pad_id"])
+  logits, _ = model(buffer, positions=positions, cache=None, attention_mask=None)
+  return _pick(jax.lax.dynamic_index_in_dim(logits, step - 1, axis=1, keepdims=False), key, **settings)
+
+
+def _prefill_step(graphdef, params, cache, rest, prompts, key, **settings):
+  """MaxText prefill of left-padded prompts [B, P]; samples the first new token."""
+  model = nnx.merge(graphdef, params, cache, rest)
+  mask = prompts != settings["pad_id"]
+  logits = model(prompts, common.build_positions_from_mask(mask), mask.astype(jnp.int32), model_mode="prefill")
+  return (*_pick(logits[:, -1], key, **settings), nnx.state(model, nnx.Cache))
+
+
+def _autoregressive_step(graphdef, params, cache, rest, tokens, positions, key, **settings):
+  """One MaxText autoregressive step: feeds `tokens` [B] at `positions` [B], samples the next ones."""
+  model = nnx.merge(graphdef, params, cache, rest)
+  logits = model(tokens[:, None], positions[:, None], model_mode="autoregressive")
+  return (*_pick(logits[:, -1], key, **settings), nnx.state(model, nnx.Cache))
+
+
+class _CacheModel:
+  """The autoregressive-mode twin of the actor: MaxText's KV cache variables, no weights of its own.
+
+  Built abstractly (no parameter memory); its parameters are the actor's arrays at each call.
+  """
+
+  def __init__(self, config: Any, mesh: Any):
+    from maxtext.utils import model_creation_utils  # pylint: disable=import-outside-toplevel
+
+    _, abstract = model_creation_utils.create_nnx_abstract_model(config, mesh, model_mode="autoregressive")
+    self.graphdef, _, cache, rest = nnx.split(abstract, nnx.Param, nnx.Cache, ...)
+    self.fresh_cache = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), cache)
+    self.rest = jax.tree.map(_concrete_rng_leaf, rest)  # RNG keys/counts (unused when decoding)
+
+
+def _concrete_rng_leaf(abstract: jax.ShapeDtypeStruct) -> jax.Array:
+  if jnp.issubdtype(abstract.dtype, jax.dtypes.prng_key):
+    key = jax.random.key(0)
+    return jax.random.split(key, abstract.shape) if abstract.shape else key
+  return jnp.zeros(abstract.shape, abstract.dtype)
+
+
+# ----------------------------------------------------------------------------- the rollout
 
 
 class CpuJaxRollout(base_rollout.BaseRollout):
@@ -120,48 +170,49 @@ class CpuJaxRollout(base_rollout.BaseRollout):
       rollout_config: base_rollout.RolloutConfig,
       maxtext_config: Any = None,
       cache_config_or_size: Any = None,
+      kv_cache: Optional[bool] = None,
   ):  # pylint: disable=super-init-not-called,too-many-positional-arguments
     del cache_config_or_size
-    self._model = rollout_actor
+    self._model = rollout_actor  # train_rl's rollout model IS the actor: always the current weights
     self._tokenizer = tokenizer_adapter.TokenizerAdapter(tokenizer)
+    self._maxtext_config = maxtext_config
     self.mesh = mesh
-    self._axis_rules = getattr(maxtext_config, "logical_axis_rules", None)
-    # train_rl's eval builds a RolloutConfig without max_prompt_length (default 64): pad to
-    # the trainer's prompt length too, so eval shapes equal train shapes and nothing is cut.
+    # train_rl's eval builds a RolloutConfig without max_prompt_length (default 64): pad to the
+    # trainer's prompt length too, so eval shapes equal train shapes and nothing is cut.
     self._min_prompt_length = int(getattr(maxtext_config, "max_prefill_predict_length", 0) or 0)
     self._train_temperature = rollout_config.temperature
+    self.kv_cache = os.environ.get(KV_CACHE_ENV, "1") != "0" if kv_cache is None else kv_cache
+    self._cache_model: Optional[_CacheModel] = None
+    self._jit_cache: dict[tuple, Any] = {}
     self._calls = 0
-    self._step_fns: dict[tuple, Any] = {}
     self.last_generate_seconds = 0.0
 
-  # -- tunix interface -------------------------------------------------------------------
+  # -- tunix interface -------------------------------------------------------------------------
   def generate(self, prompts: list[str], rollout_config: base_rollout.RolloutConfig, **kwargs):
     """Samples one completion per prompt string."""
     del kwargs
     start = time.perf_counter()
     prompt_ids = [self._tokenize(p) for p in prompts]
-    prompt_len = max(rollout_config.max_prompt_length, self._min_prompt_length, max(len(p) for p in prompt_ids))
+    prompt_len = max(rollout_config.max_prompt_length, self._min_prompt_length, *(len(p) for p in prompt_ids))
     padded = np.stack([_left_pad(p, prompt_len, self.pad_id()) for p in prompt_ids])
-    eos_ids = list(rollout_config.eos_tokens or [self.eos_id()])
-    seed = rollout_config.seed
-    if seed is None:
-      seed = self._calls
+    seed = self._calls if rollout_config.seed is None else rollout_config.seed
     key = jax.random.PRNGKey(seed) if isinstance(seed, int) else seed
     self._calls += 1
     with self._context():
       tokens, logprobs = self.sample(
-        padded,
-        rollout_config.max_tokens_to_generate,
-        eos_ids,
-        key,
-        temperature=rollout_config.temperature,
-        top_k=rollout_config.top_k,
-        top_p=rollout_config.top_p,
+          padded,
+          rollout_config.max_tokens_to_generate,
+          list(rollout_config.eos_tokens or [self.eos_id()]),
+          key,
+          temperature=rollout_config.temperature,
+          top_k=rollout_config.top_k,
+          top_p=rollout_config.top_p,
       )
     self.last_generate_seconds = time.perf_counter() - start
     logging.info(
-        "cpu_jax rollout: %d prompts, prompt length %d, %d new tokens max, %.2f s",
-        len(prompts), prompt_len, rollout_config.max_tokens_to_generate, self.last_generate_seconds,
+        "cpu_jax rollout: %d prompts, prompt length %d, %d new tokens max, kv_cache=%s, %.2f s",
+        len(prompts), prompt_len, rollout_config.max_tokens_to_generate, self._uses_cache(padded.shape[1],
+        rollout_config.max_tokens_to_generate), self.last_generate_seconds,
     )
     return base_rollout.RolloutOutput(
         text=[self._tokenizer.decode(t.tolist()) for t in tokens],
@@ -172,18 +223,19 @@ class CpuJaxRollout(base_rollout.BaseRollout):
     )
 
   def get_per_token_logps(self, prompt_tokens: jax.Array, completion_tokens: jax.Array) -> jax.Array:
+    """Log-probs of `completion_tokens` under the current weights (used when num_iterations > 1)."""
     graphdef, state = nnx.split(self._model)
     with self._context():
       return common.compute_per_token_logps(
-        graphdef,
-        state,
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        pad_id=self.pad_id(),
-        eos_id=self.eos_id(),
-        stop_gradient=True,
-        return_logits=False,
-        temperature=self._train_temperature,
+          graphdef,
+          state,
+          prompt_tokens=prompt_tokens,
+          completion_tokens=completion_tokens,
+          pad_id=self.pad_id(),
+          eos_id=self.eos_id(),
+          stop_gradient=True,
+          return_logits=False,
+          temperature=self._train_temperature,
       )
 
   def update_params(self, params: Any, filter_types: Optional[Tuple[Any, ...]] = None) -> None:
@@ -199,7 +251,7 @@ class CpuJaxRollout(base_rollout.BaseRollout):
   def model(self) -> Any:
     return self._model
 
-  # -- sampling ----------------------------------------------------------------------------
+  # -- decoding --------------------------------------------------------------------------------
   def sample(
       self,
       padded_prompts: np.ndarray,
@@ -215,63 +267,111 @@ class CpuJaxRollout(base_rollout.BaseRollout):
     the first EOS, and their logprobs."""
     batch, prompt_len = padded_prompts.shape
     pad = self.pad_id()
-    forbid_pad = pad not in eos_ids
-    buffer = np.full((batch, prompt_len + max_new_tokens), pad, np.int32)
-    buffer[:, :prompt_len] = padded_prompts
-    buffer = jnp.asarray(buffer)
-    graphdef, state = nnx.split(self._model)
-    step_fn = self._step_fn(graphdef, float(temperature), top_k, top_p, pad, forbid_pad)
+    settings = dict(temperature=float(temperature), top_k=top_k, top_p=top_p, pad_id=pad, forbid_pad=pad not in eos_ids)
+    if self._uses_cache(prompt_len, max_new_tokens):
+      advance = self._cached_decoder(padded_prompts, settings)
+    else:
+      advance = self._full_forward_decoder(padded_prompts, max_new_tokens, settings)
     done = np.zeros(batch, bool)
     out = np.full((batch, max_new_tokens), pad, np.int32)
     out_logprobs = np.zeros((batch, max_new_tokens), np.float32)
     eos = np.asarray(eos_ids)
+    tok = None
     for i in range(max_new_tokens):
       key, sub = jax.random.split(key)
-      step = prompt_len + i
-      tok, lp = step_fn(state, buffer, step, sub)
-      tok = np.where(done, pad, np.asarray(tok))
+      new, lp = advance(i, tok, sub)
+      tok = np.where(done, pad, np.asarray(new)).astype(np.int32)
       out[:, i] = tok
       out_logprobs[:, i] = np.asarray(lp)
-      buffer = buffer.at[:, step].set(tok)
       done |= np.isin(tok, eos)
       if done.all():
         break
     return _trim(out, out_logprobs, eos)
 
-  # -- helpers -----------------------------------------------------------------------------
-  def _step_fn(self, graphdef: Any, temperature: float, top_k, top_p, pad: int, forbid_pad: bool):
-    """The jitted decode step for these settings (MaxText's graphdef holds an unhashable config,
-    so it is closed over rather than passed as a static argument)."""
-    key = (temperature, top_k, top_p, pad, forbid_pad)
-    if key not in self._step_fns:
-      self._step_fns[key] = jax.jit(
-          functools.partial(
-              _decode_step, graphdef, temperature=temperature, top_k=top_k, top_p=top_p, pad_id=pad,
-              forbid_pad=forbid_pad,
-          )
-      )
-    return self._step_fns[key]
+  def _full_forward_decoder(self, padded_prompts: np.ndarray, max_new_tokens: int, settings: dict) -> Advance:
+    """One full forward over a [B, P + G] buffer per new token."""
+    batch, prompt_len = padded_prompts.shape
+    buffer = np.full((batch, prompt_len + max_new_tokens), settings["pad_id"], np.int32)
+    buffer[:, :prompt_len] = padded_prompts
+    buf = jnp.asarray(buffer)
+    graphdef, state = nnx.split(self._model)
+    step = self._jitted("full", _full_forward_step, graphdef, settings)
+
+    def advance(i: int, previous: Optional[np.ndarray], key: jax.Array):
+      nonlocal buf
+      if i > 0:
+        buf = buf.at[:, prompt_len + i - 1].set(previous)
+      return step(state, buf, prompt_len + i, key)
+
+    return advance
+
+  def _cached_decoder(self, padded_prompts: np.ndarray, settings: dict) -> Advance:
+    """MaxText's own prefill, then one autoregressive step per new token.
+
+    Prefill stores the left-padded prompts with their segment ids (pads masked, as in the full
+    forward); each step feeds the previous token at position `prompt length + i - 1` per row.
+    """
+    if self._cache_model is None:
+      self._cache_model = _CacheModel(self._maxtext_config, self.mesh)
+    cm = self._cache_model
+    params = nnx.state(self._model.base, nnx.Param)
+    prefill = self._jitted("prefill", _prefill_step, cm.graphdef, settings)
+    step = self._jitted("autoregressive", _autoregressive_step, cm.graphdef, settings)
+    prompts = jnp.asarray(padded_prompts)
+    lengths = jnp.asarray((padded_prompts != settings["pad_id"]).sum(axis=1), jnp.int32)
+    cache = cm.fresh_cache
+
+    def advance(i: int, previous: Optional[np.ndarray], key: jax.Array):
+      nonlocal cache
+      if i == 0:
+        tok, lp, cache = prefill(params, cache, cm.rest, prompts, key)
+      else:
+        tok, lp, cache = step(params, cache, cm.rest, jnp.asarray(previous), lengths + i - 1, key)
+      return tok, lp
+
+    return advance
+
+  def _uses_cache(self, prompt_len: int, max_new_tokens: int) -> bool:
+    """MaxText's cache holds exactly `max_prefill_predict_length` prompt positions and
+    `max_target_length - max_prefill_predict_length` new ones; otherwise decode without it."""
+    cfg = self._maxtext_config
+    if not self.kv_cache or cfg is None or not hasattr(self._model, "base"):
+      return False
+    return prompt_len == cfg.max_prefill_predict_length and (
+        max_new_tokens <= cfg.max_target_length - cfg.max_prefill_predict_length
+    )
+
+  # -- helpers ---------------------------------------------------------------------------------
+  def _jitted(self, name: str, fn: Callable, graphdef: Any, settings: dict):
+    """`fn` with the graphdef and sampling settings bound, jitted once per (name, settings).
+
+    MaxText's graphdef holds its (unhashable) config, so it is closed over rather than passed as a
+    static argument; the model's structure does not change between calls.
+    """
+    key = (name, *sorted(settings.items()))
+    if key not in self._jit_cache:
+      self._jit_cache[key] = jax.jit(functools.partial(fn, graphdef, **settings))
+    return self._jit_cache[key]
 
   def _tokenize(self, text: str) -> list[int]:
     ids = self._tokenizer.encode(text)
     bos = [self._tokenizer.bos_id()] if self._tokenizer.bos_id() is not None else []
     return self._tokenizer.dedup_bos_ids(bos + list(ids))
 
-  def _context(self):
-    import contextlib  # pylint: disable=import-outside-toplevel
-
+  def _context(self) -> contextlib.ExitStack:
+    """The rollout mesh and MaxText's logical axis rules (train_rl's eval calls us outside them)."""
     stack = contextlib.ExitStack()
     if self.mesh is not None:
       stack.enter_context(self.mesh)
-    if self._axis_rules is not None:
-      stack.enter_context(nn_partitioning.axis_rules(self._axis_rules))
+    rules = getattr(self._maxtext_config, "logical_axis_rules", None)
+    if rules is not None:
+      stack.enter_context(nn_partitioning.axis_rules(rules))
     return stack
-
 
 
 def _left_pad(ids: Sequence[int], length: int, pad: int) -> np.ndarray:
   out = np.full(length, pad, np.int32)
-  out[length - len(ids):] = ids
+  out[length - len(ids) :] = ids
   return out
 
 
@@ -286,10 +386,13 @@ def _trim(tokens: np.ndarray, logprobs: np.ndarray, eos: np.ndarray) -> tuple[li
   return rows, lps
 
 
+# ----------------------------------------------------------------------------- entry points
+
+
 def install() -> None:
-  """Registers the stand-in modules; call before importing train_rl."""
+  """Registers the two stand-in modules; call before importing train_rl."""
   adapter = types.ModuleType(ADAPTER_MODULE)
-  adapter.__doc__ = "mtpipe stand-in: vLLM model registration is not needed by the cpu_jax rollout."
+  adapter.__doc__ = "mtpipe stand-in: the cpu_jax rollout registers no vLLM model."
   adapter.register = lambda config=None: None
   rollout = types.ModuleType(ROLLOUT_MODULE)
   rollout.__doc__ = "mtpipe stand-in: MaxTextVllmRollout is mtpipe.rollout_cpu.CpuJaxRollout."
@@ -303,12 +406,14 @@ def install() -> None:
 def run_train_rl(argv: Sequence[str]) -> NoReturn:
   """Runs MaxText's train_rl with the cpu_jax backend and exits the process with its status.
 
-  `argv` are train_rl's arguments (optional rl.yml path, then key=value pairs). The process ends
-  with `os._exit` after train_rl's `main` has returned (its checkpoints are written synchronously
-  by then): a normal interpreter exit hangs once the math-verify process pool has been used.
+  `argv` are train_rl's arguments (an optional rl.yml path, then key=value pairs). The process
+  ends with `os._exit` once train_rl's `main` has returned; by then its checkpoints are written
+  (train_rl saves synchronously and waits for the checkpoint manager). A normal interpreter exit
+  hangs once the math-verify process pool has been used.
   """
   install()
   import multiprocessing.pool  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+
   from absl import app  # pylint: disable=import-outside-toplevel
 
   train_rl = importlib.import_module(TRAIN_RL_MODULE)

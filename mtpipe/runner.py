@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -58,7 +59,14 @@ def format_progress(step: int, total: int | None, loss: str, tps: str | None, el
 
 
 def run(cmd: MaxTextCommand, log_path: Path, total_steps: int | None = None, cwd: Path | None = None) -> None:
-    """Run ``cmd``; raise :class:`MaxTextFailed` with the log's tail if it fails."""
+    """Run ``cmd``; raise :class:`MaxTextFailed` with the log's tail if it fails.
+
+    A stage started with ``--print-command`` prints the child's command line and exits instead
+    (benchmarks/bench_dvc.py times that command against the stage).
+    """
+    if "--print-command" in sys.argv:
+        print(shlex.join(["python", *cmd.argv()[1:]]))
+        sys.exit(0)
     env = child_env(cmd.env)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"$ {redact(cmd.as_tutorial(), env)}", flush=True)

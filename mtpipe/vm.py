@@ -306,10 +306,10 @@ def run_script(cfg: DictConfig, root: Path, dvc: str, secret_lines: list[str]) -
     """The pipeline run on the VM: secrets from stdin, env, cd into the repo, the command."""
     env = {**hardware_env(root, cfg.run.hardware), **{k: str(v) for k, v in cfg.run.env.items()}}
     return "\n".join([
+        "set -eo pipefail",
         *secret_lines,
         *_export(env),
         f'cd "$HOME"/{shlex.quote(cfg.run.remote_dir)}',
-        "set -eo pipefail",
         cfg.run.command.replace("{dvc}", dvc),
     ])
 

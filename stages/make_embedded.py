@@ -20,5 +20,5 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python stages/make_embedded.py <output dir, e.g. embedded>")
+        sys.exit("usage: python -m stages.make_embedded <output dir, e.g. embedded>")
     main(sys.argv[1])

@@ -187,7 +187,7 @@ def running_fake(fake: FakeCompute | None = None) -> Iterator[FakeCompute]:
     fake = fake or FakeCompute()
     server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(fake))
     fake.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     try:
         yield fake

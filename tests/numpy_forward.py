@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
+import ml_dtypes  # also registers bfloat16 with numpy, so safetensors can read BF16 tensors
 import numpy as np
 from safetensors import safe_open
 from scipy.special import erf

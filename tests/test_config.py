@@ -111,3 +111,12 @@ def test_configure_stage_exit_message(tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode != 0
     assert "train_sft.steps: must be a positive integer, got 0" in proc.stderr
+
+
+@pytest.mark.parametrize("model", ["gemma3-tiny", "llama3.1-tiny"])
+def test_tiny_model_dims_match_the_generator(model):
+    from mtpipe import embedded
+
+    conf = OmegaConf.to_container(config.load_yaml(config.CONF_DIR / "model" / f"{model}.yaml"))
+    assert conf["maxtext_overrides"] == embedded.MAXTEXT_OVERRIDES[model]
+    assert conf["source"] == {**conf["source"], "kind": "local", "path": f"embedded/{model}"}

@@ -50,7 +50,7 @@ def test_make_embedded_stage_is_atomic(tmp_path):
     stale = tmp_path / "embedded.partial"
     stale.mkdir()
     (stale / "junk").write_text("left by an interrupted run")
-    subprocess.run([sys.executable, str(ROOT / "stages" / "make_embedded.py"), str(out)], check=True, cwd=tmp_path)
+    subprocess.run([sys.executable, "-m", "stages.make_embedded", str(out)], check=True, cwd=ROOT)
     assert sorted(p.name for p in out.iterdir()) == sorted(embedded.WRITERS)
     assert not stale.exists()
 

@@ -23,11 +23,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+import maxtext_forward  # tests/ is on sys.path (pytest rootdir-relative import, as conftest.py relies on)
+import numpy_forward
 from mtpipe import embedded
-
-sys.path.insert(0, str(Path(__file__).parent))
-import maxtext_forward  # noqa: E402
-import numpy_forward  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SEQ_LEN = 100  # > the tiny Gemma 3's sliding window (64), so local layers really are local

@@ -1,0 +1,121 @@
+"""Only what changed reruns, judged from DVC's own output on the real embedded pipeline.
+
+A change to params.yaml is resolved by `configure` into the per-stage views; `dvc status` then names
+the stages whose inputs changed. One real `dvc exp run -S steps=N` shows the same thing end to end.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import yaml
+
+from conftest import restore
+from pipeline import dvc, env, ran_stages
+
+pytestmark = pytest.mark.slow
+
+
+def stale(repo) -> set[str]:
+    """Stages `dvc status` reports as changed."""
+    out = dvc(repo, "status", "--json").stdout.strip()
+    return set(json.loads(out)) if out else set()
+
+
+def edit_params(repo, change) -> None:
+    path = repo / "params.yaml"
+    params = yaml.safe_load(path.read_text())
+    change(params)
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def test_noop_repro_runs_no_stage(pipeline_repo):
+    out = dvc(pipeline_repo, "repro").stdout
+    assert ran_stages(out) == set(), out
+    assert stale(pipeline_repo) == set()
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (lambda p: p.update(steps=7), {"train_sft"}),
+        (lambda p: p["sft"]["train_sft"].update(learning_rate=5e-4), {"train_sft"}),
+        (lambda p: p["sft"]["to_huggingface"].update(weight_dtype="bfloat16"), {"to_huggingface@sft"}),
+        (lambda p: p["sft"].update(dataset="ultrachat-200k"), {"hf_download@sft", "train_sft"}),
+        (lambda p: p["sft"].update(to_maxtext={"checkpoint_storage": "plain"}), {"to_maxtext@sft"}),
+        (lambda p: p["rl"]["train_rl"].update(num_batches=9), {"train_rl"}),
+    ],
+    ids=["steps", "learning_rate", "export_dtype", "dataset_source", "conversion_option", "rl_batches"],
+)
+def test_a_param_reruns_exactly_the_stages_that_read_it(pipeline_repo, change, expected):
+    try:
+        edit_params(pipeline_repo, change)
+        dvc(pipeline_repo, "repro", "configure")
+        assert stale(pipeline_repo) == expected
+    finally:
+        restore(pipeline_repo)
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        ("stages/train_sft.py", {"train_sft"}),
+        ("stages/to_maxtext.py", {"to_maxtext@sft", "to_maxtext@rl"}),
+        ("mtpipe/metrics.py", {"train_sft", "train_rl"}),
+        ("mtpipe/hub.py", {"hf_download@sft", "hf_download@rl"}),
+    ],
+)
+def test_a_code_change_reruns_the_stages_that_run_it(pipeline_repo, path, expected):
+    try:
+        with open(pipeline_repo / path, "a") as f:
+            f.write("\n# touched by a test\n")
+        assert stale(pipeline_repo) == expected
+    finally:
+        restore(pipeline_repo)
+
+
+def test_exp_run_steps_as_typed_reruns_only_training_and_export(pipeline_repo):
+    base_steps = json.loads((pipeline_repo / "metrics/sft/train_sft.json").read_text())["steps"]
+    try:
+        out = dvc(pipeline_repo, "exp", "run", "-S", f"steps={base_steps + 10}").stdout
+        assert ran_stages(out) == {"configure", "train_sft", "to_huggingface@sft"}, out
+        metrics = json.loads((pipeline_repo / "metrics/sft/train_sft.json").read_text())
+        assert metrics["steps"] == base_steps + 10
+        shown = dvc(pipeline_repo, "exp", "show", "--json").stdout
+        assert "loss_last" in shown
+    finally:
+        restore(pipeline_repo)
+
+
+def test_killed_training_resumes_from_its_checkpoint(pipeline_repo):
+    """SIGKILL train_sft after a checkpoint; the rerun restores that step; no output was cached."""
+    log = pipeline_repo / "work/logs/sft/train_sft.log"
+    try:
+        edit_params(pipeline_repo, lambda p: p.update(steps=80))
+        log.write_text("")
+        proc = subprocess.Popen(["dvc", "repro", "train_sft"], cwd=pipeline_repo, env=env(),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 900
+        ckpt = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            ckpt = next(iter((pipeline_repo / "work/train_sft").glob("*/checkpoints/50/model_params")), None)
+            if ckpt is not None and "completed step: 55" in log.read_text():
+                break
+            time.sleep(1)
+        assert ckpt is not None and proc.poll() is None, "training never wrote its step-50 checkpoint"
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert not (pipeline_repo / "artifacts/sft/trained/model_params").exists()
+        assert "train_sft" in stale(pipeline_repo)
+
+        out = dvc(pipeline_repo, "repro", "train_sft").stdout
+        assert "resuming sft-" in out and "checkpoint at step 50" in out, out
+        text = log.read_text().split("python3 -m maxtext.trainers.post_train.sft.train_sft")[-1]
+        assert "completed step: 1," not in text, "the resumed run started again from step 1"
+        assert "completed step: 80" in text
+        assert json.loads((pipeline_repo / "metrics/sft/train_sft.json").read_text())["resumed_from_step"] == 50
+    finally:
+        restore(pipeline_repo)

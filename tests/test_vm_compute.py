@@ -1,0 +1,207 @@
+"""The Compute Engine side of the VM tasks, against the fake API on 127.0.0.1 (no SSH needed).
+
+* golden test: the instances.insert / firewalls.insert bodies, as google-cloud-compute serialises
+  them, against the tutorial's `gcloud compute instances create` flags;
+* operations are waited on until DONE; 404 and 409 are "already gone" / "already there";
+* bad input (missing keys, a zone without v6e, missing or expired credentials, an unknown
+  reservation) fails with the key and the fix, before or without leaving anything behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from doit.doit_cmd import DoitMain
+from fake_compute import FakeCompute, running_fake
+
+from mtpipe import gcp, vm
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = {"PROJECT": "proj-1", "ZONE": "us-east5-b", "RESERVATION": "v6e-res", "NAME": "mt-test"}
+KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE2fTTNpubliconly mtpipe"
+
+# gcloud compute instances create NAME --zone=us-east5-b --network=default --tags=NAME
+#   --machine-type=ct6e-standard-8t --image-project=ubuntu-os-accelerator-images
+#   --image-family=ubuntu-accel-2204-amd64-tpu-v5e-v5p-v6e --boot-disk-size=200GB
+#   --maintenance-policy=TERMINATE --instance-termination-action=DELETE
+#   --provisioning-model=RESERVATION_BOUND --reservation-affinity=specific --reservation=v6e-res
+# plus (docs/tpu-vm.md): maxRunDuration, labels, the cloud-platform scope, our SSH public key.
+GOLDEN_INSTANCE = {
+    "name": "mt-test",
+    "machineType": "zones/us-east5-b/machineTypes/ct6e-standard-8t",
+    "disks": [{"boot": True, "autoDelete": True, "initializeParams": {
+        "sourceImage": "projects/ubuntu-os-accelerator-images/global/images/family/"
+                       "ubuntu-accel-2204-amd64-tpu-v5e-v5p-v6e",
+        "diskSizeGb": "200"}}],
+    "networkInterfaces": [{"network": "global/networks/default",
+                           "accessConfigs": [{"name": "External NAT", "type": "ONE_TO_ONE_NAT"}]}],
+    "tags": {"items": ["mt-test"]},
+    "scheduling": {"provisioningModel": "RESERVATION_BOUND", "instanceTerminationAction": "DELETE",
+                   "onHostMaintenance": "TERMINATE", "automaticRestart": False,
+                   "maxRunDuration": {"seconds": "14400"}},
+    "reservationAffinity": {"consumeReservationType": "SPECIFIC_RESERVATION",
+                            "key": "compute.googleapis.com/reservation-name",
+                            "values": ["v6e-res"]},
+    "serviceAccounts": [{"email": "default",
+                         "scopes": ["https://www.googleapis.com/auth/cloud-platform"]}],
+    "labels": {"app": "mtpipe", "mtpipe-run": "20261129-120000"},
+    "metadata": {"items": [{"key": "ssh-keys", "value": f"mtpipe:{KEY}"}]},
+}
+GOLDEN_FIREWALL = {
+    "name": "mt-test-ssh", "network": "global/networks/default", "direction": "INGRESS",
+    "allowed": [{"IPProtocol": "tcp", "ports": ["22"]}], "sourceRanges": ["35.235.240.0/20"],
+    "targetTags": ["mt-test"], "description": "SSH to the mtpipe VM mt-test",
+}
+
+
+def drop_empty(value: object) -> object:
+    """The client also sends empty lists/maps for unset repeated fields; they carry nothing."""
+    if isinstance(value, dict):
+        return {k: drop_empty(v) for k, v in value.items() if v not in ([], {})}
+    if isinstance(value, list):
+        return [drop_empty(v) for v in value]
+    return value
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCompute]:
+    with running_fake() as fake:
+        monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
+        monkeypatch.delenv(vm.CONFIG_ENV, raising=False)
+        monkeypatch.setenv(gcp.ENDPOINT_ENV, fake.url)
+        monkeypatch.setenv("NO_GCE_CHECK", "true")
+        for proxy in ("HTTP_PROXY", "HTTPS_PROXY"):   # anything not for loopback fails right here
+            monkeypatch.setenv(proxy, "http://127.0.0.1:9")
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+        for key, value in TARGET.items():
+            monkeypatch.setenv(key, value)
+        yield fake
+
+
+def doit(repo: Path, *args: str) -> tuple[int, str]:
+    """Run doit in process in `repo`; return its exit code and everything it printed."""
+    out, cwd, report = io.StringIO(), os.getcwd(), repo / "doit-report.txt"
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            extra = [] if args[0] == "list" else ["--output-file", str(report)]
+            rc = DoitMain().run(["-f", str(ROOT / "dodo.py"), "-d", str(repo), *extra, *args])
+        finally:
+            os.chdir(cwd)
+    return rc, out.getvalue() + (report.read_text() if report.exists() else "")
+
+
+@pytest.fixture
+def repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty git repo to run doit in, with a vm config overlay using a temporary SSH key."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    overlay = tmp_path / "vm.yaml"
+    overlay.write_text(f"ssh: {{key_file: {tmp_path / 'id'}, ready_timeout_s: 1}}\n")
+    monkeypatch.setenv(vm.CONFIG_ENV, str(overlay))
+    return repo
+
+
+def test_insert_bodies_match_the_tutorial(fake: FakeCompute) -> None:
+    cfg = vm.load_config()
+    vm.check_create(cfg)
+    compute = gcp.Compute(cfg.project, cfg.zone)
+    assert compute.create_firewall(gcp.firewall_body(cfg, cfg.name, cfg.firewall.name))
+    labels = {**cfg.labels, "mtpipe-run": "20261129-120000"}
+    instance = compute.create_instance(gcp.instance_body(cfg, cfg.name, KEY, labels))
+
+    (insert,) = fake.calls("POST", "/projects/proj-1/zones/us-east5-b/instances")
+    assert drop_empty(insert.json()) == GOLDEN_INSTANCE
+    (rule,) = fake.calls("POST", "/projects/proj-1/global/firewalls")
+    assert drop_empty(rule.json()) == GOLDEN_FIREWALL
+    # Each operation went PENDING -> RUNNING -> DONE through explicit `wait` calls.
+    assert len(fake.calls("POST", "/wait")) == 4
+    assert instance.status == "RUNNING" and gcp.external_ip(instance) == "127.0.0.1"
+    assert {r.host for r in fake.requests} == {fake.url.removeprefix("http://")}
+
+
+def test_not_found_and_conflict_are_not_errors(fake: FakeCompute) -> None:
+    cfg = vm.load_config()
+    compute = gcp.Compute(cfg.project, cfg.zone)
+    body = gcp.firewall_body(cfg, cfg.name, cfg.firewall.name)
+    assert compute.create_firewall(body) and not compute.create_firewall(body)   # 409
+    assert compute.delete_firewall(body["name"]) and not compute.delete_firewall(body["name"])
+    assert compute.get_instance("mt-test") is None and not compute.delete_instance("mt-test")
+    assert [r.method for r in fake.requests].count("DELETE") == 3
+
+
+@pytest.mark.parametrize("unset, key", [("PROJECT", "vm.project"), ("ZONE", "vm.zone"),
+                                        ("RESERVATION", "vm.reservation")])
+def test_missing_key_fails_before_any_request(fake: FakeCompute, repo: Path, unset: str, key: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(unset)
+    rc, out = doit(repo, "vm_up")
+    assert rc != 0 and f"{key}: is not set. Fix: export {unset}=..." in out
+    assert fake.requests == []
+
+
+def test_zone_without_v6e(fake: FakeCompute, repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ZONE", "us-west2-a")
+    rc, out = doit(repo, "vm_up")
+    assert rc != 0 and "vm.zone: zone 'us-west2-a' has no TPU v6e" in out and "us-east5-b" in out
+    assert fake.requests == []
+
+
+def test_params_override_env(fake: FakeCompute, repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PROJECT")
+    rc, out = doit(repo, "vm_up", "--project", "from-param", "--zone", "europe-west4-a",
+                   "--reservation", "unknown-res")
+    assert rc != 0
+    (insert,) = fake.calls("POST", "/projects/from-param/zones/europe-west4-a/instances")
+    assert insert.json()["reservationAffinity"]["values"] == ["unknown-res"]
+    # The unknown reservation fails the insert operation: clear error, nothing left behind.
+    assert "reservations/unknown-res' was not found" in out
+    assert not fake.instances and not fake.firewalls
+    assert not (repo / ".vm_state.json").exists()
+
+
+def test_missing_credentials(fake: FakeCompute, repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(repo / "no-such-key.json"))
+    rc, out = doit(repo, "vm_up")
+    assert rc != 0 and "no usable Google credentials" in out
+    assert "gcloud auth application-default login" in out
+    assert fake.requests == []
+
+
+def test_expired_credentials(fake: FakeCompute, repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An ADC file as `gcloud auth application-default login` writes for a workforce identity pool;
+    # its token endpoint is the fake, which refuses the refresh token (invalid_grant).
+    adc = repo.parent / "adc.json"
+    adc.write_text(json.dumps({
+        "type": "external_account_authorized_user",
+        "audience": "//iam.googleapis.com/locations/global/workforcePools/p/providers/q",
+        "client_id": "id", "client_secret": "secret", "refresh_token": "expired-refresh-token",
+        "token_url": f"{fake.url}/token", "universe_domain": "googleapis.com"}))
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(adc))
+    rc, out = doit(repo, "vm_up")
+    assert rc != 0 and "Google credentials expired or revoked" in out and "invalid_grant" in out
+    assert "gcloud auth application-default login" in out
+    assert [r.path for r in fake.requests] == ["/token"]
+    assert not fake.instances and not fake.firewalls
+
+
+def test_vm_down_and_status_without_vm(fake: FakeCompute, repo: Path) -> None:
+    rc, out = doit(repo, "vm_status")
+    assert rc == 0 and "VM mt-test in proj-1/us-east5-b: none" in out
+    rc, out = doit(repo, "vm_down")
+    assert rc == 0 and "VM mt-test: already gone" in out and "mt-test-ssh: already gone" in out
+
+
+def test_doit_list_documents_every_task(repo: Path) -> None:
+    rc, out = doit(repo, "list")
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("vm_")}
+    assert rc == 0 and sorted(lines) == ["vm_down", "vm_run", "vm_setup", "vm_shell", "vm_status",
+                                         "vm_up"]
+    assert all(len(line.split()) > 4 for line in lines.values())
