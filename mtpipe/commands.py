@@ -30,10 +30,11 @@ class MaxTextCommand:
     module: str
     args: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    launcher: str = "mtpipe.launch"  # applies mtpipe.maxtext_adapter; train_rl on CPU: mtpipe.rollout_cpu
 
     def argv(self) -> list[str]:
-        """The child process: ``python -m mtpipe.launch <module> <args>``."""
-        return [sys.executable, "-m", "mtpipe.launch", self.module, *self.args]
+        """The child process: ``python -m <launcher> <module> <args>``."""
+        return [sys.executable, "-m", self.launcher, self.module, *self.args]
 
     def as_tutorial(self) -> str:
         """The command as a user would type it (``python3 -m <module> <args>``)."""
@@ -79,11 +80,11 @@ def to_maxtext(cfg: DictConfig, hf_dir: Path, out_dir: Path) -> MaxTextCommand:
 
 
 def train_sft(
-    cfg: DictConfig, *, ckpt: Path, data_dir: Path, tokenizer_dir: Path, base_output: Path, run_name: str,
-    metrics_file: Path, jax_cache_dir: Path,
+    cfg: DictConfig, *, ckpt: Path, train_files: str, eval_files: str | None, columns: list[str],
+    tokenizer_dir: Path, base_output: Path, run_name: str, metrics_file: Path, jax_cache_dir: Path,
 ) -> MaxTextCommand:
-    """Supervised fine-tuning on the downloaded chat data (local parquet files, never the Hub)."""
-    t, d = cfg.train_sft, cfg.dataset
+    """Supervised fine-tuning on local chat data (parquet files from hf_download, never the Hub)."""
+    t = cfg.train_sft
     args = [
         f"run_name={run_name}",
         f"base_output_directory={base_output}",
@@ -93,9 +94,9 @@ def train_sft(
         f"steps={t.steps}",
         "hf_path=parquet",
         "train_split=train",
-        f"train_data_columns={fmt(list(d.columns))}",
+        f"train_data_columns={fmt(columns)}",
         *([f"profiler={t.profiler}"] if t.profiler else []),
-        f"hf_train_files={data_dir / d.train_files}",
+        f"hf_train_files={train_files}",
         f"tokenizer_path={tokenizer_dir}",
         *kv({
             "max_target_length": t.max_target_length,
@@ -103,7 +104,7 @@ def train_sft(
             "num_epoch": t.num_epoch,
             "checkpoint_period": t.checkpoint_period,
         }),
-        *(_eval_args(t, d, data_dir)),
+        *(_eval_args(t, eval_files, columns)),
         f"metrics_file={metrics_file}",
         f"jax_cache_dir={jax_cache_dir}",
         *kv(cfg.hardware.maxtext_args),
@@ -113,16 +114,54 @@ def train_sft(
     return MaxTextCommand(TRAIN_SFT, args, env=dict(cfg.hardware.env))
 
 
-def _eval_args(t: DictConfig, d: DictConfig, data_dir: Path) -> list[str]:
-    if not t.get("eval_interval") or not d.get("eval_files"):
+def _eval_args(t: DictConfig, eval_files: str | None, columns: list[str]) -> list[str]:
+    if not t.get("eval_interval") or not eval_files:
         return []
     return [
-        f"hf_eval_files={data_dir / d.eval_files}",
+        f"hf_eval_files={eval_files}",
         "hf_eval_split=train",
-        f"eval_data_columns={fmt(list(d.columns))}",
+        f"eval_data_columns={fmt(columns)}",
         f"eval_interval={t.eval_interval}",
         f"eval_steps={t.eval_steps}",
     ]
+
+
+def train_rl(
+    cfg: DictConfig, *, ckpt: Path, train_files: str, eval_files: str, tokenizer_dir: Path, base_output: Path,
+    run_name: str, jax_cache_dir: Path,
+) -> MaxTextCommand:
+    """GRPO on local GSM8K-format parquet files; the rollout backend is chosen by ``rollout_backend``."""
+    t = cfg.train_rl
+    args = [
+        f"model_name={cfg.model.maxtext_name}",
+        f"load_parameters_path={ckpt}",
+        f"run_name={run_name}",
+        f"base_output_directory={base_output}",
+        f"chips_per_vm={t.chips_per_vm}",
+        f"num_batches={t.num_batches}",
+        f"num_test_batches={t.num_test_batches}",
+        f"rollout_data_parallelism={t.rollout_data_parallelism}",
+        f"rollout_tensor_parallelism={t.rollout_tensor_parallelism}",
+        f"dataset_name={cfg.dataset.hf_name}",
+        f"hf_train_files={train_files}",
+        f"hf_eval_files={eval_files}",
+        f"tokenizer_path={tokenizer_dir}",
+        *kv({
+            "batch_size": t.batch_size,
+            "num_generations": t.num_generations,
+            "grpo_beta": t.grpo_beta,
+            "grpo_epsilon": t.grpo_epsilon,
+            "learning_rate": t.learning_rate,
+            "max_prefill_predict_length": t.max_prefill_predict_length,
+            "max_target_length": t.max_target_length,
+        }),
+        f"jax_cache_dir={jax_cache_dir}",
+        *kv(cfg.hardware.maxtext_args),
+        *kv(cfg.model.maxtext_overrides),
+        *kv(t.extra_args),
+    ]
+    launcher = {"cpu_jax": "mtpipe.rollout_cpu", "vllm": "mtpipe.launch"}[t.rollout_backend]
+    return MaxTextCommand(TRAIN_RL, args, env=dict(cfg.hardware.env), launcher=launcher)
 
 
 def to_huggingface(cfg: DictConfig, *, params: Path, hf_src_dir: Path, out_dir: Path) -> MaxTextCommand:

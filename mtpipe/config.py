@@ -36,7 +36,7 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
 }
 BRANCH_STAGES: dict[str, tuple[str, ...]] = {
     "sft": ("hf_download", "to_maxtext", "train_sft", "to_huggingface"),
-    "rl": ("hf_download", "to_maxtext", "train_rl", "to_huggingface"),
+    "rl": ("hf_download", "to_maxtext", "train_sft", "train_rl", "to_huggingface"),
 }
 # params.yaml keys that are not stage sections of a branch.
 BRANCH_KEYS = ("preset", *GROUPS)
@@ -118,6 +118,13 @@ def validate(branch: str, cfg: DictConfig) -> None:
         _positive_int(cfg, "train_sft.checkpoint_period", "set sft.train_sft.checkpoint_period >= 1")
         _positive_int(cfg, "train_sft.max_target_length", "set sft.train_sft.max_target_length >= 16", False)
     else:
+        warmup = OmegaConf.select(cfg, "train_sft.steps")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ConfigError("rl.train_sft.steps", f"must be an integer >= 0, got {warmup!r}",
+                              "0 starts GRPO from the converted model, N > 0 warms it up with N SFT steps")
+        if warmup:
+            _positive_int(cfg, "train_sft.per_device_batch_size", "set rl.train_sft.per_device_batch_size >= 1")
+            _positive_int(cfg, "train_sft.checkpoint_period", "set rl.train_sft.checkpoint_period >= 1")
         for key in ("num_batches", "num_test_batches"):
             _positive_int(cfg, f"train_rl.{key}", f"set rl.train_rl.{key} >= 1")
         for key in ("num_generations", "batch_size", "max_prefill_predict_length", "max_target_length"):

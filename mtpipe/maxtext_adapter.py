@@ -15,6 +15,11 @@ Patches, for ``maxtext.checkpoint_conversion.to_maxtext`` and ``.to_huggingface`
    mapping (and the export's names) follow the names found in the source checkpoint.
 3. ``copy_generation_config`` (post-processing, to_huggingface): MaxText writes no
    ``generation_config.json``; without it the export does not stop at ``<end_of_turn>``/``<|eot_id|>``.
+4. ``copy_untouched_tensors`` (post-processing, to_huggingface): with ``use_multimodal=False``
+   MaxText converts and trains the language model only and exports no vision tower, yet the
+   exported config is the multimodal one, so transformers would fill the tower with random
+   weights. The source's tensors that the export lacks (vision tower, projector) were never
+   trained: they are copied unchanged into a second shard, making the export a complete model.
 """
 
 from __future__ import annotations
@@ -182,6 +187,32 @@ def copy_generation_config(hf_dir: Path, output_dir: str | None) -> None:
         shutil.copyfile(src, dst)
 
 
+def copy_untouched_tensors(hf_dir: Path, output_dir: str | None) -> None:
+    """Post-processing 4: add the source tensors the export lacks, as a sharded checkpoint."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    out = Path(output_dir) if output_dir and "://" not in output_dir else None
+    if out is None or not (out / "model.safetensors").is_file():
+        return
+    with safe_open(out / "model.safetensors", "numpy") as f:
+        exported = set(f.keys())
+        metadata = f.metadata()
+    missing: dict[str, Any] = {}
+    for shard in sorted(hf_dir.glob("*.safetensors")):
+        with safe_open(shard, "numpy") as f:
+            missing |= {k: f.get_tensor(k) for k in f.keys() if k not in exported}
+    if not missing:
+        return
+    names = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    save_file(missing, out / names[1], metadata=metadata)
+    (out / "model.safetensors").rename(out / names[0])
+    weight_map = {k: names[0] for k in exported} | {k: names[1] for k in missing}
+    size = sum((out / n).stat().st_size for n in names)
+    index = {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
 def apply(module: str, argv: list[str]) -> Callable[[], None]:
     """Patch MaxText for `module` run with `argv`; return the post-processing step to run on success."""
     reject_secrets(argv)
@@ -192,5 +223,8 @@ def apply(module: str, argv: list[str]) -> Callable[[], None]:
     if args.loads_file_names:
         use_checkpoint_tensor_names(args.model_name, args.hf_model_path)
     if module == TO_HUGGINGFACE:
-        return lambda: copy_generation_config(args.hf_model_path, args.output_dir)
+        def finish() -> None:
+            copy_generation_config(args.hf_model_path, args.output_dir)
+            copy_untouched_tensors(args.hf_model_path, args.output_dir)
+        return finish
     return lambda: None

@@ -1,9 +1,10 @@
-"""Turn MaxText's metrics_file (one JSON object per step) into DVC plots and metrics."""
+"""MaxText and tunix training logs (metrics_file JSONL, tensorboard events, eval lines) as DVC plots and metrics."""
 
 from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 
 LOSS = "learning/loss"
@@ -61,3 +62,60 @@ def write_csv(path: Path, rows: list[dict]) -> None:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
+
+
+def read_tensorboard(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """tag -> [(step, value)] from the tensorboard event files under ``log_dir`` (tunix's logger)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(log_dir.rglob("events.out.tfevents.*")):
+        with open(path, "rb") as f:
+            while header := f.read(12):
+                event = event_pb2.Event.FromString(f.read(struct.unpack("<Q", header[:8])[0]))
+                f.read(4)
+                for value in event.summary.value:
+                    if value.HasField("simple_value"):
+                        scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+RL_EVAL = re.compile(r"(Pre|Post) RL Training: corr=(\d+), total=(\d+), accuracy=([\d.]+)%, "
+                     r"partial_accuracy=([\d.]+)%, format_accuracy=([\d.]+)%, mean_reward=([-\d.]+)")
+RL_CURVES = {  # plot column -> tensorboard tag
+    "reward_mean": "rewards/train/mean",
+    "reward_exact_format": "rewards/train/match_format_exactly",
+    "reward_approx_format": "rewards/train/match_format_approximately",
+    "reward_answer": "rewards/train/check_numbers",
+    "kl": "actor/train/kl",
+    "loss": "actor/train/loss",
+    "completion_length": "completions/train/mean_length",
+}
+
+
+def rl_eval(log_text: str) -> dict[str, dict]:
+    """train_rl's eval before and after GRPO, from its log: {"pre": {...}, "post": {...}}."""
+    found = {}
+    for when, corr, total, acc, partial, fmt, reward in RL_EVAL.findall(log_text):
+        found[when.lower()] = {"correct": int(corr), "total": int(total), "accuracy": float(acc),
+                               "partial_accuracy": float(partial), "format_accuracy": float(fmt),
+                               "mean_reward": float(reward)}
+    return found
+
+
+def rl_curve(scalars: dict[str, list[tuple[int, float]]]) -> list[dict]:
+    """One row per GRPO step with the reward (mean and per function), KL, loss and completion length.
+
+    Rollout scalars are logged at the step before the update, actor scalars at the step after; both
+    are aligned on the GRPO step they belong to (1-based).
+    """
+    rows: dict[int, dict] = {}
+    for column, tag in RL_CURVES.items():
+        shift = 0 if tag.startswith("actor/") else 1
+        for step, value in scalars.get(tag, []):
+            rows.setdefault(step + shift, {"step": step + shift})[column] = round(value, 5)
+    if not any("reward_mean" in r for r in rows.values()):
+        raise RuntimeError("no rewards/train/mean in train_rl's tensorboard logs: GRPO did not run")
+    return [rows[s] for s in sorted(rows)]

@@ -431,4 +431,6 @@ def run_train_rl(argv: Sequence[str]) -> NoReturn:
 
 
 if __name__ == "__main__":
-  run_train_rl(sys.argv[1:])
+  # `python -m mtpipe.rollout_cpu [maxtext.trainers.post_train.rl.train_rl] <train_rl arguments>`
+  _args = sys.argv[1:]
+  run_train_rl(_args[1:] if _args[:1] == [TRAIN_RL_MODULE] else _args)

@@ -73,7 +73,7 @@ def run(cmd: MaxTextCommand, log_path: Path, total_steps: int | None = None, cwd
     start, first_step = time.monotonic(), None
     tail: list[str] = []
     with open(log_path, "a", encoding="utf8") as log:
-        log.write(f"$ {redact(cmd.as_tutorial(), env)}\n")
+        log.write(f"$ {redact(cmd.as_tutorial(), env)}\n# launched as: python -m {cmd.launcher} {cmd.module} ...\n")
         proc = subprocess.Popen(cmd.argv(), env=env, cwd=cwd, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1)
         assert proc.stdout is not None

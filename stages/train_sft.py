@@ -1,60 +1,93 @@
-"""Stage train_sft: supervised fine-tuning with maxtext.trainers.post_train.sft.train_sft.
+"""Stage train_sft@<branch>: supervised fine-tuning with maxtext.trainers.post_train.sft.train_sft.
+
+SFT branch: the tutorial's fine-tuning on chat data. RL branch: an optional warm-up before GRPO on
+the GSM8K rows rewritten as conversations in train_rl's own prompt format (mtpipe.gsm8k_chat);
+`rl.train_sft.steps: 0` skips it and GRPO starts from the converted model.
 
 MaxText's run_name is derived from a digest of this stage's inputs (its resolved config, the
 converted checkpoint, the data), and its run directory lives in work/ where DVC does not delete it:
 a killed run with identical inputs resumes from its last checkpoint, changed inputs start clean.
-On success the final model_params move into artifacts/sft/trained/ and the run directory goes.
-Writes metrics/sft/train_sft.json (DVC metrics) and plots/sft/loss.csv (DVC plot).
-Run: dvc repro train_sft   (or: python -m stages.train_sft)
+On success the final model_params move into the stage's output and the run directory goes.
+Writes metrics/<branch>/train_sft.json (DVC metrics) and plots/<branch>/train_sft.csv (loss plot).
+Run: dvc repro train_sft@sft   (or: python -m stages.train_sft sft)
 """
 
 import os
 import shutil
+import sys
+from pathlib import Path
 
-from mtpipe import commands, runner
+from mtpipe import commands, gsm8k_chat, runner
 from mtpipe.config import load_stage
 from mtpipe.metrics import loss_curve, summarize_sft, write_csv
 from mtpipe.stage import (JAX_CACHE, ROOT, WORK, Timer, artifact, atomic_dir, digest, log_path, require,
                           write_json, write_stamp)
 
+OUTPUT = {"sft": "trained", "rl": "warmup"}  # the SFT branch's final model; the RL branch's warm start
 
-def latest_checkpoint(run_dir) -> int | None:
+
+def latest_checkpoint(run_dir: Path) -> int | None:
     """Highest step with saved model params under ``run_dir/checkpoints``, if any."""
     steps = [int(p.parent.name) for p in (run_dir / "checkpoints").glob("*/model_params") if p.parent.name.isdigit()]
     return max(steps, default=None)
 
 
-def main() -> None:
-    cfg, timer = load_stage("sft", "train_sft"), Timer()
-    converted, dataset, model = artifact("sft", "maxtext"), artifact("sft", "dataset"), artifact("sft", "model")
+def chat_files(cfg, dataset: Path, run_dir: Path) -> tuple[str, str | None, list[str]]:
+    """(train glob, eval glob or None, columns) of chat data MaxText's SFT trainer reads."""
+    d, files = cfg.dataset, dataset / "files"
+    eval_glob = str(files / d.eval_files) if d.get("eval_files") and list(files.glob(d.eval_files)) else None
+    if d.schema == "chat":
+        return str(files / d.train_files), eval_glob, list(d.columns)
+    train = run_dir / "chat" / "train.parquet"
+    gsm8k_chat.write_chat_parquet(sorted(files.glob(d.train_files)), train)
+    if eval_glob:
+        gsm8k_chat.write_chat_parquet(sorted(files.glob(d.eval_files)), run_dir / "chat" / "eval.parquet")
+        eval_glob = str(run_dir / "chat" / "eval.parquet")
+    return str(train), eval_glob, ["messages"]
+
+
+def main(branch: str) -> None:
+    cfg, timer = load_stage(branch, "train_sft"), Timer()
+    metrics_path = ROOT / "metrics" / branch / "train_sft.json"
+    plot_path = ROOT / "plots" / branch / "train_sft.csv"
+    if cfg.train_sft.steps == 0:  # RL branch without warm-up: train_rl starts from the conversion
+        with atomic_dir(artifact(branch, OUTPUT[branch])) as out:
+            write_stamp(out, "train_sft", digest(cfg), skipped=True)
+        write_csv(plot_path, [{"step": 0, "loss": None}])
+        write_json(metrics_path, {"steps": 0, "wall_s": timer.seconds()})
+        print("  steps: 0, no warm-up")
+        return
+    converted, dataset, model = artifact(branch, "maxtext"), artifact(branch, "dataset"), artifact(branch, "model")
     run_digest = digest(cfg, converted, dataset)
-    run_name = f"sft-{run_digest[:12]}"
+    run_name = f"train_sft-{branch}-{run_digest[:12]}"
     base = WORK / "train_sft"
     run_dir = base / run_name
     run_dir.mkdir(parents=True, exist_ok=True)
     resumed_from = latest_checkpoint(run_dir)
     if resumed_from is not None:
         print(f"  resuming {run_name}: MaxText restores its checkpoint at step {resumed_from}")
+    train_files, eval_files, columns = chat_files(cfg, dataset, run_dir)
     metrics_file = run_dir / "metrics.jsonl"
     cmd = commands.train_sft(
-        cfg, ckpt=converted / "0" / "items", data_dir=dataset / "files", tokenizer_dir=model / "files",
-        base_output=base, run_name=run_name, metrics_file=metrics_file, jax_cache_dir=JAX_CACHE,
+        cfg, ckpt=converted / "0" / "items", train_files=train_files, eval_files=eval_files, columns=columns,
+        tokenizer_dir=model / "files", base_output=base, run_name=run_name, metrics_file=metrics_file,
+        jax_cache_dir=JAX_CACHE,
     )
-    runner.run(cmd, log_path("sft", "train_sft"), total_steps=cfg.train_sft.steps)
+    runner.run(cmd, log_path(branch, "train_sft"), total_steps=cfg.train_sft.steps)
 
     final_step = latest_checkpoint(run_dir)
     if final_step is None or final_step < cfg.train_sft.steps - 1:
         raise RuntimeError(f"train_sft wrote no final checkpoint in {run_dir}/checkpoints (found {final_step})")
     curve = loss_curve(require(metrics_file, "MaxText metrics_file"))
-    with atomic_dir(artifact("sft", "trained")) as out:
+    with atomic_dir(artifact(branch, OUTPUT[branch])) as out:
         os.replace(run_dir / "checkpoints" / str(final_step) / "model_params", out / "model_params")
         write_stamp(out, "train_sft", run_digest, run_name=run_name, step=final_step)
-    write_csv(ROOT / "plots" / "sft" / "loss.csv", curve)
+    write_csv(plot_path, curve)
     summary = summarize_sft(curve) | {"wall_s": timer.seconds(), "resumed_from_step": resumed_from or 0}
-    write_json(ROOT / "metrics" / "sft" / "train_sft.json", summary)
+    write_json(metrics_path, summary)
     print(f"  loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f} over {summary['steps']} steps")
     shutil.rmtree(run_dir)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1])

@@ -3,7 +3,7 @@
 Run as a module (`python tests/gcs_emulator.py --data-dir D --bucket B`) it is the launcher: it
 patches the emulator, binds 127.0.0.1 on a free port and prints ``PORT <n>``. Imported, it gives
 `running_emulator()` (a context manager starting that launcher), the `gcs_emulator` pytest fixture,
-`dvc_env()` and `add_dvc_remote()`.
+`dvc_env()`, `add_dvc_remote()` and `local_remote()`.
 
 The bug: the emulator parses a `multipart/related` upload with `email.parser`, which strips the
 line break before each boundary as "CRLF or LF". gcsfs (uploads under 5 MiB) separates parts with a
@@ -132,15 +132,38 @@ def dvc_env(tmp_root: Path) -> dict[str, str]:
     return env
 
 
-def add_dvc_remote(repo: Path, emulator: GcsEmulator, env: dict[str, str], name: str = "gcs") -> None:
-    """Make `gs://<bucket>/dvc` on the emulator the default remote, in `.dvc/config.local` only."""
+def add_dvc_remote(repo: Path, emulator: GcsEmulator, env: dict[str, str], name: str = "gcs",
+                   prefix: str = "dvc", local: bool = True) -> None:
+    """Make `gs://<bucket>/<prefix>` on the emulator the default remote.
+
+    In `.dvc/config.local` (the default: test settings stay out of the committed config), or in
+    `.dvc/config` when ``local`` is false (a test repo whose commits should carry the remote).
+    """
 
     def dvc(*args: str) -> None:
         subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, env=env, check=True)
 
-    dvc("remote", "add", "--local", "-d", name, f"gs://{emulator.bucket}/dvc")
-    dvc("remote", "modify", "--local", name, "endpointurl", emulator.endpoint)
-    dvc("remote", "modify", "--local", name, "allow_anonymous_login", "true")
+    level = ["--local"] if local else []
+    dvc("remote", "add", *level, "-d", name, f"gs://{emulator.bucket}/{prefix}")
+    dvc("remote", "modify", *level, name, "endpointurl", emulator.endpoint)
+    dvc("remote", "modify", *level, name, "allow_anonymous_login", "true")
+
+
+@contextmanager
+def local_remote(repo: Path, emulator: GcsEmulator, env: dict[str, str],
+                 prefix: str = "dvc") -> Iterator[None]:
+    """`add_dvc_remote` to a repo that has no `.dvc/config.local`, removed again on exit.
+
+    For repos shared between tests (the `pipeline_repo` fixture): they are left as found.
+    """
+    config_local = repo / ".dvc" / "config.local"
+    if config_local.exists():
+        raise RuntimeError(f"{config_local} exists: it would be overwritten and then deleted")
+    try:
+        add_dvc_remote(repo, emulator, env, prefix=prefix)
+        yield
+    finally:
+        config_local.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")

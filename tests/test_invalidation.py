@@ -41,10 +41,10 @@ def test_noop_repro_runs_no_stage(pipeline_repo):
 @pytest.mark.parametrize(
     ("change", "expected"),
     [
-        (lambda p: p.update(steps=7), {"train_sft"}),
-        (lambda p: p["sft"]["train_sft"].update(learning_rate=5e-4), {"train_sft"}),
+        (lambda p: p.update(steps=7), {"train_sft@sft"}),
+        (lambda p: p["sft"]["train_sft"].update(learning_rate=5e-4), {"train_sft@sft"}),
         (lambda p: p["sft"]["to_huggingface"].update(weight_dtype="bfloat16"), {"to_huggingface@sft"}),
-        (lambda p: p["sft"].update(dataset="ultrachat-200k"), {"hf_download@sft", "train_sft"}),
+        (lambda p: p["sft"].update(dataset="ultrachat-200k"), {"hf_download@sft", "train_sft@sft"}),
         (lambda p: p["sft"].update(to_maxtext={"checkpoint_storage": "plain"}), {"to_maxtext@sft"}),
         (lambda p: p["rl"]["train_rl"].update(num_batches=9), {"train_rl"}),
     ],
@@ -62,9 +62,9 @@ def test_a_param_reruns_exactly_the_stages_that_read_it(pipeline_repo, change, e
 @pytest.mark.parametrize(
     ("path", "expected"),
     [
-        ("stages/train_sft.py", {"train_sft"}),
+        ("stages/train_sft.py", {"train_sft@sft", "train_sft@rl"}),
         ("stages/to_maxtext.py", {"to_maxtext@sft", "to_maxtext@rl"}),
-        ("mtpipe/metrics.py", {"train_sft", "train_rl"}),
+        ("mtpipe/metrics.py", {"train_sft@sft", "train_sft@rl", "train_rl"}),
         ("mtpipe/hub.py", {"hf_download@sft", "hf_download@rl"}),
     ],
 )
@@ -81,7 +81,7 @@ def test_exp_run_steps_as_typed_reruns_only_training_and_export(pipeline_repo):
     base_steps = json.loads((pipeline_repo / "metrics/sft/train_sft.json").read_text())["steps"]
     try:
         out = dvc(pipeline_repo, "exp", "run", "-S", f"steps={base_steps + 10}").stdout
-        assert ran_stages(out) == {"configure", "train_sft", "to_huggingface@sft"}, out
+        assert ran_stages(out) == {"configure", "train_sft@sft", "to_huggingface@sft"}, out
         metrics = json.loads((pipeline_repo / "metrics/sft/train_sft.json").read_text())
         assert metrics["steps"] == base_steps + 10
         shown = dvc(pipeline_repo, "exp", "show", "--json").stdout
@@ -96,7 +96,7 @@ def test_killed_training_resumes_from_its_checkpoint(pipeline_repo):
     try:
         edit_params(pipeline_repo, lambda p: p.update(steps=80))
         log.write_text("")
-        proc = subprocess.Popen(["dvc", "repro", "train_sft"], cwd=pipeline_repo, env=env(),
+        proc = subprocess.Popen(["dvc", "repro", "train_sft@sft"], cwd=pipeline_repo, env=env(),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 900
         ckpt = None
@@ -109,13 +109,42 @@ def test_killed_training_resumes_from_its_checkpoint(pipeline_repo):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         assert not (pipeline_repo / "artifacts/sft/trained/model_params").exists()
-        assert "train_sft" in stale(pipeline_repo)
+        assert "train_sft@sft" in stale(pipeline_repo)
 
-        out = dvc(pipeline_repo, "repro", "train_sft").stdout
-        assert "resuming sft-" in out and "checkpoint at step 50" in out, out
+        out = dvc(pipeline_repo, "repro", "train_sft@sft").stdout
+        assert "resuming train_sft-sft-" in out and "checkpoint at step 50" in out, out
         text = log.read_text().split("python3 -m maxtext.trainers.post_train.sft.train_sft")[-1]
         assert "completed step: 1," not in text, "the resumed run started again from step 1"
         assert "completed step: 80" in text
         assert json.loads((pipeline_repo / "metrics/sft/train_sft.json").read_text())["resumed_from_step"] == 50
+    finally:
+        restore(pipeline_repo)
+
+
+def test_queued_sweep_runs_and_exp_show_lists_final_losses(pipeline_repo):
+    """`dvc exp run --queue -S ...` twice, `dvc queue start`, then `dvc exp show` has each final loss."""
+    try:
+        for steps in (20, 30):
+            dvc(pipeline_repo, "exp", "run", "--queue", "-S", f"steps={steps}")
+        dvc(pipeline_repo, "queue", "start", "--jobs", "1")
+        deadline = time.monotonic() + 1200
+        while time.monotonic() < deadline:
+            status = dvc(pipeline_repo, "queue", "status").stdout
+            if "Queued" not in status and "Running" not in status:
+                break
+            time.sleep(5)
+        assert "Failed" not in status, dvc(pipeline_repo, "queue", "logs", "--help", check=False).stdout + status
+        rows = json.loads(dvc(pipeline_repo, "exp", "show", "--json").stdout)
+        found = {}
+        for baseline in rows:
+            for exp in (baseline.get("experiments") or []):
+                for rev in exp.get("revs", []):
+                    data = rev.get("data", {})
+                    steps = data.get("params", {}).get("params.yaml", {}).get("data", {}).get("steps")
+                    loss = data.get("metrics", {}).get("metrics/sft/train_sft.json", {}).get("data", {})
+                    if steps in (20, 30) and "loss_last" in loss:
+                        found[steps] = loss
+        assert set(found) == {20, 30}, rows
+        assert found[20]["steps"] == 20 and found[30]["steps"] == 30
     finally:
         restore(pipeline_repo)

@@ -135,10 +135,11 @@ def _reference_greedy(tiny, prompt: str, steps: int) -> list[int]:
     return out
 
 
-def _generate(tiny, prompts, **config):
+def _generate(tiny, prompts, kv_cache=True, **config):
     from tunix.rl.rollout import base_rollout
 
     rollout = tiny[0]
+    rollout.kv_cache = kv_cache
     cfg = base_rollout.RolloutConfig(max_prompt_length=64, max_tokens_to_generate=NEW_TOKENS, **config)
     return rollout.generate(prompts, cfg)
 
@@ -146,25 +147,22 @@ def _generate(tiny, prompts, **config):
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_cache", [True, False], ids=["kv_cache", "full_forward"])
 def test_greedy_matches_reference_decode(tiny, kv_cache):
-    tiny[0].kv_cache = kv_cache
-    out = _generate(tiny, PROMPTS, temperature=0.0, eos_tokens=[-1])  # no stop: full length
+    out = _generate(tiny, PROMPTS, kv_cache, temperature=0.0, eos_tokens=[-1])  # no stop: full length
     assert tiny[0]._uses_cache(64, NEW_TOKENS) is kv_cache
     assert out.left_padded_prompt_tokens.shape == (2, 64)
     for prompt, tokens in zip(PROMPTS, out.tokens):
         assert tokens.tolist() == _reference_greedy(tiny, prompt, NEW_TOKENS)
     # the same prompt alone (other padding, batch of one) gives the same tokens
-    alone = _generate(tiny, PROMPTS[1:], temperature=0.0, eos_tokens=[-1])
+    alone = _generate(tiny, PROMPTS[1:], kv_cache, temperature=0.0, eos_tokens=[-1])
     assert alone.tokens[0].tolist() == out.tokens[1].tolist()
 
 
 @pytest.mark.slow
 def test_kv_cache_and_full_forward_sample_the_same(tiny):
-    rollout = tiny[0]
-    outs = []
-    for kv_cache in (True, False):
-        rollout.kv_cache = kv_cache
-        outs.append(_generate(tiny, PROMPTS, temperature=0.9, top_k=50, top_p=0.95, seed=11, return_logprobs=True))
-    rollout.kv_cache = True
+    outs = [
+        _generate(tiny, PROMPTS, kv_cache, temperature=0.9, top_k=50, top_p=0.95, seed=11, return_logprobs=True)
+        for kv_cache in (True, False)
+    ]
     for cached, full in zip(outs[0].tokens, outs[1].tokens):
         assert cached.tolist() == full.tolist()
     np.testing.assert_allclose(np.concatenate(outs[0].logprobs), np.concatenate(outs[1].logprobs), atol=1e-4)

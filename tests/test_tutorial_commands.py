@@ -26,6 +26,13 @@ TUTORIAL_TRAIN_SFT = """python3 -m maxtext.trainers.post_train.sft.train_sft run
 TUTORIAL_TO_HF = """python3 -m maxtext.checkpoint_conversion.to_huggingface model_name=gemma3-4b \
   load_parameters_path="${POST_TRAIN_PATH}" base_output_directory="${HF_EXPORT}" \
   scan_layers=True use_multimodal=False weight_dtype=bfloat16"""
+TUTORIAL_TRAIN_RL = """python3 -m maxtext.trainers.post_train.rl.train_rl model_name=llama3.1-8b-Instruct \
+  load_parameters_path="${MAXTEXT_CKPT_PATH}" run_name="${RUN_NAME}" \
+  base_output_directory="${BASE_OUTPUT_DIRECTORY}" chips_per_vm=8 num_batches=50 \
+  num_test_batches=10 rollout_data_parallelism=1 rollout_tensor_parallelism=-1"""
+TUTORIAL_RL_TO_HF = """python3 -m maxtext.checkpoint_conversion.to_huggingface model_name=llama3.1-8b \
+  load_parameters_path="${POST_TRAIN_PATH}" base_output_directory="${HF_EXPORT}" \
+  scan_layers=True use_multimodal=False weight_dtype=bfloat16"""
 TUTORIAL_ENV = {
     "TPU_ACCELERATOR_TYPE": "v6e-8", "TPU_WORKER_ID": "0", "TPU_NAME": "@hostname", "TPU_SKIP_MDS_QUERY": "1",
     "TPU_WORKER_HOSTNAMES": "localhost", "TPU_TOPOLOGY": "2x4", "TPU_CHIPS_PER_HOST_BOUNDS": "2,4,1",
@@ -60,6 +67,11 @@ ADDED = {
     # tokenizer files from the pinned download; the export runs on the host CPU in one process, like
     # to_maxtext in the tutorial (without these MaxText tries a multi-host JAX setup on a CPU)
     "to_huggingface": {"--hf_model_path", "hardware", "skip_jax_distributed_system"},
+    "train_rl": {
+        "hf_train_files", "hf_eval_files", "tokenizer_path",  # the pinned local download
+        "dataset_name",  # openai/gsm8k: MaxText's `#### N` answer extraction keys on this name
+        "jax_cache_dir",
+    },
 }
 
 
@@ -75,11 +87,23 @@ def parse(command: str) -> tuple[str, dict[str, str]]:
     return words[2], args
 
 
-def tutorial_cfg() -> dict:
+def tutorial_cfg(branch: str = "sft") -> dict:
     params = OmegaConf.create({"steps": None, "sft": {"preset": "gemma3-4b-ultrachat-v6e8"},
-                               "rl": {"preset": "embedded-rl"}})
-    cfg = config.compose("sft", params)
-    return {stage: config.stage_view(cfg, stage) for stage in config.BRANCH_STAGES["sft"]}
+                               "rl": {"preset": "llama3.1-8b-gsm8k-v6e8"}})
+    cfg = config.compose(branch, params)
+    return {stage: config.stage_view(cfg, stage) for stage in config.BRANCH_STAGES[branch]}
+
+
+def sft_command(cfg) -> commands.MaxTextCommand:
+    return commands.train_sft(cfg, ckpt=Path("/ckpt/0/items"), train_files="/data/*.parquet", eval_files=None,
+                              columns=["messages"], tokenizer_dir=Path("/src"), base_output=Path("/out"),
+                              run_name="run", metrics_file=Path("/m.jsonl"), jax_cache_dir=Path("/cache"))
+
+
+def rl_command(cfg) -> commands.MaxTextCommand:
+    return commands.train_rl(cfg, ckpt=Path("/ckpt/0/items"), train_files="/d/train.parquet",
+                             eval_files="/d/test.parquet", tokenizer_dir=Path("/src"), base_output=Path("/out"),
+                             run_name="run", jax_cache_dir=Path("/cache"))
 
 
 def compare(stage: str, tutorial: str, ours: commands.MaxTextCommand) -> None:
@@ -102,10 +126,7 @@ def test_to_maxtext_matches_tutorial():
 
 
 def test_train_sft_matches_tutorial():
-    cfg = tutorial_cfg()["train_sft"]
-    cmd = commands.train_sft(cfg, ckpt=Path("/ckpt/0/items"), data_dir=Path("/data"), tokenizer_dir=Path("/src"),
-                             base_output=Path("/out"), run_name="run", metrics_file=Path("/m.jsonl"),
-                             jax_cache_dir=Path("/cache"))
+    cmd = sft_command(tutorial_cfg()["train_sft"])
     compare("train_sft", TUTORIAL_TRAIN_SFT, cmd)
     assert cmd.env == TUTORIAL_ENV
 
@@ -123,16 +144,41 @@ def test_tutorial_preset_pins_model_and_data():
     assert len(cfg.model.source.revision) == 40 and len(cfg.dataset.source.revision) == 40
 
 
-@pytest.mark.parametrize("stage", ["to_maxtext", "train_sft", "to_huggingface"])
-def test_no_secret_on_any_command_line(stage, monkeypatch):
+def test_rl_to_maxtext_uses_the_instruct_model():
+    cfg = tutorial_cfg("rl")["to_maxtext"]
+    cmd = commands.to_maxtext(cfg, hf_dir=Path("/src"), out_dir=Path("/ckpt"))
+    compare("to_maxtext", TUTORIAL_TO_MAXTEXT.replace("${MODEL_NAME}", "llama3.1-8b-Instruct"), cmd)
+
+
+def test_train_rl_matches_tutorial():
+    cfgs = tutorial_cfg("rl")
+    cmd = rl_command(cfgs["train_rl"])
+    compare("train_rl", TUTORIAL_TRAIN_RL, cmd)
+    assert cmd.env == TUTORIAL_ENV
+    assert cmd.launcher == "mtpipe.launch", "the tutorial preset keeps MaxText's vLLM rollout"
+    assert cfgs["train_sft"].train_sft.steps == 0, "the tutorial has no SFT warm-up"
+
+
+def test_rl_export_uses_the_base_model_name():
+    cfg = tutorial_cfg("rl")["to_huggingface"]
+    cmd = commands.to_huggingface(cfg, params=Path("/params"), hf_src_dir=Path("/src"), out_dir=Path("/hf"))
+    compare("to_huggingface", TUTORIAL_RL_TO_HF, cmd)
+
+
+def test_embedded_rl_uses_the_cpu_rollout_backend():
+    cmd = rl_command(config.stage_view(config.compose("rl", config.load_params()), "train_rl"))
+    assert cmd.launcher == "mtpipe.rollout_cpu"
+    assert cmd.argv()[1:4] == ["-m", "mtpipe.rollout_cpu", commands.TRAIN_RL]
+
+
+@pytest.mark.parametrize("branch", ["sft", "rl"])
+def test_no_secret_on_any_command_line(branch, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_secretsecretsecret")
-    cfg = tutorial_cfg()[stage]
-    cmd = {
-        "to_maxtext": lambda: commands.to_maxtext(cfg, hf_dir=Path("/s"), out_dir=Path("/o")),
-        "train_sft": lambda: commands.train_sft(cfg, ckpt=Path("/c"), data_dir=Path("/d"), tokenizer_dir=Path("/t"),
-                                                base_output=Path("/o"), run_name="r", metrics_file=Path("/m"),
-                                                jax_cache_dir=Path("/j")),
-        "to_huggingface": lambda: commands.to_huggingface(cfg, params=Path("/p"), hf_src_dir=Path("/s"),
-                                                          out_dir=Path("/o")),
-    }[stage]()
-    assert not any("hf_secret" in a or "hf_access_token" in a for a in cmd.argv())
+    cfgs = tutorial_cfg(branch)
+    cmds = [
+        commands.to_maxtext(cfgs["to_maxtext"], hf_dir=Path("/s"), out_dir=Path("/o")),
+        sft_command(cfgs["train_sft"]) if branch == "sft" else rl_command(cfgs["train_rl"]),
+        commands.to_huggingface(cfgs["to_huggingface"], params=Path("/p"), hf_src_dir=Path("/s"), out_dir=Path("/o")),
+    ]
+    for cmd in cmds:
+        assert not any("hf_secret" in a or "hf_access_token" in a for a in cmd.argv())

@@ -1,5 +1,10 @@
 """The VM lifecycle end to end on loopback: `doit vm_up -> vm_setup -> vm_run -> vm_down`.
 
+The full cycle ships the real project (a clone of the `pipeline_repo` fixture, where the embedded
+default ran) to the loopback "VM", which pulls the artifacts from the GCS emulator, reruns the
+pipeline there and pushes; the results come back and `dvc pull` fetches what the VM produced.
+The failure paths (teardown, --keep, Ctrl-C, an unreachable VM) use a minimal DVC repo.
+
 Stand-ins, all on 127.0.0.1 and reached through the real clients: the fake Compute API
 (google-cloud-compute), an asyncssh server that admits only the key found in the fake instance's
 `ssh-keys` metadata (asyncssh client), and the GCS emulator as the DVC remote (dvc-gs). doit runs in
@@ -16,9 +21,9 @@ import json
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,29 +34,19 @@ import pytest
 import yaml
 from doit.doit_cmd import DoitMain
 from fake_compute import FakeCompute, running_fake
-from gcs_emulator import GCS_TEST_ENV, GcsEmulator, gcs_emulator  # noqa: F401
+from gcs_emulator import GCS_TEST_ENV, GcsEmulator, add_dvc_remote, gcs_emulator, local_remote  # noqa: F401
+from pipeline import ran_stages
 from sshd import LoopbackSshd
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "hf_loopbackSECRETtoken0123456789"
 TARGET = {"PROJECT": "proj-1", "ZONE": "us-east5-b", "RESERVATION": "v6e-res", "NAME": "mt-test"}
 
-PREPARE = """\
-import pathlib, yaml
-n = yaml.safe_load(open("params.yaml"))["n"]
-pathlib.Path("out").mkdir(exist_ok=True)
-pathlib.Path("out/prepared.txt").write_text("x" * n + "\\r")
-"""
-REPORT = """\
-import hashlib, json, os, pathlib
-text = pathlib.Path("out/prepared.txt").read_text()
-pathlib.Path("metrics").mkdir(exist_ok=True)
-token = os.environ.get("HF_TOKEN", "")
-json.dump({"length": len(text), "token_sha256": hashlib.sha256(token.encode()).hexdigest(),
-           "tpu": os.environ.get("TPU_ACCELERATOR_TYPE"), "tpu_name": os.environ.get("TPU_NAME")},
-          open("metrics/summary.json", "w"))
-pathlib.Path("out/report.txt").write_text(f"length {len(text)}\\n")
-"""
+# Run on the "VM" before the pipeline: what the pipeline's environment holds (HF_TOKEN only hashed).
+PROBE = ("import hashlib, json, os; print(json.dumps({'token_sha256': hashlib.sha256("
+         "os.environ.get('HF_TOKEN', '').encode()).hexdigest(), 'tpu': os.environ.get("
+         "'TPU_ACCELERATOR_TYPE'), 'tpu_name': os.environ.get('TPU_NAME')}))")
+EXPORT_DTYPE = "sft.to_huggingface.weight_dtype"
 
 
 @dataclass
@@ -102,30 +97,12 @@ def _sh(cmd: list[str], cwd: Path, env: dict[str, str]) -> str:
 
 
 def make_repo(repo: Path, emulator: GcsEmulator, env: dict[str, str]) -> None:
-    """A 2-stage DVC project, committed, whose default remote is gs:// on the emulator."""
-    repo.mkdir()
-    (repo / "prepare.py").write_text(PREPARE)
-    (repo / "report.py").write_text(REPORT)
-    (repo / "params.yaml").write_text("n: 5\n")
+    """A DVC repo without stages, committed, whose default remote is gs:// on the emulator."""
     (repo / "conf" / "hardware").mkdir(parents=True)
     shutil.copy(ROOT / "conf" / "hardware" / "v6e-8.yaml", repo / "conf" / "hardware")
-    (repo / "dvc.yaml").write_text(textwrap.dedent("""\
-        stages:
-          prepare:
-            cmd: python prepare.py
-            deps: [prepare.py]
-            params: [n]
-            outs: [out/prepared.txt]
-          report:
-            cmd: python report.py
-            deps: [report.py, out/prepared.txt]
-            outs: [out/report.txt]
-            metrics: [{metrics/summary.json: {cache: false}}]
-        """))
-    dvc = [sys.executable, "-m", "dvc"]
     _sh(["git", "init", "-q", "-b", "main"], repo, env)
-    _sh(dvc + ["init", "-q"], repo, env)
-    with (repo / ".dvc" / "config").open("w") as config:   # what `dvc remote add/modify` writes
+    _sh([sys.executable, "-m", "dvc", "init", "-q"], repo, env)
+    with (repo / ".dvc" / "config").open("w") as config:   # what `add_dvc_remote` writes, faster
         config.write(f"[core]\n    remote = gcs\n    analytics = false\n['remote \"gcs\"']\n"
                      f"    url = gs://{emulator.bucket}/{repo.parent.name}\n"
                      f"    endpointurl = {emulator.endpoint}\n    allow_anonymous_login = true\n")
@@ -133,21 +110,43 @@ def make_repo(repo: Path, emulator: GcsEmulator, env: dict[str, str]) -> None:
     _sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"], repo, env)
 
 
+def clone_project(pipeline_repo: Path, repo: Path, emulator: GcsEmulator, env: dict[str, str]) -> None:
+    """A clone of the pipeline's repo with a committed remote on the emulator holding its artifacts.
+
+    The artifacts are pushed from `pipeline_repo` (through a `.dvc/config.local` removed afterwards),
+    like a user who ran the pipeline and pushed before starting a VM.
+    """
+    prefix = repo.parent.name
+    _sh(["git", "clone", "-q", str(pipeline_repo), str(repo)], repo.parent, env)
+    add_dvc_remote(repo, emulator, env, prefix=prefix, local=False)
+    _sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "remote"], repo, env)
+    with local_remote(pipeline_repo, emulator, env, prefix=prefix):
+        _sh([sys.executable, "-m", "dvc", "push", "-q"], pipeline_repo, env)
+
+
 @pytest.fixture
-def world(tmp_path: Path, gcs_emulator: GcsEmulator) -> Iterator[Env]:  # noqa: F811
-    local_env = {k: v for k, v in os.environ.items()
-                 if k not in ("GOOGLE_APPLICATION_CREDENTIALS", "STORAGE_EMULATOR_HOST")}
-    local_env.update(GCS_TEST_ENV, DVC_GLOBAL_CONFIG_DIR=str(tmp_path / "dvc-global"),
-                     DVC_SITE_CACHE_DIR=str(tmp_path / "dvc-site"))
-    repo = tmp_path / "repo"
-    make_repo(repo, gcs_emulator, local_env)
+def local_env(tmp_path: Path) -> dict[str, str]:
+    """The laptop's environment for git/DVC: emulator settings, DVC's own dirs under tmp_path."""
+    environ = {k: v for k, v in os.environ.items()
+               if k not in ("GOOGLE_APPLICATION_CREDENTIALS", "STORAGE_EMULATOR_HOST")}
+    environ.update(GCS_TEST_ENV, DVC_GLOBAL_CONFIG_DIR=str(tmp_path / "dvc-global"),
+                   DVC_SITE_CACHE_DIR=str(tmp_path / "dvc-site"))
+    environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{environ.get('PATH', '')}"
+    return environ
+
+
+@contextlib.contextmanager
+def loopback_world(tmp_path: Path, repo: Path, local_env: dict[str, str]) -> Iterator[Env]:
+    """The fake Compute API and the fake VM around `repo`, and doit's environment."""
     with running_fake() as fake:
 
         def authorized() -> list[str]:   # the VM admits exactly the keys in its ssh-keys metadata
             return [item["value"] for inst in fake.instances.values()
                     for item in inst.get("metadata", {}).get("items", []) if item["key"] == "ssh-keys"]
 
-        sshd = LoopbackSshd(tmp_path / "vm-home", authorized, env=dict(GCS_TEST_ENV)).start()
+        sshd = LoopbackSshd(tmp_path / "vm-home", authorized,
+                            env=dict(GCS_TEST_ENV, DVC_SITE_CACHE_DIR=str(tmp_path / "vm-dvc-site"))
+                            ).start()
         config = tmp_path / "vm-test.yaml"
         config.write_text(yaml.safe_dump({
             "ssh": {"port": sshd.port, "key_file": str(tmp_path / "keys" / "id"), "ready_timeout_s": 10,
@@ -155,8 +154,9 @@ def world(tmp_path: Path, gcs_emulator: GcsEmulator) -> Iterator[Env]:  # noqa: 
             "setup": {"commands": [f'ln -sfn {ROOT / ".venv"} "$HOME/venv"',
                                    'echo ran >> "$HOME/setup-count"']},
             "run": {"command": 'ps -o args= -s "$(ps -o sid= -p $$ | tr -d " ")" > "$HOME/argv.txt"; '
-                               'source "$HOME/venv/bin/activate" && dvc pull --allow-missing && '
-                               '{dvc} && dvc push',
+                               'source "$HOME/venv/bin/activate" && '
+                               f'python -c "{PROBE}" > "$HOME/probe.json" && '
+                               'dvc pull --allow-missing && {dvc} && dvc push',
                     "env": dict(GCS_TEST_ENV)},
         }))
         env = dict(local_env, **TARGET, MTPIPE_COMPUTE_ENDPOINT=fake.url, MTPIPE_VM_CONFIG=str(config),
@@ -166,6 +166,26 @@ def world(tmp_path: Path, gcs_emulator: GcsEmulator) -> Iterator[Env]:  # noqa: 
             yield Env(fake, sshd, repo, env, config)
         finally:
             sshd.stop()
+
+
+@pytest.fixture
+def world(tmp_path: Path, gcs_emulator: GcsEmulator, local_env: dict[str, str]) -> Iterator[Env]:  # noqa: F811
+    """Around a minimal DVC repo: for the failure paths, which never get to run a stage."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    make_repo(repo, gcs_emulator, local_env)
+    with loopback_world(tmp_path, repo, local_env) as w:
+        yield w
+
+
+@pytest.fixture
+def project_world(tmp_path: Path, gcs_emulator: GcsEmulator, local_env: dict[str, str],  # noqa: F811
+                  pipeline_repo: Path) -> Iterator[Env]:
+    """Around a clone of the real project, its artifacts on the emulator."""
+    repo = tmp_path / "repo"
+    clone_project(pipeline_repo, repo, gcs_emulator, local_env)
+    with loopback_world(tmp_path, repo, local_env) as w:
+        yield w
 
 
 def assert_deleted(w: Env) -> None:
@@ -180,8 +200,37 @@ def assert_loopback_only(w: Env, outputs: str) -> None:
     assert TOKEN not in recorded and TOKEN not in outputs
 
 
-def test_full_cycle(world: Env) -> None:
-    w = world
+def md5_tree(root: Path, paths: list[str]) -> dict[str, str]:
+    """md5 of every file under each of `paths` (files or directories), keyed by relative path."""
+    files = [f for rel in paths for f in ([root / rel] if (root / rel).is_file()
+                                          else sorted((root / rel).rglob("*"))) if f.is_file()]
+    return {str(f.relative_to(root)): hashlib.md5(f.read_bytes()).hexdigest() for f in files}
+
+
+def locked_outs(repo: Path) -> dict[str, str]:
+    """Every output in dvc.lock with its md5."""
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    return {o["path"]: o["md5"] for stage in lock["stages"].values() for o in stage.get("outs", [])}
+
+
+def safetensors_dtypes(directory: Path) -> set[str]:
+    """The tensor dtypes named in the headers of every *.safetensors file in `directory`."""
+    dtypes = set()
+    for path in directory.glob("*.safetensors"):
+        with path.open("rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        dtypes |= {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+    return dtypes
+
+
+def dvc_json(w: Env, *args: str) -> dict:
+    out = _sh([sys.executable, "-m", "dvc", *args, "--json"], w.repo, w.env).strip()
+    return json.loads(out) if out else {}
+
+
+@pytest.mark.slow
+def test_full_cycle(project_world: Env, pipeline_repo: Path) -> None:
+    w = project_world
     outputs = []
     outputs.append(w.doit("vm_up").stdout)
     assert "21.60 USD per hour" in outputs[0] and "after 4 h" in outputs[0]
@@ -215,23 +264,38 @@ def test_full_cycle(world: Env) -> None:
             os.close(saved)
     assert (w.sshd.home / "shell-proof").read_text() == f"shell in {w.sshd.home}\n"
 
+    # vm_run: the VM pulls what the laptop pushed; `dvc repro` there has nothing to do.
+    vm_repo = w.sshd.home / "mtpipe"
+    before = locked_outs(pipeline_repo)
     outputs.append(w.doit("vm_run").stdout + w.doit("vm_status").stdout)
-    metrics = json.loads((w.repo / "metrics" / "summary.json").read_text())
-    assert metrics["token_sha256"] == hashlib.sha256(TOKEN.encode()).hexdigest()
-    assert metrics["tpu"] == "v6e-8" and metrics["tpu_name"] == os.uname().nodename
-    assert metrics["length"] == 6
-    assert "out/report.txt" in (w.repo / "dvc.lock").read_text()
+    assert ran_stages(outputs[-1]) == set() and "Data and pipelines are up to date." in outputs[-1]
+    assert md5_tree(vm_repo, list(before)) == md5_tree(pipeline_repo, list(before))
     assert "USD so far" in outputs[-1]
-    shown = _sh([sys.executable, "-m", "dvc", "metrics", "show", "--json"], w.repo, w.env)
-    assert '"length": 6' in shown
-    _sh([sys.executable, "-m", "dvc", "pull"], w.repo, w.env)   # the VM pushed the artifacts
-    assert (w.repo / "out" / "report.txt").read_text() == "length 6\n"
-    assert (w.repo / "out" / "prepared.txt").read_bytes() == b"xxxxx\r"
+    probe = json.loads((w.sshd.home / "probe.json").read_text())   # the pipeline's environment
+    assert probe["token_sha256"] == hashlib.sha256(TOKEN.encode()).hexdigest()
+    assert probe["tpu"] == "v6e-8" and probe["tpu_name"] == os.uname().nodename
+    assert locked_outs(w.repo) == before
 
-    # An experiment sweep through the doit param: `dvc exp run -S n=7` on the VM.
-    outputs.append(w.doit("vm_run", "--set=n=7").stdout)
-    assert json.loads((w.repo / "metrics" / "summary.json").read_text())["length"] == 8
-    assert (w.repo / "params.yaml").read_text() == "n: 7\n"     # dvc.lock and params agree
+    # An experiment through the doit param: `dvc exp run -S ...` on the VM reruns only the export.
+    outputs.append(w.doit("vm_run", f"--set={EXPORT_DTYPE}=bfloat16").stdout)
+    assert ran_stages(outputs[-1]) == {"configure", "to_huggingface@sft"}, outputs[-1]
+    after = locked_outs(w.repo)                          # dvc.lock as the VM wrote it
+    assert (w.repo / "dvc.lock").read_bytes() == (vm_repo / "dvc.lock").read_bytes()
+    assert {p for p in after if after[p] != before[p]} == {"artifacts/sft/hf",
+                                                           "config/sft/to_huggingface.yaml"}
+    assert yaml.safe_load((w.repo / "params.yaml").read_text())["sft"]["to_huggingface"] == {
+        "weight_dtype": "bfloat16"}
+    vm_metrics = json.loads((vm_repo / "metrics" / "sft" / "to_huggingface.json").read_text())
+    shown = dvc_json(w, "metrics", "show")
+    assert shown[""]["data"]["metrics/sft/to_huggingface.json"]["data"] == vm_metrics
+    cloud = dvc_json(w, "status", "--cloud")             # the VM's artifacts are on the remote
+    assert cloud.get("artifacts/sft/hf") == "deleted", cloud   # ("deleted": not in our cache yet)
+
+    _sh([sys.executable, "-m", "dvc", "pull"], w.repo, w.env)   # fetches what the VM produced
+    assert md5_tree(w.repo, ["artifacts/sft/hf"]) == md5_tree(vm_repo, ["artifacts/sft/hf"])
+    assert safetensors_dtypes(w.repo / "artifacts" / "sft" / "hf") == {"BF16"}
+    assert dvc_json(w, "status", "--cloud") == {}
+    assert dvc_json(w, "status") == {}                   # the workspace matches the VM's run
 
     argv = (w.sshd.home / "argv.txt").read_text()   # argv of every process of the remote session
     assert "dvc pull" in argv and "bash -c" in argv and TOKEN not in argv

@@ -1,0 +1,87 @@
+"""Stage train_rl: GRPO with maxtext.trainers.post_train.rl.train_rl on GSM8K-format data.
+
+Starts from the RL branch's SFT warm-up when it ran (rl.train_sft.steps > 0), else from the
+converted checkpoint. The rollout backend is `rl.train_rl.rollout_backend`: vllm on a TPU VM (as
+MaxText ships it), cpu_jax elsewhere (mtpipe.rollout_cpu samples with the actor in JAX).
+The run directory lives in work/ under an input-digest run name, as for train_sft.
+Writes artifacts/rl/trained/model_params, metrics/rl/train_rl.json (reward and eval accuracy before
+and after GRPO) and plots/rl/train_rl.csv (reward per function, KL, loss per step).
+Run: dvc repro train_rl   (or: python -m stages.train_rl)
+"""
+
+import os
+import shutil
+import sys
+
+from mtpipe import commands, runner
+from mtpipe.config import load_stage
+from mtpipe.errors import ConfigError
+from mtpipe.metrics import read_tensorboard, rl_curve, rl_eval, write_csv
+from mtpipe.stage import (JAX_CACHE, ROOT, WORK, Timer, artifact, atomic_dir, digest, log_path, read_stamp,
+                          write_json, write_stamp)
+
+
+def latest_actor_checkpoint(run_dir) -> int | None:
+    """Highest step with saved actor params under ``run_dir/checkpoints/actor``, if any."""
+    root = run_dir / "checkpoints" / "actor"
+    steps = [int(p.parent.name) for p in root.glob("*/model_params") if p.parent.name.isdigit()]
+    return max(steps, default=None)
+
+
+def check_rollout_backend(backend: str) -> None:
+    """Fail before MaxText starts when the backend cannot run on this machine."""
+    from importlib.util import find_spec
+
+    missing = [m for m in ("vllm", "tpu_inference") if backend == "vllm" and find_spec(m) is None]
+    if missing:
+        raise ConfigError("rl.train_rl.rollout_backend", f"vllm needs {' and '.join(missing)}, not installed here",
+                          "run on a TPU VM set up by `doit vm_setup`, or set rollout_backend: cpu_jax")
+
+
+def main() -> None:
+    cfg, timer = load_stage("rl", "train_rl"), Timer()
+    check_rollout_backend(cfg.train_rl.rollout_backend)
+    converted, warmup = artifact("rl", "maxtext"), artifact("rl", "warmup")
+    dataset, model = artifact("rl", "dataset"), artifact("rl", "model")
+    start = warmup / "model_params" if not read_stamp(warmup).get("skipped") else converted / "0" / "items"
+    run_digest = digest(cfg, converted, warmup, dataset)
+    run_name = f"train_rl-{run_digest[:12]}"
+    base = WORK / "train_rl"
+    run_dir = base / run_name
+    resumed_from = latest_actor_checkpoint(run_dir)
+    if resumed_from is not None:
+        print(f"  {run_name}: an earlier run left actor checkpoints up to step {resumed_from}")
+    files = dataset / "files"
+    cmd = commands.train_rl(
+        cfg, ckpt=start, train_files=str(files / cfg.dataset.train_files), eval_files=str(files / cfg.dataset.eval_files),
+        tokenizer_dir=model / "files", base_output=base, run_name=run_name, jax_cache_dir=JAX_CACHE,
+    )
+    print(f"  GRPO from {'the SFT warm-up' if start.parent == warmup else 'the converted model'}")
+    runner.run(cmd, log_path("rl", "train_rl"), total_steps=cfg.train_rl.num_batches)
+
+    final_step = latest_actor_checkpoint(run_dir)
+    if final_step is None:
+        raise RuntimeError(f"train_rl wrote no actor checkpoint under {run_dir}/checkpoints/actor")
+    curve = rl_curve(read_tensorboard(run_dir / "tensorboard"))
+    evals = rl_eval(log_path("rl", "train_rl").read_text(errors="replace"))
+    with atomic_dir(artifact("rl", "trained")) as out:
+        os.replace(run_dir / "checkpoints" / "actor" / str(final_step) / "model_params", out / "model_params")
+        write_stamp(out, "train_rl", run_digest, run_name=run_name, step=final_step)
+    write_csv(ROOT / "plots" / "rl" / "train_rl.csv", curve)
+    rewards = [r["reward_mean"] for r in curve if "reward_mean" in r]
+    summary = {
+        "steps": final_step, "wall_s": timer.seconds(), "resumed_from_step": resumed_from or 0,
+        "reward_first": rewards[0], "reward_last": rewards[-1],
+        **{f"eval_{when}_{key}": value for when, row in evals.items() for key, value in row.items()},
+    }
+    write_json(ROOT / "metrics" / "rl" / "train_rl.json", summary)
+    acc = {w: evals[w]["accuracy"] for w in evals}
+    print(f"  reward {rewards[0]:.3f} -> {rewards[-1]:.3f}; eval accuracy before/after: {acc}")
+    shutil.rmtree(run_dir)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ConfigError as err:
+        sys.exit(f"train_rl: {err}")

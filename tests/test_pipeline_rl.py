@@ -1,0 +1,57 @@
+"""The RL branch on the embedded default: SFT warm-up, GRPO with the cpu_jax rollout, export."""
+
+import csv
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from pipeline import ran_stages
+
+pytestmark = pytest.mark.slow
+
+
+def test_every_rl_stage_ran_the_real_tool(pipeline_repo):
+    log = (pipeline_repo / "work" / "first_repro.log").read_text()
+    assert {"hf_download@rl", "to_maxtext@rl", "train_sft@rl", "train_rl", "to_huggingface@rl"} <= ran_stages(log)
+    rl_log = (pipeline_repo / "work/logs/rl/train_rl.log").read_text()
+    assert "# launched as: python -m mtpipe.rollout_cpu maxtext.trainers.post_train.rl.train_rl" in rl_log
+    assert "cpu_jax rollout:" in rl_log, "the CPU rollout backend sampled the completions"
+    assert (pipeline_repo / "artifacts/rl/trained/model_params").is_dir()
+    assert (pipeline_repo / "artifacts/rl/warmup/model_params").is_dir()
+
+
+def test_grpo_logged_rewards_kl_and_eval_before_and_after(pipeline_repo):
+    metrics = json.loads((pipeline_repo / "metrics/rl/train_rl.json").read_text())
+    rows = list(csv.DictReader(open(pipeline_repo / "plots/rl/train_rl.csv")))
+    assert len(rows) >= metrics["steps"] > 0
+    assert {"reward_mean", "reward_exact_format", "reward_answer", "kl", "loss"} <= set(rows[0])
+    for when in ("pre", "post"):
+        assert metrics[f"eval_{when}_total"] > 0
+        assert 0 <= metrics[f"eval_{when}_accuracy"] <= 100
+    # The warm-up taught the answer format before GRPO started.
+    assert metrics["eval_pre_format_accuracy"] >= 50, metrics
+
+
+def test_grpo_changed_the_warm_started_params(pipeline_repo):
+    hf = pipeline_repo / "artifacts/rl/hf"
+    exported = {k: v for f in hf.glob("*.safetensors") for k, v in load_file(f).items()}
+    source = {k: v for f in (pipeline_repo / "artifacts/rl/model/files").glob("*.safetensors")
+              for k, v in load_file(f).items()}
+    assert set(exported) == set(source)
+    assert sum(not np.array_equal(exported[k], source[k]) for k in source) > 0.9 * len(source)
+
+
+def test_rl_export_logits_match_maxtext_forward(pipeline_repo):
+    import maxtext_forward
+    import numpy_forward
+    from mtpipe import embedded
+
+    ids = np.random.default_rng(1).integers(4, 512, size=64)
+    ours = maxtext_forward.logits(pipeline_repo / "artifacts/rl/trained/model_params", "llama3.1-8b", ids,
+                                  embedded.MAXTEXT_OVERRIDES["llama3.1-tiny"])
+    ref = numpy_forward.logits(pipeline_repo / "artifacts/rl/hf", ids, match_maxtext=True)
+    diff = float(np.abs(ours - ref).max())
+    print(f"\nmax |logit diff| RL export vs MaxText: {diff:.2e}")
+    assert diff < 2e-5
