@@ -51,3 +51,15 @@ def write_chat_parquet(gsm8k_files: list[Path], out: Path) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table({"messages": rows}), out)
     return len(rows)
+
+
+def prompt_lengths(gsm8k_files: list[Path], tokenizer_dir: Path) -> list[int]:
+    """Token length of each question's GRPO prompt, built as train_rl builds it (chat template)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    template, _ = rl_prompt_format()
+    questions = [q for f in gsm8k_files for q in pq.read_table(f, columns=["question"]).column("question").to_pylist()]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": template.replace("{question}", q)}],
+                                             tokenize=False, add_generation_prompt=True) for q in questions]
+    return [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]

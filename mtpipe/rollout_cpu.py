@@ -10,9 +10,10 @@ imported, and changes nothing else:
   a tunix `BaseRollout` that samples with the MaxText actor model itself, in JAX.
 
 The rest of MaxText and tunix (config, model load, data, rewards, GrpoLearner, eval, checkpoints)
-runs unmodified. `run_train_rl(argv)` is the entry point (`python -m mtpipe.rollout_cpu key=value
-...`): it installs the backend, runs train_rl's `main`, and leaves with `os._exit`, because the
-math-verify process pool hangs a normal interpreter exit.
+runs unmodified. `run_train_rl(argv)` is the entry point (`python -m mtpipe.rollout_cpu
+[maxtext.trainers.post_train.rl.train_rl] key=value ...`): it installs the backend, runs train_rl's
+`main`, and leaves with `os._exit`, because the math-verify process pool hangs a normal interpreter
+exit.
 
 Sampling follows what tunix and vLLM hand back to the GRPO learner: prompts are tokenized like
 tunix (BOS prepended, then deduplicated), left-padded with the pad id to at least the trainer's

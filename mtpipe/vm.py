@@ -342,7 +342,7 @@ def ship(remote: Remote, root: Path, remote_dir: str) -> str:
 
 
 def fetch_results(remote: Remote, root: Path, remote_dir: str, paths: list[str]) -> list[str]:
-    """Copy `paths` (dvc.lock, metrics, plots) from the VM's repo over the local ones."""
+    """Copy `paths` (dvc.lock, config, metrics, plots) from the VM's repo over the local ones."""
     quoted = " ".join(shlex.quote(p) for p in paths)
     out = check(remote, "\n".join([
         f'cd "$HOME"/{shlex.quote(remote_dir)}',

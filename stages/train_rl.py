@@ -12,8 +12,9 @@ Run: dvc repro train_rl   (or: python -m stages.train_rl)
 import os
 import shutil
 import sys
+from pathlib import Path
 
-from mtpipe import commands, runner
+from mtpipe import commands, gsm8k_chat, runner
 from mtpipe.config import load_stage
 from mtpipe.errors import ConfigError
 from mtpipe.metrics import read_tensorboard, rl_curve, rl_eval, write_csv
@@ -38,6 +39,21 @@ def check_rollout_backend(backend: str) -> None:
                           "run on a TPU VM set up by `doit vm_setup`, or set rollout_backend: cpu_jax")
 
 
+def check_prompt_budget(cfg, files: Path, tokenizer_dir: Path) -> None:
+    """Say how many prompts train_rl will drop for exceeding the prompt budget; fail if all are."""
+    budget = cfg.train_rl.max_prefill_predict_length
+    if budget is None:
+        return
+    for split in ("train_files", "eval_files"):
+        lengths = gsm8k_chat.prompt_lengths(sorted(files.glob(cfg.dataset[split])), tokenizer_dir)
+        dropped = sum(n > budget for n in lengths)
+        print(f"  {split}: {len(lengths) - dropped} of {len(lengths)} prompts fit max_prefill_predict_length="
+              f"{budget} (longest {max(lengths)} tokens); train_rl drops the other {dropped}")
+        if dropped == len(lengths):
+            raise ConfigError("rl.train_rl.max_prefill_predict_length", f"all {len(lengths)} {split} prompts are "
+                              f"longer than {budget} tokens", f"raise it to at least {min(lengths)}")
+
+
 def main() -> None:
     cfg, timer = load_stage("rl", "train_rl"), Timer()
     check_rollout_backend(cfg.train_rl.rollout_backend)
@@ -52,6 +68,7 @@ def main() -> None:
     if resumed_from is not None:
         print(f"  {run_name}: an earlier run left actor checkpoints up to step {resumed_from}")
     files = dataset / "files"
+    check_prompt_budget(cfg, files, model / "files")
     cmd = commands.train_rl(
         cfg, ckpt=start, train_files=str(files / cfg.dataset.train_files), eval_files=str(files / cfg.dataset.eval_files),
         tokenizer_dir=model / "files", base_output=base, run_name=run_name, jax_cache_dir=JAX_CACHE,

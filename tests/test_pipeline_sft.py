@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 def test_every_sft_stage_ran_the_real_tool(pipeline_repo):
     log = (pipeline_repo / "work" / "first_repro.log").read_text()
-    assert {"configure", "make_embedded", "hf_download@sft", "to_maxtext@sft", "train_sft@sft",
+    assert {"make_embedded", "hf_download@sft", "to_maxtext@sft", "train_sft@sft",
             "to_huggingface@sft"} <= ran_stages(log)
     assert "$ python3 -m maxtext.trainers.post_train.sft.train_sft" in log
     assert (pipeline_repo / "artifacts/sft/maxtext/0/items/manifest.ocdbt").is_file()
