@@ -5,8 +5,9 @@
 SHELL := /bin/bash
 VENV := .venv
 BIN := $(CURDIR)/$(VENV)/bin
-# Python 3.12 (MaxText needs >= 3.12): python3.12 on PATH, else pyenv's, else say how to get one.
-PY312 := $(shell command -v python3.12 2>/dev/null || ls -d $$(pyenv root 2>/dev/null || echo $$HOME/.pyenv)/versions/3.12*/bin/python 2>/dev/null | tail -n 1)
+# Python 3.12 (MaxText needs >= 3.12): a working python3.12 on PATH, else pyenv's, else say how to get one.
+PY312 := $(shell for p in python3.12 $$(pyenv root 2>/dev/null)/versions/3.12*/bin/python; do \
+	  $$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { command -v $$p; break; }; done)
 export PATH := $(BIN):$(PATH)
 export GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT := false
 export NO_GCE_CHECK := true

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+import maxtext_forward
+import numpy_forward
 from mtpipe import embedded, maxtext_adapter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,6 +102,17 @@ def test_round_trip_is_bit_exact(models, tmp_path, name, record_property):
         got = export[key]
         assert (got.dtype, got.shape) == (want.dtype, want.shape), key
         assert got.tobytes() == want.tobytes(), f"{key}: max |diff| {np.abs(got - want).max()}"
+
+    # MaxText's own forward of the converted checkpoint equals an independent numpy forward of the
+    # source (docs/logit-check.md; 100 tokens, past gemma3's 64-token sliding window).
+    ids = np.random.default_rng(0).integers(4, embedded.TINY_VOCAB, size=100)
+    overrides = maxtext_forward.as_args(embedded.MAXTEXT_OVERRIDES[name])
+    ours = maxtext_forward.logits(items, embedded.MAXTEXT_MODEL_NAME[name], ids, overrides)
+    ref = numpy_forward.logits(src, ids, match_maxtext=True)
+    assert ref.std() > 0.1
+    diff = float(np.abs(ours - ref).max())
+    print(f"{name}: max |MaxText - numpy| = {diff:.2e} (logit std {ref.std():.2f})")
+    assert diff < 2e-5
 
     # MaxText wrote the source model's config (not its built-in table), and transformers loads it.
     assert json.loads((hf / "config.json").read_text()) == json.loads((src / "config.json").read_text())

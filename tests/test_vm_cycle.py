@@ -281,8 +281,8 @@ def test_full_cycle(project_world: Env, pipeline_repo: Path) -> None:
     assert ran_stages(outputs[-1]) == {"configure", "to_huggingface@sft"}, outputs[-1]
     after = locked_outs(w.repo)                          # dvc.lock as the VM wrote it
     assert (w.repo / "dvc.lock").read_bytes() == (vm_repo / "dvc.lock").read_bytes()
-    assert {p for p in after if after[p] != before[p]} == {"artifacts/sft/hf",
-                                                           "config/sft/to_huggingface.yaml"}
+    assert {p for p in after if after[p] != before[p]} == {
+        "config/sft/to_huggingface.yaml", "artifacts/sft/hf", "metrics/sft/to_huggingface.json"}
     assert yaml.safe_load((w.repo / "params.yaml").read_text())["sft"]["to_huggingface"] == {
         "weight_dtype": "bfloat16"}
     vm_metrics = json.loads((vm_repo / "metrics" / "sft" / "to_huggingface.json").read_text())
