@@ -279,7 +279,7 @@ def remove(paths: list[Path]) -> None:
 
 
 def printed_command(repo: Path, cmd: str, env: dict[str, str]) -> tuple[str | None, str]:
-    """(`python -m mtpipe.launch ...` that the stage would run, or None; why not).
+    """(`[env K=V ...] python -m mtpipe.launch ...` that the stage would run, or None; why not).
 
     A script without the flag would ignore it and run the whole stage, so the flag must appear in
     the script or in mtpipe/ before it is passed.
@@ -294,7 +294,7 @@ def printed_command(repo: Path, cmd: str, env: dict[str, str]) -> tuple[str | No
     except subprocess.TimeoutExpired:
         return None, f"`{cmd} --print-command` ran over 120 s"
     lines = proc.stdout.strip().splitlines()
-    if proc.returncode == 0 and lines and lines[-1].startswith("python -m mtpipe.launch "):
+    if proc.returncode == 0 and lines and re.match(r"(env (\S+=\S+ )+)?python -m mtpipe\.(launch|rollout_cpu) ", lines[-1]):
         return lines[-1], ""
     said = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or ["nothing"]
     return None, f"`{cmd} --print-command` gave rc={proc.returncode}: {said[0][:80]}"

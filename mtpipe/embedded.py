@@ -181,10 +181,15 @@ _ITEMS = ["apples", "books", "coins", "pens", "cards", "shells", "stamps", "marb
 
 
 def _gsm8k_row(rng: random.Random) -> dict[str, str]:
-    """A small arithmetic word problem with a GSM8K-style answer ending in '#### N'."""
+    """A small arithmetic word problem with a GSM8K-style answer ending in '#### N'.
+
+    Single-digit operands (sums up to 18, products up to 25): few enough arithmetic facts that the
+    tiny model learns part of them in the RL branch's short SFT warm-up, so GRPO has right and wrong
+    answers to tell apart within a group of samples.
+    """
     (name, pron), item = rng.choice(_NAMES), rng.choice(_ITEMS)
     kind = rng.randrange(4)
-    a, b = rng.randint(2, 20), rng.randint(2, 20)
+    a, b = rng.randint(1, 9), rng.randint(1, 9)
     if kind == 0:
         r = a + b
         q = f"{name} has {a} {item}. {pron} gets {b} more. How many {item} does {name} have now?"
@@ -195,7 +200,7 @@ def _gsm8k_row(rng: random.Random) -> dict[str, str]:
         q = f"{name} has {a} {item}. {pron} gives away {b}. How many {item} are left?"
         steps = f"{name} has {a} - {b} = <<{a}-{b}={r}>>{r} {item} left."
     elif kind == 2:
-        a, b = rng.randint(2, 9), rng.randint(2, 9)
+        a, b = rng.randint(2, 5), rng.randint(2, 5)
         r = a * b
         q = f"{name} has {a} boxes with {b} {item} in each box. How many {item} are there in all?"
         steps = f"There are {a} * {b} = <<{a}*{b}={r}>>{r} {item} in all."

@@ -136,18 +136,33 @@ def _autoregressive_step(graphdef, params, cache, rest, tokens, positions, key, 
 
 
 class _CacheModel:
-  """The autoregressive-mode twin of the actor: MaxText's KV cache variables, no weights of its own.
+  """The autoregressive-mode twin of the actor for `batch` rows: MaxText's KV cache variables, no
+  weights of its own.
 
-  Built abstractly (no parameter memory); its parameters are the actor's arrays at each call.
+  MaxText sizes the autoregressive cache from `micro_batch_size_to_train_on` (train_rl: the prompts
+  per step), not from the rollout's rows (prompts x num_generations), so the twin is built from a
+  copy of the config with that field set to `batch`. Built abstractly (no parameter memory); its
+  parameters are the actor's arrays at each call.
   """
 
-  def __init__(self, config: Any, mesh: Any):
+  def __init__(self, config: Any, mesh: Any, batch: int):
     from maxtext.utils import model_creation_utils  # pylint: disable=import-outside-toplevel
 
+    config = _with_batch(config, batch)
     _, abstract = model_creation_utils.create_nnx_abstract_model(config, mesh, model_mode="autoregressive")
     self.graphdef, _, cache, rest = nnx.split(abstract, nnx.Param, nnx.Cache, ...)
     self.fresh_cache = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), cache)
     self.rest = jax.tree.map(_concrete_rng_leaf, rest)  # RNG keys/counts (unused when decoding)
+
+
+def _with_batch(config: Any, batch: int) -> Any:
+  """A copy of MaxText's config (pydantic, or pyconfig's read-only wrapper) whose decode batch is `batch`."""
+  update = {"micro_batch_size_to_train_on": batch}
+  if hasattr(config, "model_copy"):
+    return config.model_copy(update=update)
+  from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
+
+  return pyconfig.HyperParameters(config._pydantic_config.model_copy(update=update))  # pylint: disable=protected-access
 
 
 def _concrete_rng_leaf(abstract: jax.ShapeDtypeStruct) -> jax.Array:
@@ -183,7 +198,7 @@ class CpuJaxRollout(base_rollout.BaseRollout):
     self._min_prompt_length = int(getattr(maxtext_config, "max_prefill_predict_length", 0) or 0)
     self._train_temperature = rollout_config.temperature
     self.kv_cache = os.environ.get(KV_CACHE_ENV, "1") != "0" if kv_cache is None else kv_cache
-    self._cache_model: Optional[_CacheModel] = None
+    self._cache_models: dict[int, _CacheModel] = {}  # by rollout rows: MaxText's cache has a fixed batch
     self._jit_cache: dict[tuple, Any] = {}
     self._calls = 0
     self.last_generate_seconds = 0.0
@@ -310,14 +325,16 @@ class CpuJaxRollout(base_rollout.BaseRollout):
     """MaxText's own prefill, then one autoregressive step per new token.
 
     Prefill stores the left-padded prompts with their segment ids (pads masked, as in the full
-    forward); each step feeds the previous token at position `prompt length + i - 1` per row.
+    forward); each step feeds the previous token at position `prompt length + i - 1` per row. The
+    cache twin (and its jitted steps) is built once per number of rows.
     """
-    if self._cache_model is None:
-      self._cache_model = _CacheModel(self._maxtext_config, self.mesh)
-    cm = self._cache_model
+    rows = padded_prompts.shape[0]
+    if rows not in self._cache_models:
+      self._cache_models[rows] = _CacheModel(self._maxtext_config, self.mesh, rows)
+    cm = self._cache_models[rows]
     params = nnx.state(self._model.base, nnx.Param)
-    prefill = self._jitted("prefill", _prefill_step, cm.graphdef, settings)
-    step = self._jitted("autoregressive", _autoregressive_step, cm.graphdef, settings)
+    prefill = self._jitted(f"prefill/{rows}", _prefill_step, cm.graphdef, settings)
+    step = self._jitted(f"autoregressive/{rows}", _autoregressive_step, cm.graphdef, settings)
     prompts = jnp.asarray(padded_prompts)
     lengths = jnp.asarray((padded_prompts != settings["pad_id"]).sum(axis=1), jnp.int32)
     cache = cm.fresh_cache

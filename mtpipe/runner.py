@@ -18,8 +18,8 @@ from pathlib import Path
 
 from mtpipe.commands import MaxTextCommand
 
-STEP_LINE = re.compile(r"completed step: (?P<step>\d+), seconds: (?P<sec>[\d.]+).*?"
-                       r"(?:Tokens/s/device: (?P<tps>[\d.]+))?.*?loss: (?P<loss>[\d.naif-]+)")
+STEP_LINE = re.compile(r"completed step: (?P<step>\d+), seconds: (?P<sec>[\d.]+)"
+                       r"(?:.*?Tokens/s/device: (?P<tps>[\d.]+))?.*?loss: (?P<loss>[\d.naif-]+)")
 SECRET_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "GOOGLE_APPLICATION_CREDENTIALS")
 
 
@@ -65,7 +65,8 @@ def run(cmd: MaxTextCommand, log_path: Path, total_steps: int | None = None, cwd
     (benchmarks/bench_dvc.py times that command against the stage).
     """
     if "--print-command" in sys.argv:
-        print(shlex.join(["python", *cmd.argv()[1:]]))
+        env = [f"{k}={socket.gethostname() if v == '@hostname' else v}" for k, v in cmd.env.items()]
+        print(shlex.join([*(["env", *env] if env else []), "python", *cmd.argv()[1:]]))
         sys.exit(0)
     env = child_env(cmd.env)
     log_path.parent.mkdir(parents=True, exist_ok=True)

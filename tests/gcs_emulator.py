@@ -3,7 +3,7 @@
 Run as a module (`python tests/gcs_emulator.py --data-dir D --bucket B`) it is the launcher: it
 patches the emulator, binds 127.0.0.1 on a free port and prints ``PORT <n>``. Imported, it gives
 `running_emulator()` (a context manager starting that launcher), the `gcs_emulator` pytest fixture,
-`dvc_env()`, `add_dvc_remote()` and `local_remote()`.
+`dvc_env()`, `add_dvc_remote()`, `local_remote()` and `missing_git_outputs()`.
 
 The bug: the emulator parses a `multipart/related` upload with `email.parser`, which strips the
 line break before each boundary as "CRLF or LF". gcsfs (uploads under 5 MiB) separates parts with a
@@ -164,6 +164,19 @@ def local_remote(repo: Path, emulator: GcsEmulator, env: dict[str, str],
         yield
     finally:
         config_local.unlink(missing_ok=True)
+
+
+def missing_git_outputs(clone: Path) -> list[str]:
+    """Outputs DVC leaves to git (`cache: false`) that a git clone lacks.
+
+    Neither git (it ignores them) nor `dvc pull` (they are not cached) brings these, so `dvc repro`
+    in the clone reruns their stages.
+    """
+    from dvc.repo import Repo
+
+    with Repo(str(clone)) as repo:
+        uncached = [str(o.def_path) for s in repo.index.stages for o in s.outs if not o.use_cache]
+    return sorted(p for p in uncached if not (clone / p).exists())
 
 
 @pytest.fixture(scope="module")

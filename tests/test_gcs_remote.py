@@ -26,6 +26,7 @@ from gcs_emulator import (  # noqa: F401 (gcs_emulator is a fixture)
     dvc_env,
     gcs_emulator,
     local_remote,
+    missing_git_outputs,
     parse_multipart_related,
 )
 from pipeline import ran_stages
@@ -163,6 +164,7 @@ def test_clone_pull_repro_of_the_pipeline_runs_no_stage(
         git(tmp_path, env, "clone", "-q", str(a), name)
         add_dvc_remote(clone, gcs_emulator, env)
         assert not (clone / ".dvc" / "cache").exists()  # everything must come from the remote
+        assert not missing_git_outputs(clone), "outputs with `cache: false` must be committed to git"
         clones[name] = clone
 
     dvc(clones["b"], env, "pull")

@@ -22,6 +22,7 @@ from mtpipe import rollout_cpu
 RL_YML = Path(importlib.util.find_spec("maxtext").origin).parent / "configs" / "post_train" / "rl.yml"
 PROMPTS = ["Tom has 3 pens. He gets 4 more. How many pens?", "Mia has 12 coins and gives 5 away. How many are left?"]
 NEW_TOKENS = 12
+DECODE_BATCH = 2  # train_rl's batch_size (prompts per step); a rollout has batch_size x num_generations rows
 
 
 # ----------------------------------------------------------------------------- fast
@@ -96,6 +97,7 @@ def tiny(tmp_path_factory):
         "use_pathways=false", "skip_jax_distributed_system=true", "chips_per_vm=1", "rollout_data_parallelism=1",
         "rollout_tensor_parallelism=1", "weight_dtype=float32", "dtype=float32", "matmul_precision=highest",
         "max_prefill_predict_length=64", f"max_target_length={64 + NEW_TOKENS}",
+        f"batch_size={DECODE_BATCH}",  # MaxText sizes its decode cache from this, not from the rollout rows
         f"base_output_directory={root / 'out'}", "run_name=t", "enable_checkpointing=false", "log_config=false",
     ]
     config = pyconfig.initialize_pydantic(argv, config_class=types.RLConfig)
@@ -155,6 +157,22 @@ def test_greedy_matches_reference_decode(tiny, kv_cache):
     # the same prompt alone (other padding, batch of one) gives the same tokens
     alone = _generate(tiny, PROMPTS[1:], kv_cache, temperature=0.0, eos_tokens=[-1])
     assert alone.tokens[0].tolist() == out.tokens[1].tolist()
+
+
+@pytest.mark.slow
+def test_kv_cache_greedy_matches_reference_with_more_rows_than_the_config_batch(tiny):
+    """A train_rl rollout of batch_size 2 x num_generations 4 = 8 rows (the cache twin used to keep
+    the config's batch of 2 and failed on "batch dims must match"); then fewer rows again."""
+    prompts = PROMPTS + ["Ana has 9 cards. She gets 6 more. How many cards?", "Leo has 4 boxes of 5 shells. How many?"]
+    rows = [p for p in prompts for _ in range(2)]  # 4 prompts x 2 generations
+    out = _generate(tiny, rows, temperature=0.0, eos_tokens=[-1])
+    assert tiny[0]._uses_cache(64, NEW_TOKENS)
+    assert out.left_padded_prompt_tokens.shape == (8, 64)
+    reference = {p: _reference_greedy(tiny, p, NEW_TOKENS) for p in prompts}
+    for prompt, tokens in zip(rows, out.tokens):
+        assert tokens.tolist() == reference[prompt]
+    three = _generate(tiny, prompts[1:], temperature=0.0, eos_tokens=[-1])
+    assert [t.tolist() for t in three.tokens] == [reference[p] for p in prompts[1:]]
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ import hashlib
 import io
 import json
 import os
+import secrets
 import shutil
 import signal
 import struct
@@ -34,12 +35,19 @@ import pytest
 import yaml
 from doit.doit_cmd import DoitMain
 from fake_compute import FakeCompute, running_fake
-from gcs_emulator import GCS_TEST_ENV, GcsEmulator, add_dvc_remote, gcs_emulator, local_remote  # noqa: F401
+from gcs_emulator import (  # noqa: F401 (gcs_emulator is a fixture)
+    GCS_TEST_ENV,
+    GcsEmulator,
+    add_dvc_remote,
+    gcs_emulator,
+    local_remote,
+    missing_git_outputs,
+)
 from pipeline import ran_stages
 from sshd import LoopbackSshd
 
 ROOT = Path(__file__).resolve().parents[1]
-TOKEN = "hf_loopbackSECRETtoken0123456789"
+TOKEN = "hf_" + secrets.token_hex(16)   # made at run time: the shipped sources cannot contain it
 TARGET = {"PROJECT": "proj-1", "ZONE": "us-east5-b", "RESERVATION": "v6e-res", "NAME": "mt-test"}
 
 # Run on the "VM" before the pipeline: what the pipeline's environment holds (HF_TOKEN only hashed).
@@ -98,6 +106,7 @@ def _sh(cmd: list[str], cwd: Path, env: dict[str, str]) -> str:
 
 def make_repo(repo: Path, emulator: GcsEmulator, env: dict[str, str]) -> None:
     """A DVC repo without stages, committed, whose default remote is gs:// on the emulator."""
+    repo.mkdir()
     (repo / "conf" / "hardware").mkdir(parents=True)
     shutil.copy(ROOT / "conf" / "hardware" / "v6e-8.yaml", repo / "conf" / "hardware")
     _sh(["git", "init", "-q", "-b", "main"], repo, env)
@@ -118,6 +127,7 @@ def clone_project(pipeline_repo: Path, repo: Path, emulator: GcsEmulator, env: d
     """
     prefix = repo.parent.name
     _sh(["git", "clone", "-q", str(pipeline_repo), str(repo)], repo.parent, env)
+    assert not missing_git_outputs(repo), "outputs with `cache: false` must be committed to git"
     add_dvc_remote(repo, emulator, env, prefix=prefix, local=False)
     _sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "remote"], repo, env)
     with local_remote(pipeline_repo, emulator, env, prefix=prefix):
@@ -131,7 +141,6 @@ def local_env(tmp_path: Path) -> dict[str, str]:
                if k not in ("GOOGLE_APPLICATION_CREDENTIALS", "STORAGE_EMULATOR_HOST")}
     environ.update(GCS_TEST_ENV, DVC_GLOBAL_CONFIG_DIR=str(tmp_path / "dvc-global"),
                    DVC_SITE_CACHE_DIR=str(tmp_path / "dvc-site"))
-    environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{environ.get('PATH', '')}"
     return environ
 
 
@@ -172,7 +181,6 @@ def loopback_world(tmp_path: Path, repo: Path, local_env: dict[str, str]) -> Ite
 def world(tmp_path: Path, gcs_emulator: GcsEmulator, local_env: dict[str, str]) -> Iterator[Env]:  # noqa: F811
     """Around a minimal DVC repo: for the failure paths, which never get to run a stage."""
     repo = tmp_path / "repo"
-    repo.mkdir()
     make_repo(repo, gcs_emulator, local_env)
     with loopback_world(tmp_path, repo, local_env) as w:
         yield w
@@ -213,13 +221,16 @@ def locked_outs(repo: Path) -> dict[str, str]:
     return {o["path"]: o["md5"] for stage in lock["stages"].values() for o in stage.get("outs", [])}
 
 
-def safetensors_dtypes(directory: Path) -> set[str]:
-    """The tensor dtypes named in the headers of every *.safetensors file in `directory`."""
+def language_model_dtypes(directory: Path) -> set[str]:
+    """The dtypes of the `language_model.*` tensors in every *.safetensors file of `directory`.
+
+    (The export copies the vision tower from the source checkpoint as it is.)
+    """
     dtypes = set()
     for path in directory.glob("*.safetensors"):
         with path.open("rb") as f:
             header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
-        dtypes |= {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+        dtypes |= {v["dtype"] for k, v in header.items() if k.startswith("language_model.")}
     return dtypes
 
 
@@ -288,12 +299,17 @@ def test_full_cycle(project_world: Env, pipeline_repo: Path) -> None:
     vm_metrics = json.loads((vm_repo / "metrics" / "sft" / "to_huggingface.json").read_text())
     shown = dvc_json(w, "metrics", "show")
     assert shown[""]["data"]["metrics/sft/to_huggingface.json"]["data"] == vm_metrics
-    cloud = dvc_json(w, "status", "--cloud")             # the VM's artifacts are on the remote
-    assert cloud.get("artifacts/sft/hf") == "deleted", cloud   # ("deleted": not in our cache yet)
+    # Every object dvc.lock names is on the remote ("deleted": there, not in our empty cache yet;
+    # "missing" would mean nowhere), the weights the VM exported among them.
+    cloud = dvc_json(w, "status", "--cloud")
+    assert set(cloud.values()) == {"deleted"}, cloud
+    assert set((vm_repo / "artifacts" / "sft" / "hf").glob("*.safetensors")) and all(
+        str(f.relative_to(vm_repo)) in cloud for f in (vm_repo / "artifacts/sft/hf").glob("*.safetensors"))
 
     _sh([sys.executable, "-m", "dvc", "pull"], w.repo, w.env)   # fetches what the VM produced
     assert md5_tree(w.repo, ["artifacts/sft/hf"]) == md5_tree(vm_repo, ["artifacts/sft/hf"])
-    assert safetensors_dtypes(w.repo / "artifacts" / "sft" / "hf") == {"BF16"}
+    assert language_model_dtypes(pipeline_repo / "artifacts" / "sft" / "hf") == {"F32"}
+    assert language_model_dtypes(w.repo / "artifacts" / "sft" / "hf") == {"BF16"}
     assert dvc_json(w, "status", "--cloud") == {}
     assert dvc_json(w, "status") == {}                   # the workspace matches the VM's run
 
