@@ -3,7 +3,8 @@
 Run as a module (`python tests/gcs_emulator.py --data-dir D --bucket B`) it is the launcher: it
 patches the emulator, binds 127.0.0.1 on a free port and prints ``PORT <n>``. Imported, it gives
 `running_emulator()` (a context manager starting that launcher), the `gcs_emulator` pytest fixture,
-`dvc_env()`, `add_dvc_remote()`, `local_remote()` and `missing_git_outputs()`.
+`dvc_env()`, `add_dvc_remote()`, `local_remote()`, and `pipeline_stages()` /
+`missing_git_outputs()` (what a clone of a pipeline's repo needs).
 
 The bug: the emulator parses a `multipart/related` upload with `email.parser`, which strips the
 line break before each boundary as "CRLF or LF". gcsfs (uploads under 5 MiB) separates parts with a
@@ -166,17 +167,26 @@ def local_remote(repo: Path, emulator: GcsEmulator, env: dict[str, str],
         config_local.unlink(missing_ok=True)
 
 
+def pipeline_stages(repo: Path) -> dict[str, dict[str, bool]]:
+    """The stages of the repo's dvc.yaml: ``{name: {output path: DVC caches it}}``.
+
+    (dvc.lock may still hold entries of stages since removed from dvc.yaml: this ignores them.)
+    """
+    from dvc.repo import Repo
+
+    with Repo(str(repo)) as dvc_repo:
+        return {s.name: {str(o.def_path): o.use_cache for o in s.outs}
+                for s in dvc_repo.index.stages}
+
+
 def missing_git_outputs(clone: Path) -> list[str]:
     """Outputs DVC leaves to git (`cache: false`) that a git clone lacks.
 
     Neither git (it ignores them) nor `dvc pull` (they are not cached) brings these, so `dvc repro`
     in the clone reruns their stages.
     """
-    from dvc.repo import Repo
-
-    with Repo(str(clone)) as repo:
-        uncached = [str(o.def_path) for s in repo.index.stages for o in s.outs if not o.use_cache]
-    return sorted(p for p in uncached if not (clone / p).exists())
+    return sorted(path for outs in pipeline_stages(clone).values() for path, cached in outs.items()
+                  if not cached and not (clone / path).exists())
 
 
 @pytest.fixture(scope="module")

@@ -63,3 +63,25 @@ def dvc(repo: Path, *args: str, check: bool = True, timeout: float = 1800) -> su
 def ran_stages(output: str) -> set[str]:
     """The stages DVC says it ran (``Running stage 'x':``)."""
     return set(re.findall(r"Running stage '([^']+)'", output))
+
+
+def reproduced_stages(output: str) -> set[str]:
+    """Stages DVC ran or restored from its run-cache (``Stage 'x' is cached - skipping run``)."""
+    return ran_stages(output) | set(re.findall(r"Stage '([^']+)' is cached - skipping run", output))
+
+
+def export_logit_diff(repo: Path, branch: str, maxtext_name: str, tiny: str, n_tokens: int = 100) -> float:
+    """Max |logit| difference: numpy forward of a branch's exported HF directory vs MaxText's own
+    forward of the trained params it was exported from (docs/logit-check.md)."""
+    import maxtext_forward
+    import numpy as np
+    import numpy_forward
+
+    from mtpipe import embedded
+
+    ids = np.random.default_rng(0).integers(4, embedded.TINY_VOCAB, size=n_tokens)
+    ours = maxtext_forward.logits(repo / f"artifacts/{branch}/trained/model_params", maxtext_name, ids,
+                                  embedded.MAXTEXT_OVERRIDES[tiny])
+    ref = numpy_forward.logits(repo / f"artifacts/{branch}/hf", ids, match_maxtext=True)
+    assert ref.std() > 0.1, "degenerate logits would make the comparison meaningless"
+    return float(np.abs(ours - ref).max())

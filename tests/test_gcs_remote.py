@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 from gcs_emulator import (  # noqa: F401 (gcs_emulator is a fixture)
     GcsEmulator,
     add_dvc_remote,
@@ -28,6 +27,7 @@ from gcs_emulator import (  # noqa: F401 (gcs_emulator is a fixture)
     local_remote,
     missing_git_outputs,
     parse_multipart_related,
+    pipeline_stages,
 )
 from pipeline import ran_stages
 
@@ -63,12 +63,6 @@ def md5_tree(root: Path, paths: list[str]) -> dict[str, str]:
         for file in files:
             digests[str(file.relative_to(root))] = hashlib.md5(file.read_bytes()).hexdigest()
     return digests
-
-
-def locked_outputs(repo: Path) -> list[str]:
-    """Every output path recorded in dvc.lock."""
-    lock = yaml.safe_load((repo / "dvc.lock").read_text())
-    return sorted({out["path"] for stage in lock["stages"].values() for out in stage.get("outs", [])})
 
 
 @pytest.fixture
@@ -151,8 +145,8 @@ def test_clone_pull_repro_of_the_pipeline_runs_no_stage(
 ) -> None:
     """A (the pipeline's repo) pushes; clones B (pull, repro) and C (repro --pull) run nothing."""
     a = pipeline_repo
-    stages = list(yaml.safe_load((a / "dvc.lock").read_text())["stages"])
-    outputs = locked_outputs(a)
+    stages = pipeline_stages(a)
+    outputs = [path for outs in stages.values() for path in outs]
     expected = md5_tree(a, outputs)
     with local_remote(a, gcs_emulator, env):
         dvc(a, env, "push")

@@ -6,6 +6,8 @@ the stages whose inputs changed. One real `dvc exp run -S steps=N` shows the sam
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import time
@@ -14,7 +16,7 @@ import pytest
 import yaml
 
 from conftest import restore
-from pipeline import dvc, env, ran_stages
+from pipeline import dvc, env, ran_stages, reproduced_stages
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +83,7 @@ def test_exp_run_steps_as_typed_reruns_only_training_and_export(pipeline_repo):
     base_steps = json.loads((pipeline_repo / "metrics/sft/train_sft.json").read_text())["steps"]
     try:
         out = dvc(pipeline_repo, "exp", "run", "-S", f"steps={base_steps + 10}").stdout
-        assert ran_stages(out) == {"configure", "train_sft@sft", "to_huggingface@sft"}, out
+        assert reproduced_stages(out) == {"configure", "train_sft@sft", "to_huggingface@sft"}, out
         metrics = json.loads((pipeline_repo / "metrics/sft/train_sft.json").read_text())
         assert metrics["steps"] == base_steps + 10
         shown = dvc(pipeline_repo, "exp", "show", "--json").stdout
@@ -91,31 +93,34 @@ def test_exp_run_steps_as_typed_reruns_only_training_and_export(pipeline_repo):
 
 
 def test_killed_training_resumes_from_its_checkpoint(pipeline_repo):
-    """SIGKILL train_sft after a checkpoint; the rerun restores that step; no output was cached."""
+    """SIGKILL train_sft (and DVC) right after its step-50 checkpoint; no output is left that DVC
+    would cache; the rerun restores step 50 (MaxText's log starts at step 51, not 1)."""
     log = pipeline_repo / "work/logs/sft/train_sft.log"
     try:
-        edit_params(pipeline_repo, lambda p: p.update(steps=80))
+        edit_params(pipeline_repo, lambda p: p.update(steps=200))
         log.write_text("")
-        proc = subprocess.Popen(["dvc", "repro", "train_sft@sft"], cwd=pipeline_repo, env=env(),
+        shutil.rmtree(pipeline_repo / "work/train_sft", ignore_errors=True)
+        proc = subprocess.Popen(["dvc", "repro", "--no-run-cache", "train_sft@sft"], cwd=pipeline_repo, env=env(),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 900
-        ckpt = None
+        pattern = "*/checkpoints/50/model_params/commit_success.txt"
         while time.monotonic() < deadline and proc.poll() is None:
-            ckpt = next(iter((pipeline_repo / "work/train_sft").glob("*/checkpoints/50/model_params")), None)
-            if ckpt is not None and "completed step: 55" in log.read_text():
+            if next((pipeline_repo / "work/train_sft").glob(pattern), None):
                 break
-            time.sleep(1)
-        assert ckpt is not None and proc.poll() is None, "training never wrote its step-50 checkpoint"
+            time.sleep(0.1)
+        assert proc.poll() is None, "training ended before its step-50 checkpoint could be interrupted"
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        assert not (pipeline_repo / "artifacts/sft/trained/model_params").exists()
+        killed_log = log.read_text()
+        assert "completed step: 200," not in killed_log
+        assert not (pipeline_repo / "artifacts/sft/trained").exists()
         assert "train_sft@sft" in stale(pipeline_repo)
 
-        out = dvc(pipeline_repo, "repro", "train_sft@sft").stdout
-        assert "resuming train_sft-sft-" in out and "checkpoint at step 50" in out, out
-        text = log.read_text().split("python3 -m maxtext.trainers.post_train.sft.train_sft")[-1]
-        assert "completed step: 1," not in text, "the resumed run started again from step 1"
-        assert "completed step: 80" in text
+        out = dvc(pipeline_repo, "repro", "--no-run-cache", "train_sft@sft").stdout
+        assert "checkpoint at step 50" in out, out
+        resumed = log.read_text()[len(killed_log):]
+        steps = [int(n) for n in re.findall(r"completed step: (\d+),", resumed)]
+        assert steps[0] == 51 and steps[-1] == 200, steps[:3]
         assert json.loads((pipeline_repo / "metrics/sft/train_sft.json").read_text())["resumed_from_step"] == 50
     finally:
         restore(pipeline_repo)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from pipeline import ran_stages
+from pipeline import export_logit_diff, ran_stages
 
 pytestmark = pytest.mark.slow
 
@@ -44,14 +44,6 @@ def test_grpo_changed_the_warm_started_params(pipeline_repo):
 
 
 def test_rl_export_logits_match_maxtext_forward(pipeline_repo):
-    import maxtext_forward
-    import numpy_forward
-    from mtpipe import embedded
-
-    ids = np.random.default_rng(1).integers(4, 512, size=64)
-    ours = maxtext_forward.logits(pipeline_repo / "artifacts/rl/trained/model_params", "llama3.1-8b", ids,
-                                  embedded.MAXTEXT_OVERRIDES["llama3.1-tiny"])
-    ref = numpy_forward.logits(pipeline_repo / "artifacts/rl/hf", ids, match_maxtext=True)
-    diff = float(np.abs(ours - ref).max())
+    diff = export_logit_diff(pipeline_repo, "rl", "llama3.1-8b", "llama3.1-tiny", n_tokens=64)
     print(f"\nmax |logit diff| RL export vs MaxText: {diff:.2e}")
     assert diff < 2e-5

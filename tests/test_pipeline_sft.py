@@ -8,7 +8,7 @@ import pytest
 from safetensors.numpy import load_file
 from transformers import AutoConfig, AutoTokenizer
 
-from pipeline import dvc, ran_stages
+from pipeline import dvc, export_logit_diff, ran_stages
 
 pytestmark = pytest.mark.slow
 
@@ -62,14 +62,6 @@ def test_exported_logits_match_maxtext_forward_of_the_trained_checkpoint(pipelin
     of the trained params it was exported from, on 100 tokens (past the 64-token sliding window).
     The reference applies MaxText's one deliberate rounding (the tied embedding in bf16 for the
     logits), so the tolerance can be tight: 2e-5 on logits of std ~1 (docs/logit-check.md)."""
-    import maxtext_forward
-    import numpy_forward
-    from mtpipe import embedded
-
-    ids = np.random.default_rng(0).integers(4, 512, size=100)
-    ours = maxtext_forward.logits(pipeline_repo / "artifacts/sft/trained/model_params", "gemma3-4b", ids,
-                                  embedded.MAXTEXT_OVERRIDES["gemma3-tiny"])
-    ref = numpy_forward.logits(pipeline_repo / "artifacts/sft/hf", ids, match_maxtext=True)
-    diff = float(np.abs(ours - ref).max())
-    print(f"\nmax |logit diff| exported HF vs MaxText: {diff:.2e} (logit std {ref.std():.2f})")
+    diff = export_logit_diff(pipeline_repo, "sft", "gemma3-4b", "gemma3-tiny")
+    print(f"\nmax |logit diff| SFT export vs MaxText: {diff:.2e}")
     assert diff < 2e-5

@@ -42,6 +42,7 @@ from gcs_emulator import (  # noqa: F401 (gcs_emulator is a fixture)
     gcs_emulator,
     local_remote,
     missing_git_outputs,
+    pipeline_stages,
 )
 from pipeline import ran_stages
 from sshd import LoopbackSshd
@@ -178,7 +179,8 @@ def loopback_world(tmp_path: Path, repo: Path, local_env: dict[str, str]) -> Ite
 
 
 @pytest.fixture
-def world(tmp_path: Path, gcs_emulator: GcsEmulator, local_env: dict[str, str]) -> Iterator[Env]:  # noqa: F811
+def world(tmp_path: Path, gcs_emulator: GcsEmulator,  # noqa: F811
+          local_env: dict[str, str]) -> Iterator[Env]:
     """Around a minimal DVC repo: for the failure paths, which never get to run a stage."""
     repo = tmp_path / "repo"
     make_repo(repo, gcs_emulator, local_env)
@@ -210,15 +212,16 @@ def assert_loopback_only(w: Env, outputs: str) -> None:
 
 def md5_tree(root: Path, paths: list[str]) -> dict[str, str]:
     """md5 of every file under each of `paths` (files or directories), keyed by relative path."""
-    files = [f for rel in paths for f in ([root / rel] if (root / rel).is_file()
-                                          else sorted((root / rel).rglob("*"))) if f.is_file()]
+    files = [f for rel in paths for f in ([root / rel] if not (root / rel).is_dir()
+                                          else sorted((root / rel).rglob("*"))) if not f.is_dir()]
     return {str(f.relative_to(root)): hashlib.md5(f.read_bytes()).hexdigest() for f in files}
 
 
 def locked_outs(repo: Path) -> dict[str, str]:
-    """Every output in dvc.lock with its md5."""
-    lock = yaml.safe_load((repo / "dvc.lock").read_text())
-    return {o["path"]: o["md5"] for stage in lock["stages"].values() for o in stage.get("outs", [])}
+    """The md5 dvc.lock records for every output of the stages in dvc.yaml."""
+    stages = pipeline_stages(repo)
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
+    return {o["path"]: o["md5"] for name in stages for o in lock[name].get("outs", [])}
 
 
 def language_model_dtypes(directory: Path) -> set[str]:
@@ -241,6 +244,7 @@ def dvc_json(w: Env, *args: str) -> dict:
 
 @pytest.mark.slow
 def test_full_cycle(project_world: Env, pipeline_repo: Path) -> None:
+    """vm_up -> vm_setup -> vm_shell -> vm_run (repro, then exp run -S) -> dvc pull -> vm_down."""
     w = project_world
     outputs = []
     outputs.append(w.doit("vm_up").stdout)
@@ -294,8 +298,8 @@ def test_full_cycle(project_world: Env, pipeline_repo: Path) -> None:
     assert (w.repo / "dvc.lock").read_bytes() == (vm_repo / "dvc.lock").read_bytes()
     assert {p for p in after if after[p] != before[p]} == {
         "config/sft/to_huggingface.yaml", "artifacts/sft/hf", "metrics/sft/to_huggingface.json"}
-    assert yaml.safe_load((w.repo / "params.yaml").read_text())["sft"]["to_huggingface"] == {
-        "weight_dtype": "bfloat16"}
+    params = yaml.safe_load((w.repo / "params.yaml").read_text())   # `-S` edited it on the VM
+    assert params["sft"]["to_huggingface"]["weight_dtype"] == "bfloat16"
     vm_metrics = json.loads((vm_repo / "metrics" / "sft" / "to_huggingface.json").read_text())
     shown = dvc_json(w, "metrics", "show")
     assert shown[""]["data"]["metrics/sft/to_huggingface.json"]["data"] == vm_metrics
@@ -303,8 +307,8 @@ def test_full_cycle(project_world: Env, pipeline_repo: Path) -> None:
     # "missing" would mean nowhere), the weights the VM exported among them.
     cloud = dvc_json(w, "status", "--cloud")
     assert set(cloud.values()) == {"deleted"}, cloud
-    assert set((vm_repo / "artifacts" / "sft" / "hf").glob("*.safetensors")) and all(
-        str(f.relative_to(vm_repo)) in cloud for f in (vm_repo / "artifacts/sft/hf").glob("*.safetensors"))
+    exported = {str(f.relative_to(vm_repo)) for f in (vm_repo / "artifacts/sft/hf").glob("*.safetensors")}
+    assert exported and exported <= set(cloud), cloud
 
     _sh([sys.executable, "-m", "dvc", "pull"], w.repo, w.env)   # fetches what the VM produced
     assert md5_tree(w.repo, ["artifacts/sft/hf"]) == md5_tree(vm_repo, ["artifacts/sft/hf"])
