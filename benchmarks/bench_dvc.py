@@ -300,7 +300,7 @@ def printed_command(repo: Path, cmd: str, env: dict[str, str]) -> tuple[str | No
     return None, f"`{cmd} --print-command` gave rc={proc.returncode}: {said[0][:80]}"
 
 
-def stage_overhead_rows(repo: Path, scratch: Path, enabled: bool) -> list[Row]:
+def stage_overhead_rows(repo: Path, scratch: Path, enabled: bool, only: list[str] | None = None) -> list[Row]:
     """Each stage's wall time vs its MaxText command run directly, in a clone sharing repo's cache.
 
     The clone (git clone + `cache.dir` = repo's cache + `dvc checkout`) keeps repo's workspace and
@@ -324,6 +324,8 @@ def stage_overhead_rows(repo: Path, scratch: Path, enabled: bool) -> list[Row]:
                 shutil.copy2(repo / out, clone / out)
     rows = []
     for name, info in stages.items():
+        if only and name not in only:
+            continue
         launch, why = printed_command(clone, info.cmd, env)
         if launch is None:
             rows.append(Row(f"{what}: {name}", f"skipped: {why}", "", None))
@@ -367,6 +369,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5, help="no-op repro runs per side (median)")
     parser.add_argument("--cache-types", default=";".join(CACHE_TYPES), help="';'-separated cache.type values")
     parser.add_argument("--stage-overhead", action="store_true", help="also time stages vs MaxText (trains)")
+    parser.add_argument("--stages", help="comma-separated stages for --stage-overhead (default: all)")
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()))
     args = parser.parse_args()
     repo = args.repo.resolve()
@@ -374,7 +377,8 @@ def main() -> None:
         scratch = Path(tmp)
         rows = [noop_row(repo, repo == PROJECT, scratch, args.runs)]
         rows += checkpoint_rows(scratch, args.size, args.cache_types.split(";"))
-        rows += stage_overhead_rows(repo, scratch, args.stage_overhead)
+        rows += stage_overhead_rows(repo, scratch, args.stage_overhead,
+                                    args.stages.split(",") if args.stages else None)
     print_table(rows)
 
 

@@ -47,6 +47,15 @@ def copy_project(dest: Path) -> Path:
     return dest
 
 
+def md5_tree(root: Path, paths: list[str]) -> dict[str, str]:
+    """md5 of every file under each of `paths` (files or directories), keyed by relative path."""
+    import hashlib
+
+    files = [f for rel in paths for f in ([root / rel] if not (root / rel).is_dir()
+                                          else sorted((root / rel).rglob("*"))) if not f.is_dir()]
+    return {str(f.relative_to(root)): hashlib.md5(f.read_bytes()).hexdigest() for f in files}
+
+
 def git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", *args], cwd=repo, env=env(), capture_output=True, text=True, check=True).stdout
 

@@ -29,7 +29,7 @@ from gcs_emulator import (  # noqa: F401 (gcs_emulator is a fixture)
     parse_multipart_related,
     pipeline_stages,
 )
-from pipeline import ran_stages
+from pipeline import md5_tree, ran_stages
 
 # The decision recorded in docs/remote-and-cache.md (keep in sync with the project's .dvc/config).
 PROJECT_CACHE_TYPE = "hardlink,copy"
@@ -52,17 +52,6 @@ def dvc(repo: Path, env: dict[str, str], *args: str) -> str:
 
 def git(repo: Path, env: dict[str, str], *args: str) -> str:
     return run(["git", *args], repo, env)
-
-
-def md5_tree(root: Path, paths: list[str]) -> dict[str, str]:
-    """md5 of every file under each of `paths` (files or directories), keyed by relative path."""
-    digests = {}
-    for rel in paths:
-        target = root / rel
-        files = sorted(p for p in target.rglob("*") if p.is_file()) if target.is_dir() else [target]
-        for file in files:
-            digests[str(file.relative_to(root))] = hashlib.md5(file.read_bytes()).hexdigest()
-    return digests
 
 
 @pytest.fixture

@@ -44,7 +44,7 @@ from gcs_emulator import (  # noqa: F401 (gcs_emulator is a fixture)
     missing_git_outputs,
     pipeline_stages,
 )
-from pipeline import ran_stages
+from pipeline import md5_tree, ran_stages
 from sshd import LoopbackSshd
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -208,13 +208,6 @@ def assert_loopback_only(w: Env, outputs: str) -> None:
     assert hosts == {w.fake.url.removeprefix("http://")}
     recorded = "\n".join(f"{r.path} {r.headers} {r.body}" for r in w.fake.requests)
     assert TOKEN not in recorded and TOKEN not in outputs
-
-
-def md5_tree(root: Path, paths: list[str]) -> dict[str, str]:
-    """md5 of every file under each of `paths` (files or directories), keyed by relative path."""
-    files = [f for rel in paths for f in ([root / rel] if not (root / rel).is_dir()
-                                          else sorted((root / rel).rglob("*"))) if not f.is_dir()]
-    return {str(f.relative_to(root)): hashlib.md5(f.read_bytes()).hexdigest() for f in files}
 
 
 def locked_outs(repo: Path) -> dict[str, str]:
