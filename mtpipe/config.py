@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from mtpipe.errors import ConfigError
@@ -44,7 +45,11 @@ BRANCH_KEYS = ("preset", *GROUPS)
 
 def load_yaml(path: Path) -> DictConfig:
     """Load one YAML file as a DictConfig."""
-    cfg = OmegaConf.load(path)
+    try:
+        cfg = OmegaConf.load(path)
+    except yaml.YAMLError as err:
+        raise ConfigError(str(path), f"is not valid YAML ({str(err).splitlines()[0]})",
+                          "fix the syntax, or restore the file from git") from None
     if not isinstance(cfg, DictConfig):
         raise ConfigError(str(path), "is not a mapping", "write it as `key: value` lines")
     return cfg
@@ -76,13 +81,32 @@ def compose(branch: str, params: DictConfig) -> DictConfig:
         name = branch_params.get(group) or defaults.get(group)
         parts[group] = _load_named(group, name, f"{branch}.{group}")
         parts[group].name = name
-    overrides = {k: v for k, v in OmegaConf.to_container(branch_params).items() if k not in BRANCH_KEYS}
-    cfg = OmegaConf.merge(OmegaConf.create(parts), preset, _drop_nulls(overrides))
+    overrides = _drop_nulls({k: v for k, v in OmegaConf.to_container(branch_params).items()
+                             if k not in BRANCH_KEYS})
+    base = OmegaConf.merge(OmegaConf.create(parts), preset)
+    _check_known(overrides, base, branch)
+    cfg = OmegaConf.merge(base, overrides)
     if branch == "sft" and params.get("steps") is not None:
         cfg.train_sft.steps = params.steps
     cfg.branch = branch
     validate(branch, cfg)
     return cfg
+
+
+def _check_known(overrides: dict, base: DictConfig, prefix: str) -> None:
+    """Every key set in params.yaml must exist in the preset (a typo would be silently ignored)."""
+    for key, value in overrides.items():
+        where = f"{prefix}.{key}"
+        if key not in base:
+            known = sorted(k for k in base if k not in BRANCH_KEYS)
+            raise ConfigError(where, "is not a key of the preset", f"use one of {known}, or fix the spelling")
+        if isinstance(value, dict):
+            if not isinstance(base[key], DictConfig):
+                raise ConfigError(where, f"is a single value in the preset ({base[key]!r})", "set it to one value")
+            if key not in ("extra_args", "maxtext_overrides", "env", "maxtext_args"):  # free-form MaxText keys
+                _check_known(value, base[key], where)
+        elif isinstance(base[key], DictConfig):
+            raise ConfigError(where, f"is a section, got {value!r}", f"set its keys, e.g. {where}.<key>: ...")
 
 
 def _drop_nulls(tree: Any) -> Any:
@@ -99,8 +123,24 @@ def _positive_int(cfg: DictConfig, key: str, fix: str, required: bool = True) ->
         raise ConfigError(key, f"must be a positive integer, got {value!r}", fix)
 
 
+TOKEN_LIKE = re.compile(r"hf_[A-Za-z0-9]{20,}")
+
+
+def reject_secrets(tree: Any, key: str) -> None:
+    """Tokens never go into params, presets or resolved views (they end up in git and dvc.lock)."""
+    if isinstance(tree, DictConfig):
+        for k, v in tree.items():
+            if k == "hf_access_token":
+                raise ConfigError(f"{key}.{k}", "a token in the config would be written to git, dvc.lock and argv",
+                                  "remove it and `export HF_TOKEN=...` instead")
+            reject_secrets(v, f"{key}.{k}")
+    elif isinstance(tree, str) and TOKEN_LIKE.search(tree):
+        raise ConfigError(key, "looks like a Hugging Face token", "remove it and `export HF_TOKEN=...` instead")
+
+
 def validate(branch: str, cfg: DictConfig) -> None:
     """Reject bad values early, naming the key and the fix."""
+    reject_secrets(cfg, branch)
     for section in ("model", "dataset"):
         source = cfg[section].get("source")
         kind = source.get("kind") if source else None

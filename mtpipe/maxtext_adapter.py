@@ -42,6 +42,8 @@ GEMMA3_LEGACY_PREFIXES = (
 )
 
 _SECRET_KEYS = ("hf_access_token",)
+# What MaxText leaves out of a text-only (use_multimodal=False) export, copied from the source.
+UNTRAINED_PREFIXES = ("vision_tower.", "multi_modal_projector.")
 
 
 class AdapterError(ValueError):
@@ -202,6 +204,10 @@ def copy_untouched_tensors(hf_dir: Path, output_dir: str | None) -> None:
     for shard in sorted(hf_dir.glob("*.safetensors")):
         with safe_open(shard, "numpy") as f:
             missing |= {k: f.get_tensor(k) for k in f.keys() if k not in exported}
+    lost = sorted(k for k in missing if not k.startswith(UNTRAINED_PREFIXES))
+    if lost:  # a language-model tensor MaxText did not export must not come back untrained
+        raise RuntimeError(f"to_huggingface exported no {lost[:3]} (+{len(lost) - 3} more)" if len(lost) > 3
+                           else f"to_huggingface exported no {lost}")
     if not missing:
         return
     names = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")

@@ -451,4 +451,7 @@ def run_train_rl(argv: Sequence[str]) -> NoReturn:
 if __name__ == "__main__":
   # `python -m mtpipe.rollout_cpu [maxtext.trainers.post_train.rl.train_rl] <train_rl arguments>`
   _args = sys.argv[1:]
+  from mtpipe.maxtext_adapter import reject_secrets  # pylint: disable=import-outside-toplevel
+
+  reject_secrets(_args)  # tokens come from the environment only, never argv
   run_train_rl(_args[1:] if _args[:1] == [TRAIN_RL_MODULE] else _args)

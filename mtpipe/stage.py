@@ -15,13 +15,15 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from mtpipe.config import ROOT
+from mtpipe.errors import ConfigError
 
 WORK = ROOT / "work"                # untracked: MaxText run dirs (resume), logs, JAX compile cache
 JAX_CACHE = WORK / "jax_cache"
@@ -95,6 +97,14 @@ class Timer:
 
     def seconds(self) -> float:
         return round(time.monotonic() - self.start, 1)
+
+
+def run_stage(main: Callable[..., None], *args: str) -> None:
+    """Run a stage's main; bad input ends it with ``<stage>: <key>: <problem>. Fix: <fix>``, no traceback."""
+    try:
+        main(*args)
+    except ConfigError as err:
+        sys.exit(f"{Path(sys.argv[0]).stem}: {err}")
 
 
 def require(path: Path, what: str) -> Path:

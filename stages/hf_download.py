@@ -16,7 +16,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")  # before huggingface_hub
 from mtpipe import datasets_check, hub
 from mtpipe.config import load_stage
 from mtpipe.errors import ConfigError
-from mtpipe.stage import artifact, atomic_dir, digest, write_stamp
+from mtpipe.stage import artifact, atomic_dir, digest, run_stage, write_stamp
 
 
 def check_rows(cfg, files) -> int:
@@ -45,7 +45,4 @@ def main(branch: str) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1])
-    except ConfigError as err:
-        sys.exit(f"hf_download: {err}")
+    run_stage(main, sys.argv[1])

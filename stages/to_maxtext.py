@@ -9,7 +9,8 @@ import sys
 
 from mtpipe import commands, runner
 from mtpipe.config import load_stage
-from mtpipe.stage import ROOT, Timer, artifact, atomic_dir, digest, log_path, require, write_json, write_stamp
+from mtpipe.stage import (
+    ROOT, artifact, atomic_dir, digest, log_path, require, run_stage, Timer, write_json, write_stamp)
 
 
 def main(branch: str) -> None:
@@ -24,4 +25,4 @@ def main(branch: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    run_stage(main, sys.argv[1])

@@ -11,15 +11,15 @@ Run: dvc repro train_rl   (or: python -m stages.train_rl)
 
 import os
 import shutil
-import sys
 from pathlib import Path
 
 from mtpipe import commands, gsm8k_chat, runner
 from mtpipe.config import load_stage
 from mtpipe.errors import ConfigError
 from mtpipe.metrics import read_tensorboard, rl_curve, rl_eval, write_csv
-from mtpipe.stage import (JAX_CACHE, ROOT, WORK, Timer, artifact, atomic_dir, digest, log_path, read_stamp,
-                          write_json, write_stamp)
+from mtpipe.stage import (
+    JAX_CACHE, ROOT, WORK, artifact, atomic_dir, digest, log_path, read_stamp, run_stage, Timer,
+    write_json, write_stamp)
 
 
 def latest_actor_checkpoint(run_dir) -> int | None:
@@ -46,6 +46,9 @@ def check_prompt_budget(cfg, files: Path, tokenizer_dir: Path) -> None:
         return
     for split in ("train_files", "eval_files"):
         lengths = gsm8k_chat.prompt_lengths(sorted(files.glob(cfg.dataset[split])), tokenizer_dir)
+        if not lengths:
+            raise ConfigError(f"rl.dataset.{split}", f"no rows in files matching {cfg.dataset[split]!r}",
+                              f"fix conf/dataset/{cfg.dataset.name}.yaml")
         dropped = sum(n > budget for n in lengths)
         print(f"  {split}: {len(lengths) - dropped} of {len(lengths)} prompts fit max_prefill_predict_length="
               f"{budget} (longest {max(lengths)} tokens); train_rl drops the other {dropped}")
@@ -77,10 +80,14 @@ def main() -> None:
     runner.run(cmd, log_path("rl", "train_rl"), total_steps=cfg.train_rl.num_batches)
 
     final_step = latest_actor_checkpoint(run_dir)
-    if final_step is None:
-        raise RuntimeError(f"train_rl wrote no actor checkpoint under {run_dir}/checkpoints/actor")
+    if final_step is None or final_step < cfg.train_rl.num_batches:
+        raise RuntimeError(f"train_rl wrote no final actor checkpoint under {run_dir}/checkpoints/actor"
+                           f" (found {final_step}, expected {cfg.train_rl.num_batches})")
     curve = rl_curve(read_tensorboard(run_dir / "tensorboard"))
-    evals = rl_eval(log_path("rl", "train_rl").read_text(errors="replace"))
+    this_run = log_path("rl", "train_rl").read_text(errors="replace").split(f"$ {cmd.as_tutorial()}")[-1]
+    evals = rl_eval(this_run)
+    if cfg.train_rl.num_test_batches and set(evals) != {"pre", "post"}:
+        raise RuntimeError(f"train_rl logged no eval before and after GRPO (found {sorted(evals)})")
     with atomic_dir(artifact("rl", "trained")) as out:
         os.replace(run_dir / "checkpoints" / "actor" / str(final_step) / "model_params", out / "model_params")
         write_stamp(out, "train_rl", run_digest, run_name=run_name, step=final_step)
@@ -98,7 +105,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ConfigError as err:
-        sys.exit(f"train_rl: {err}")
+    run_stage(main)

@@ -20,8 +20,9 @@ from pathlib import Path
 from mtpipe import commands, gsm8k_chat, runner
 from mtpipe.config import load_stage
 from mtpipe.metrics import loss_curve, summarize_sft, write_csv
-from mtpipe.stage import (JAX_CACHE, ROOT, WORK, Timer, artifact, atomic_dir, digest, log_path, require,
-                          write_json, write_stamp)
+from mtpipe.stage import (
+    JAX_CACHE, ROOT, WORK, artifact, atomic_dir, digest, log_path, require, run_stage, Timer, write_json,
+    write_stamp)
 
 OUTPUT = {"sft": "trained", "rl": "warmup"}  # the SFT branch's final model; the RL branch's warm start
 
@@ -90,4 +91,4 @@ def main(branch: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    run_stage(main, sys.argv[1])

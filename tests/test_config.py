@@ -120,3 +120,29 @@ def test_tiny_model_dims_match_the_generator(model):
     conf = OmegaConf.to_container(config.load_yaml(config.CONF_DIR / "model" / f"{model}.yaml"))
     assert conf["maxtext_overrides"] == embedded.MAXTEXT_OVERRIDES[model]
     assert conf["source"] == {**conf["source"], "kind": "local", "path": f"embedded/{model}"}
+
+
+@pytest.mark.parametrize("where", [
+    {"train_sft": {"extra_args": {"hf_access_token": "x"}}},
+    {"train_sft": {"extra_args": {"tokenizer_path": "hf_" + "a" * 30}}},
+])
+def test_a_token_in_the_config_is_rejected(where):
+    with pytest.raises(ConfigError, match="export HF_TOKEN"):
+        config.compose("sft", params(**where))
+
+
+@pytest.mark.parametrize(("override", "key"), [
+    ({"train_sft": {"learnig_rate": 1e-3}}, "sft.train_sft.learnig_rate"),
+    ({"train_sft": 5}, "sft.train_sft"),
+    ({"to_huggingface": {"weight_dtype": {"a": 1}}}, "sft.to_huggingface.weight_dtype"),
+])
+def test_unknown_or_misshapen_override_is_rejected(override, key):
+    with pytest.raises(ConfigError) as err:
+        config.compose("sft", params(**override))
+    assert err.value.key == key
+
+
+def test_malformed_params_yaml_names_the_file(tmp_path):
+    (tmp_path / "params.yaml").write_text("steps: [1\n")
+    with pytest.raises(ConfigError, match="params.yaml: is not valid YAML"):
+        config.load_params(tmp_path / "params.yaml")
