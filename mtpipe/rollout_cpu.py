@@ -61,21 +61,6 @@ KV_CACHE_ENV = "MTPIPE_ROLLOUT_KV_CACHE"  # "0" switches to the full-forward dec
 Advance = Callable[[int, Optional[np.ndarray], jax.Array], Tuple[jax.Array, jax.Array]]
 
 
-def check_backend(backend: str) -> None:
-  """Fails early, naming `rollout_backend` and the fix, if `backend` cannot run here."""
-  if backend == "cpu_jax":
-    return
-  if backend != "vllm":
-    raise ValueError(f"rollout_backend={backend!r} is unknown: use 'vllm' (TPU) or 'cpu_jax' (CPU/GPU).")
-  missing = [m for m in ("vllm", "tpu_inference") if importlib.util.find_spec(m) is None]
-  if missing:
-    raise RuntimeError(
-        f"rollout_backend=vllm needs {' and '.join(missing)}, which is not installed here "
-        "(vLLM/tpu-inference run on TPU VMs only; install them with MaxText's "
-        "`install_tpu_post_train_extra_deps`). On CPU or GPU set `rollout_backend: cpu_jax`."
-    )
-
-
 # ----------------------------------------------------------------------------- jitted steps
 
 

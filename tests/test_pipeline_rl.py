@@ -5,7 +5,6 @@ import json
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
 
 from pipeline import export_logit_diff, ran_stages
 
@@ -35,12 +34,14 @@ def test_grpo_logged_rewards_kl_and_eval_before_and_after(pipeline_repo):
 
 
 def test_grpo_changed_the_warm_started_params(pipeline_repo):
-    hf = pipeline_repo / "artifacts/rl/hf"
-    exported = {k: v for f in hf.glob("*.safetensors") for k, v in load_file(f).items()}
-    source = {k: v for f in (pipeline_repo / "artifacts/rl/model/files").glob("*.safetensors")
-              for k, v in load_file(f).items()}
-    assert set(exported) == set(source)
-    assert sum(not np.array_equal(exported[k], source[k]) for k in source) > 0.9 * len(source)
+    """GRPO's output differs from its starting point (the warm-up), not just from the source model."""
+    from test_train_rl_cpu import _orbax_arrays
+
+    warm = _orbax_arrays(pipeline_repo / "artifacts/rl/warmup/model_params", "", "['value']")  # SFT layout
+    grpo = _orbax_arrays(pipeline_repo / "artifacts/rl/trained/model_params", "['base']", "['value']")
+    assert warm and set(warm) == set(grpo)
+    changed = [k for k in warm if not np.array_equal(warm[k], grpo[k])]
+    assert len(changed) >= len(warm) // 4, f"GRPO changed only {len(changed)} of {len(warm)} tensors"  # measured: 12 of 24
 
 
 def test_rl_export_logits_match_maxtext_forward(pipeline_repo):

@@ -66,13 +66,16 @@ def test_install_replaces_only_the_two_vllm_modules():
 
 
 def test_missing_vllm_backend_names_the_key_and_the_fix():
+    """stages/train_rl.py checks the backend before MaxText starts (vLLM is not installed here)."""
+    from stages.train_rl import check_rollout_backend
+
+    from mtpipe.errors import ConfigError
+
     if importlib.util.find_spec("vllm") and importlib.util.find_spec("tpu_inference"):
         pytest.skip("vLLM and tpu-inference are installed here")
-    with pytest.raises(RuntimeError, match=r"rollout_backend=vllm.*rollout_backend: cpu_jax"):
-        rollout_cpu.check_backend("vllm")
-    with pytest.raises(ValueError, match="rollout_backend"):
-        rollout_cpu.check_backend("sglang")
-    rollout_cpu.check_backend("cpu_jax")
+    with pytest.raises(ConfigError, match=r"rl.train_rl.rollout_backend: vllm needs .*Fix: .*cpu_jax"):
+        check_rollout_backend("vllm")
+    check_rollout_backend("cpu_jax")
 
 
 # ----------------------------------------------------------------------------- MaxText model
