@@ -163,7 +163,10 @@ def loopback_world(tmp_path: Path, repo: Path, local_env: dict[str, str]) -> Ite
                     "connect_timeout_s": 5},
             "setup": {"commands": [f'ln -sfn {ROOT / ".venv"} "$HOME/venv"',
                                    'echo ran >> "$HOME/setup-count"']},
-            "run": {"command": 'ps -o args= -s "$(ps -o sid= -p $$ | tr -d " ")" > "$HOME/argv.txt"; '
+            # a sampler records the argv of every process of the remote session while the pipeline runs
+            "run": {"command": 'SID=$(ps -o sid= -p $$ | tr -d " "); '
+                               '( while :; do ps -o args= -s "$SID" >> "$HOME/argv.txt"; sleep 0.2; done ) & '
+                               'trap "kill $! 2>/dev/null" EXIT; '
                                'source "$HOME/venv/bin/activate" && '
                                f'python -c "{PROBE}" > "$HOME/probe.json" && '
                                'dvc pull --allow-missing && {dvc} && dvc push',
@@ -312,6 +315,7 @@ def test_full_cycle(project_world: Env, pipeline_repo: Path) -> None:
 
     argv = (w.sshd.home / "argv.txt").read_text()   # argv of every process of the remote session
     assert "dvc pull" in argv and "bash -c" in argv and TOKEN not in argv
+    assert "mtpipe.launch maxtext.checkpoint_conversion.to_huggingface" in argv  # the stage's child was seen
     for path in [*w.repo.rglob("*"), *w.sshd.home.glob("mtpipe/**/*")]:
         if path.is_file() and not path.is_symlink():
             assert TOKEN.encode() not in path.read_bytes(), path
