@@ -116,11 +116,13 @@ def _drop_nulls(tree: Any) -> Any:
 
 
 def _positive_int(cfg: DictConfig, key: str, fix: str, required: bool = True) -> None:
+    """``key`` of the branch config must be an int >= 1; errors name it as params.yaml does."""
     value = OmegaConf.select(cfg, key)
+    shown = "steps" if (cfg.branch, key) == ("sft", "train_sft.steps") else f"{cfg.branch}.{key}"
     if value is None and not required:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(key, f"must be a positive integer, got {value!r}", fix)
+        raise ConfigError(shown, f"must be a positive integer, got {value!r}", fix)
 
 
 TOKEN_LIKE = re.compile(r"hf_[A-Za-z0-9]{20,}")

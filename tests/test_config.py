@@ -46,7 +46,7 @@ def test_group_override_swaps_a_part():
         ({"preset": "nope"}, "sft.preset", "embedded-sft"),
         ({"model": "gpt5"}, "sft.model", "gemma3-4b"),
         ({"dataset": "missing"}, "sft.dataset", "ultrachat-200k"),
-        ({"train_sft": {"per_device_batch_size": 0}}, "train_sft.per_device_batch_size", ">= 1"),
+        ({"train_sft": {"per_device_batch_size": 0}}, "sft.train_sft.per_device_batch_size", ">= 1"),
         ({"to_huggingface": {"weight_dtype": "fp8"}}, "sft.to_huggingface.weight_dtype", "bfloat16"),
     ],
 )
@@ -59,7 +59,7 @@ def test_bad_input_names_key_and_fix(override, key, fix):
 
 @pytest.mark.parametrize("steps", [0, -5, "ten", 2.5])
 def test_bad_steps_rejected(steps):
-    with pytest.raises(ConfigError, match=r"train_sft.steps: must be a positive integer.*Fix: set e.g. `dvc exp run"):
+    with pytest.raises(ConfigError, match=r"^steps: must be a positive integer.*Fix: set e.g. `dvc exp run"):
         config.compose("sft", OmegaConf.merge(config.load_params(), {"steps": steps}))
 
 
@@ -104,13 +104,21 @@ def test_configure_fails_early_and_keeps_existing_views(tmp_path):
 
 
 def test_configure_stage_exit_message(tmp_path):
-    (tmp_path / "params.yaml").write_text("steps: 0\nsft: {preset: embedded-sft}\nrl: {preset: embedded-rl}\n")
-    code = ("import sys; from pathlib import Path; from mtpipe import config; "
-            "config.write_resolved(config.load_params(Path(sys.argv[1])), Path(sys.argv[2]))")
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "params.yaml"), str(tmp_path)],
-                          capture_output=True, text=True)
+    """`python -m stages.configure` with `steps: 0` ends with one line naming the key, no traceback,
+    and leaves the resolved views it had written before untouched."""
+    from pipeline import copy_project
+
+    repo = copy_project(tmp_path / "repo")
+    stage = [sys.executable, "-m", "stages.configure"]
+    subprocess.run(stage, cwd=repo, check=True, capture_output=True)
+    before = {p: p.read_text() for p in (repo / "config").rglob("*.yaml")}
+    params = repo / "params.yaml"
+    params.write_text(params.read_text().replace("steps: null", "steps: 0", 1))
+    proc = subprocess.run(stage, cwd=repo, capture_output=True, text=True)
     assert proc.returncode != 0
-    assert "train_sft.steps: must be a positive integer, got 0" in proc.stderr
+    assert proc.stderr.strip() == ("configure: steps: must be a positive integer, got 0. "
+                                   "Fix: set e.g. `dvc exp run -S steps=200`")
+    assert {p: p.read_text() for p in (repo / "config").rglob("*.yaml")} == before
 
 
 @pytest.mark.parametrize("model", ["gemma3-tiny", "llama3.1-tiny"])

@@ -79,4 +79,4 @@ def test_configure_declares_every_params_key():
 def test_every_resolved_view_is_produced_and_consumed():
     produced = {str(o.def_path) for o in STAGES["configure"].outs}
     consumed = {d for s in STAGES.values() for d in deps_of(s) if d.startswith("config/")}
-    assert consumed <= produced
+    assert consumed == produced
