@@ -58,7 +58,7 @@ def format_progress(step: int, total: int | None, loss: str, tps: str | None, el
     return line
 
 
-def run(cmd: MaxTextCommand, log_path: Path, total_steps: int | None = None, cwd: Path | None = None) -> None:
+def run(cmd: MaxTextCommand, log_path: Path, total_steps: int | None = None) -> None:
     """Run ``cmd``; raise :class:`MaxTextFailed` with the log's tail if it fails.
 
     A stage started with ``--print-command`` prints the child's command line and exits instead
@@ -75,7 +75,7 @@ def run(cmd: MaxTextCommand, log_path: Path, total_steps: int | None = None, cwd
     tail: list[str] = []
     with open(log_path, "a", encoding="utf8") as log:
         log.write(f"$ {redact(cmd.as_tutorial(), env)}\n# launched as: python -m {cmd.launcher} {cmd.module} ...\n")
-        proc = subprocess.Popen(cmd.argv(), env=env, cwd=cwd, stdout=subprocess.PIPE,
+        proc = subprocess.Popen(cmd.argv(), env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1)
         assert proc.stdout is not None
         for raw in proc.stdout:
