@@ -99,6 +99,12 @@ class Timer:
         return round(time.monotonic() - self.start, 1)
 
 
+def latest_checkpoint(checkpoints: Path) -> int | None:
+    """Highest step with saved model params under a MaxText ``checkpoints`` directory, if any."""
+    steps = [int(p.parent.name) for p in checkpoints.glob("*/model_params") if p.parent.name.isdigit()]
+    return max(steps, default=None)
+
+
 def run_stage(main: Callable[..., None], *args: str) -> None:
     """Run a stage's main; bad input ends it with ``<stage>: <key>: <problem>. Fix: <fix>``, no traceback."""
     try:

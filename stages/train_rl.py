@@ -18,15 +18,8 @@ from mtpipe.config import load_stage
 from mtpipe.errors import ConfigError
 from mtpipe.metrics import read_tensorboard, rl_curve, rl_eval, write_csv
 from mtpipe.stage import (
-    JAX_CACHE, ROOT, WORK, artifact, atomic_dir, digest, log_path, read_stamp, run_stage, Timer,
+    JAX_CACHE, ROOT, WORK, artifact, atomic_dir, digest, latest_checkpoint, log_path, read_stamp, run_stage, Timer,
     write_json, write_stamp)
-
-
-def latest_actor_checkpoint(run_dir) -> int | None:
-    """Highest step with saved actor params under ``run_dir/checkpoints/actor``, if any."""
-    root = run_dir / "checkpoints" / "actor"
-    steps = [int(p.parent.name) for p in root.glob("*/model_params") if p.parent.name.isdigit()]
-    return max(steps, default=None)
 
 
 def check_rollout_backend(backend: str) -> None:
@@ -67,7 +60,7 @@ def main() -> None:
     run_name = f"train_rl-{run_digest[:12]}"
     base = WORK / "train_rl"
     run_dir = base / run_name
-    resumed_from = latest_actor_checkpoint(run_dir)
+    resumed_from = latest_checkpoint(run_dir / "checkpoints" / "actor")
     if resumed_from is not None:
         print(f"  {run_name}: an earlier run left actor checkpoints up to step {resumed_from}")
     files = dataset / "files"
@@ -79,7 +72,7 @@ def main() -> None:
     print(f"  GRPO from {'the SFT warm-up' if start.parent == warmup else 'the converted model'}")
     runner.run(cmd, log_path("rl", "train_rl"), total_steps=cfg.train_rl.num_batches)
 
-    final_step = latest_actor_checkpoint(run_dir)
+    final_step = latest_checkpoint(run_dir / "checkpoints" / "actor")
     if final_step is None or final_step < cfg.train_rl.num_batches:
         raise RuntimeError(f"train_rl wrote no final actor checkpoint under {run_dir}/checkpoints/actor"
                            f" (found {final_step}, expected {cfg.train_rl.num_batches})")

@@ -21,16 +21,10 @@ from mtpipe import commands, gsm8k_chat, runner
 from mtpipe.config import load_stage
 from mtpipe.metrics import loss_curve, summarize_sft, write_csv
 from mtpipe.stage import (
-    JAX_CACHE, ROOT, WORK, artifact, atomic_dir, digest, log_path, require, run_stage, Timer, write_json,
-    write_stamp)
+    JAX_CACHE, ROOT, WORK, artifact, atomic_dir, digest, latest_checkpoint, log_path, require, run_stage, Timer,
+    write_json, write_stamp)
 
 OUTPUT = {"sft": "trained", "rl": "warmup"}  # the SFT branch's final model; the RL branch's warm start
-
-
-def latest_checkpoint(run_dir: Path) -> int | None:
-    """Highest step with saved model params under ``run_dir/checkpoints``, if any."""
-    steps = [int(p.parent.name) for p in (run_dir / "checkpoints").glob("*/model_params") if p.parent.name.isdigit()]
-    return max(steps, default=None)
 
 
 def chat_files(cfg, dataset: Path, run_dir: Path) -> tuple[str, str | None, list[str]]:
@@ -64,7 +58,7 @@ def main(branch: str) -> None:
     base = WORK / "train_sft"
     run_dir = base / run_name
     run_dir.mkdir(parents=True, exist_ok=True)
-    resumed_from = latest_checkpoint(run_dir)
+    resumed_from = latest_checkpoint(run_dir / "checkpoints")
     if resumed_from is not None:
         print(f"  resuming {run_name}: MaxText restores its checkpoint at step {resumed_from}")
     train_files, eval_files, columns = chat_files(cfg, dataset, run_dir)
@@ -76,7 +70,7 @@ def main(branch: str) -> None:
     )
     runner.run(cmd, log_path(branch, "train_sft"), total_steps=cfg.train_sft.steps)
 
-    final_step = latest_checkpoint(run_dir)
+    final_step = latest_checkpoint(run_dir / "checkpoints")
     if final_step is None or final_step < cfg.train_sft.steps - 1:
         raise RuntimeError(f"train_sft wrote no final checkpoint in {run_dir}/checkpoints (found {final_step})")
     curve = loss_curve(require(metrics_file, "MaxText metrics_file"))

@@ -8,11 +8,9 @@ at exit), the actor checkpoint, changed parameters, the tensorboard scalars and 
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -70,23 +68,6 @@ def test_maxtext_reward_functions_on_hand_written_completions(tmp_path):
 # ----------------------------------------------------------------------------- the real run
 
 
-def _tb_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """tag -> [(step, value)] from tensorboard event files (read with tensorboardX's protos)."""
-    from tensorboardX.proto import event_pb2
-
-    out: dict[str, list[tuple[int, float]]] = {}
-    for path in glob.glob(str(log_dir / "**" / "events.out.tfevents.*"), recursive=True):
-        with open(path, "rb") as f:
-            while header := f.read(12):
-                data = f.read(struct.unpack("<Q", header[:8])[0])
-                f.read(4)
-                event = event_pb2.Event.FromString(data)
-                for v in event.summary.value:
-                    if v.HasField("simple_value"):
-                        out.setdefault(v.tag, []).append((event.step, v.simple_value))
-    return out
-
-
 def _orbax_arrays(path: Path, strip: str, add: str) -> dict[str, np.ndarray]:
     """Leaves of an orbax pytree checkpoint as numpy, keyed by path with `strip` -> '' and `add` appended."""
     import jax
@@ -113,6 +94,7 @@ def length_signal(prompts, completions, tmvp_config, **kwargs):
 @pytest.mark.slow
 def test_train_rl_runs_two_grpo_steps_on_cpu(tmp_path):
     from mtpipe import embedded
+    from mtpipe.metrics import read_tensorboard
 
     env = dict(os.environ, JAX_PLATFORMS="cpu", DECOUPLE_GCLOUD="TRUE", PYTHONPATH=str(REPO))
     cache = f"jax_cache_dir={REPO / 'work' / 'jax_cache'}"
@@ -157,7 +139,7 @@ def test_train_rl_runs_two_grpo_steps_on_cpu(tmp_path):
     assert all(before[k].shape == after[k].shape for k in before)
     assert len(changed) >= len(before) // 2, changed  # weight decay is off: the change is GRPO's
 
-    scalars = _tb_scalars(tmp_path / "out" / "rl" / "tensorboard")
+    scalars = read_tensorboard(tmp_path / "out" / "rl" / "tensorboard")
     for tag in ("actor/train/loss", "actor/train/kl", "actor/train/grad_norm", "rewards/train/mean",
                 "rewards/train/check_numbers", "rewards/train/length_signal", "completions/train/mean_length"):
         assert tag in scalars, sorted(scalars)
