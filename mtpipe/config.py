@@ -2,7 +2,8 @@
 
 A branch (``sft`` or ``rl``) names a preset in ``conf/preset/``. The preset composes a model, a
 dataset and a hardware preset (its ``defaults:`` mapping) and holds one section per stage. Values in
-``params.yaml`` override the preset; ``null`` there keeps the preset's value.
+``params.yaml`` override the preset; ``null`` there keeps the preset's value. Every key is checked
+against the typed schema in :mod:`mtpipe.schema` (type, range, combinations).
 
 The ``configure`` stage resolves everything and writes ``config/<branch>/<stage>.yaml``: exactly what
 that stage reads, nothing more. Each pipeline stage depends on its own file, so DVC reruns a stage
@@ -19,13 +20,12 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from mtpipe import schema
 from mtpipe.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = ROOT / "conf"
 RESOLVED_DIR = ROOT / "config"
-
-GROUPS = ("model", "dataset", "hardware")
 
 # The sections of the composed branch config that each stage reads.
 STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
@@ -40,7 +40,7 @@ BRANCH_STAGES: dict[str, tuple[str, ...]] = {
     "rl": ("hf_download", "to_maxtext", "train_sft", "train_rl", "to_huggingface"),
 }
 # params.yaml keys that are not stage sections of a branch.
-BRANCH_KEYS = ("preset", *GROUPS)
+BRANCH_KEYS = ("preset", *schema.GROUPS)
 
 
 def load_yaml(path: Path) -> DictConfig:
@@ -70,59 +70,38 @@ def _load_named(group: str, name: Any, key: str) -> DictConfig:
 
 
 def compose(branch: str, params: DictConfig) -> DictConfig:
-    """Compose one branch: its preset's parts, the preset, then non-null params overrides."""
+    """Compose one branch: its preset's parts, the preset, then non-null params overrides; then check it.
+
+    params.yaml is checked against the schema (mtpipe/schema.py) before the merge, the composed
+    branch after it, so every error names the key and says where to fix it.
+    """
     if branch not in params or not isinstance(params[branch], DictConfig):
         raise ConfigError(branch, "missing section in params.yaml", f"restore the `{branch}:` section from git")
+    schema.check_params(OmegaConf.to_container(params, resolve=True))
     branch_params = params[branch]
-    preset = _load_named("preset", branch_params.get("preset"), f"{branch}.preset")
+    preset_name = branch_params.get("preset")
+    preset = _load_named("preset", preset_name, f"{branch}.preset")
     defaults = preset.pop("defaults", {})
     parts = {}
-    for group in GROUPS:
+    for group in schema.GROUPS:
         name = branch_params.get(group) or defaults.get(group)
         parts[group] = _load_named(group, name, f"{branch}.{group}")
         parts[group].name = name
     overrides = _drop_nulls({k: v for k, v in OmegaConf.to_container(branch_params).items()
                              if k not in BRANCH_KEYS})
-    base = OmegaConf.merge(OmegaConf.create(parts), preset)
-    _check_known(overrides, base, branch)
-    cfg = OmegaConf.merge(base, overrides)
+    cfg = OmegaConf.merge(OmegaConf.create(parts), preset, overrides)
     if branch == "sft" and params.get("steps") is not None:
         cfg.train_sft.steps = params.steps
     cfg.branch = branch
-    validate(branch, cfg)
+    reject_secrets(cfg, branch)
+    schema.check_branch(OmegaConf.to_container(cfg, resolve=True), preset_name)
     return cfg
-
-
-def _check_known(overrides: dict, base: DictConfig, prefix: str) -> None:
-    """Every key set in params.yaml must exist in the preset (a typo would be silently ignored)."""
-    for key, value in overrides.items():
-        where = f"{prefix}.{key}"
-        if key not in base:
-            known = sorted(k for k in base if k not in BRANCH_KEYS)
-            raise ConfigError(where, "is not a key of the preset", f"use one of {known}, or fix the spelling")
-        if isinstance(value, dict):
-            if not isinstance(base[key], DictConfig):
-                raise ConfigError(where, f"is a single value in the preset ({base[key]!r})", "set it to one value")
-            if key not in ("extra_args", "maxtext_overrides", "env", "maxtext_args"):  # free-form MaxText keys
-                _check_known(value, base[key], where)
-        elif isinstance(base[key], DictConfig):
-            raise ConfigError(where, f"is a section, got {value!r}", f"set its keys, e.g. {where}.<key>: ...")
 
 
 def _drop_nulls(tree: Any) -> Any:
     if isinstance(tree, dict):
         return {k: _drop_nulls(v) for k, v in tree.items() if v is not None and _drop_nulls(v) != {}}
     return tree
-
-
-def _positive_int(cfg: DictConfig, key: str, fix: str, required: bool = True) -> None:
-    """``key`` of the branch config must be an int >= 1; errors name it as params.yaml does."""
-    value = OmegaConf.select(cfg, key)
-    shown = "steps" if (cfg.branch, key) == ("sft", "train_sft.steps") else f"{cfg.branch}.{key}"
-    if value is None and not required:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(shown, f"must be a positive integer, got {value!r}", fix)
 
 
 TOKEN_LIKE = re.compile(r"hf_[A-Za-z0-9]{20,}")
@@ -138,47 +117,6 @@ def reject_secrets(tree: Any, key: str) -> None:
             reject_secrets(v, f"{key}.{k}")
     elif isinstance(tree, str) and TOKEN_LIKE.search(tree):
         raise ConfigError(key, "looks like a Hugging Face token", "remove it and `export HF_TOKEN=...` instead")
-
-
-def validate(branch: str, cfg: DictConfig) -> None:
-    """Reject bad values early, naming the key and the fix."""
-    reject_secrets(cfg, branch)
-    for section in ("model", "dataset"):
-        source = cfg[section].get("source")
-        kind = source.get("kind") if source else None
-        if kind not in ("hub", "local"):
-            raise ConfigError(f"{section}.source.kind", f"must be 'hub' or 'local', got {kind!r}",
-                              f"fix conf/{section}/{cfg[section].name}.yaml")
-        if kind == "hub":
-            revision = str(source.get("revision"))
-            if not re.fullmatch(r"[0-9a-f]{40}", revision):
-                raise ConfigError(f"{section}.source.revision", f"must be a 40-hex commit sha, got {revision!r}",
-                                  "pin the commit shown on the Hub's 'Files and versions' page")
-    if branch == "sft":
-        _positive_int(cfg, "train_sft.steps", "set e.g. `dvc exp run -S steps=200`")
-        _positive_int(cfg, "train_sft.per_device_batch_size", "set sft.train_sft.per_device_batch_size >= 1")
-        _positive_int(cfg, "train_sft.checkpoint_period", "set sft.train_sft.checkpoint_period >= 1")
-        _positive_int(cfg, "train_sft.max_target_length", "set sft.train_sft.max_target_length >= 16", False)
-    else:
-        warmup = OmegaConf.select(cfg, "train_sft.steps")
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-            raise ConfigError("rl.train_sft.steps", f"must be an integer >= 0, got {warmup!r}",
-                              "0 starts GRPO from the converted model, N > 0 warms it up with N SFT steps")
-        if warmup:
-            _positive_int(cfg, "train_sft.per_device_batch_size", "set rl.train_sft.per_device_batch_size >= 1")
-            _positive_int(cfg, "train_sft.checkpoint_period", "set rl.train_sft.checkpoint_period >= 1")
-        for key in ("num_batches", "num_test_batches"):
-            _positive_int(cfg, f"train_rl.{key}", f"set rl.train_rl.{key} >= 1")
-        for key in ("num_generations", "batch_size", "max_prefill_predict_length", "max_target_length"):
-            _positive_int(cfg, f"train_rl.{key}", f"set rl.train_rl.{key} >= 1", False)
-        backend = OmegaConf.select(cfg, "train_rl.rollout_backend")
-        if backend not in ("cpu_jax", "vllm"):
-            raise ConfigError("rl.train_rl.rollout_backend", f"must be cpu_jax or vllm, got {backend!r}",
-                              "use vllm on a TPU VM, cpu_jax on a CPU")
-    dtype = OmegaConf.select(cfg, "to_huggingface.weight_dtype")
-    if dtype not in ("float32", "bfloat16"):
-        raise ConfigError(f"{branch}.to_huggingface.weight_dtype", f"must be float32 or bfloat16, got {dtype!r}",
-                          "set it to bfloat16 (the tutorial) or float32 (exact round trip)")
 
 
 def load_params(path: Path = ROOT / "params.yaml") -> DictConfig:

@@ -77,7 +77,7 @@ def test_unpinned_hub_revision_rejected(tmp_path, monkeypatch):
     for group in ("preset", "dataset", "hardware"):
         (tmp_path / group).symlink_to(config.CONF_DIR / group)
     monkeypatch.setattr(config, "CONF_DIR", tmp_path)
-    with pytest.raises(ConfigError, match="model.source.revision: must be a 40-hex commit sha"):
+    with pytest.raises(ConfigError, match=r"^sft.model.source.revision: must be a 40-hex commit sha"):
         config.compose("sft", params(preset="gemma3-4b-ultrachat-v6e8"))
 
 
