@@ -130,7 +130,7 @@ class ToMaxtext:
     scan_layers: bool
     use_multimodal: bool
     lazy_load_tensors: bool
-    checkpoint_storage: Literal["ocdbt", "plain"]  # ocdbt: zarr3 + ocdbt (the tutorial's USE_PATHWAYS=0)
+    checkpoint_storage: Literal["ocdbt", "plain"]  # plain: byte-reproducible; ocdbt: the tutorial's (random file names)
 
 
 @dataclass

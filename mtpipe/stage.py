@@ -27,7 +27,10 @@ from mtpipe.errors import ConfigError
 
 WORK = ROOT / "work"                # untracked: MaxText run dirs (resume), logs, JAX compile cache
 JAX_CACHE = WORK / "jax_cache"
+TIMINGS = WORK / "timings.jsonl"    # stage wall times (not DVC outputs: they differ run to run)
 STAMP = "mtpipe.json"
+# Hugging Face Hub tokens: only hf_download may hold them (docs/decisions.md, "Secrets").
+HUB_TOKEN_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 
 
 def artifact(branch: str, name: str) -> Path:
@@ -90,13 +93,26 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 class Timer:
-    """Wall time of a stage, for its metrics."""
+    """Wall time of a stage, for its metrics (training) or work/timings.jsonl (conversions)."""
 
     def __init__(self) -> None:
         self.start = time.monotonic()
 
     def seconds(self) -> float:
         return round(time.monotonic() - self.start, 1)
+
+    def record(self, branch: str, stage: str) -> None:
+        """Append the wall time to work/timings.jsonl: it differs run to run, so it stays out of the
+        outputs DVC hashes (a reproducible stage's outputs and metrics are the same bytes every run)."""
+        TIMINGS.parent.mkdir(parents=True, exist_ok=True)
+        with TIMINGS.open("a") as f:
+            f.write(json.dumps({"stage": f"{stage}@{branch}", "wall_s": self.seconds(),
+                                "at": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
+
+
+def size_mib(path: Path) -> float:
+    """Total size of the files under ``path``, in MiB."""
+    return round(sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20, 3)
 
 
 def latest_checkpoint(checkpoints: Path) -> int | None:
@@ -105,8 +121,45 @@ def latest_checkpoint(checkpoints: Path) -> int | None:
     return max(steps, default=None)
 
 
-def run_stage(main: Callable[..., None], *args: str) -> None:
-    """Run a stage's main; bad input ends it with ``<stage>: <key>: <problem>. Fix: <fix>``, no traceback."""
+ORBAX_TIMESTAMPS = ("init_timestamp_nsecs", "commit_timestamp_nsecs")
+
+
+def strip_orbax_timestamps(checkpoint: Path) -> None:
+    """Drop the wall-clock times Orbax writes into each ``_CHECKPOINT_METADATA`` under ``checkpoint``.
+
+    They are the only bytes that differ between two saves of the same tensors in the ``plain``
+    storage format; without them a rerun gives the same DVC hash and nothing downstream reruns.
+    Orbax reads both fields as optional.
+    """
+    for meta in sorted(checkpoint.rglob("_CHECKPOINT_METADATA")):
+        data = json.loads(meta.read_text())
+        if any(key in data for key in ORBAX_TIMESTAMPS):
+            meta.write_text(json.dumps({k: v for k, v in data.items() if k not in ORBAX_TIMESTAMPS}))
+
+
+def drop_hub_token() -> None:
+    """Restart this process with the same command minus the Hub token variables, if any is set.
+
+    Deleting them from ``os.environ`` is not enough: ``/proc/<pid>/environ`` keeps the environment a
+    process was started with, for its whole life. After the restart neither this process nor anything
+    it starts (MaxText, its worker processes) has ever held the token. Call it before any work.
+    """
+    if not any(name in os.environ for name in HUB_TOKEN_ENV):
+        return
+    env = {name: value for name, value in os.environ.items() if name not in HUB_TOKEN_ENV}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, sys.orig_argv, env)
+
+
+def run_stage(main: Callable[..., None], *args: str, hub_token: bool = False) -> None:
+    """Run a stage's main; bad input ends it with ``<stage>: <key>: <problem>. Fix: <fix>``, no traceback.
+
+    Only a stage that downloads from the Hub passes ``hub_token=True``; every other one restarts
+    without the token first (:func:`drop_hub_token`).
+    """
+    if not hub_token:
+        drop_hub_token()
     try:
         main(*args)
     except ConfigError as err:

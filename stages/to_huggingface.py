@@ -10,7 +10,8 @@ import sys
 from mtpipe import commands, runner
 from mtpipe.config import load_stage
 from mtpipe.stage import (
-    ROOT, artifact, atomic_dir, digest, log_path, require, run_stage, Timer, write_json, write_stamp)
+    ROOT, artifact, atomic_dir, digest, log_path, require, run_stage, size_mib, Timer, write_json,
+    write_stamp)
 
 
 def main(branch: str) -> None:
@@ -24,7 +25,10 @@ def main(branch: str) -> None:
             raise RuntimeError(f"no *.safetensors in {out}: to_huggingface wrote no weights")
         require(out / "tokenizer_config.json", "exported tokenizer")
         write_stamp(out, "to_huggingface", digest(cfg, trained))
-    write_json(ROOT / "metrics" / branch / "to_huggingface.json", {"wall_s": timer.seconds()})
+        export_mib = size_mib(out)
+    write_json(ROOT / "metrics" / branch / "to_huggingface.json",
+               {"export_mib": export_mib, "weight_dtype": cfg.to_huggingface.weight_dtype})
+    timer.record(branch, "to_huggingface")
 
 
 if __name__ == "__main__":

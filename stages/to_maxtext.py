@@ -1,7 +1,8 @@
 """Stage to_maxtext@<branch>: convert the downloaded HF checkpoint to MaxText format (scanned layers).
 
 Runs maxtext.checkpoint_conversion.to_maxtext on the host CPU, as the tutorial does, and checks that
-it wrote an orbax checkpoint at artifacts/<branch>/maxtext/0/items.
+it wrote an orbax checkpoint at artifacts/<branch>/maxtext/0/items. The same model gives the same
+bytes (plain storage, Orbax's timestamps removed), so a rerun leaves every later stage up to date.
 Run: dvc repro to_maxtext@sft   (or: python -m stages.to_maxtext sft)
 """
 
@@ -10,7 +11,8 @@ import sys
 from mtpipe import commands, runner
 from mtpipe.config import load_stage
 from mtpipe.stage import (
-    ROOT, artifact, atomic_dir, digest, log_path, require, run_stage, Timer, write_json, write_stamp)
+    ROOT, artifact, atomic_dir, digest, log_path, require, run_stage, size_mib, strip_orbax_timestamps, Timer,
+    write_json, write_stamp)
 
 
 def main(branch: str) -> None:
@@ -20,8 +22,11 @@ def main(branch: str) -> None:
         cmd = commands.to_maxtext(cfg, hf_dir=model / "files", out_dir=out)
         runner.run(cmd, log_path(branch, "to_maxtext"))
         require(out / "0" / "items", "MaxText checkpoint 0/items")
+        strip_orbax_timestamps(out)
         write_stamp(out, "to_maxtext", digest(cfg, model))
-    write_json(ROOT / "metrics" / branch / "to_maxtext.json", {"wall_s": timer.seconds()})
+        checkpoint_mib = size_mib(out)
+    write_json(ROOT / "metrics" / branch / "to_maxtext.json", {"checkpoint_mib": checkpoint_mib})
+    timer.record(branch, "to_maxtext")
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def test_noop_repro_runs_no_stage(pipeline_repo):
         (lambda p: p["sft"]["train_sft"].update(learning_rate=5e-4), {"train_sft@sft"}),
         (lambda p: p["sft"]["to_huggingface"].update(weight_dtype="bfloat16"), {"to_huggingface@sft"}),
         (lambda p: p["sft"].update(dataset="ultrachat-200k"), {"hf_download@sft", "train_sft@sft"}),
-        (lambda p: p["sft"].update(to_maxtext={"checkpoint_storage": "plain"}), {"to_maxtext@sft"}),
+        (lambda p: p["sft"].update(to_maxtext={"checkpoint_storage": "ocdbt"}), {"to_maxtext@sft"}),
         (lambda p: p["rl"]["train_rl"].update(num_batches=9), {"train_rl"}),
     ],
     ids=["steps", "learning_rate", "export_dtype", "dataset_source", "conversion_option", "rl_batches"],

@@ -54,6 +54,10 @@ REPLACED = {
     # MaxText cannot pin a dataset revision: training reads the pinned parquet files hf_download wrote.
     "hf_path": "parquet",
     "train_split": "train",
+    # Plain zarr (the tutorial's Pathways setting) instead of OCDBT: OCDBT names its data files at
+    # random, so the same model would give new bytes and new DVC hashes on every conversion.
+    "checkpoint_storage_use_zarr3": "0",
+    "checkpoint_storage_use_ocdbt": "0",
 }
 # What the pipeline adds, and why.
 ADDED = {
