@@ -12,7 +12,7 @@ export PATH := $(BIN):$(PATH)
 export GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT := false
 export NO_GCE_CHECK := true
 
-.PHONY: demo test test-fast bench lock clean-work
+.PHONY: demo test test-fast bench lock lock-vm clean-work
 
 $(VENV)/.installed: requirements.lock pyproject.toml
 	@test -n "$(PY312)" || { echo "Python 3.12 not found: install it (e.g. 'uv python install 3.12' or 'pyenv install 3.12')" >&2; exit 1; }
@@ -37,6 +37,11 @@ bench: $(VENV)/.installed
 
 lock: $(VENV)/.installed
 	python -m pip freeze --exclude-editable | grep -v '^mtpipe' > requirements.lock
+
+# The TPU VM's environment (installed by `doit vm_setup`), resolved here from pyproject.toml's pins
+# for Linux x86_64 / Python 3.12 with hashes: mtpipe/vm_lock.py, docs/tpu-vm.md. Needs PyPI.
+lock-vm: $(VENV)/.installed
+	python -m mtpipe.vm_lock
 
 clean-work:
 	rm -rf work

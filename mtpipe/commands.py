@@ -57,8 +57,14 @@ def kv(mapping: Mapping[str, Any]) -> list[str]:
 
 
 def _storage_flags(storage: str) -> list[str]:
+    """``ocdbt``: zarr3 + OCDBT (the tutorial's); ``plain``: one zarr array per tensor, file names
+    that depend only on the tensors, so the same tensors give the same bytes (docs/decisions.md)."""
     use = "1" if storage == "ocdbt" else "0"
     return [f"checkpoint_storage_use_zarr3={use}", f"checkpoint_storage_use_ocdbt={use}"]
+
+
+# Trained params are stage outputs too: written plain, an identical training gives identical bytes.
+TRAINED_STORAGE = _storage_flags("plain")
 
 
 def to_maxtext(cfg: DictConfig, hf_dir: Path, out_dir: Path) -> MaxTextCommand:
@@ -105,6 +111,7 @@ def train_sft(
             "checkpoint_period": t.checkpoint_period,
         }),
         *(_eval_args(t, eval_files, columns)),
+        *TRAINED_STORAGE,
         f"metrics_file={metrics_file}",
         f"jax_cache_dir={jax_cache_dir}",
         *kv(cfg.hardware.maxtext_args),
@@ -155,6 +162,7 @@ def train_rl(
             "max_prefill_predict_length": t.max_prefill_predict_length,
             "max_target_length": t.max_target_length,
         }),
+        *TRAINED_STORAGE,
         f"jax_cache_dir={jax_cache_dir}",
         *kv(cfg.hardware.maxtext_args),
         *kv(cfg.model.maxtext_overrides),

@@ -5,7 +5,8 @@ Everything here is deterministic (same bytes on every run) and needs no network:
 * ``gemma3-tiny``: the architecture and Hub file layout of ``google/gemma-3-4b-it``
   (multimodal ``Gemma3Config``, legacy tensor names ``language_model.model.*``,
   ``vision_tower.vision_model.*``, ``multi_modal_projector.*``, two safetensors shards + index),
-  shrunk to 6 text layers (one scanned MaxText block of 5 local + 1 global layers).
+  shrunk to 8 text layers: one scanned MaxText block of 6 (5 local + 1 global) plus 2 unscanned
+  remainder layers, the structure of the real 34-layer model (5 blocks + 4 remainder layers).
 * ``llama3.1-tiny``: the architecture and layout of ``meta-llama/Llama-3.1-8B-Instruct``
   (llama3 rope scaling, untied embeddings, Llama 3 chat template), shrunk.
 * ``ultrachat-tiny``: ``HuggingFaceH4/ultrachat_200k`` schema and layout (SFT chat data).
@@ -41,7 +42,7 @@ MAXTEXT_OVERRIDES: dict[str, dict[str, Any]] = {
         "base_num_kv_heads": 2,
         "head_dim": 32,
         "base_mlp_dim": 256,
-        "base_num_decoder_layers": 6,
+        "base_num_decoder_layers": 8,
         "vocab_size": TINY_VOCAB,
         "sliding_window_size": 64,
     },
@@ -346,7 +347,7 @@ def _gemma3_config(tokenizer):
         vocab_size=TINY_VOCAB,
         hidden_size=64,
         intermediate_size=256,
-        num_hidden_layers=6,
+        num_hidden_layers=8,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
@@ -433,7 +434,7 @@ def _gemma3_tensors(cfg) -> dict[str, np.ndarray]:
 
 
 def write_gemma3_tiny(out_dir: str | os.PathLike) -> None:
-    """A 6-layer Gemma 3 (multimodal config, minimal vision tower) in the gemma-3-4b-it layout."""
+    """An 8-layer Gemma 3 (multimodal config, minimal vision tower) in the gemma-3-4b-it layout."""
     from transformers import GenerationConfig
 
     out = Path(out_dir)

@@ -20,18 +20,39 @@ Patches, for ``maxtext.checkpoint_conversion.to_maxtext`` and ``.to_huggingface`
    exported config is the multimodal one, so transformers would fill the tower with random
    weights. The source's tensors that the export lacks (vision tower, projector) were never
    trained: they are copied unchanged into a second shard, making the export a complete model.
+5. ``copy_source_config`` (post-processing, to_huggingface): MaxText writes the config (patch 1's
+   source config) re-serialized by the installed transformers 5, which drops the keys of a file
+   written by transformers 4 (the Hub's ``rope_scaling``, ``rope_theta``, ``torch_dtype``) that
+   transformers 4 and vLLM read. Training does not change the architecture, so the export gets the
+   source's file itself, after checking that both describe the same model.
+6. ``accept_padded_vocabulary`` (monkeypatch, to_huggingface): MaxText's gemma3-4b has 262144
+   embedding rows, the Hub's model 262208. to_huggingface's architecture check accepts a MaxText
+   vocabulary only when it is at least the source's, and stops the real 4B export; yet its gemma3
+   embedding hook pads the missing rows (with zeros) to the source's shape. The check is shown the
+   source's vocabulary size when MaxText's is smaller; nothing else in to_huggingface reads it.
+   After the run (``restore_padded_rows``), the padded rows, which MaxText never had and so never
+   trained (the image soft token and padding), are copied back from the source.
+
+For ``maxtext.trainers.post_train.sft.train_sft`` and ``.rl.train_rl``:
+
+7. ``honour_checkpoint_storage`` (monkeypatch): tunix's checkpoint manager saves ``model_params``
+   and ``optimizer_state`` with OCDBT whatever MaxText's ``checkpoint_storage_use_ocdbt`` /
+   ``_zarr3`` say (tunix turns OCDBT off for Pathways only). OCDBT names its data files at random,
+   so two identical trainings gave different bytes; its handlers now get MaxText's two flags.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 TO_MAXTEXT = "maxtext.checkpoint_conversion.to_maxtext"
 TO_HUGGINGFACE = "maxtext.checkpoint_conversion.to_huggingface"
+TRAINERS = ("maxtext.trainers.post_train.sft.train_sft", "maxtext.trainers.post_train.rl.train_rl")
 
 # transformers in-memory name prefix -> on-disk (legacy) prefix, for Gemma3ForConditionalGeneration.
 GEMMA3_LEGACY_PREFIXES = (
@@ -42,6 +63,8 @@ GEMMA3_LEGACY_PREFIXES = (
 )
 
 _SECRET_KEYS = ("hf_access_token",)
+# Tensors with one row per token: MaxText's vocabulary may be smaller than the source's (patch 6).
+VOCABULARY_TENSORS = ("embed_tokens.weight", "lm_head.weight")
 # What MaxText leaves out of a text-only (use_multimodal=False) export, copied from the source.
 UNTRAINED_PREFIXES = ("vision_tower.", "multi_modal_projector.")
 
@@ -119,6 +142,64 @@ def use_source_config(model_name: str, hf_dir: Path) -> None:
         HF_MODEL_CONFIGS[key] = source
 
 
+def accept_padded_vocabulary(hf_dir: Path) -> dict[str, int]:
+    """Patch 6: to_huggingface's MaxText config reports the source's vocabulary when MaxText's is smaller.
+
+    Returns a dict that gets ``{"maxtext_vocab": n}`` when that happened (for :func:`restore_padded_rows`).
+    """
+    from transformers import AutoConfig
+
+    from maxtext.configs import pyconfig
+
+    source = AutoConfig.from_pretrained(hf_dir)
+    source_vocab = getattr(source, "text_config", source).vocab_size
+    initialize = pyconfig.initialize_pydantic
+    padded: dict[str, int] = {}
+
+    def initialize_with_source_vocabulary(*args, **kwargs):
+        config = initialize(*args, **kwargs)
+        if config.vocab_size < source_vocab:
+            padded["maxtext_vocab"] = config.vocab_size
+            return config.model_copy(update={"vocab_size": source_vocab})
+        return config
+
+    pyconfig.initialize_pydantic = initialize_with_source_vocabulary
+    return padded
+
+
+def restore_padded_rows(hf_dir: Path, output_dir: str | None, first_row: int | None) -> None:
+    """After patch 6: rows from `first_row` on of the exported vocabulary tensors come from the source.
+
+    MaxText's table ended before `first_row`; to_huggingface padded the rest with zeros. The shard
+    holding such a tensor is rewritten with the source's rows (cast to the export's dtype).
+    """
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    out = Path(output_dir) if output_dir and "://" not in output_dir else None
+    if out is None or first_row is None:
+        return
+    source: dict[str, Path] = {}
+    for shard in sorted(hf_dir.glob("*.safetensors")):
+        with safe_open(shard, "numpy") as f:
+            source |= {k: shard for k in f.keys()}
+    for shard in sorted(out.glob("*.safetensors")):
+        with safe_open(shard, "numpy") as f:
+            metadata = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        padded = [k for k, t in tensors.items()
+                  if k in source and k.endswith(VOCABULARY_TENSORS) and t.shape[0] > first_row]
+        for name in padded:
+            with safe_open(source[name], "numpy") as f:
+                rows = f.get_slice(name)[first_row:]
+            if rows.shape[0] != tensors[name].shape[0] - first_row:
+                raise RuntimeError(f"{name}: the export has {tensors[name].shape[0]} rows, the source "
+                                   f"{first_row + rows.shape[0]}")
+            tensors[name][first_row:] = rows.astype(tensors[name].dtype)
+        if padded:
+            save_file(tensors, shard, metadata=metadata)
+
+
 def checkpoint_tensor_names(hf_dir: Path) -> list[str]:
     """Tensor names in the safetensors of `hf_dir` (index file or single file; [] if none)."""
     index = hf_dir / "model.safetensors.index.json"
@@ -189,6 +270,21 @@ def copy_generation_config(hf_dir: Path, output_dir: str | None) -> None:
         shutil.copyfile(src, dst)
 
 
+def copy_source_config(hf_dir: Path, output_dir: str | None) -> None:
+    """Post-processing 5: the export's config.json becomes the source's file, byte for byte."""
+    from transformers import AutoConfig
+
+    out = Path(output_dir) if output_dir and "://" not in output_dir else None
+    if out is None or not (out / "config.json").is_file():
+        return
+    written, source = (AutoConfig.from_pretrained(d).to_dict() for d in (out, hf_dir))
+    differs = sorted(k for k in written.keys() | source.keys()
+                     if k not in ("transformers_version", "_name_or_path") and written.get(k) != source.get(k))
+    if differs:  # e.g. --override_model_architecture: the export is not the source's architecture
+        raise RuntimeError(f"to_huggingface wrote a config.json that differs from the source's in {differs}")
+    shutil.copyfile(hf_dir / "config.json", out / "config.json")
+
+
 def copy_untouched_tensors(hf_dir: Path, output_dir: str | None) -> None:
     """Post-processing 4: add the source tensors the export lacks, as a sharded checkpoint."""
     from safetensors import safe_open
@@ -219,9 +315,30 @@ def copy_untouched_tensors(hf_dir: Path, output_dir: str | None) -> None:
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
+def honour_checkpoint_storage(argv: list[str]) -> None:
+    """Patch 7: tunix's checkpoint manager writes with MaxText's checkpoint_storage_use_* flags."""
+    import orbax.checkpoint as ocp
+    from tunix.sft import checkpoint_manager
+
+    def flag(key: str) -> bool:
+        value = _arg_value(argv, key)
+        return True if value is None else value.lower() in ("1", "true")
+
+    storage = {"use_ocdbt": flag("checkpoint_storage_use_ocdbt"), "use_zarr3": flag("checkpoint_storage_use_zarr3")}
+
+    def handler(*args: Any, **kwargs: Any) -> ocp.PyTreeCheckpointHandler:
+        return ocp.PyTreeCheckpointHandler(*args, **(storage | kwargs))  # Orbax's registry keys on the class
+
+    orbax_for_tunix = types.ModuleType(ocp.__name__)  # a copy of the module: MaxText's own saves are untouched
+    orbax_for_tunix.__dict__.update(vars(ocp), PyTreeCheckpointHandler=handler)
+    checkpoint_manager.ocp = orbax_for_tunix
+
+
 def apply(module: str, argv: list[str]) -> Callable[[], None]:
     """Patch MaxText for `module` run with `argv`; return the post-processing step to run on success."""
     reject_secrets(argv)
+    if module in TRAINERS:
+        honour_checkpoint_storage(argv)
     if module not in (TO_MAXTEXT, TO_HUGGINGFACE):
         return lambda: None
     args = parse_conversion_args(module, argv)
@@ -229,8 +346,12 @@ def apply(module: str, argv: list[str]) -> Callable[[], None]:
     if args.loads_file_names:
         use_checkpoint_tensor_names(args.model_name, args.hf_model_path)
     if module == TO_HUGGINGFACE:
+        padded = accept_padded_vocabulary(args.hf_model_path)
+
         def finish() -> None:
             copy_generation_config(args.hf_model_path, args.output_dir)
+            copy_source_config(args.hf_model_path, args.output_dir)
+            restore_padded_rows(args.hf_model_path, args.output_dir, padded.get("maxtext_vocab"))
             copy_untouched_tensors(args.hf_model_path, args.output_dir)
         return finish
     return lambda: None

@@ -436,7 +436,8 @@ def run_train_rl(argv: Sequence[str]) -> NoReturn:
 if __name__ == "__main__":
   # `python -m mtpipe.rollout_cpu [maxtext.trainers.post_train.rl.train_rl] <train_rl arguments>`
   _args = sys.argv[1:]
-  from mtpipe.maxtext_adapter import reject_secrets  # pylint: disable=import-outside-toplevel
+  _args = _args[1:] if _args[:1] == [TRAIN_RL_MODULE] else _args
+  from mtpipe.maxtext_adapter import apply  # pylint: disable=import-outside-toplevel
 
-  reject_secrets(_args)  # tokens come from the environment only, never argv
-  run_train_rl(_args[1:] if _args[:1] == [TRAIN_RL_MODULE] else _args)
+  apply(TRAIN_RL_MODULE, _args)  # no token in argv; tunix saves with MaxText's storage flags
+  run_train_rl(_args)

@@ -147,6 +147,11 @@ def test_gemma3_mapping_uses_the_checkpoint_names(models, monkeypatch):
         for value in param_mapping.PARAM_MAPPING[key](cfg, None, scan).values():
             names += value if isinstance(value, list) else [value]
         assert set(names) == set(tensors)
+    # 8 layers: one scanned block of 6 plus 2 unscanned remainder layers (the real model: 5 blocks + 4).
+    scanned = param_mapping.PARAM_MAPPING[key](cfg, None, True)
+    down = "language_model.model.layers.{}.mlp.down_proj.weight"
+    assert scanned["params-decoder-layers-layers_5-mlp-wo-kernel"] == [down.format(5)]
+    assert scanned["params-decoder-layers_remainder-layers_1-mlp-wo-kernel"] == down.format(7)
 
 
 def test_gemma3_mapping_kept_for_in_memory_names(tmp_path, monkeypatch):
@@ -195,18 +200,7 @@ def test_launch_exits_with_the_module_status(tmp_path):
 
 
 # google/gemma-3-4b-it's config.json as published on the Hub (transformers 4.50 format).
-GEMMA_3_4B_IT_CONFIG = {
-    "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999, "eoi_token_index": 256000,
-    "eos_token_id": [1, 106], "image_token_index": 262144, "initializer_range": 0.02, "mm_tokens_per_image": 256,
-    "model_type": "gemma3",
-    "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
-                    "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
-                    "sliding_window": 1024},
-    "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
-    "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
-                      "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
-                      "patch_size": 14, "vision_use_head": False},
-}  # fmt: skip
+GEMMA_3_4B_IT_CONFIG = ROOT / "tests" / "fixtures" / "gemma-3-4b-it" / "config.json"
 
 
 def test_the_same_patches_serve_the_real_gemma_3_4b(tmp_path, monkeypatch):
@@ -216,7 +210,7 @@ def test_the_same_patches_serve_the_real_gemma_3_4b(tmp_path, monkeypatch):
     key = "gemma3-4b"
     for table in (hf_model_configs.HF_MODEL_CONFIGS, param_mapping.PARAM_MAPPING, hf_shape.HF_SHAPE):
         monkeypatch.setitem(table, key, table[key])
-    (tmp_path / "config.json").write_text(json.dumps(GEMMA_3_4B_IT_CONFIG))
+    (tmp_path / "config.json").write_text(GEMMA_3_4B_IT_CONFIG.read_text())
     maxtext_adapter.use_source_config(key, tmp_path)
     assert maxtext_adapter.use_checkpoint_tensor_names(key, tmp_path)  # no weights: the Hub's legacy names
 
@@ -227,3 +221,43 @@ def test_the_same_patches_serve_the_real_gemma_3_4b(tmp_path, monkeypatch):
     mapping = param_mapping.PARAM_MAPPING[key](hf_model_configs.HF_MODEL_CONFIGS[key].to_dict(), None, True)
     assert mapping["params-decoder-layers_remainder-layers_3-mlp-wo-kernel"] == "language_model.model.layers.33.mlp.down_proj.weight"
     assert mapping["params-decoder-layers-layers_0-mlp-wo-kernel"][-1] == "language_model.model.layers.24.mlp.down_proj.weight"
+
+
+def test_export_config_is_the_source_file_only_for_the_same_model(tmp_path):
+    """Patch 5: the source's config.json replaces MaxText's re-serialized one; another model stops the run."""
+    from transformers import AutoConfig
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    out.mkdir()
+    (src / "config.json").write_text(GEMMA_3_4B_IT_CONFIG.read_text())
+    AutoConfig.from_pretrained(src).save_pretrained(out)  # what MaxText writes: transformers 5's format
+    assert "rope_scaling" not in json.loads((out / "config.json").read_text())["text_config"]
+    maxtext_adapter.copy_source_config(src, str(out))
+    assert (out / "config.json").read_bytes() == (src / "config.json").read_bytes()
+
+    other = AutoConfig.from_pretrained(src)
+    other.text_config.sliding_window = 512
+    other.save_pretrained(out)
+    with pytest.raises(RuntimeError, match="text_config"):
+        maxtext_adapter.copy_source_config(src, str(out))
+
+
+def test_padded_vocabulary_rows_come_back_from_the_source(tmp_path):
+    """Patch 6: rows MaxText's table lacked (to_huggingface pads them with zeros) are the source's again."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    out.mkdir()
+    rng = np.random.default_rng(0)
+    embed, other = rng.standard_normal((10, 4)).astype(np.float32), rng.standard_normal((10, 4)).astype(np.float32)
+    name = "language_model.model.embed_tokens.weight"
+    save_file({name: embed, "x.q_proj.weight": other}, str(src / "model.safetensors"))
+    trained = embed + 1
+    trained[8:] = 0  # MaxText had 8 rows; to_huggingface padded 2 with zeros
+    save_file({name: trained, "x.q_proj.weight": other * 0}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    maxtext_adapter.restore_padded_rows(src, str(out), 8)
+    got = load_file(str(out / "model.safetensors"))
+    np.testing.assert_array_equal(got[name][:8], embed[:8] + 1)  # trained rows untouched
+    np.testing.assert_array_equal(got[name][8:], embed[8:])  # the source's rows
+    np.testing.assert_array_equal(got["x.q_proj.weight"], other * 0)  # not a vocabulary tensor
+    maxtext_adapter.restore_padded_rows(src, str(out), None)  # no padding: nothing to do

@@ -62,7 +62,9 @@ def test_gemma3_tiny_has_the_gemma_3_4b_it_layout(emb):
     cfg = AutoConfig.from_pretrained(d)
     assert type(cfg).__name__ == "Gemma3Config" and cfg.architectures == ["Gemma3ForConditionalGeneration"]
     t = cfg.text_config
-    assert t.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    # One scanned MaxText block (5 local + 1 global) and 2 remainder layers, like the real 34 (5 x 6 + 4).
+    assert t.num_hidden_layers == 8
+    assert t.layer_types == ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 2
     assert t.rope_parameters["full_attention"] == {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
     assert t.rope_parameters["sliding_attention"]["rope_theta"] == 1e4
     assert (t.hidden_activation, t.query_pre_attn_scalar, t.sliding_window) == ("gelu_pytorch_tanh", t.head_dim, 64)
@@ -71,11 +73,12 @@ def test_gemma3_tiny_has_the_gemma_3_4b_it_layout(emb):
     assert not any(n.startswith(("model.", "lm_head")) for n in w)
     assert {n.split(".")[0] for n in w} == {"language_model", "vision_tower", "multi_modal_projector"}
     assert w["language_model.model.embed_tokens.weight"].shape == (t.vocab_size, t.hidden_size)
-    assert w["language_model.model.layers.5.self_attn.k_norm.weight"].shape == (t.head_dim,)
+    assert w["language_model.model.layers.7.self_attn.k_norm.weight"].shape == (t.head_dim,)
+    assert not any(n.startswith("language_model.model.layers.8.") for n in w)
     assert "vision_tower.vision_model.encoder.layers.0.self_attn.out_proj.bias" in w
     assert all(a.dtype == np.float32 for a in w.values())
     norms = [a for n, a in w.items() if n.startswith("language_model") and re.search(r"norm\.weight$", n)]
-    assert len(norms) == 6 * 6 + 1 and all(np.array_equal(a * 4096, np.round(a * 4096)) for a in norms)
+    assert len(norms) == 8 * 6 + 1 and all(np.array_equal(a * 4096, np.round(a * 4096)) for a in norms)
     gen = json.loads((d / "generation_config.json").read_text())
     assert gen["eos_token_id"] == [1, 5]  # <eos>, <end_of_turn>
 

@@ -108,14 +108,15 @@ def test_sliding_window_limits_receptive_field(tmp_path):
         text["layer_types"] = ["sliding_attention"] * text["num_hidden_layers"]
 
     local = _rewrite(src, tmp_path / "local", all_local, lambda tensors: None)
-    reach = 1 + 6 * (window - 1)  # 6 layers
+    layers = json.loads((src / "config.json").read_text())["text_config"]["num_hidden_layers"]
+    reach = 1 + layers * (window - 1)
     ids = _tokens(2)
     changed = ids.copy()
     changed[0] = (changed[0] + 1) % embedded.TINY_VOCAB
     diff = np.abs(numpy_forward.logits(local, ids) - numpy_forward.logits(local, changed)).max(axis=-1)
     assert diff[reach - 1] > 1e-9
     assert diff[reach:].max() == 0.0
-    # The real config (5 local + 1 global layer) lets token 0 reach the end of the sequence.
+    # The real layer pattern (a global layer after every 5 local ones) lets token 0 reach the end.
     full = np.abs(numpy_forward.logits(src, ids) - numpy_forward.logits(src, changed)).max(axis=-1)
     assert full[-1] > 1e-9
 

@@ -59,6 +59,7 @@ REPLACED = {
     "checkpoint_storage_use_zarr3": "0",
     "checkpoint_storage_use_ocdbt": "0",
 }
+STORAGE = ("checkpoint_storage_use_zarr3", "checkpoint_storage_use_ocdbt")
 # What the pipeline adds, and why.
 ADDED = {
     "to_maxtext": {"--hf_model_path"},  # the pinned local download
@@ -67,6 +68,7 @@ ADDED = {
         "checkpoint_period",                 # intermediate checkpoints make a killed run resumable
         "metrics_file",                      # per-step loss for the DVC plot and metrics
         "jax_cache_dir",                     # the compile cache lives in work/, not ~/jax_cache
+        *STORAGE,                            # plain zarr: the trained params are reproducible bytes
     },
     # tokenizer files from the pinned download; the export runs on the host CPU in one process, like
     # to_maxtext in the tutorial (without these MaxText tries a multi-host JAX setup on a CPU)
@@ -75,6 +77,7 @@ ADDED = {
         "hf_train_files", "hf_eval_files", "tokenizer_path",  # the pinned local download
         "dataset_name",  # openai/gsm8k: MaxText's `#### N` answer extraction keys on this name
         "jax_cache_dir",
+        *STORAGE,
     },
 }
 

@@ -1,0 +1,198 @@
+"""The TPU VM's environment: one hash-pinned lock, resolved here, installed by the real setup commands.
+
+`doit vm_setup` runs conf/vm.yaml's `setup.commands` on the VM (mtpipe.vm.setup_script). The slow
+test runs that same script on this machine, in a scratch HOME, so a typo or a broken pin fails here
+and not on a VM that bills by the hour. Three commands cannot run here and are replaced, by name, with
+shell functions defined before the script (the script itself is unchanged):
+
+* `sudo` (the apt-get lines): would change this machine's system packages; the calls are recorded and
+  must be apt-get only.
+* `curl` (uv's installer from astral.sh, unreachable here): serves an installer that puts the uv of
+  the same pinned version (from PyPI) in ~/.local/bin and writes ~/.local/bin/env, as the real one does.
+* `install_tpu_post_train_extra_deps` (MaxText's installer of vLLM for TPU, tpu-inference and a tunix
+  commit, all from GitHub, unreachable here and TPU-only): checks that the real entry point is in the
+  venv instead; MaxText pins what it installs by commit (checked below).
+
+Everything else runs for real: `uv venv`, and `uv pip sync --require-hashes` of the whole lock (libtpu
+included: it installs anywhere) into a fresh venv, then `pip check`. Downloads go through the user's
+uv cache (about 3.5 GB the first time, then about a minute).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from mtpipe import vm, vm_lock
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.preflight
+
+
+def lock_pins(text: str) -> dict[str, str]:
+    """name -> version of every `name==version` line of a requirements file."""
+    return {canonicalize_name(m[1]): m[2] for m in re.finditer(r"^([A-Za-z0-9_.\-]+)==(\S+)", text, re.M)}
+
+
+def vm_config():
+    return OmegaConf.load(ROOT / "conf" / "vm.yaml")
+
+
+def test_one_maxtext_version_for_laptop_and_vm():
+    """pyproject.toml pins MaxText; the laptop lock, the VM lock and the installed package agree."""
+    from importlib import metadata
+
+    version = vm_lock.maxtext_version()
+    vm_pins = lock_pins(vm_lock.LOCK.read_text())
+    assert lock_pins((ROOT / "requirements.lock").read_text())["maxtext"] == version
+    assert vm_pins["maxtext"] == version == metadata.version("maxtext")
+    header = vm_lock.LOCK.read_text().split("\n#\n", 1)[0]
+    assert f"step 1 (--resolution lowest): maxtext[tpu-post-train]=={version}" in header
+    # No other file names a MaxText version: conf/vm.yaml installs the lock.
+    assert not re.search(r"maxtext\S*==", (ROOT / "conf" / "vm.yaml").read_text())
+
+
+def test_vm_lock_pins_what_the_vm_needs():
+    text = vm_lock.LOCK.read_text()
+    pins = lock_pins(text)
+    project = vm_lock.project_pins()
+    for name in vm_lock.VM_PACKAGES:
+        assert pins[name] == next(iter(project[name].specifier)).version, name
+    # The tutorial's lowest resolution: MaxText's own lower bounds (jax>=0.11.0 -> 0.11.0).
+    assert pins["jax"] == "0.11.0" and pins["google-tunix"] == "0.1.7" and "libtpu" in pins
+    # PyPI's torch at MaxText's version instead of the PyTorch index's +cpu build.
+    assert vm_lock.torch_overrides() == ["torch==2.11.0", "torchvision==0.26.0"]
+    assert (pins["torch"], pins["torchvision"]) == ("2.11.0", "0.26.0")
+    assert (pins["uv"], pins["pip"]) == (vm_lock.UV_VERSION, vm_lock.PIP_VERSION)
+    # Every pinned package carries hashes (uv pip sync --require-hashes refuses the lock otherwise).
+    body = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    entries = re.split(r"\n(?=[A-Za-z0-9])", body.strip())
+    assert len(entries) == len(pins) > 400
+    assert all("--hash=sha256:" in e for e in entries)
+
+
+def test_vm_setup_installs_the_lock_with_hashes():
+    cfg = vm_config()
+    commands = list(cfg.setup.commands)
+    assert list(cfg.setup.files) == ["requirements-vm.lock"]
+    assert 'uv pip sync --require-hashes "$HOME/.mtpipe/setup/requirements-vm.lock"' in commands
+    assert f"curl -LsSf https://astral.sh/uv/{vm_lock.UV_VERSION}/install.sh | sh" in commands
+    # The files travel on stdin and count in the marker: a new lock reruns the setup.
+    files = vm.setup_files(cfg, ROOT)
+    other = files.replace(b"maxtext==", b"maxtext===")
+    assert vm.setup_script(cfg, files) != vm.setup_script(cfg, other)
+
+
+def test_maxtext_pins_its_github_dependencies_by_commit():
+    """What install_tpu_post_train_extra_deps adds (not in the lock) is pinned by MaxText, by commit."""
+    from importlib import metadata
+
+    dist = metadata.distribution("maxtext")
+    text = dist.locate_file("dependencies/extra_deps/post_train_github_deps.txt").read_text()
+    names = {}
+    for line in text.splitlines():
+        if line.strip():
+            req = Requirement(line)
+            names[req.name] = req.url
+    assert set(names) == {"google-tunix", "tpu-inference", "vllm"}
+    assert all(re.search(r"[0-9a-f]{40}", url) for url in names.values()), names
+
+
+@pytest.mark.slow
+def test_vm_lock_resolves_again_to_the_same_file(tmp_path):
+    """`make lock-vm` today gives the committed lock (PyPI as of vm_lock.INDEX_DATE)."""
+    out = tmp_path / "requirements-vm.lock"
+    vm_lock.compile_lock(out)
+    assert out.read_text() == vm_lock.LOCK.read_text(), "requirements-vm.lock is stale: run `make lock-vm`"
+
+
+# Stand-ins for the three commands that cannot run here (see the module docstring).
+STANDINS = r"""
+sudo() { echo "$*" >> "$HOME/sudo.log"; }
+curl() {
+  local url="${@: -1}"
+  if [ "$url" != "https://astral.sh/uv/$TEST_UV_VERSION/install.sh" ]; then
+    echo "test: no installer for $url" >&2; return 22
+  fi
+  cat <<EOF
+mkdir -p "\$HOME/.local/bin" && cp "$TEST_UV" "\$HOME/.local/bin/uv"
+printf '%s\n' 'case ":\${PATH}:" in *:"\$HOME/.local/bin":*) ;; *) export PATH="\$HOME/.local/bin:\$PATH" ;; esac' > "\$HOME/.local/bin/env"
+EOF
+}
+install_tpu_post_train_extra_deps() {
+  test -x "$VIRTUAL_ENV/bin/install_tpu_post_train_extra_deps" && echo "$VIRTUAL_ENV" > "$HOME/extra_deps.log"
+}
+"""
+
+
+def run_setup(home: Path, script: str, files: bytes) -> subprocess.CompletedProcess:
+    python312 = Path(sys.base_prefix) / "bin"  # uv venv --python 3.12 finds it here (no download)
+    inherited = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}  # proxy, CA
+    env = inherited | {
+        "HOME": str(home), "PATH": f"{python312}:/usr/local/bin:/usr/bin:/bin",
+        "UV_CACHE_DIR": os.environ.get("UV_CACHE_DIR", str(Path.home() / ".cache" / "uv")),
+        "UV_PYTHON_DOWNLOADS": "never", "TEST_UV": str(vm_lock.uv()), "TEST_UV_VERSION": vm_lock.UV_VERSION,
+    }  # fmt: skip
+    return subprocess.run(["bash", "-c", STANDINS + script], input=files, env=env, capture_output=True)
+
+
+def pip_check_problems(output: str, venv: Path) -> list[str]:
+    """`pip check`'s complaints, minus its false "not supported on this platform" for a malformed WHEEL.
+
+    cmake 3.26.1 (MaxText's lower bound) has a blank line before the `Tag:` lines of its WHEEL file
+    (written by skbuild 0.16.7), so pip's header parser finds no tags there; its tags are
+    manylinux_2_17_x86_64, which this machine and the VM support, and `uv pip check` accepts it.
+    """
+    problems = []
+    for line in output.splitlines():
+        m = re.fullmatch(r"(\S+) (\S+) is not supported on this platform", line)
+        wheel = next(venv.glob(f"lib/python*/site-packages/{m[1]}-{m[2]}.dist-info/WHEEL"), None) if m else None
+        if not (wheel and "\n\nTag:" in wheel.read_text()):
+            problems.append(line)
+    return problems
+
+
+@pytest.mark.slow
+def test_the_setup_commands_install_the_lock_into_a_fresh_venv(tmp_path):
+    cfg = vm_config()
+    files = vm.setup_files(cfg, ROOT)
+    script = vm.setup_script(cfg, files)
+    home = tmp_path / "home"
+    home.mkdir()
+    proc = run_setup(home, script, files)
+    out = (proc.stdout + proc.stderr).decode(errors="replace")
+    assert proc.returncode == 0, out[-5000:]
+    assert "mtpipe: VM set up" in out
+
+    venv = home / "maxtext_venv"
+    python = venv / "bin" / "python"
+    assert (home / "extra_deps.log").read_text().strip() == str(venv)
+    sudo = [re.sub(r"^DEBIAN_FRONTEND=noninteractive ", "", line).split()[:2]
+            for line in (home / "sudo.log").read_text().splitlines()]
+    assert sudo == [["apt-get", "update"], ["apt-get", "upgrade"], ["apt-get", "install"]]
+
+    version = subprocess.run([python, "-c", "import sys; print(*sys.version_info[:2])"], capture_output=True,
+                             text=True, check=True).stdout.split()
+    assert version == ["3", "12"]
+    check = subprocess.run([python, "-m", "pip", "check"], capture_output=True, text=True)
+    assert not pip_check_problems(check.stdout, venv), check.stdout + check.stderr
+    assert subprocess.run([vm_lock.uv(), "pip", "check", "--python", python]).returncode == 0
+    freeze = subprocess.run([vm_lock.uv(), "pip", "freeze", "--python", python], capture_output=True, text=True,
+                            check=True).stdout
+    assert lock_pins(freeze) == lock_pins(vm_lock.LOCK.read_text())
+    imports = "import dvc.repo, dvc_gs, doit, omegaconf, jax, flax, transformers, tunix, torch, maxtext"
+    proc_imports = subprocess.run([python, "-c", imports], capture_output=True, text=True,
+                                  env={"JAX_PLATFORMS": "cpu", "HOME": str(home), "PATH": "/usr/bin:/bin"}, cwd=home)
+    assert proc_imports.returncode == 0, proc_imports.stderr[-3000:]
+
+    again = run_setup(home, script, files)
+    assert again.returncode == 0 and b"already set up" in again.stdout
