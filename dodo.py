@@ -1,8 +1,10 @@
 """doit tasks around the DVC pipeline: create, set up, use and delete the TPU v6e-8 VM.
 
     doit vm_up [--project P --zone Z --reservation R --name N]   (or env PROJECT/ZONE/RESERVATION/NAME)
-    doit vm_setup        doit vm_run [--target STAGE] [--set steps=2000 ...] [--keep] [--down]
-    doit vm_status       doit vm_shell        doit vm_down
+    doit vm_run [--set=steps=2000 ...] [--exp-name NAME] [--target STAGE] [--keep] [--down] [--recreate]
+    doit vm_setup        doit vm_status       doit vm_shell        doit vm_down
+
+vm_run creates and sets up the VM itself when needed; each run is a DVC experiment (`dvc exp show`).
 
 Configuration: conf/vm.yaml; what vm_up created: .vm_state.json; docs/tpu-vm.md explains it all.
 """
@@ -23,7 +25,7 @@ from typing import Any
 from doit.exceptions import TaskFailed
 from omegaconf import DictConfig
 
-from mtpipe import vm
+from mtpipe import vm, vm_checks
 from mtpipe.errors import ConfigError
 from mtpipe.gcp import Compute, GcpError, external_ip, firewall_body, instance_body
 
@@ -119,14 +121,18 @@ def _guarded(cfg: DictConfig, root: Path, keep: bool, body: Callable[[], None]) 
 # ---------------------------------------------------------------- actions
 
 
-@_task_action
-def vm_up(**params: Any) -> None:
-    root = vm.repo_root()
+def ensure_vm(cfg: DictConfig, root: Path, sets: list[str], keep: bool, may_create: bool) -> vm.Remote:
+    """The VM `cfg` names, reachable over SSH: reused when it exists, else created.
+
+    Before creating anything the checks before spending run (vm_checks.before_spending); a VM that
+    exists only gets the project checks. `may_create` False refuses to replace a VM that
+    .vm_state.json records but Compute no longer has (vm_run without --recreate).
+    """
     state = vm.read_state(root)
-    cfg = vm.load_config(params)
     vm.check_create(cfg)
     compute = _compute(cfg)
-    if state and (state["project"], state["zone"], state["name"]) != (cfg.project, cfg.zone, cfg.name):
+    recorded = (state.get("project"), state.get("zone"), state.get("name"))
+    if state and recorded != (cfg.project, cfg.zone, cfg.name):
         if Compute(state["project"], state["zone"]).get_instance(state["name"]) is not None:
             raise ConfigError("vm.name", f"{vm.STATE_FILE} tracks another VM, {state['name']} in "
                               f"{state['project']}/{state['zone']}",
@@ -137,7 +143,15 @@ def vm_up(**params: Any) -> None:
     created = instance is None
     if instance is not None:
         print(f"mtpipe: reusing VM {cfg.name} ({instance.status}) in {cfg.zone}", flush=True)
+        vm_checks.check_project(cfg, root, sets)
     else:
+        if state and not may_create:
+            raise vm.VmError(
+                f"VM {cfg.name}, recorded in {vm.STATE_FILE} (created {state.get('created')}), no "
+                f"longer exists in {cfg.project}/{cfg.zone}: Compute deleted it after "
+                "max_run_duration_s, or someone else did. Rerun with --recreate to create a new one "
+                f"(about {cfg.price_per_hour_usd:.2f} USD per hour), or `doit vm_down` to forget it")
+        vm_checks.before_spending(cfg, compute, root, sets)
         run_id = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
         labels = {**cfg.labels, "mtpipe-run": run_id, "created-by": vm.label_value(getpass.getuser())}
         hours = int(cfg.max_run_duration_s) / 3600
@@ -161,35 +175,51 @@ def vm_up(**params: Any) -> None:
     try:
         state["host_key"] = vm.wait_ready(remote, float(cfg.ssh.ready_timeout_s))
     except BaseException:
-        if created:
-            print(f"mtpipe: VM {cfg.name} is unreachable; deleting it", flush=True)
+        if created and not keep:
+            print(f"mtpipe: VM {cfg.name} is unreachable; deleting it (use --keep to keep it)",
+                  flush=True)
             delete_all(cfg, root)
         raise
     vm.write_state(root, state)
+    remote.host_key = state["host_key"]
     print(f"mtpipe: VM {cfg.name} ready at {remote.host}:{remote.port}", flush=True)
+    return remote
+
+
+@_task_action
+def vm_up(keep: bool, **params: Any) -> None:
+    root = vm.repo_root()
+    ensure_vm(vm.load_config(params), root, [], keep, may_create=True)
 
 
 @_task_action
 def vm_setup(keep: bool, **params: Any) -> None:
     root, state, cfg = _target(params)
     remote = _remote(cfg, state)
-    _guarded(cfg, root, keep, lambda: vm.check(remote, vm.setup_script(cfg), "vm_setup"))
+    _guarded(cfg, root, keep, lambda: vm.setup(remote, cfg, root))
 
 
 @_task_action
-def vm_run(keep: bool, down: bool, target: str | None, set: list[str], **params: Any) -> None:
-    root, state, cfg = _target(params)
-    remote = _remote(cfg, state)
+def vm_run(keep: bool, down: bool, recreate: bool, target: str | None, set: list[str],
+           exp_name: str | None, **params: Any) -> None:
+    root, _, cfg = _target(params)
+    vm.check_exp_name(root, exp_name)
     secret_lines, secret_data = vm.secrets_stdin(list(cfg.run.secrets))
-    script = vm.run_script(cfg, root, vm.dvc_command(target, set), secret_lines)
+    script = vm.run_script(cfg, root, vm.dvc_command(target, set, exp_name), secret_lines, exp_name)
+    remote = ensure_vm(cfg, root, set, keep, may_create=recreate or bool(cfg.recreate))
 
     def body() -> None:
+        vm.setup(remote, cfg, root)
         commit = vm.ship(remote, root, cfg.run.remote_dir)
         print(f"mtpipe: shipped {commit[:12]}; running the pipeline on {cfg.name}", flush=True)
         vm.check(remote, script, "the pipeline", stdin=secret_data)
-        fetch = list(cfg.run.fetch) + (["params.yaml"] if set else [])  # `-S` edited it there
-        fetched = vm.fetch_results(remote, root, cfg.run.remote_dir, fetch)
-        print(f"mtpipe: brought back {', '.join(fetched) or 'nothing'}", flush=True)
+        names = vm.fetch_experiments(remote, root, cfg.run.remote_dir, commit)
+        if names:
+            print(f"mtpipe: experiment {', '.join(names)} (baseline {commit[:7]}) is now in this "
+                  "repository: `dvc exp show` lists it, `dvc exp apply NAME && dvc pull` brings it "
+                  "into the workspace", flush=True)
+        else:
+            print("mtpipe: the run made no DVC experiment (run.command without {dvc}?)", flush=True)
 
     _guarded(cfg, root, keep, body)
     if down:
@@ -243,29 +273,32 @@ def vm_shell(**params: Any) -> None:
 
 
 def task_vm_up() -> dict:
-    """Create the TPU v6e-8 VM + SSH firewall rule (reuses an existing one); prints the cost."""
-    return {"actions": [vm_up], "params": TARGET_PARAMS}
+    """Check, then create the TPU v6e-8 VM + SSH firewall rule (reuses an existing one); prints the cost."""
+    return {"actions": [vm_up], "params": TARGET_PARAMS + [KEEP]}
 
 
 def task_vm_setup() -> dict:
     """Install uv, Python 3.12, MaxText and DVC on the VM (once; a rerun is a no-op)."""
-    return {"actions": [vm_setup], "params": TARGET_PARAMS + [KEEP], "task_dep": ["vm_up"]}
+    return {"actions": [vm_setup], "params": TARGET_PARAMS + [KEEP]}
 
 
 def task_vm_run() -> dict:
-    """Ship HEAD to the VM, run the DVC pipeline there, push artifacts, fetch dvc.lock/metrics."""
+    """Run the pipeline on the VM as a DVC experiment (creating + setting up the VM when needed)."""
     return {
         "actions": [vm_run],
         "params": TARGET_PARAMS + [
             KEEP,
             {"name": "down", "long": "down", "type": bool, "default": False,
              "help": "delete the VM after a successful run too"},
+            {"name": "recreate", "long": "recreate", "type": bool, "default": False,
+             "help": "create a new VM when the recorded one is gone (else vm_run stops)"},
             {"name": "target", "long": "target", "type": str, "default": None,
              "help": "DVC stage to reproduce (default: the whole pipeline)"},
             {"name": "set", "long": "set", "type": list, "default": [],
-             "help": "`dvc exp run -S VALUE` instead of repro: --set=steps=2000 (repeatable)"},
+             "help": "`dvc exp run -S VALUE`: --set=steps=2000 (repeatable)"},
+            {"name": "exp_name", "long": "exp-name", "type": str, "default": None,
+             "help": "the experiment's name (default: one DVC makes up)"},
         ],
-        "task_dep": ["vm_setup"],
     }
 
 
@@ -282,3 +315,26 @@ def task_vm_shell() -> dict:
 def task_vm_down() -> dict:
     """Delete the VM and its firewall rule (fine when already gone)."""
     return {"actions": [vm_down], "params": TARGET_PARAMS}
+
+
+# ---------------------------------------------------------------- preflight (issue 9)
+
+
+def preflight(set: list[str]) -> TaskFailed | None:
+    """AOT-compile each TPU branch's training step on this CPU; fail when one does not fit."""
+    from mtpipe import preflight as checks  # late: only this task needs it
+    try:
+        checks.run(set, Path(__file__).resolve().parent)
+    except ConfigError as e:
+        return TaskFailed(f"ConfigError: {e}")
+    return None
+
+
+def task_preflight() -> dict:
+    """Will the TPU run fit, how long, what cost: AOT compile for the TPU on this CPU (cached)."""
+    return {
+        "actions": [preflight],
+        "params": [{"name": "set", "long": "set", "type": list, "default": [],
+                    "help": "params override as `dvc exp run -S`: --set=sft.preset=NAME (repeatable)"}],
+        "verbosity": 2,
+    }

@@ -128,8 +128,25 @@ class Compute:
         self.project, self.zone, self.timeout_s = project, zone, timeout_s
         self.instances = compute_v1.InstancesClient(**kw)
         self.firewalls = compute_v1.FirewallsClient(**kw)
+        self.machine_types = compute_v1.MachineTypesClient(**kw)
+        self.reservations = compute_v1.ReservationsClient(**kw)
         self.zone_ops = compute_v1.ZoneOperationsClient(**kw)
         self.global_ops = compute_v1.GlobalOperationsClient(**kw)
+
+    def get_machine_type(self, name: str) -> compute_v1.MachineType | None:
+        """The machine type in this zone; None when the zone does not offer it."""
+        with explained(f"reading machine type {name} in {self.zone}"):
+            try:
+                return self.machine_types.get(project=self.project, zone=self.zone, machine_type=name)
+            except gexc.NotFound:
+                return None
+
+    def get_reservation(self, name: str) -> compute_v1.Reservation | None:
+        with explained(f"reading reservation {name} in {self.zone}"):
+            try:
+                return self.reservations.get(project=self.project, zone=self.zone, reservation=name)
+            except gexc.NotFound:
+                return None
 
     def get_instance(self, name: str) -> compute_v1.Instance | None:
         with explained(f"reading VM {name}"):

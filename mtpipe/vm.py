@@ -17,7 +17,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -89,12 +88,8 @@ def require(cfg: DictConfig, *keys: str) -> None:
 
 
 def check_create(cfg: DictConfig) -> None:
-    """Everything vm_up needs before it spends money."""
+    """The settings vm_up needs, before any request (vm_checks asks Compute about the rest)."""
     require(cfg, "project", "zone", "reservation", "name")
-    if cfg.machine_type.startswith("ct6e") and cfg.zone not in cfg.v6e_zones:
-        raise ConfigError("vm.zone", f"zone {cfg.zone!r} has no TPU v6e",
-                          f"pick one of {', '.join(cfg.v6e_zones)} (ZONE / --zone), or add the zone "
-                          "to v6e_zones in conf/vm.yaml if Google now offers v6e there")
     if int(cfg.max_run_duration_s) < 0:
         raise ConfigError("vm.max_run_duration_s", "is negative", "use seconds, or 0 to disable")
 
@@ -247,20 +242,56 @@ def shell_argv(remote: Remote, known_hosts: Path) -> list[str]:
 # ---------------------------------------------------------------- scripts run on the VM
 
 
-def setup_script(cfg: DictConfig) -> str:
-    """The setup commands, skipped when the marker holds their hash (rerun = no-op)."""
+SETUP_FILES_DIR = ".mtpipe/setup"   # in the remote home: where `setup.files` land before the commands
+
+
+def setup_files(cfg: DictConfig, root: Path) -> bytes:
+    """`setup.files` (paths in the repo, e.g. requirements-vm.lock) as a tar stream, for the setup's stdin.
+
+    Deterministic (fixed owner, mode and mtime), so the bytes can go into the setup marker's hash.
+    """
+    names = list(cfg.setup.get("files") or [])
+    if not names:
+        return b""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name in names:
+            path = root / name
+            if not path.is_file():
+                raise ConfigError("vm.setup.files", f"{name} does not exist in {root}",
+                                  "name files of the repo (e.g. requirements-vm.lock; `make lock-vm` writes it)")
+            data = path.read_bytes()
+            info = tarfile.TarInfo(Path(name).name)
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def setup_script(cfg: DictConfig, files: bytes = b"") -> str:
+    """The setup commands, skipped when the marker holds their hash and the files' (rerun = no-op).
+
+    `files` (from :func:`setup_files`) arrive on stdin and are unpacked into ~/.mtpipe/setup first.
+    """
     commands = list(cfg.setup.commands)
-    digest = hashlib.sha256("\n".join(commands).encode()).hexdigest()
+    digest = hashlib.sha256("\n".join(commands).encode() + files).hexdigest()
     marker = f'"$HOME"/{shlex.quote(cfg.setup.marker)}'
+    unpack = [f'mkdir -p "$HOME"/{SETUP_FILES_DIR} && tar -xf - -C "$HOME"/{SETUP_FILES_DIR}'] if files else []
     return "\n".join([
         f'if [ "$(cat {marker} 2>/dev/null)" = {digest} ]; then',
         f'  echo "mtpipe: VM already set up ({digest[:12]}), nothing to do"; exit 0',
         "fi",
         "set -eo pipefail",
+        *unpack,
         *commands,
         f"mkdir -p \"$(dirname {marker})\" && echo {digest} > {marker}",
         'echo "mtpipe: VM set up"',
     ])
+
+
+def setup(remote: Remote, cfg: DictConfig, root: Path) -> None:
+    """Run `setup.commands` on the VM with `setup.files` (a no-op when both are unchanged)."""
+    files = setup_files(cfg, root)
+    check(remote, setup_script(cfg, files), "vm_setup", stdin=files)
 
 
 def hardware_env(root: Path, hardware: str | None) -> dict[str, str]:
@@ -294,22 +325,55 @@ def secrets_stdin(names: list[str]) -> tuple[list[str], bytes]:
     return lines, data
 
 
-def dvc_command(target: str | None, sets: list[str]) -> str:
-    """`dvc exp run -S a=1 ...` when sets are given, else `dvc repro [TARGET]`."""
-    if sets:
-        return "dvc exp run " + " ".join(f"-S {shlex.quote(s)}" for s in sets) + (
-            f" {shlex.quote(target)}" if target else "")
-    return "dvc repro" + (f" {shlex.quote(target)}" if target else "")
+def dvc_command(target: str | None, sets: list[str], exp_name: str | None) -> str:
+    """`dvc exp run [-S a=1 ...] [--name NAME] [TARGET]`: every VM run is a DVC experiment."""
+    words = ["dvc", "exp", "run", *[w for s in sets for w in ("-S", s)]]
+    words += ["--name", exp_name] if exp_name else []
+    words += [target] if target else []
+    return " ".join(shlex.quote(w) for w in words)
 
 
-def run_script(cfg: DictConfig, root: Path, dvc: str, secret_lines: list[str]) -> str:
-    """The pipeline run on the VM: secrets from stdin, env, cd into the repo, the command."""
+EXPS_BEFORE = ".git/mtpipe-exps-before"   # in the VM's repo: the experiment refs before the run
+
+
+def check_exp_name(root: Path, name: str | None) -> None:
+    """`--exp-name` must be a valid ref name not yet used by an experiment of HEAD (checked here:
+    on the VM, `dvc exp run --name` would fail only after the setup)."""
+    if not name:
+        return
+    head = _git(root, "rev-parse", "HEAD").strip()
+    ref = f"refs/exps/{head[:2]}/{head[2:]}/{name}"
+    if subprocess.run(["git", "check-ref-format", ref], cwd=root).returncode != 0 or "/" in name:
+        raise ConfigError("--exp-name", f"{name!r} is not a valid experiment name",
+                          "use letters, digits, dashes and dots")
+    if subprocess.run(["git", "show-ref", "--verify", "--quiet", ref], cwd=root).returncode == 0:
+        raise ConfigError("--exp-name", f"HEAD already has an experiment {name!r}",
+                          f"pick another name, or `dvc exp remove {name}` first")
+
+
+def _forget_on_vm(exp_name: str | None) -> list[str]:
+    """Drop a same-named experiment of HEAD left on the VM (the laptop has none: check_exp_name)."""
+    if not exp_name:
+        return []
+    return ['b=$(git rev-parse HEAD)',
+            f'git update-ref -d "refs/exps/${{b:0:2}}/${{b:2}}/"{shlex.quote(exp_name)} || true']
+
+
+def run_script(cfg: DictConfig, root: Path, dvc: str, secret_lines: list[str],
+               exp_name: str | None = None) -> str:
+    """The pipeline run on the VM: secrets from stdin, env, cd into the repo, the command.
+
+    The experiment refs present before the run are noted, so that :func:`fetch_experiments` brings
+    back only the ones this run made.
+    """
     env = {**hardware_env(root, cfg.run.hardware), **{k: str(v) for k, v in cfg.run.env.items()}}
     return "\n".join([
         "set -eo pipefail",
         *secret_lines,
         *_export(env),
         f'cd "$HOME"/{shlex.quote(cfg.run.remote_dir)}',
+        *_forget_on_vm(exp_name),
+        f"git for-each-ref --format='%(refname)' refs/exps/ > {EXPS_BEFORE}",
         cfg.run.command.replace("{dvc}", dvc),
     ])
 
@@ -341,21 +405,35 @@ def ship(remote: Remote, root: Path, remote_dir: str) -> str:
     return head.stdout.strip()
 
 
-def fetch_results(remote: Remote, root: Path, remote_dir: str, paths: list[str]) -> list[str]:
-    """Copy `paths` (dvc.lock, config, metrics, plots) from the VM's repo over the local ones."""
-    quoted = " ".join(shlex.quote(p) for p in paths)
+def fetch_experiments(remote: Remote, root: Path, remote_dir: str, baseline: str) -> list[str]:
+    """Bring the experiments this run made on the VM into the local refs/exps; return their names.
+
+    The VM bundles the new refs/exps/<baseline>/<name> refs without the baseline commit (the laptop
+    has it: it shipped it), the way `dvc exp push` / `dvc exp pull` move experiments through git.
+    Locally only refs and objects in .git change; `dvc exp apply NAME` brings one into the workspace.
+    """
+    prefix = f"refs/exps/{baseline[:2]}/{baseline[2:]}/"
     out = check(remote, "\n".join([
+        "set -eo pipefail",
         f'cd "$HOME"/{shlex.quote(remote_dir)}',
-        f"files=(); for p in {quoted}; do [ -e \"$p\" ] && files+=(\"$p\"); done",
-        '[ ${#files[@]} -eq 0 ] || tar -cf - "${files[@]}"',
-    ]), "collecting results", stream=False)
+        f"new=$(git for-each-ref --format='%(refname)' {prefix} | grep -vxFf {EXPS_BEFORE} || true)",
+        '[ -n "$new" ] || exit 0',
+        f"git bundle create -q .git/mtpipe-exps.bundle $new ^{baseline}",
+        "cat .git/mtpipe-exps.bundle",
+    ]), "collecting the experiment", stream=False)
     if not out:
         return []
-    with tarfile.open(fileobj=io.BytesIO(out)) as tar:
-        names = {m.name.split("/")[0] for m in tar.getmembers()}
-        for name in names:
-            target = root / name
-            if target.is_dir():
-                shutil.rmtree(target)
-        tar.extractall(root, filter="data")
-    return sorted(names)
+    with tempfile.TemporaryDirectory() as tmp:
+        bundle = Path(tmp) / "exps.bundle"
+        bundle.write_bytes(out)
+        heads = _git(root, "bundle", "list-heads", str(bundle)).split()
+        refs = [r for r in heads[1::2] if r.startswith(prefix)]
+        _git(root, "fetch", "-q", "--no-write-fetch-head", str(bundle), *[f"+{r}:{r}" for r in refs])
+    return [r.removeprefix(prefix) for r in refs]
+
+
+def _git(root: Path, *args: str) -> str:
+    proc = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise VmError(f"git {' '.join(args[:2])} failed locally: {proc.stderr.strip()}")
+    return proc.stdout

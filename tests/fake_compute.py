@@ -4,9 +4,10 @@ It behaves like the real one where mtpipe depends on it: instances and firewalls
 deleted by operations that go PENDING -> RUNNING -> DONE, one step per `get`/`wait` call; a missing
 resource is a 404 and a duplicate a 409 with Google's error body; an insert naming an unknown
 reservation ends in an operation error; a RUNNING instance has an external (NAT) IP that points at
-127.0.0.1. `POST /token` answers like an OAuth server refusing an expired refresh token. Every
-request is recorded (method, path, Host header, headers, body) so tests can check what was sent
-and to whom.
+127.0.0.1. Zones list their machine types, and a reservation counts the VMs using it (`inUseCount`)
+until they are deleted, by a DELETE or by :meth:`FakeCompute.expire` (maxRunDuration running out).
+`POST /token` answers like an OAuth server refusing an expired refresh token. Every request is
+recorded (method, path, Host header, headers, body) so tests can check what was sent and to whom.
 """
 
 from __future__ import annotations
@@ -37,10 +38,21 @@ class Recorded:
 
 
 @dataclass
+class Reservation:
+    """A specific reservation: `count` VMs of `machine_type`, `in_use` of them taken."""
+
+    count: int = 1
+    in_use: int = 0
+    machine_type: str = "ct6e-standard-8t"
+
+
+@dataclass
 class FakeCompute:
     """State of the fake API; `url` is set once the server runs."""
 
-    reservations: set[str] = field(default_factory=lambda: {"v6e-res"})
+    reservations: dict[str, Reservation] = field(default_factory=lambda: {"v6e-res": Reservation()})
+    machine_types: dict[str, set[str]] = field(default_factory=lambda: {
+        zone: {"ct6e-standard-8t", "n2-standard-8"} for zone in ("us-east5-b", "europe-west4-a")})
     nat_ip: str = "127.0.0.1"
     url: str = ""
     requests: list[Recorded] = field(default_factory=list)
@@ -55,6 +67,16 @@ class FakeCompute:
         return [r for r in self.requests
                 if r.method == method and urlsplit(r.path).path.endswith(suffix)]
 
+    def inserts(self) -> list[Recorded]:
+        """Every instances.insert request received (the call that starts billing)."""
+        return [r for r in self.requests
+                if r.method == "POST" and urlsplit(r.path).path.endswith("/instances")]
+
+    def expire(self, project: str, zone: str, name: str) -> None:
+        """Delete the VM the way maxRunDuration does: no request, the reservation freed."""
+        with self.lock:
+            self._release(self.instances.pop((project, zone, name)))
+
     # --------------------------------------------------------- request handling
 
     def handle(self, method: str, path: str, body: dict) -> tuple[int, dict]:
@@ -65,6 +87,13 @@ class FakeCompute:
                     return self._insert_instance(project, zone, body)
                 case [project, "zones", zone, "instances", name]:
                     return self._instance(method, project, zone, name)
+                case [project, "zones", zone, "machineTypes", name] if method == "GET":
+                    if name not in self.machine_types.get(zone, set()):
+                        return _error(404, f"The resource 'projects/{project}/zones/{zone}/"
+                                           f"machineTypes/{name}' was not found")
+                    return 200, {"kind": "compute#machineType", "name": name, "zone": zone}
+                case [project, "zones", zone, "reservations", name] if method == "GET":
+                    return self._reservation(project, zone, name)
                 case [project, "global", "firewalls"] if method == "POST":
                     return self._insert_firewall(project, body)
                 case [project, "global", "firewalls", name]:
@@ -84,6 +113,7 @@ class FakeCompute:
         if reservation not in self.reservations:
             msg = f"The resource 'projects/{project}/zones/{zone}/reservations/{reservation}' was not found"
             return 200, self._operation(project, zone, error=msg)
+        self.reservations[reservation].in_use += 1
         now = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
         instance = {**body, "id": str(next(self._ids)), "status": "PROVISIONING",
                     "creationTimestamp": now, "zone": f"{self.url}{PREFIX}{project}/zones/{zone}"}
@@ -101,8 +131,25 @@ class FakeCompute:
                                "was not found")
         if method == "DELETE":
             self.instances[key]["status"] = "STOPPING"
-            return 200, self._operation(project, zone, done=lambda: self.instances.pop(key, None))
+            return 200, self._operation(project, zone,
+                                        done=lambda: self._release(self.instances.pop(key, {})))
         return 200, self.instances[key]
+
+    def _release(self, instance: dict) -> None:
+        """The reservation a deleted instance used has one more free VM."""
+        for name in (instance.get("reservationAffinity") or {}).get("values", []):
+            if name in self.reservations:
+                self.reservations[name].in_use -= 1
+
+    def _reservation(self, project: str, zone: str, name: str) -> tuple[int, dict]:
+        if name not in self.reservations:
+            return _error(404, f"The resource 'projects/{project}/zones/{zone}/reservations/{name}' "
+                               "was not found")
+        r = self.reservations[name]
+        return 200, {"kind": "compute#reservation", "name": name, "zone": zone, "status": "READY",
+                     "specificReservationRequired": True,
+                     "specificReservation": {"count": str(r.count), "inUseCount": str(r.in_use),
+                                             "instanceProperties": {"machineType": r.machine_type}}}
 
     def _insert_firewall(self, project: str, body: dict) -> tuple[int, dict]:
         key = (project, body["name"])

@@ -10,7 +10,8 @@ that ``huggingface_hub`` 1.x uses for ``snapshot_download`` and ``repo_info``:
   ``X-Repo-Commit``, ``ETag`` and, for LFS files, ``X-Linked-Etag`` / ``X-Linked-Size``
 
 Errors carry the Hub's ``X-Error-Code`` (RepoNotFound, RevisionNotFound, EntryNotFound, GatedRepo).
-A gated repo answers 401 without ``Authorization: Bearer <token>`` and 403 with a wrong token.
+A gated repo answers 401 without ``Authorization: Bearer <token>`` and 403 with a wrong token,
+except for its repo info, which (like the Hub's) anyone may read: it says ``gated: "manual"``.
 Every request is recorded (method, path, whether it carried an Authorization header; never its value).
 """
 
@@ -108,9 +109,9 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
             try:
                 if m := _API.fullmatch(url.path):
                     kind, repo_id, endpoint, rev = m[1], m[2], m[3], unquote(m[4])
-                    repo, sha = self._open(kind, repo_id, rev)
+                    repo, sha = self._open(kind, repo_id, rev, gate=endpoint != "revision")
                     if endpoint == "revision":
-                        data = _info(repo_id, sha, repo / sha)
+                        data = _info(repo_id, sha, repo / sha, repo_id in hub.gated)
                     else:
                         if not (repo / sha / unquote(m[5] or "")).is_dir():
                             raise _HubError(404, "EntryNotFound", f"no folder {m[5]} at {sha}", commit=sha)
@@ -130,12 +131,12 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
                 data = json.dumps({"error": err.message}).encode()
                 self._send(err.status, data, {**headers, "Content-Type": "application/json"}, body)
 
-        def _open(self, kind: str, repo_id: str, rev: str) -> tuple[Path, str]:
+        def _open(self, kind: str, repo_id: str, rev: str, gate: bool = True) -> tuple[Path, str]:
             """Find the repo directory and the commit sha of ``rev``, enforcing gating."""
             repo = hub.root / kind / repo_id
             if not (repo / "refs").is_dir():
                 raise _HubError(404, "RepoNotFound", f"Repository {repo_id} not found")
-            if repo_id in hub.gated:
+            if gate and repo_id in hub.gated:
                 auth = self.headers.get("Authorization")
                 what = f"Access to {kind[:-1]} {repo_id} is restricted"
                 if auth is None:
@@ -174,9 +175,10 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def _info(repo_id: str, sha: str, snapshot: Path) -> dict:
+def _info(repo_id: str, sha: str, snapshot: Path, gated: bool) -> dict:
     files = sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file())
-    return {"id": repo_id, "sha": sha, "private": False, "siblings": [{"rfilename": f} for f in files]}
+    return {"id": repo_id, "sha": sha, "private": False, "gated": "manual" if gated else False,
+            "siblings": [{"rfilename": f} for f in files]}
 
 
 def _tree(snapshot: Path, folder: str, recursive: bool) -> list[dict]:

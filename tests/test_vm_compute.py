@@ -3,8 +3,8 @@
 * golden test: the instances.insert / firewalls.insert bodies, as google-cloud-compute serialises
   them, against the tutorial's `gcloud compute instances create` flags;
 * operations are waited on until DONE; 404 and 409 are "already gone" / "already there";
-* bad input (missing keys, a zone without v6e, missing or expired credentials, an unknown
-  reservation) fails with the key and the fix, before or without leaving anything behind.
+* bad input (missing keys, missing or expired credentials, an unknown reservation) fails with the
+  key and the fix, before anything is created (more checks before spending: test_vm_checks.py).
 """
 
 from __future__ import annotations
@@ -147,26 +147,19 @@ def test_missing_key_fails_before_any_request(fake: FakeCompute, repo: Path, uns
     assert fake.requests == []
 
 
-def test_zone_without_v6e(fake: FakeCompute, repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("ZONE", "us-west2-a")
-    rc, out = doit(repo, "vm_up")
-    assert rc != 0 and "vm.zone: zone 'us-west2-a' has no TPU v6e" in out and "us-east5-b" in out
-    assert fake.requests == []
-
-
 def test_params_override_env(fake: FakeCompute, repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PROJECT")
     rc, out = doit(repo, "vm_up", "--project", "from-param", "--zone", "europe-west4-a",
                    "--reservation", "unknown-res")
     assert rc != 0
-    (insert,) = fake.calls("POST", "/projects/from-param/zones/europe-west4-a/instances")
-    assert insert.json()["reservationAffinity"]["values"] == ["unknown-res"]
-    # The unknown reservation fails the insert operation: clear error, nothing left behind.
-    assert "reservations/unknown-res' was not found" in out
-    assert not fake.instances and not fake.firewalls
+    (asked,) = fake.calls("GET", "/projects/from-param/zones/europe-west4-a/reservations/unknown-res")
+    # The unknown reservation is found before anything is created: clear error, nothing left behind.
+    assert "vm.reservation: no reservation 'unknown-res' in from-param/europe-west4-a" in out
+    assert fake.inserts() == [] and not fake.firewalls
     assert not (repo / ".vm_state.json").exists()
 
 
+@pytest.mark.vm_experiments
 def test_missing_credentials(fake: FakeCompute, repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(repo / "no-such-key.json"))
     rc, out = doit(repo, "vm_up")
@@ -175,6 +168,7 @@ def test_missing_credentials(fake: FakeCompute, repo: Path, monkeypatch: pytest.
     assert fake.requests == []
 
 
+@pytest.mark.vm_experiments
 def test_expired_credentials(fake: FakeCompute, repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # An ADC file as `gcloud auth application-default login` writes for a workforce identity pool;
     # its token endpoint is the fake, which refuses the refresh token (invalid_grant).

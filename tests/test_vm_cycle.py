@@ -1,9 +1,11 @@
 """The VM lifecycle end to end on loopback: `doit vm_up -> vm_setup -> vm_run -> vm_down`.
 
 The full cycle ships the real project (a clone of the `pipeline_repo` fixture, where the embedded
-default ran) to the loopback "VM", which pulls the artifacts from the GCS emulator, reruns the
-pipeline there and pushes; the results come back and `dvc pull` fetches what the VM produced.
-The failure paths (teardown, --keep, Ctrl-C, an unreachable VM) use a minimal DVC repo.
+default ran) to the loopback "VM", which pulls the artifacts from the GCS emulator and runs two
+tutorial-like experiments there (`dvc exp run`, one per branch, one of them training) and pushes;
+the experiments come back as refs (`dvc exp show`), and `dvc exp apply` + `dvc pull` fetch what the
+VM produced. The failure paths (teardown, --keep, Ctrl-C, an unreachable VM, a VM deleted by
+maxRunDuration) use a minimal DVC repo.
 
 Stand-ins, all on 127.0.0.1 and reached through the real clients: the fake Compute API
 (google-cloud-compute), an asyncssh server that admits only the key found in the fake instance's
@@ -42,7 +44,6 @@ from gcs_emulator import (  # noqa: F401 (gcs_emulator is a fixture)
     gcs_emulator,
     local_remote,
     missing_git_outputs,
-    pipeline_stages,
 )
 from pipeline import md5_tree, ran_stages
 from sshd import LoopbackSshd
@@ -55,7 +56,7 @@ TARGET = {"PROJECT": "proj-1", "ZONE": "us-east5-b", "RESERVATION": "v6e-res", "
 PROBE = ("import hashlib, json, os; print(json.dumps({'token_sha256': hashlib.sha256("
          "os.environ.get('HF_TOKEN', '').encode()).hexdigest(), 'tpu': os.environ.get("
          "'TPU_ACCELERATOR_TYPE'), 'tpu_name': os.environ.get('TPU_NAME')}))")
-EXPORT_DTYPE = "sft.to_huggingface.weight_dtype"
+SFT_DTYPE = "sft.to_huggingface.weight_dtype"
 
 
 @dataclass
@@ -110,6 +111,7 @@ def make_repo(repo: Path, emulator: GcsEmulator, env: dict[str, str]) -> None:
     repo.mkdir()
     (repo / "conf" / "hardware").mkdir(parents=True)
     shutil.copy(ROOT / "conf" / "hardware" / "v6e-8.yaml", repo / "conf" / "hardware")
+    shutil.copy(ROOT / "params.yaml", repo)   # the checks before spending compose it
     _sh(["git", "init", "-q", "-b", "main"], repo, env)
     _sh([sys.executable, "-m", "dvc", "init", "-q"], repo, env)
     with (repo / ".dvc" / "config").open("w") as config:   # what `add_dvc_remote` writes, faster
@@ -161,7 +163,7 @@ def loopback_world(tmp_path: Path, repo: Path, local_env: dict[str, str]) -> Ite
         config.write_text(yaml.safe_dump({
             "ssh": {"port": sshd.port, "key_file": str(tmp_path / "keys" / "id"), "ready_timeout_s": 10,
                     "connect_timeout_s": 5},
-            "setup": {"commands": [f'ln -sfn {ROOT / ".venv"} "$HOME/venv"',
+            "setup": {"files": [], "commands": [f'ln -sfn {ROOT / ".venv"} "$HOME/venv"',
                                    'echo ran >> "$HOME/setup-count"']},
             # a sampler records the argv of every process of the remote session while the pipeline runs
             "run": {"command": 'SID=$(ps -o sid= -p $$ | tr -d " "); '
@@ -213,13 +215,6 @@ def assert_loopback_only(w: Env, outputs: str) -> None:
     assert TOKEN not in recorded and TOKEN not in outputs
 
 
-def locked_outs(repo: Path) -> dict[str, str]:
-    """The md5 dvc.lock records for every output of the stages in dvc.yaml."""
-    stages = pipeline_stages(repo)
-    lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
-    return {o["path"]: o["md5"] for name in stages for o in lock[name].get("outs", [])}
-
-
 def language_model_dtypes(directory: Path) -> set[str]:
     """The dtypes of the `language_model.*` tensors in every *.safetensors file of `directory`.
 
@@ -238,9 +233,64 @@ def dvc_json(w: Env, *args: str) -> dict:
     return json.loads(out) if out else {}
 
 
+def workspace(repo: Path) -> dict[str, str]:
+    """What vm_run must leave alone: every file (md5) and every git ref but the experiment refs.
+
+    Left out: .git's internals (objects, the refs/exps vm_run adds), DVC's and doit's bookkeeping
+    (.dvc/tmp, .doit.db.json).
+    """
+    files = {str(f.relative_to(repo)): hashlib.md5(f.read_bytes()).hexdigest()
+             for f in repo.rglob("*") if f.is_file() and not f.is_symlink()
+             and f.relative_to(repo).parts[0] not in (".git", ".doit.db.json")
+             and f.relative_to(repo).parts[:2] != (".dvc", "tmp")}
+    env = dict(os.environ)
+    refs = _sh(["git", "for-each-ref", "--format=%(refname) %(objectname)"], repo, env).splitlines()
+    head = _sh(["git", "rev-parse", "HEAD"], repo, env).strip()
+    return files | {"HEAD": head} | {r.split()[0]: r.split()[1] for r in refs
+                                     if not r.startswith("refs/exps/")}
+
+
+def experiments(w: Env) -> dict[str, dict]:
+    """`dvc exp show --json`: experiment name -> {rev, metrics (file -> data)} for HEAD's experiments."""
+    found = {}
+    for baseline in json.loads(_sh([sys.executable, "-m", "dvc", "exp", "show", "--json"], w.repo, w.env)):
+        for exp in baseline.get("experiments") or []:
+            for rev in exp["revs"]:
+                data = rev.get("data") or {}
+                found[rev["name"]] = {"rev": rev["rev"], "metrics": {
+                    path: m["data"] for path, m in (data.get("metrics") or {}).items()}}
+    return found
+
+
+def apply_and_pull(w: Env, name: str) -> None:
+    """`dvc exp apply NAME`, then `dvc pull`.
+
+    vm_run brings back refs only (no artifact download to the laptop), so apply writes the
+    experiment's git files and then stops at the outputs the local cache lacks (DVC's checkout step,
+    exit 255, "Is your cache up to date?"); `dvc pull` fetches them from the bucket.
+    """
+    dvc = [sys.executable, "-m", "dvc"]
+    applied = subprocess.run([*dvc, "exp", "apply", name], cwd=w.repo, env=w.env, capture_output=True,
+                             text=True)
+    assert applied.returncode == 0 or "Is your cache up to date?" in applied.stderr, applied.stderr
+    _sh([*dvc, "pull"], w.repo, w.env)
+    assert dvc_json(w, "status") == {}
+
+
+def tree_without_symlinks(root: Path) -> Iterator[Path]:
+    """Every regular file under root, not following symlinks (the VM's home links to the venv)."""
+    for folder, _, names in os.walk(root):
+        for name in names:
+            path = Path(folder) / name
+            if path.is_file() and not path.is_symlink():
+                yield path
+
+
 @pytest.mark.slow
+@pytest.mark.vm_experiments
+@pytest.mark.secrets
 def test_full_cycle(project_world: Env, pipeline_repo: Path) -> None:
-    """vm_up -> vm_setup -> vm_shell -> vm_run (repro, then exp run -S) -> dvc pull -> vm_down."""
+    """vm_up -> vm_setup -> vm_shell -> two vm_runs as experiments -> exp apply + pull -> vm_down."""
     w = project_world
     outputs = []
     outputs.append(w.doit("vm_up").stdout)
@@ -250,10 +300,15 @@ def test_full_cycle(project_world: Env, pipeline_repo: Path) -> None:
     state = json.loads((w.repo / ".vm_state.json").read_text())
     assert state["name"] == "mt-test" and state["host_key"].startswith("ssh-ed25519 ")
     assert len([r for r in w.fake.requests if r.path.split("?")[0].endswith("/wait")]) >= 4
+    # The checks before spending asked Compute first: v6e in the zone, a free reservation.
+    paths = [r.path.split("?")[0] for r in w.fake.requests]
+    insert = paths.index("/compute/v1/projects/proj-1/zones/us-east5-b/instances")
+    assert paths.index("/compute/v1/projects/proj-1/zones/us-east5-b/machineTypes/ct6e-standard-8t") < insert
+    assert paths.index("/compute/v1/projects/proj-1/zones/us-east5-b/reservations/v6e-res") < insert
 
     outputs.append(w.doit("vm_up").stdout)              # second vm_up reuses the VM
     assert "reusing VM mt-test" in outputs[-1]
-    assert len(w.fake.calls("POST", "/zones/us-east5-b/instances")) == 1
+    assert len(w.fake.inserts()) == 1
     assert len(w.fake.calls("POST", "/global/firewalls")) == 1
 
     outputs.append(w.doit("vm_setup").stdout)
@@ -275,50 +330,57 @@ def test_full_cycle(project_world: Env, pipeline_repo: Path) -> None:
             os.close(saved)
     assert (w.sshd.home / "shell-proof").read_text() == f"shell in {w.sshd.home}\n"
 
-    # vm_run: the VM pulls what the laptop pushed; `dvc repro` there has nothing to do.
+    # Two tutorial-like runs, each a DVC experiment on the VM; the laptop's workspace stays as it is.
     vm_repo = w.sshd.home / "mtpipe"
-    before = locked_outs(pipeline_repo)
-    outputs.append(w.doit("vm_run").stdout + w.doit("vm_status").stdout)
-    assert ran_stages(outputs[-1]) == set() and "Data and pipelines are up to date." in outputs[-1]
-    assert md5_tree(vm_repo, list(before)) == md5_tree(pipeline_repo, list(before))
+    head = _sh(["git", "rev-parse", "HEAD"], w.repo, w.env).strip()
+    before = workspace(w.repo)
+    outputs.append(w.doit("vm_run", f"--set={SFT_DTYPE}=bfloat16", "--target=to_huggingface@sft",
+                          "--exp-name=sft-bf16").stdout)
+    assert ran_stages(outputs[-1]) == {"configure", "to_huggingface@sft"}, outputs[-1]
+    assert "experiment sft-bf16" in outputs[-1] and "dvc exp apply" in outputs[-1]
+    sft_metrics = json.loads((vm_repo / "metrics/sft/to_huggingface.json").read_text())
+    assert workspace(w.repo) == before
+    # The GRPO-like run trains (train_rl, 2 batches) with HF_TOKEN in its environment: the canary.
+    outputs.append(w.doit("vm_run", "--set=rl.train_rl.num_batches=2",
+                          "--set=rl.train_rl.num_test_batches=1",
+                          "--set=rl.to_huggingface.weight_dtype=bfloat16",
+                          "--exp-name=grpo-short").stdout + w.doit("vm_status").stdout)
+    assert ran_stages(outputs[-1]) == {"configure", "train_rl", "to_huggingface@rl"}, outputs[-1]
     assert "USD so far" in outputs[-1]
     probe = json.loads((w.sshd.home / "probe.json").read_text())   # the pipeline's environment
     assert probe["token_sha256"] == hashlib.sha256(TOKEN.encode()).hexdigest()
     assert probe["tpu"] == "v6e-8" and probe["tpu_name"] == os.uname().nodename
-    assert locked_outs(w.repo) == before
+    rl_metrics = json.loads((vm_repo / "metrics/rl/train_rl.json").read_text())
+    assert rl_metrics["steps"] == 2
+    assert workspace(w.repo) == before
+    assert len(w.fake.inserts()) == 1                   # both runs used the VM vm_up made
 
-    # An experiment through the doit param: `dvc exp run -S ...` on the VM reruns only the export.
-    outputs.append(w.doit("vm_run", f"--set={EXPORT_DTYPE}=bfloat16").stdout)
-    assert ran_stages(outputs[-1]) == {"configure", "to_huggingface@sft"}, outputs[-1]
-    after = locked_outs(w.repo)                          # dvc.lock as the VM wrote it
-    assert (w.repo / "dvc.lock").read_bytes() == (vm_repo / "dvc.lock").read_bytes()
-    assert {p for p in after if after[p] != before[p]} == {
-        "config/sft/to_huggingface.yaml", "artifacts/sft/hf", "metrics/sft/to_huggingface.json"}
-    params = yaml.safe_load((w.repo / "params.yaml").read_text())   # `-S` edited it on the VM
-    assert params["sft"]["to_huggingface"]["weight_dtype"] == "bfloat16"
-    vm_metrics = json.loads((vm_repo / "metrics" / "sft" / "to_huggingface.json").read_text())
-    shown = dvc_json(w, "metrics", "show")
-    assert shown[""]["data"]["metrics/sft/to_huggingface.json"]["data"] == vm_metrics
-    # Every object dvc.lock names is on the remote ("deleted": there, not in our empty cache yet;
-    # "missing" would mean nowhere), the weights the VM exported among them.
-    cloud = dvc_json(w, "status", "--cloud")
-    assert set(cloud.values()) == {"deleted"}, cloud
-    exported = {str(f.relative_to(vm_repo)) for f in (vm_repo / "artifacts/sft/hf").glob("*.safetensors")}
-    assert exported and exported <= set(cloud), cloud
+    refs = _sh(["git", "for-each-ref", "--format=%(refname)", "refs/exps/"], w.repo, w.env).split()
+    assert sorted(refs) == [f"refs/exps/{head[:2]}/{head[2:]}/{n}" for n in ("grpo-short", "sft-bf16")]
+    shown = experiments(w)
+    assert shown["sft-bf16"]["metrics"]["metrics/sft/to_huggingface.json"] == sft_metrics
+    assert shown["grpo-short"]["metrics"]["metrics/rl/train_rl.json"] == rl_metrics
+    baseline_rl = json.loads((w.repo / "metrics/rl/train_rl.json").read_text())
+    assert shown["sft-bf16"]["metrics"]["metrics/rl/train_rl.json"] == baseline_rl
 
-    _sh([sys.executable, "-m", "dvc", "pull"], w.repo, w.env)   # fetches what the VM produced
-    assert md5_tree(w.repo, ["artifacts/sft/hf"]) == md5_tree(vm_repo, ["artifacts/sft/hf"])
+    # Each experiment comes into the workspace with `dvc exp apply` and its artifacts with `dvc pull`.
     assert language_model_dtypes(pipeline_repo / "artifacts" / "sft" / "hf") == {"F32"}
+    apply_and_pull(w, "sft-bf16")
+    params = yaml.safe_load((w.repo / "params.yaml").read_text())
+    assert params["sft"]["to_huggingface"]["weight_dtype"] == "bfloat16"
     assert language_model_dtypes(w.repo / "artifacts" / "sft" / "hf") == {"BF16"}
+    apply_and_pull(w, "grpo-short")
+    assert json.loads((w.repo / "metrics/rl/train_rl.json").read_text()) == rl_metrics
+    assert md5_tree(w.repo, ["artifacts/rl/hf"]) == md5_tree(vm_repo, ["artifacts/rl/hf"])
+    assert language_model_dtypes(w.repo / "artifacts" / "sft" / "hf") == {"F32"}   # the baseline's
     assert dvc_json(w, "status", "--cloud") == {}
-    assert dvc_json(w, "status") == {}                   # the workspace matches the VM's run
 
+    # HF_TOKEN: in no argv of the remote session, no file of the VM's home, no file here.
     argv = (w.sshd.home / "argv.txt").read_text()   # argv of every process of the remote session
     assert "dvc pull" in argv and "bash -c" in argv and TOKEN not in argv
-    assert "mtpipe.launch maxtext.checkpoint_conversion.to_huggingface" in argv  # the stage's child was seen
-    for path in [*w.repo.rglob("*"), *w.sshd.home.glob("mtpipe/**/*")]:
-        if path.is_file() and not path.is_symlink():
-            assert TOKEN.encode() not in path.read_bytes(), path
+    assert "maxtext.trainers.post_train.rl.train_rl" in argv   # the training stage's child was seen
+    for path in [*tree_without_symlinks(w.sshd.home), *tree_without_symlinks(w.repo)]:
+        assert TOKEN.encode() not in path.read_bytes(), path
 
     outputs.append(w.doit("vm_down").stdout)
     assert_deleted(w)
@@ -365,3 +427,64 @@ def test_unreachable_vm_is_deleted(world: Env) -> None:
     out = proc.stdout + proc.stderr
     assert "did not accept SSH at 127.0.0.2" in out and "firewall" in out
     assert_deleted(world)
+
+
+@pytest.mark.vm_experiments
+def test_vm_run_does_not_silently_recreate(world: Env) -> None:
+    """A VM that maxRunDuration deleted is reported; only --recreate makes a new one."""
+    w = world
+    w.configure(run__command='echo "run $(git rev-parse HEAD)" >> "$HOME/runs"')
+    w.doit("vm_up")
+    w.fake.expire("proj-1", "us-east5-b", "mt-test")
+    proc = w.doit("vm_run", ok=False)
+    out = proc.stdout + proc.stderr
+    assert "VM mt-test, recorded in .vm_state.json" in out and "no longer exists" in out
+    assert "--recreate" in out and len(w.fake.inserts()) == 1
+    assert not (w.sshd.home / "runs").exists()
+    proc = w.doit("vm_run", "--recreate")
+    assert len(w.fake.inserts()) == 2 and w.instance() is not None
+    assert "creating ct6e-standard-8t VM mt-test" in proc.stdout
+    assert (w.sshd.home / "runs").read_text().count("run ") == 1
+    assert "made no DVC experiment" in proc.stdout
+    w.doit("vm_down")
+    assert_deleted(w)
+
+
+@pytest.mark.vm_experiments
+@pytest.mark.parametrize("keep", [True, False])
+def test_setup_failure_in_vm_run(world: Env, keep: bool) -> None:
+    """vm_run sets the VM up itself; --keep keeps it when that step fails, else it is deleted."""
+    world.configure(setup__commands=["echo setting up", "exit 7"])
+    proc = world.doit("vm_run", *(["--keep"] if keep else []), ok=False)
+    assert "vm_setup failed on the VM (exit 7)" in proc.stdout + proc.stderr
+    if keep:
+        assert world.instance() is not None and (world.repo / ".vm_state.json").exists()
+        world.doit("vm_down")
+    assert_deleted(world)
+
+
+@pytest.mark.vm_experiments
+def test_vm_run_brings_back_an_experiment(world: Env) -> None:
+    """A one-stage repo: the run comes back as an experiment ref and nothing else changes locally."""
+    w = world
+    stage = ('python -c "import json, yaml; s = yaml.safe_load(open(\'params.yaml\'))[\'steps\']; '
+             'json.dump({\'steps\': s}, open(\'count.json\', \'w\')); open(\'out.txt\', \'w\').write(str(s))"')
+    _sh([sys.executable, "-m", "dvc", "stage", "add", "-q", "-n", "count", "-p", "steps",
+         "-M", "count.json", "-o", "out.txt", stage], w.repo, w.env)
+    _sh(["git", "add", "-A"], w.repo, w.env)
+    _sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "stage"], w.repo, w.env)
+    w.doit("vm_up")                                      # .vm_state.json: the VM, not the work
+    before = workspace(w.repo)
+    out = w.doit("vm_run", "--set=steps=7", "--exp-name=seven").stdout
+    assert "experiment seven" in out and workspace(w.repo) == before
+    assert experiments(w)["seven"]["metrics"] == {"count.json": {"steps": 7}}
+    apply_and_pull(w, "seven")
+    assert (w.repo / "out.txt").read_text() == "7"
+    # A name HEAD already has fails here, before anything runs; once removed locally it is free
+    # again, even though the VM still has the old ref.
+    proc = w.doit("vm_run", "--set=steps=8", "--exp-name=seven", ok=False)
+    assert "--exp-name: HEAD already has an experiment 'seven'" in proc.stdout
+    _sh([sys.executable, "-m", "dvc", "exp", "remove", "seven"], w.repo, w.env)
+    w.doit("vm_run", "--set=steps=8", "--exp-name=seven")
+    assert experiments(w)["seven"]["metrics"] == {"count.json": {"steps": 8}}
+    w.doit("vm_down")

@@ -1,0 +1,160 @@
+"""Checks before spending: what a TPU VM run needs that the laptop can verify in seconds.
+
+`doit vm_up` and `doit vm_run` call :func:`before_spending` before they create anything billable
+(the firewall rule and the VM), and :func:`check_project` before they ship code to a VM that already
+runs. Each failure is a ConfigError naming the key and the fix:
+
+* Compute: the credentials work (the first call is authenticated), the zone offers the machine type
+  (TPU v6e), the reservation exists, reserves that machine type and has a free VM;
+* the project as the VM will run it (HEAD's params.yaml with the `--set` values applied): every
+  branch composes (what the `configure` stage checks), HF_TOKEN is set when a Hub model or dataset
+  of a composed preset is gated, and the default DVC remote accepts a write.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+import threading
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+
+from huggingface_hub import HfApi
+from omegaconf import DictConfig
+
+from mtpipe import config, hub
+from mtpipe.errors import ConfigError
+from mtpipe.gcp import Compute
+
+def before_spending(cfg: DictConfig, compute: Compute, root: Path, sets: list[str]) -> None:
+    """Everything below, Compute first (it also proves the credentials), then the project."""
+    check_compute(cfg, compute)
+    check_project(cfg, root, sets)
+
+
+def check_compute(cfg: DictConfig, compute: Compute) -> None:
+    """The credentials work, the zone offers the machine type, the reservation has room for one VM."""
+    if compute.get_machine_type(cfg.machine_type) is None:   # authenticated: bad credentials fail here
+        raise ConfigError("vm.zone", f"zone {cfg.zone!r} does not offer {cfg.machine_type} (TPU v6e)",
+                          "pick a zone listed for v6e at cloud.google.com/tpu/docs/regions-zones "
+                          "(e.g. us-east5-b) with ZONE / --zone, where your reservation is")
+    reservation = compute.get_reservation(cfg.reservation)
+    if reservation is None:
+        raise ConfigError("vm.reservation",
+                          f"no reservation {cfg.reservation!r} in {cfg.project}/{cfg.zone}",
+                          f"`gcloud compute reservations list --project {cfg.project}` shows their "
+                          "names and zones; pass the name as RESERVATION / --reservation")
+    specific = reservation.specific_reservation
+    reserved = specific.instance_properties.machine_type.rsplit("/", 1)[-1]
+    if reserved and reserved != cfg.machine_type:
+        raise ConfigError("vm.reservation", f"{cfg.reservation} reserves {reserved}, not "
+                          f"{cfg.machine_type}", "use a reservation of v6e-8 VMs (ct6e-standard-8t)")
+    if specific.count - specific.in_use_count < 1:
+        raise ConfigError("vm.reservation", f"{cfg.reservation} has no free VM ({specific.in_use_count}"
+                          f" of {specific.count} in use)",
+                          "delete a VM that uses it (`gcloud compute instances list "
+                          "--filter=labels.app=mtpipe`), wait for one to end, or use another reservation")
+
+
+def check_project(cfg: DictConfig, root: Path, sets: list[str]) -> None:
+    """The branches compose, gated Hub repos have HF_TOKEN, the DVC remote is writable."""
+    branches = composed_branches(root, sets)
+    check_hub_tokens(branches.values())
+    check_remote_writable(root, float(cfg.remote_probe_timeout_s))
+
+
+def composed_branches(root: Path, sets: list[str]) -> dict[str, DictConfig]:
+    """Every branch composed from HEAD's params.yaml with `sets` applied as `dvc exp run -S` does."""
+    # DVC is imported late here and below: it takes a second, and the other doit tasks do not need it.
+    from dvc.exceptions import InvalidArgumentError
+    from dvc.utils.cli_parse import to_path_overrides
+    from dvc.utils.hydra import apply_overrides
+
+    shown = subprocess.run(["git", "show", "HEAD:params.yaml"], cwd=root, capture_output=True)
+    if shown.returncode != 0:
+        raise ConfigError("params.yaml", "is not committed (vm_run ships HEAD)",
+                          "commit params.yaml (restore it from the project if it is gone)")
+    overrides = to_path_overrides(sets)
+    others = sorted(set(overrides) - {"params.yaml"})
+    if others:
+        raise ConfigError("--set", f"sets values in {others}; only params.yaml feeds the pipeline",
+                          "write --set=KEY=VALUE (params.yaml is the default file)")
+    with tempfile.TemporaryDirectory() as tmp:
+        params_file = Path(tmp) / "params.yaml"
+        params_file.write_bytes(shown.stdout)
+        if overrides:
+            try:
+                apply_overrides(str(params_file), overrides["params.yaml"])
+            except InvalidArgumentError as err:   # what `dvc exp run -S` would fail with on the VM
+                why = str(err.__cause__ or err).splitlines()[0]
+                raise ConfigError("--set", f"{' '.join(sets)}: {why}",
+                                  "write KEY=VALUE with a key of params.yaml, +KEY=VALUE for one it "
+                                  "lacks (Hydra's override grammar, as `dvc exp run -S`)") from err
+        params = config.load_params(params_file)
+    return {branch: config.compose(branch, params) for branch in config.BRANCH_STAGES}
+
+
+def check_hub_tokens(branches: Iterable[DictConfig]) -> None:
+    """HF_TOKEN is set when a Hub model or dataset of a branch is gated (the Hub's model info says)."""
+    token = os.environ.get("HF_TOKEN") or False   # False: never a token file on disk
+    seen: set[tuple[str, str, str]] = set()
+    for cfg in branches:
+        for repo_type in ("model", "dataset"):
+            source = cfg[repo_type].source
+            if source.kind != "hub" or (repo_type, source.repo_id, source.revision) in seen:
+                continue
+            seen.add((repo_type, source.repo_id, source.revision))
+            api = HfApi(endpoint=hub._endpoint(), token=token)
+            info = api.model_info if repo_type == "model" else api.dataset_info
+            with hub._hub_errors(source.repo_id, source.revision, repo_type):
+                gated = info(source.repo_id, revision=source.revision).gated
+            if gated and not token:
+                raise ConfigError("HF_TOKEN", f"{source.repo_id} ({cfg.branch}.{repo_type}) is gated "
+                                  f"({gated}) and HF_TOKEN is not set",
+                                  f"accept its license at {hub._repo_url(source.repo_id, repo_type)}, "
+                                  "then `export HF_TOKEN=...` (a read token) before doit")
+
+
+def check_remote_writable(root: Path, timeout_s: float) -> None:
+    """Write and delete a small object on the default DVC remote, through DVC's own filesystem.
+
+    The VM pushes its results there. The probe runs in a thread with a deadline: gcsfs retries a
+    dead endpoint for minutes.
+    """
+    from dvc.config import NoRemoteError
+    from dvc.repo import Repo
+
+    remote: dict[str, str] = {}
+    outcome: list[BaseException | None] = []
+
+    def probe() -> None:
+        try:
+            with Repo(str(root)) as repo:
+                remote["name"] = repo.config["core"].get("remote", "")
+                remote["url"] = repo.config["remote"].get(remote["name"], {}).get("url", "")
+                odb = repo.cloud.get_remote(command="vm_run").odb
+                path = odb.fs.join(odb.path, f".mtpipe-write-probe-{uuid.uuid4().hex}")
+                odb.fs.pipe_file(path, b"mtpipe checks that this remote is writable\n")
+                odb.fs.rm_file(path)
+            outcome.append(None)
+        except BaseException as err:   # reported in the caller's thread
+            outcome.append(err)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    key = f"remote.{remote.get('name') or '?'}.url"
+    fix = ("check the bucket name and endpoint (`dvc remote list`), and that your credentials may "
+           "write it (roles/storage.objectAdmin): `dvc push` must work from here")
+    if not outcome:
+        raise ConfigError(key, f"writing a probe object to {remote.get('url')} took more than "
+                          f"{timeout_s:.0f} s", fix)
+    err = outcome[0]
+    if isinstance(err, NoRemoteError):
+        raise ConfigError("core.remote", "no default DVC remote: the VM pushes its results there",
+                          "`dvc remote add -d gcs gs://BUCKET/PATH` and commit .dvc/config")
+    if err is not None:
+        raise ConfigError(key, f"{remote.get('url')} is not writable ({type(err).__name__}: {err})",
+                          fix) from err
