@@ -117,7 +117,7 @@ def _hub_source(source: Mapping, repo_type: str) -> tuple[str, str]:
         raise ConfigError(
             _key(repo_type, "revision"),
             f"{revision!r} is not a 40-character commit sha, and branch or tag names move",
-            f"pin a full commit sha of {repo_id}, listed at {_repo_url(repo_id, repo_type)}/commits/main",
+            f"pin a full commit sha of {repo_id}, listed at {repo_url(repo_id, repo_type)}/commits/main",
         )
     return repo_id, revision
 
@@ -150,7 +150,7 @@ def _download(repo_id: str, revision: str, repo_type: str, patterns: list[str], 
             raise ConfigError(
                 _key(repo_type, "allow_patterns"),
                 f"no file of {repo_id}@{revision} matches {patterns}",
-                f"choose patterns from the file list at {_repo_url(repo_id, repo_type)}/tree/{revision}",
+                f"choose patterns from the file list at {repo_url(repo_id, repo_type)}/tree/{revision}",
             )
         log.info("downloading %d files of %s %s@%s from %s", len(wanted), repo_type, repo_id, revision, endpoint)
         partial.mkdir(parents=True, exist_ok=True)
@@ -222,18 +222,28 @@ def _key(repo_type: str, name: str) -> str:
     return f"{repo_type}.source.{name}"
 
 
+def gated(source: Mapping, repo_type: str) -> str | bool:
+    """What the Hub says of a pinned repo's access (False, "auto" or "manual"), asked with HF_TOKEN if set."""
+    repo_id, revision = _hub_source(source, repo_type)
+    api = HfApi(endpoint=_endpoint(), token=os.environ.get("HF_TOKEN") or False)  # False: no token file
+    info = api.model_info if repo_type == "model" else api.dataset_info
+    with _hub_errors(repo_id, revision, repo_type):
+        return info(repo_id, revision=revision).gated
+
+
+def repo_url(repo_id: str, repo_type: str) -> str:
+    """The repo's page on the Hub (or on HF_ENDPOINT)."""
+    return f"{_endpoint()}/{'datasets/' if repo_type == 'dataset' else ''}{repo_id}"
+
+
 def _endpoint() -> str:
     return os.environ.get("HF_ENDPOINT", DEFAULT_ENDPOINT).rstrip("/")
-
-
-def _repo_url(repo_id: str, repo_type: str) -> str:
-    return f"{_endpoint()}/{'datasets/' if repo_type == 'dataset' else ''}{repo_id}"
 
 
 @contextmanager
 def _hub_errors(repo_id: str, revision: str, repo_type: str) -> Iterator[None]:
     """Turn huggingface_hub / network errors into ConfigErrors that say what to do."""
-    url = _repo_url(repo_id, repo_type)
+    url = repo_url(repo_id, repo_type)
     try:
         yield
     except RevisionNotFoundError as err:

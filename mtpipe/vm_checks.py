@@ -21,7 +21,6 @@ import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
-from huggingface_hub import HfApi
 from omegaconf import DictConfig
 
 from mtpipe import config, hub
@@ -98,7 +97,6 @@ def composed_branches(root: Path, sets: list[str]) -> dict[str, DictConfig]:
 
 def check_hub_tokens(branches: Iterable[DictConfig]) -> None:
     """HF_TOKEN is set when a Hub model or dataset of a branch is gated (the Hub's model info says)."""
-    token = os.environ.get("HF_TOKEN") or False   # False: never a token file on disk
     seen: set[tuple[str, str, str]] = set()
     for cfg in branches:
         for repo_type in ("model", "dataset"):
@@ -106,14 +104,11 @@ def check_hub_tokens(branches: Iterable[DictConfig]) -> None:
             if source.kind != "hub" or (repo_type, source.repo_id, source.revision) in seen:
                 continue
             seen.add((repo_type, source.repo_id, source.revision))
-            api = HfApi(endpoint=hub._endpoint(), token=token)
-            info = api.model_info if repo_type == "model" else api.dataset_info
-            with hub._hub_errors(source.repo_id, source.revision, repo_type):
-                gated = info(source.repo_id, revision=source.revision).gated
-            if gated and not token:
+            access = hub.gated(source, repo_type)
+            if access and not os.environ.get("HF_TOKEN"):
                 raise ConfigError("HF_TOKEN", f"{source.repo_id} ({cfg.branch}.{repo_type}) is gated "
-                                  f"({gated}) and HF_TOKEN is not set",
-                                  f"accept its license at {hub._repo_url(source.repo_id, repo_type)}, "
+                                  f"({access}) and HF_TOKEN is not set",
+                                  f"accept its license at {hub.repo_url(source.repo_id, repo_type)}, "
                                   "then `export HF_TOKEN=...` (a read token) before doit")
 
 
