@@ -1,0 +1,427 @@
+"""Preflight: will a preset's training fit its TPU, how long will it take, what will it cost?
+
+Answered on the laptop CPU, with no TPU and no network, before any VM exists:
+
+* **Compiled** (exact): MaxText's own cross-compilation (``maxtext.trainers.pre_train.train_compile``)
+  compiles the training step for the hardware preset's TPU topology (``TPU_ACCELERATOR_TYPE``, e.g.
+  v6e-8) with the model, batch, sequence length, dtypes and remat settings of the stage's own
+  command line (:mod:`mtpipe.commands`, from the composed config). XLA's memory analysis gives the
+  HBM per chip of the train state (params + optimizer state) and of the step's temporaries.
+* **Estimated** (stated formulas): the FLOPs per step (MaxText's own
+  ``calculate_tflops_training_per_device``, the number its MFU logging uses; XLA's cost analysis
+  counts a scanned layer block once, not once per layer), step and run time at :data:`MFU`, and for
+  GRPO the reference model, the rollout engine's weights and KV cache, and the rollout time.
+* The compile runs in a child process (``python -m mtpipe.preflight --compile``), cached in
+  ``work/preflight/<digest>.json`` by the digest of its command line and the MaxText/JAX/libtpu
+  versions: an unchanged preflight costs nothing the second time.
+
+Entry points: :func:`run` (``doit preflight``, and ``doit vm_run`` before it creates anything),
+``benchmarks/preflight_full.py``. docs/preflight.md explains the numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+from mtpipe import commands
+from mtpipe.config import BRANCH_STAGES, ROOT, compose, load_params
+from mtpipe.errors import ConfigError
+from mtpipe.runner import child_env
+
+
+@dataclass(frozen=True)
+class Chip:
+    """One TPU generation's per-chip numbers (Google's published specs)."""
+
+    hbm_gib: float        # HBM the runtime lets a program use (bytes_limit)
+    peak_tflops: float    # bf16 dense peak
+    hbm_gbps: float       # HBM bandwidth, GB/s (memory-bound decoding)
+
+
+# v6e (Trillium): 32 GB HBM, of which the runtime reports 33550237184 bytes (31.25 GiB) as its
+# limit; 918 bf16 TFLOP/s; 1640 GB/s (cloud.google.com/tpu/docs/v6e).
+CHIPS = {"v6e": Chip(hbm_gib=31.25, peak_tflops=918.0, hbm_gbps=1640.0)}
+
+# Assumptions of the time and cost estimates; each lands in the JSON report.
+MFU = 0.45                     # MaxText's published llama3.1-8b pre-training on v6e-8 (seq 8192)
+DECODE_EFFICIENCY = 0.5        # fraction of HBM bandwidth a rollout decode step reaches
+CONVERT_S_PER_BPARAM = 70.0    # to_maxtext: the tutorials' ~5 min for Gemma 3 4B (4.3 B params)
+EXPORT_S_PER_BPARAM = 70.0     # to_huggingface: assumed like the conversion
+TRAIN_STARTUP_S = 180.0        # loading the checkpoint + compiling the step on the TPU VM
+VM_SETUP_S = 900.0             # VM creation, boot and `doit vm_setup` (apt, uv, MaxText install)
+
+# A stage argument whose value starts with this is a file path; the compile does not read files.
+PLACEHOLDER = "/mtpipe-preflight-path"
+# Keys the compile sets itself (hardware=cpu in a CPU preset's extra_args would fight the topology).
+# jax_cache_dir is empty: a compile-only TPU executable cannot be loaded back from JAX's disk cache.
+COMPILE_OWN_KEYS = ("hardware", "run_name", "base_output_directory", "compile_topology",
+                    "compile_topology_num_slices", "skip_jax_distributed_system", "jax_cache_dir")
+# The keys that decide the HBM a training step needs, named as params.yaml spells them.
+MEMORY_KEYS = {
+    "train_sft": ("per_device_batch_size", "max_target_length", "extra_args.remat_policy"),
+    "train_rl": ("batch_size", "num_generations", "max_target_length", "extra_args.remat_policy",
+                 "extra_args.hbm_utilization_vllm"),
+}
+OOM_MARKERS = ("resource_exhausted", "hbm", "out of memory", "exceeds the memory")
+GIB = 2**30
+
+
+# ---------------------------------------------------------------- parent: config -> compile args
+
+
+def apply_sets(params: DictConfig, sets: list[str]) -> DictConfig:
+    """Apply ``key=value`` overrides to params.yaml as ``dvc exp run -S`` does (values parsed as YAML)."""
+    params = params.copy()
+    for item in sets:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError("--set", f"expected KEY=VALUE, got {item!r}", "write e.g. --set sft.preset=NAME")
+        OmegaConf.update(params, key.strip(), yaml.safe_load(value), force_add=True)
+    return params
+
+
+def topology(cfg: DictConfig) -> str | None:
+    """The TPU topology a branch's hardware preset targets (its TPU_ACCELERATOR_TYPE), or None (CPU)."""
+    return cfg.hardware.env.get("TPU_ACCELERATOR_TYPE")
+
+
+def chip_of(topo: str, branch: str, hardware: str) -> tuple[Chip, int]:
+    """(per-chip specs, number of chips) of a topology name such as ``v6e-8``."""
+    generation, _, count = topo.partition("-")
+    if generation not in CHIPS or not count.isdigit():
+        raise ConfigError(f"{branch}.hardware", f"preflight knows no TPU {topo!r} (conf/hardware/{hardware}.yaml)",
+                          f"use one of {sorted(CHIPS)}-<chips>, or add its specs to mtpipe/preflight.py CHIPS")
+    return CHIPS[generation], int(count)
+
+
+def stage_command(cfg: DictConfig) -> commands.MaxTextCommand:
+    """The training command the branch's main stage runs, with placeholder paths."""
+    p = Path(PLACEHOLDER)
+    if cfg.branch == "sft":
+        return commands.train_sft(
+            cfg, ckpt=p / "ckpt", train_files=f"{p}/train", eval_files=f"{p}/eval", columns=list(cfg.dataset.columns),
+            tokenizer_dir=p / "tokenizer", base_output=p / "out", run_name=f"{PLACEHOLDER}-run",
+            metrics_file=p / "metrics", jax_cache_dir=p / "jax_cache")
+    return commands.train_rl(
+        cfg, ckpt=p / "ckpt", train_files=f"{p}/train", eval_files=f"{p}/eval", tokenizer_dir=p / "tokenizer",
+        base_output=p / "out", run_name=f"{PLACEHOLDER}-run", jax_cache_dir=p / "jax_cache")
+
+
+def compile_args(cmd: commands.MaxTextCommand, topo: str) -> list[str]:
+    """The stage's arguments without file paths, plus the cross-compilation target."""
+    kept: dict[str, str] = {}
+    for arg in cmd.args:
+        key, _, value = arg.partition("=")
+        if value.startswith(PLACEHOLDER) or key in COMPILE_OWN_KEYS:
+            continue
+        kept[key] = value
+    kept |= {"run_name": "preflight", "compile_topology": topo, "compile_topology_num_slices": "1",
+             "skip_jax_distributed_system": "true", "jax_cache_dir": ""}
+    return [f"{k}={v}" for k, v in kept.items()]
+
+
+# ---------------------------------------------------------------- parent: compile (cached)
+
+
+def versions() -> dict[str, str]:
+    """What the compiled result depends on besides its arguments."""
+    return {name: metadata.version(name) for name in ("maxtext", "jax", "jaxlib", "libtpu")}
+
+
+def compile_digest(module: str, args: list[str]) -> str:
+    """sha256 of what the compile depends on: the trainer, its arguments, the software versions."""
+    text = json.dumps({"module": module, "args": args, "versions": versions()}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def compile_step(module: str, args: list[str], work: Path, log: Path) -> dict[str, Any]:
+    """Cross-compile the training step in a child process; the result is cached by its digest."""
+    cache = work / f"{compile_digest(module, args)}.json"
+    if cache.is_file():
+        return json.loads(cache.read_text()) | {"cached": True}
+    work.mkdir(parents=True, exist_ok=True)
+    # No Hub token (as for every MaxText child). The compile touches no TPU, so libtpu's one-process
+    # lock (/tmp/libtpu_lockfile) would only stop two preflights, or a preflight and a test, side by side.
+    env = child_env({"JAX_PLATFORMS": "cpu", "DECOUPLE_GCLOUD": "TRUE", "ALLOW_MULTIPLE_LIBTPU_LOAD": "true"})
+    with tempfile.TemporaryDirectory(dir=work) as tmp:
+        out = Path(tmp) / "result.json"
+        argv = [sys.executable, "-m", "mtpipe.preflight", "--compile", str(out), module,
+                *args, f"base_output_directory={tmp}"]
+        with open(log, "w", encoding="utf8") as log_file:
+            log_file.write(f"$ {' '.join(argv)}\n")
+            log_file.flush()
+            code = subprocess.call(argv, env=env, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT)
+        if not out.is_file():
+            tail = log.read_text(errors="replace").splitlines()[-30:]
+            raise RuntimeError(f"the AOT compile exited with {code} and no result; log {log}:\n" + "\n".join(tail))
+        result = json.loads(out.read_text())
+    tmp_cache = cache.with_suffix(".partial")
+    tmp_cache.write_text(json.dumps(result, indent=1))
+    os.replace(tmp_cache, cache)
+    return result | {"cached": False}
+
+
+# ---------------------------------------------------------------- parent: the report
+
+
+def price_per_hour() -> float:
+    """The VM price conf/vm.yaml (or $MTPIPE_VM_CONFIG) states."""
+    from mtpipe import vm  # late: vm imports asyncssh, only needed for this number
+    return float(vm.load_config().price_per_hour_usd)
+
+
+def report(cfg: DictConfig, preset: str, compiled: dict[str, Any], chip: Chip, chips: int,
+           usd_per_hour: float) -> dict[str, Any]:
+    """HBM per chip, fit, FLOPs, time and cost of one branch from its compile result."""
+    stage = "train_sft" if cfg.branch == "sft" else "train_rl"
+    mem, c = compiled["memory"], compiled["config"]
+    hbm = {"train_state": mem["argument_size_in_bytes"] / GIB, "step_temporaries": mem["temp_size_in_bytes"] / GIB,
+           "code": mem["generated_code_size_in_bytes"] / GIB}
+    # GRPO: the compiled batch is rounded up to a multiple of the chips; FLOPs count the real one
+    real_batch = c["grpo_sequences"] / c["global_batch_size_to_train_on"] if cfg.branch == "rl" else 1.0
+    flops_per_chip = compiled["tflops_per_device"] * 1e12 * real_batch
+    step_s = flops_per_chip / (chip.peak_tflops * 1e12 * MFU)
+    steps = int(c["steps"])
+    notes = ["compiled: the train step (params, optimizer state, temporaries) for the topology"]
+    if cfg.branch == "rl":
+        extra, needed, step_s = _grpo_estimate(cfg, compiled, chip, chips, hbm, step_s)
+        notes.append(extra)
+    else:
+        needed = hbm["train_state"] + hbm["step_temporaries"] + hbm["code"]
+    params_b = compiled["param_count"] / 1e9
+    train_s = steps * step_s + TRAIN_STARTUP_S
+    convert_s, export_s = CONVERT_S_PER_BPARAM * params_b, EXPORT_S_PER_BPARAM * params_b
+    total_s = VM_SETUP_S + convert_s + train_s + export_s
+    fits = not compiled.get("oom") and needed <= chip.hbm_gib
+    return {
+        "branch": cfg.branch, "preset": preset, "topology": topology(cfg), "stage": stage,
+        "fits": fits, "compile_oom": compiled.get("oom"),
+        "hbm_gib_per_chip": round(needed, 3), "hbm_gib_available": chip.hbm_gib,
+        "hbm_headroom_gib": round(chip.hbm_gib - needed, 3),
+        "hbm_parts_gib": {k: round(v, 3) for k, v in hbm.items()},
+        "flops_per_step": flops_per_chip * chips, "flops_per_step_per_chip": flops_per_chip,
+        "xla_cost_analysis_flops_per_chip": compiled.get("xla_flops"),
+        "steps": steps, "est_step_s": step_s, "est_train_s": round(train_s, 1),
+        "est_convert_s": round(convert_s, 1), "est_export_s": round(export_s, 1), "est_vm_setup_s": VM_SETUP_S,
+        "est_total_s": round(total_s, 1), "usd_per_hour": usd_per_hour,
+        "est_total_usd": round(total_s / 3600 * usd_per_hour, 2),
+        "param_count": compiled["param_count"], "maxtext_config": c,
+        "assumptions": {"mfu": MFU, "decode_efficiency": DECODE_EFFICIENCY, "peak_tflops_per_chip": chip.peak_tflops,
+                        "convert_s_per_bparam": CONVERT_S_PER_BPARAM, "export_s_per_bparam": EXPORT_S_PER_BPARAM,
+                        "train_startup_s": TRAIN_STARTUP_S, "vm_setup_s": VM_SETUP_S},
+        "notes": notes, "versions": versions(), "compile_cached": compiled.get("cached", False),
+    }
+
+
+def _grpo_estimate(cfg: DictConfig, compiled: dict[str, Any], chip: Chip, chips: int, hbm: dict[str, float],
+                   train_step_s: float) -> tuple[str, float, float]:
+    """Add GRPO's estimated parts to ``hbm``; return (note, HBM needed per chip, seconds per GRPO step).
+
+    One VM: trainer and rollout share every chip (MaxText splits devices only across VMs). The
+    reference model is a second copy of the weights on the trainer mesh. vLLM (tpu-inference) sizes
+    its KV cache as hbm_utilization_vllm x HBM minus what is already in use, so the state held
+    between steps is at least that fraction of HBM; the train step's temporaries come on top.
+    """
+    c = compiled["config"]
+    weight_bytes = compiled["param_bytes"]
+    hbm["reference_weights"] = weight_bytes / chips / GIB if c["grpo_beta"] else 0.0
+    sequences = c["grpo_sequences"]
+    kv_shards = max(1, min(chips, c["num_kv_heads"]))
+    kv_bytes_per_token = 2 * c["num_decoder_layers"] * c["num_kv_heads"] * c["head_dim"] * 2  # K and V, bf16
+    hbm["rollout_kv_cache_min"] = sequences * c["max_target_length"] * kv_bytes_per_token / kv_shards / GIB
+    held = hbm["train_state"] + hbm["reference_weights"] + hbm["code"] + hbm["rollout_kv_cache_min"]
+    if cfg.train_rl.rollout_backend == "vllm":
+        hbm["rollout_weights"] = 2 * compiled["param_count"] / chips / GIB  # bf16 copy, sharded over the chips
+        held += hbm["rollout_weights"]
+        reserved = c["hbm_utilization_vllm"] * chip.hbm_gib
+        hbm["vllm_reservation"] = max(reserved, held)
+        needed = hbm["vllm_reservation"] + hbm["step_temporaries"]
+        note = (f"estimated: reference weights, vLLM weights + KV cache (hbm_utilization_vllm="
+                f"{c['hbm_utilization_vllm']} of each chip), rollout and reference-forward time")
+    else:
+        needed = held + hbm["step_temporaries"]
+        note = "estimated: reference weights, the CPU-backend rollout's KV cache, rollout and reference time"
+    new_tokens = c["max_target_length"] - c["max_prefill_predict_length"]
+    decode_s = new_tokens * (2 * compiled["param_count"] / chips) / (chip.hbm_gbps * 1e9 * DECODE_EFFICIENCY)
+    forward_s = train_step_s / 3 * (2 if c["grpo_beta"] else 1)  # old-policy (+ reference) log-probs
+    return note, needed, train_step_s + forward_s + decode_s
+
+
+def check_fits(row: dict[str, Any]) -> None:
+    """Raise ConfigError naming the keys to change when a branch does not fit its TPU."""
+    if row["fits"]:
+        return
+    branch, stage = row["branch"], row["stage"]
+    keys = [f"{branch}.{stage}.{k}" for k in MEMORY_KEYS[stage]]
+    need = (f"ran out of HBM while compiling for {row['topology']} ({row['compile_oom']})" if row["compile_oom"] else
+            f"needs {row['hbm_gib_per_chip']:.1f} GiB of HBM per chip, {row['topology']} has "
+            f"{row['hbm_gib_available']:.2f} (parts: {row['hbm_parts_gib']})")
+    raise ConfigError(
+        keys[0], f"preset {row['preset']} {need}",
+        f"lower one of {', '.join(keys)} (or set {branch}.{stage}.extra_args.remat_policy: full), "
+        f"or use a larger TPU; `doit preflight --set ...` checks a change in seconds once compiled")
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a fixed-width table."""
+    head = ("branch", "preset", "TPU", "HBM GiB/chip", "fits", "TFLOP/step", "step s", "train min",
+            "total min", "USD")
+    lines = [head]
+    for r in rows:
+        lines.append((r["branch"], r["preset"], r["topology"],
+                      f"{'compile OOM' if r['compile_oom'] else format(r['hbm_gib_per_chip'], '.1f')} / "
+                      f"{r['hbm_gib_available']:.2f}", "yes" if r["fits"] else "NO",
+                      f"{r['flops_per_step'] / 1e12:.1f}", f"{r['est_step_s']:.3f}", f"{r['est_train_s'] / 60:.1f}",
+                      f"{r['est_total_s'] / 60:.1f}", f"{r['est_total_usd']:.2f}"))
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
+    return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def run(sets: list[str], root: Path = ROOT, branches: tuple[str, ...] = tuple(BRANCH_STAGES)) -> list[dict[str, Any]]:
+    """:func:`check`, then raise ConfigError (naming the keys to change) if a branch does not fit."""
+    rows = check(sets, root, branches)
+    for row in rows:
+        check_fits(row)
+    return rows
+
+
+def check(sets: list[str], root: Path = ROOT, branches: tuple[str, ...] = tuple(BRANCH_STAGES)) -> list[dict[str, Any]]:
+    """Preflight the branches of params.yaml (+ ``--set`` overrides, as ``dvc exp run -S``) that target a TPU.
+
+    Prints a table, writes ``work/preflight/<branch>-<preset>.json`` per branch and returns the rows.
+    """
+    params = apply_sets(load_params(root / "params.yaml"), sets)
+    composed = {branch: compose(branch, params) for branch in branches}  # all config errors first
+    work = root / "work" / "preflight"
+    rows = []
+    for branch, cfg in composed.items():
+        topo = topology(cfg)
+        preset = params[branch].preset
+        if topo is None:
+            print(f"mtpipe preflight: {branch} ({preset}) runs on hardware {cfg.hardware.name}: no TPU to check")
+            continue
+        chip, chips = chip_of(topo, branch, cfg.hardware.name)
+        cmd = stage_command(cfg)
+        args = compile_args(cmd, topo)
+        cached = (work / f"{compile_digest(cmd.module, args)}.json").is_file()
+        print(f"mtpipe preflight: {branch} ({preset}): "
+              + ("compile result cached" if cached else f"compiling the training step for {topo} on the CPU "
+                 "(minutes for a full-size model)"), flush=True)
+        compiled = compile_step(cmd.module, args, work, work / f"{branch}-{preset}.log")
+        row = report(cfg, preset, compiled, chip, chips, price_per_hour())
+        (work / f"{branch}-{preset}.json").write_text(json.dumps(row, indent=1) + "\n")
+        rows.append(row)
+    if rows:
+        print(table(rows))
+        print(f"assumptions: MFU {MFU:.0%}, {rows[0]['usd_per_hour']:.2f} USD/h; "
+              f"reports in {work}/<branch>-<preset>.json")
+    return rows
+
+
+# ---------------------------------------------------------------- child: the compile itself
+
+GRPO_BATCH_KEYS = ("global_batch_size_to_load", "global_batch_size_to_train_on", "micro_batch_size_to_train_on")
+
+
+def _grpo_config(initialize: Any, rl_config: type, argv: list[str], **kwargs: Any) -> Any:
+    """train_rl's config (rl.yml read as RLConfig, as train_rl reads it), shaped as one GRPO mini-batch.
+
+    A GRPO step trains on ``batch_size`` prompts x ``num_generations`` completions of up to
+    ``max_target_length`` tokens; RLConfig leaves pre-training's batch fields unset, so they are set
+    here. The compiled step shards its batch over every chip, so the sequences are rounded up to a
+    multiple of the chips (the tutorial's 1 x 2 becomes 8: an upper bound on the temporaries).
+    """
+    config = initialize(argv, config_class=rl_config, **kwargs)
+    grpo = config._pydantic_config  # the attribute paths train_rl itself reads
+    sequences = grpo.batch_size * grpo.rl.num_generations
+    chips = int(config.compile_topology.rsplit("-", 1)[1])
+    compiled = math.ceil(sequences / chips) * chips
+    config._flat_config.update(
+        dict.fromkeys(GRPO_BATCH_KEYS, compiled), per_device_batch_size=compiled // chips, grpo_sequences=sequences,
+        steps=grpo.train_steps, num_generations=grpo.rl.num_generations, grpo_beta=grpo.rl.grpo_beta)
+    return config
+
+
+
+def _child(out: Path, module: str, args: list[str]) -> int:
+    """Run MaxText's train_compile for ``module``'s config file; write memory, FLOPs and shapes to ``out``."""
+    import jax
+    from absl import app
+    from maxtext.configs import pyconfig, types
+    from maxtext.trainers.pre_train import train_compile
+    from maxtext.utils import maxtext_utils
+    from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR
+
+    config_file = os.path.join(MAXTEXT_CONFIGS_DIR, pyconfig._CONFIG_FILE_MAPPING[module])  # the stage's own
+    argv = ["train_compile", config_file, *args]
+    if module == commands.TRAIN_RL:
+        pyconfig.initialize = functools.partial(_grpo_config, pyconfig.initialize, types.RLConfig)
+    seen: dict[str, Any] = {}
+    original = train_compile.jit_and_compile
+
+    def capture(func, func_input_args, *rest):
+        seen["config"], seen["state"] = rest[-2], func_input_args[0]
+        try:
+            seen["compiled"] = original(func, func_input_args, *rest)
+        except Exception as err:  # MaxText: "you will see the same OOM error as on the target hardware"
+            if not any(m in str(err).lower() for m in OOM_MARKERS):
+                raise
+            seen["oom"] = str(err).splitlines()[0][:500]
+            raise SystemExit(0) from None
+        return seen["compiled"]
+
+    train_compile.jit_and_compile = capture
+    try:
+        app.run(train_compile.main, argv=argv)
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            return int(exc.code) if isinstance(exc.code, int) else 1
+    config = seen["config"]
+    state = seen["state"]  # linen: a TrainState with .params; NNX (pure_nnx): a State with a "model" subtree
+    weights = getattr(state, "params", None) or state["model"]
+    params = [p for p in jax.tree.leaves(weights) if jax.numpy.issubdtype(p.dtype, jax.numpy.floating)]
+    result: dict[str, Any] = {
+        "param_count": int(sum(math.prod(p.shape) for p in params)),
+        "param_bytes": int(sum(math.prod(p.shape) * p.dtype.itemsize for p in params)),
+        "tflops_per_device": float(maxtext_utils.calculate_tflops_training_per_device(config, log=False)[0]),
+        "config": {k: getattr(config, k, None) for k in (
+            "model_name", "per_device_batch_size", "global_batch_size_to_train_on", "max_target_length",
+            "max_prefill_predict_length", "steps", "weight_dtype", "dtype", "remat_policy", "scan_layers",
+            "num_decoder_layers", "num_kv_heads", "head_dim", "emb_dim", "vocab_size", "batch_size",
+            "hbm_utilization_vllm", "num_generations", "grpo_beta", "grpo_sequences", "compile_topology")},
+    }
+    result["config"] = {k: (str(v) if not isinstance(v, (int, float, bool, str, type(None))) else v)
+                        for k, v in result["config"].items()}
+    if "oom" in seen:
+        result |= {"oom": seen["oom"], "memory": dict.fromkeys(
+            ("argument_size_in_bytes", "temp_size_in_bytes", "generated_code_size_in_bytes"), 0)}
+    else:
+        stats = seen["compiled"].memory_analysis()
+        result["memory"] = {k: int(getattr(stats, k)) for k in (
+            "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
+            "generated_code_size_in_bytes", "host_argument_size_in_bytes", "host_temp_size_in_bytes")}
+        cost = seen["compiled"].cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        result["xla_flops"] = float(cost.get("flops", 0.0)) if cost else None
+    out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 4 or sys.argv[1] != "--compile":
+        sys.exit("usage: python -m mtpipe.preflight --compile OUT.json <maxtext trainer module> key=value ...")
+    sys.exit(_child(Path(sys.argv[2]), sys.argv[3], sys.argv[4:]))

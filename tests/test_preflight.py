@@ -1,0 +1,114 @@
+"""Preflight (issue 9): the TPU training step AOT-compiled on this CPU, its HBM, time and cost.
+
+The embedded presets run on hardware cpu; `--set <branch>.hardware=v6e-8` points them at a v6e-8,
+so the tiny models' training steps compile for the tutorials' TPU in about a minute each.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from mtpipe import commands, preflight
+from mtpipe.config import ROOT, compose, load_params
+from mtpipe.errors import ConfigError
+
+pytestmark = pytest.mark.preflight
+
+ON_V6E = ["sft.hardware=v6e-8", "rl.hardware=v6e-8"]
+REPORT_KEYS = {"hbm_gib_per_chip", "hbm_gib_available", "fits", "flops_per_step", "est_train_s", "est_total_usd"}
+
+
+@pytest.fixture()
+def root(tmp_path: Path) -> Path:
+    """A directory holding this project's params.yaml; preflight writes its work/ there."""
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    return tmp_path
+
+
+def test_set_overrides_params_like_dvc_exp_run_s() -> None:
+    params = preflight.apply_sets(load_params(), ["sft.preset=gemma3-4b-ultrachat-v6e8", "steps=7",
+                                                  "rl.train_rl.num_generations=4"])
+    assert (params.sft.preset, params.steps, params.rl.train_rl.num_generations) == ("gemma3-4b-ultrachat-v6e8", 7, 4)
+    with pytest.raises(ConfigError, match="--set"):
+        preflight.apply_sets(load_params(), ["steps"])
+
+
+def test_compile_args_are_the_stage_args_without_paths() -> None:
+    cfg = compose("sft", preflight.apply_sets(load_params(), ["sft.preset=gemma3-4b-ultrachat-v6e8"]))
+    cmd = preflight.stage_command(cfg)
+    args = preflight.compile_args(cmd, preflight.topology(cfg))
+    assert cmd.module == commands.TRAIN_SFT
+    assert "per_device_batch_size=1" in args and "steps=1000" in args and "model_name=gemma3-4b" in args
+    assert "compile_topology=v6e-8" in args and "compile_topology_num_slices=1" in args
+    assert not any(preflight.PLACEHOLDER in a or a.startswith(("load_parameters_path=", "tokenizer_path="))
+                   for a in args)
+    # a --set the stage would see changes the compile, so the cache digest changes too
+    bigger = compose("sft", preflight.apply_sets(load_params(), ["sft.preset=gemma3-4b-ultrachat-v6e8",
+                                                                  "sft.train_sft.per_device_batch_size=2"]))
+    bigger_args = preflight.compile_args(preflight.stage_command(bigger), "v6e-8")
+    assert "per_device_batch_size=2" in bigger_args
+    assert preflight.compile_digest(cmd.module, args) != preflight.compile_digest(cmd.module, bigger_args)
+
+
+def test_cpu_presets_have_nothing_to_check(root: Path, capsys: pytest.CaptureFixture) -> None:
+    assert preflight.run([], root) == []
+    assert "no TPU to check" in capsys.readouterr().out
+    assert not (root / "work" / "preflight").exists()
+
+
+def _compiled(argument_gib: float, temp_gib: float) -> dict:
+    """A compile result of the shape the child writes (train_compile's memory analysis)."""
+    return {"param_count": 4_300_000_000, "param_bytes": 8_600_000_000, "tflops_per_device": 100.0,
+            "config": {"steps": 1000}, "memory": {"argument_size_in_bytes": int(argument_gib * 2**30),
+                                                  "temp_size_in_bytes": int(temp_gib * 2**30),
+                                                  "generated_code_size_in_bytes": 0}}
+
+
+def test_a_step_too_large_for_hbm_names_the_keys_to_change() -> None:
+    cfg = compose("sft", preflight.apply_sets(load_params(), ["sft.preset=gemma3-4b-ultrachat-v6e8"]))
+    chip, chips = preflight.chip_of("v6e-8", "sft", "v6e-8")
+    fits = preflight.report(cfg, "p", _compiled(5.4, 4.5), chip, chips, usd_per_hour=21.6)
+    preflight.check_fits(fits)
+    assert fits["fits"] and fits["hbm_gib_per_chip"] == pytest.approx(9.9, abs=0.01)
+    # 1000 steps of 100 TFLOP per chip at 45% of 918 TFLOP/s, plus the stated fixed times, at 21.6 USD/h
+    train_s = 1000 * 100 / (918 * preflight.MFU) + preflight.TRAIN_STARTUP_S
+    assert fits["est_train_s"] == pytest.approx(train_s, abs=0.1)
+    total_s = train_s + preflight.VM_SETUP_S + 2 * 70 * 4.3
+    assert fits["est_total_usd"] == pytest.approx(total_s / 3600 * 21.6, abs=0.01)
+    too_big = preflight.report(cfg, "p", _compiled(5.4, 30.0), chip, chips, usd_per_hour=21.6)
+    assert not too_big["fits"] and too_big["hbm_headroom_gib"] < 0
+    with pytest.raises(ConfigError) as err:
+        preflight.check_fits(too_big)
+    assert err.value.key == "sft.train_sft.per_device_batch_size"
+    assert "max_target_length" in err.value.fix and "remat_policy" in err.value.fix
+
+
+@pytest.mark.slow
+def test_tiny_presets_compile_for_v6e8_and_the_second_run_is_cached(root: Path, capsys: pytest.CaptureFixture) -> None:
+    rows = preflight.run(ON_V6E, root)
+    assert [r["branch"] for r in rows] == ["sft", "rl"]
+    out = capsys.readouterr().out
+    assert "HBM GiB/chip" in out and "embedded-sft" in out and "embedded-rl" in out
+    for row in rows:
+        written = json.loads((root / "work" / "preflight" / f"{row['branch']}-{row['preset']}.json").read_text())
+        assert REPORT_KEYS <= set(written) and written["fits"] is True and written["topology"] == "v6e-8"
+        # the compiled train state holds at least the weights, sharded over 8 chips
+        assert written["hbm_parts_gib"]["train_state"] * 2**30 >= written["param_count"] * 4 / 8
+        # MaxText's FLOPs per step: at least 6 x params x tokens of the step
+        shapes = written["maxtext_config"]
+        tokens = shapes["global_batch_size_to_train_on"] * shapes["max_target_length"]
+        assert written["flops_per_step"] >= 6 * written["param_count"] * tokens * 0.9
+        assert written["compile_cached"] is False
+    sft, rl = rows
+    assert sft["maxtext_config"]["per_device_batch_size"] == 4  # the preset's value reached the compile
+    assert rl["maxtext_config"]["global_batch_size_to_train_on"] == 4 * 8  # batch_size x num_generations
+    assert set(rl["hbm_parts_gib"]) >= {"reference_weights", "rollout_kv_cache_min"}
+    start = time.monotonic()
+    again = preflight.run(ON_V6E, root)
+    assert time.monotonic() - start < 20 and all(r["compile_cached"] for r in again)
+    assert [r["hbm_gib_per_chip"] for r in again] == [r["hbm_gib_per_chip"] for r in rows]
