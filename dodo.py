@@ -25,6 +25,7 @@ from typing import Any
 from doit.exceptions import TaskFailed
 from omegaconf import DictConfig
 
+from mtpipe import preflight as preflight_checks
 from mtpipe import vm, vm_checks
 from mtpipe.errors import ConfigError
 from mtpipe.gcp import Compute, GcpError, external_ip, firewall_body, instance_body
@@ -121,12 +122,14 @@ def _guarded(cfg: DictConfig, root: Path, keep: bool, body: Callable[[], None]) 
 # ---------------------------------------------------------------- actions
 
 
-def ensure_vm(cfg: DictConfig, root: Path, sets: list[str], keep: bool, may_create: bool) -> vm.Remote:
+def ensure_vm(cfg: DictConfig, root: Path, sets: list[str], keep: bool, may_create: bool,
+              preflight: bool = False) -> vm.Remote:
     """The VM `cfg` names, reachable over SSH: reused when it exists, else created.
 
     Before creating anything the checks before spending run (vm_checks.before_spending); a VM that
-    exists only gets the project checks. `may_create` False refuses to replace a VM that
-    .vm_state.json records but Compute no longer has (vm_run without --recreate).
+    exists only gets the project checks. `preflight` then AOT-compiles the TPU branches (after the
+    quick checks: a compile takes minutes the first time). `may_create` False refuses to replace a
+    VM that .vm_state.json records but Compute no longer has (vm_run without --recreate).
     """
     state = vm.read_state(root)
     vm.check_create(cfg)
@@ -144,6 +147,8 @@ def ensure_vm(cfg: DictConfig, root: Path, sets: list[str], keep: bool, may_crea
     if instance is not None:
         print(f"mtpipe: reusing VM {cfg.name} ({instance.status}) in {cfg.zone}", flush=True)
         vm_checks.check_project(cfg, root, sets)
+        if preflight:
+            preflight_checks.run(sets, root, committed=True)
     else:
         if state and not may_create:
             raise vm.VmError(
@@ -152,6 +157,8 @@ def ensure_vm(cfg: DictConfig, root: Path, sets: list[str], keep: bool, may_crea
                 "max_run_duration_s, or someone else did. Rerun with --recreate to create a new one "
                 f"(about {cfg.price_per_hour_usd:.2f} USD per hour), or `doit vm_down` to forget it")
         vm_checks.before_spending(cfg, compute, root, sets)
+        if preflight:
+            preflight_checks.run(sets, root, committed=True)
         run_id = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
         labels = {**cfg.labels, "mtpipe-run": run_id, "created-by": vm.label_value(getpass.getuser())}
         hours = int(cfg.max_run_duration_s) / 3600
@@ -201,12 +208,13 @@ def vm_setup(keep: bool, **params: Any) -> None:
 
 @_task_action
 def vm_run(keep: bool, down: bool, recreate: bool, target: str | None, set: list[str],
-           exp_name: str | None, **params: Any) -> None:
+           exp_name: str | None, no_preflight: bool, **params: Any) -> None:
     root, _, cfg = _target(params)
     vm.check_exp_name(root, exp_name)
     secret_lines, secret_data = vm.secrets_stdin(list(cfg.run.secrets))
     script = vm.run_script(cfg, root, vm.dvc_command(target, set, exp_name), secret_lines, exp_name)
-    remote = ensure_vm(cfg, root, set, keep, may_create=recreate or bool(cfg.recreate))
+    remote = ensure_vm(cfg, root, set, keep, may_create=recreate or bool(cfg.recreate),
+                       preflight=not no_preflight)  # will it fit the TPU? (docs/preflight.md, cached)
 
     def body() -> None:
         vm.setup(remote, cfg, root)
@@ -298,6 +306,8 @@ def task_vm_run() -> dict:
              "help": "`dvc exp run -S VALUE`: --set=steps=2000 (repeatable)"},
             {"name": "exp_name", "long": "exp-name", "type": str, "default": None,
              "help": "the experiment's name (default: one DVC makes up)"},
+            {"name": "no_preflight", "long": "no-preflight", "type": bool, "default": False,
+             "help": "skip the AOT compile that checks the preset fits the TPU (doit preflight)"},
         ],
     }
 
@@ -320,14 +330,10 @@ def task_vm_down() -> dict:
 # ---------------------------------------------------------------- preflight (issue 9)
 
 
-def preflight(set: list[str]) -> TaskFailed | None:
+@_task_action
+def preflight(set: list[str]) -> None:
     """AOT-compile each TPU branch's training step on this CPU; fail when one does not fit."""
-    from mtpipe import preflight as checks  # late: only this task needs it
-    try:
-        checks.run(set, Path(__file__).resolve().parent)
-    except ConfigError as e:
-        return TaskFailed(f"ConfigError: {e}")
-    return None
+    preflight_checks.run(set, vm.repo_root())
 
 
 def task_preflight() -> dict:

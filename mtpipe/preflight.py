@@ -34,11 +34,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from mtpipe import commands
-from mtpipe.config import BRANCH_STAGES, ROOT, compose, load_params
+from mtpipe import commands, overrides
+from mtpipe.config import BRANCH_STAGES, ROOT, compose
 from mtpipe.errors import ConfigError
 from mtpipe.runner import child_env
 
@@ -81,17 +80,6 @@ GIB = 2**30
 
 
 # ---------------------------------------------------------------- parent: config -> compile args
-
-
-def apply_sets(params: DictConfig, sets: list[str]) -> DictConfig:
-    """Apply ``key=value`` overrides to params.yaml as ``dvc exp run -S`` does (values parsed as YAML)."""
-    params = params.copy()
-    for item in sets:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError("--set", f"expected KEY=VALUE, got {item!r}", "write e.g. --set sft.preset=NAME")
-        OmegaConf.update(params, key.strip(), yaml.safe_load(value), force_add=True)
-    return params
 
 
 def topology(cfg: DictConfig) -> str | None:
@@ -291,20 +279,24 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(line, widths)).rstrip() for line in lines)
 
 
-def run(sets: list[str], root: Path = ROOT, branches: tuple[str, ...] = tuple(BRANCH_STAGES)) -> list[dict[str, Any]]:
+def run(sets: list[str], root: Path = ROOT, branches: tuple[str, ...] = tuple(BRANCH_STAGES),
+        committed: bool = False) -> list[dict[str, Any]]:
     """:func:`check`, then raise ConfigError (naming the keys to change) if a branch does not fit."""
-    rows = check(sets, root, branches)
+    rows = check(sets, root, branches, committed)
     for row in rows:
         check_fits(row)
     return rows
 
 
-def check(sets: list[str], root: Path = ROOT, branches: tuple[str, ...] = tuple(BRANCH_STAGES)) -> list[dict[str, Any]]:
+def check(sets: list[str], root: Path = ROOT, branches: tuple[str, ...] = tuple(BRANCH_STAGES),
+          committed: bool = False) -> list[dict[str, Any]]:
     """Preflight the branches of params.yaml (+ ``--set`` overrides, as ``dvc exp run -S``) that target a TPU.
 
-    Prints a table, writes ``work/preflight/<branch>-<preset>.json`` per branch and returns the rows.
+    ``committed``: HEAD's params.yaml (what vm_run ships) instead of the workspace's. Prints a table,
+    writes ``work/preflight/<branch>-<preset>.json`` per branch and returns the rows.
     """
-    params = apply_sets(load_params(root / "params.yaml"), sets)
+    params_yaml = overrides.committed_params(root) if committed else (root / "params.yaml").read_bytes()
+    params = overrides.apply_sets(params_yaml, sets)
     composed = {branch: compose(branch, params) for branch in branches}  # all config errors first
     work = root / "work" / "preflight"
     rows = []

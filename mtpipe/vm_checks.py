@@ -14,8 +14,6 @@ runs. Each failure is a ConfigError naming the key and the fix:
 from __future__ import annotations
 
 import os
-import subprocess
-import tempfile
 import threading
 import uuid
 from collections.abc import Iterable
@@ -23,7 +21,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from mtpipe import config, hub
+from mtpipe import config, hub, overrides
 from mtpipe.errors import ConfigError
 from mtpipe.gcp import Compute
 
@@ -66,32 +64,7 @@ def check_project(cfg: DictConfig, root: Path, sets: list[str]) -> None:
 
 def composed_branches(root: Path, sets: list[str]) -> dict[str, DictConfig]:
     """Every branch composed from HEAD's params.yaml with `sets` applied as `dvc exp run -S` does."""
-    # DVC is imported late here and below: it takes a second, and the other doit tasks do not need it.
-    from dvc.exceptions import InvalidArgumentError
-    from dvc.utils.cli_parse import to_path_overrides
-    from dvc.utils.hydra import apply_overrides
-
-    shown = subprocess.run(["git", "show", "HEAD:params.yaml"], cwd=root, capture_output=True)
-    if shown.returncode != 0:
-        raise ConfigError("params.yaml", "is not committed (vm_run ships HEAD)",
-                          "commit params.yaml (restore it from the project if it is gone)")
-    overrides = to_path_overrides(sets)
-    others = sorted(set(overrides) - {"params.yaml"})
-    if others:
-        raise ConfigError("--set", f"sets values in {others}; only params.yaml feeds the pipeline",
-                          "write --set=KEY=VALUE (params.yaml is the default file)")
-    with tempfile.TemporaryDirectory() as tmp:
-        params_file = Path(tmp) / "params.yaml"
-        params_file.write_bytes(shown.stdout)
-        if overrides:
-            try:
-                apply_overrides(str(params_file), overrides["params.yaml"])
-            except InvalidArgumentError as err:   # what `dvc exp run -S` would fail with on the VM
-                why = str(err.__cause__ or err).splitlines()[0]
-                raise ConfigError("--set", f"{' '.join(sets)}: {why}",
-                                  "write KEY=VALUE with a key of params.yaml, +KEY=VALUE for one it "
-                                  "lacks (Hydra's override grammar, as `dvc exp run -S`)") from err
-        params = config.load_params(params_file)
+    params = overrides.apply_sets(overrides.committed_params(root), sets)
     return {branch: config.compose(branch, params) for branch in config.BRANCH_STAGES}
 
 

@@ -13,14 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from mtpipe import commands, preflight
-from mtpipe.config import ROOT, compose, load_params
+from mtpipe import commands, overrides, preflight
+from mtpipe.config import ROOT, compose
 from mtpipe.errors import ConfigError
 
 pytestmark = pytest.mark.preflight
 
 ON_V6E = ["sft.hardware=v6e-8", "rl.hardware=v6e-8"]
 REPORT_KEYS = {"hbm_gib_per_chip", "hbm_gib_available", "fits", "flops_per_step", "est_train_s", "est_total_usd"}
+
+
+PARAMS = (ROOT / "params.yaml").read_bytes()
 
 
 @pytest.fixture()
@@ -31,15 +34,15 @@ def root(tmp_path: Path) -> Path:
 
 
 def test_set_overrides_params_like_dvc_exp_run_s() -> None:
-    params = preflight.apply_sets(load_params(), ["sft.preset=gemma3-4b-ultrachat-v6e8", "steps=7",
+    params = overrides.apply_sets(PARAMS, ["sft.preset=gemma3-4b-ultrachat-v6e8", "steps=7",
                                                   "rl.train_rl.num_generations=4"])
     assert (params.sft.preset, params.steps, params.rl.train_rl.num_generations) == ("gemma3-4b-ultrachat-v6e8", 7, 4)
     with pytest.raises(ConfigError, match="--set"):
-        preflight.apply_sets(load_params(), ["steps"])
+        overrides.apply_sets(PARAMS, ["steps"])
 
 
 def test_compile_args_are_the_stage_args_without_paths() -> None:
-    cfg = compose("sft", preflight.apply_sets(load_params(), ["sft.preset=gemma3-4b-ultrachat-v6e8"]))
+    cfg = compose("sft", overrides.apply_sets(PARAMS, ["sft.preset=gemma3-4b-ultrachat-v6e8"]))
     cmd = preflight.stage_command(cfg)
     args = preflight.compile_args(cmd, preflight.topology(cfg))
     assert cmd.module == commands.TRAIN_SFT
@@ -48,7 +51,7 @@ def test_compile_args_are_the_stage_args_without_paths() -> None:
     assert not any(preflight.PLACEHOLDER in a or a.startswith(("load_parameters_path=", "tokenizer_path="))
                    for a in args)
     # a --set the stage would see changes the compile, so the cache digest changes too
-    bigger = compose("sft", preflight.apply_sets(load_params(), ["sft.preset=gemma3-4b-ultrachat-v6e8",
+    bigger = compose("sft", overrides.apply_sets(PARAMS, ["sft.preset=gemma3-4b-ultrachat-v6e8",
                                                                   "sft.train_sft.per_device_batch_size=2"]))
     bigger_args = preflight.compile_args(preflight.stage_command(bigger), "v6e-8")
     assert "per_device_batch_size=2" in bigger_args
@@ -70,7 +73,7 @@ def _compiled(argument_gib: float, temp_gib: float) -> dict:
 
 
 def test_a_step_too_large_for_hbm_names_the_keys_to_change() -> None:
-    cfg = compose("sft", preflight.apply_sets(load_params(), ["sft.preset=gemma3-4b-ultrachat-v6e8"]))
+    cfg = compose("sft", overrides.apply_sets(PARAMS, ["sft.preset=gemma3-4b-ultrachat-v6e8"]))
     chip, chips = preflight.chip_of("v6e-8", "sft", "v6e-8")
     fits = preflight.report(cfg, "p", _compiled(5.4, 4.5), chip, chips, usd_per_hour=21.6)
     preflight.check_fits(fits)

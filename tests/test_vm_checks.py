@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -23,7 +24,7 @@ from fake_compute import FakeCompute, Reservation, running_fake
 from gcs_emulator import GCS_TEST_ENV, GcsEmulator, gcs_emulator  # noqa: F401 (a fixture)
 from hf_server import HubServer
 
-from mtpipe import gcp, vm, vm_checks
+from mtpipe import gcp, preflight, vm, vm_checks
 from mtpipe.config import load_yaml
 from mtpipe.errors import ConfigError
 
@@ -235,3 +236,29 @@ def test_writable_remote_passes_and_leaves_nothing(world: World) -> None:
 def test_check_project_errors_are_config_errors(world: World) -> None:
     with pytest.raises(ConfigError, match=r"^--set: steps=\[unclosed: no viable alternative"):
         vm_checks.composed_branches(world.repo, ["steps=[unclosed"])
+
+
+@pytest.mark.preflight
+def test_preset_that_does_not_fit_creates_nothing(world: World, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """vm_run runs preflight after the quick checks: a step too large for the chips' HBM stops it.
+
+    The compile result comes from preflight's own cache, planted under the digest of the exact
+    arguments (a real full-size compile takes 10+ minutes: benchmarks/preflight_full.py)."""
+    sets = ["sft.preset=gemma3-4b-ultrachat-v6e8", "sft.train_sft.per_device_batch_size=64"]
+    with HubServer(tmp_path / "hub") as hub:
+        _hub_with_tutorial_repos(hub.root, hub)
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_TOKEN", hub.gated["google/gemma-3-4b-it"])
+        cmd = preflight.stage_command(vm_checks.composed_branches(world.repo, sets)["sft"])
+        args = preflight.compile_args(cmd, "v6e-8")
+        cache = world.repo / "work" / "preflight" / f"{preflight.compile_digest(cmd.module, args)}.json"
+        cache.parent.mkdir(parents=True)
+        cache.write_text(json.dumps({
+            "param_count": 4_300_000_000, "param_bytes": 8_600_000_000, "tflops_per_device": 6000.0,
+            "config": {"steps": 1000}, "memory": {"argument_size_in_bytes": 6 * 2**30,
+                                                  "temp_size_in_bytes": 300 * 2**30,
+                                                  "generated_code_size_in_bytes": 0}}))
+        out = world.doit("vm_run", *(f"--set={s}" for s in sets))
+    assert "sft.train_sft.per_device_batch_size: preset gemma3-4b-ultrachat-v6e8 needs" in out, out
+    world.nothing_created()
