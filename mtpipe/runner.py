@@ -1,8 +1,9 @@
 """Run a MaxText command in a child process: full log to a file, progress to the console.
 
 The console shows one line per training step that MaxText reports (step, loss, tokens/s, ETA) and
-the tail of the log if the command fails. Secrets stay in the environment: the command line and the
-log never contain them (``HF_TOKEN`` is only inherited, never added to argv).
+the tail of the log if the command fails. The child never gets a Hub token (``HF_TOKEN``): only
+hf_download needs one, and MaxText would write it into its tensorboard config dump
+(docs/secrets.md). Values of the variables in ``REDACTED_ENV`` are masked in the log.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import time
 from pathlib import Path
 
 from mtpipe.commands import MaxTextCommand
+from mtpipe.stage import HUB_TOKEN_ENV
 
 STEP_LINE = re.compile(r"completed step: (?P<step>\d+), seconds: (?P<sec>[\d.]+)"
                        r"(?:.*?Tokens/s/device: (?P<tps>[\d.]+))?.*?loss: (?P<loss>[\d.naif-]+)")
-SECRET_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "GOOGLE_APPLICATION_CREDENTIALS")
+REDACTED_ENV = (*HUB_TOKEN_ENV, "GOOGLE_APPLICATION_CREDENTIALS")
 
 
 class MaxTextFailed(RuntimeError):
@@ -28,18 +30,19 @@ class MaxTextFailed(RuntimeError):
 
 
 def child_env(extra: dict[str, str]) -> dict[str, str]:
-    """The parent's environment plus the command's (``@hostname`` becomes this host's name)."""
-    env = dict(os.environ)
+    """The parent's environment without Hub tokens, plus the command's (``@hostname`` becomes this
+    host's name)."""
+    env = {name: value for name, value in os.environ.items() if name not in HUB_TOKEN_ENV}
     for key, value in extra.items():
         env[key] = socket.gethostname() if value == "@hostname" else str(value)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
 
-def redact(text: str, env: dict[str, str]) -> str:
-    """Replace the value of every secret environment variable in ``text``."""
-    for key in SECRET_ENV:
-        value = env.get(key)
+def redact(text: str) -> str:
+    """Replace in ``text`` the value this process's environment holds for each of ``REDACTED_ENV``."""
+    for key in REDACTED_ENV:
+        value = os.environ.get(key)
         if value and len(value) >= 4:
             text = text.replace(value, f"<{key}>")
     return text
@@ -70,16 +73,16 @@ def run(cmd: MaxTextCommand, log_path: Path, total_steps: int | None = None) -> 
         sys.exit(0)
     env = child_env(cmd.env)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    print(f"$ {redact(cmd.as_tutorial(), env)}", flush=True)
+    print(f"$ {redact(cmd.as_tutorial())}", flush=True)
     start, first_step = time.monotonic(), None
     tail: list[str] = []
     with open(log_path, "a", encoding="utf8") as log:
-        log.write(f"$ {redact(cmd.as_tutorial(), env)}\n# launched as: python -m {cmd.launcher} {cmd.module} ...\n")
+        log.write(f"$ {redact(cmd.as_tutorial())}\n# launched as: python -m {cmd.launcher} {cmd.module} ...\n")
         proc = subprocess.Popen(cmd.argv(), env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1)
         assert proc.stdout is not None
         for raw in proc.stdout:
-            line = redact(raw, env)
+            line = redact(raw)
             log.write(line)
             tail = (tail + [line])[-40:]
             match = STEP_LINE.search(line)

@@ -29,7 +29,7 @@ WORK = ROOT / "work"                # untracked: MaxText run dirs (resume), logs
 JAX_CACHE = WORK / "jax_cache"
 TIMINGS = WORK / "timings.jsonl"    # stage wall times (not DVC outputs: they differ run to run)
 STAMP = "mtpipe.json"
-# Hugging Face Hub tokens: only hf_download may hold them (docs/decisions.md, "Secrets").
+# Hugging Face Hub tokens: only hf_download may hold them (docs/secrets.md).
 HUB_TOKEN_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 
 

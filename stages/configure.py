@@ -5,19 +5,14 @@ the stages that read it. Bad values stop here, before any download, conversion o
 Run: dvc repro configure   (or: python -m stages.configure)
 """
 
-import sys
-
 from mtpipe.config import load_params, write_resolved
-from mtpipe.errors import ConfigError
+from mtpipe.stage import run_stage
 
 
 def main() -> None:
-    try:
-        for path in write_resolved(load_params()):
-            print(f"  {path.relative_to(path.parents[2])}")
-    except ConfigError as err:
-        sys.exit(f"configure: {err}")
+    for path in write_resolved(load_params()):
+        print(f"  {path.relative_to(path.parents[2])}")
 
 
 if __name__ == "__main__":
-    main()
+    run_stage(main)

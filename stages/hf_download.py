@@ -45,4 +45,4 @@ def main(branch: str) -> None:
 
 
 if __name__ == "__main__":
-    run_stage(main, sys.argv[1])
+    run_stage(main, sys.argv[1], hub_token=True)  # the one stage that holds HF_TOKEN

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from mtpipe import embedded
-from mtpipe.stage import Timer, atomic_dir
+from mtpipe.stage import Timer, atomic_dir, run_stage
 
 
 def main(out: str) -> None:
@@ -21,4 +21,4 @@ def main(out: str) -> None:
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit("usage: python -m stages.make_embedded <output dir, e.g. embedded>")
-    main(sys.argv[1])
+    run_stage(main, sys.argv[1])

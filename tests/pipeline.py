@@ -7,11 +7,16 @@ checkout so that repeated test sessions skip XLA compiles.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import sys
+import sysconfig
+import threading
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,10 +65,11 @@ def git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", *args], cwd=repo, env=env(), capture_output=True, text=True, check=True).stdout
 
 
-def dvc(repo: Path, *args: str, check: bool = True, timeout: float = 1800) -> subprocess.CompletedProcess:
+def dvc(repo: Path, *args: str, check: bool = True, timeout: float = 1800,
+        extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run ``dvc <args>`` in ``repo``; output is captured (stdout + stderr)."""
-    proc = subprocess.run(["dvc", *args], cwd=repo, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(["dvc", *args], cwd=repo, env={**env(), **(extra_env or {})}, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"dvc {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}")
     return proc
@@ -94,3 +100,166 @@ def export_logit_diff(repo: Path, branch: str, maxtext_name: str, tiny: str, n_t
     ref = numpy_forward.logits(repo / f"artifacts/{branch}/hf", ids, match_maxtext=True)
     assert ref.std() > 0.1, "degenerate logits would make the comparison meaningless"
     return float(np.abs(ours - ref).max())
+
+
+# --- Canary runs: the pipeline with a fake HF_TOKEN, on the code path a TPU VM takes (docs/secrets.md) ---
+
+def take_vm_code_path(repo: Path) -> None:
+    """In a test copy: drop DECOUPLE_GCLOUD from the CPU hardware preset, as on the VM (v6e-8 does not
+    set it), so MaxText imports its Google Cloud modules and writes tensorboard (with its config dump)."""
+    preset = repo / "conf" / "hardware" / "cpu.yaml"
+    text = preset.read_text()
+    assert "DECOUPLE_GCLOUD" in text, "the CPU preset no longer sets DECOUPLE_GCLOUD: update this helper"
+    preset.write_text("".join(line for line in text.splitlines(keepends=True) if "DECOUPLE_GCLOUD" not in line))
+    git(repo, "commit", "-qam", "MaxText not decoupled from Google Cloud (the VM's code path)")
+
+
+@dataclass
+class CanaryEnv:
+    """A fake Hub token and the fresh HOME / TMPDIR / DVC site cache a canary run writes to."""
+
+    canary: str
+    home: Path
+    tmpdir: Path
+    dvc_site_cache: Path
+    marker: str = field(default_factory=lambda: "MTPIPE_CANARY_RUN=" + secrets.token_hex(8))
+
+    @classmethod
+    def create(cls, base: Path) -> CanaryEnv:
+        dirs = [base / name for name in ("home", "tmp", "dvc-site-cache")]
+        for d in dirs:
+            d.mkdir(parents=True, exist_ok=True)
+        return cls("hf_canary" + secrets.token_hex(16), *dirs)
+
+    def env(self) -> dict[str, str]:
+        """What a canary run adds to :func:`env`; XDG / HF cache variables point into HOME."""
+        cache = self.home / ".cache"
+        name, value = self.marker.split("=")
+        return {name: value, "HF_TOKEN": self.canary, "HUGGING_FACE_HUB_TOKEN": self.canary, "HOME": str(self.home),
+                "TMPDIR": str(self.tmpdir), "DVC_SITE_CACHE_DIR": str(self.dvc_site_cache),
+                "XDG_CACHE_HOME": str(cache), "XDG_CONFIG_HOME": str(self.home / ".config"),
+                "XDG_DATA_HOME": str(self.home / ".local" / "share"), "HF_HOME": str(cache / "huggingface")}
+
+    def save(self, path: Path, findings: dict) -> None:
+        """Keep the run's facts beside (not inside) the searched directories, for a reusing session."""
+        path.write_text(json.dumps({**{k: str(v) for k, v in asdict(self).items()}, "findings": findings}))
+
+    @classmethod
+    def load(cls, path: Path) -> tuple[CanaryEnv, dict]:
+        """The canary environment and the findings that :meth:`save` kept."""
+        data = json.loads(path.read_text())
+        findings = data.pop("findings")
+        return cls(data.pop("canary"), **{k: Path(v) for k, v in data.items() if k != "marker"},
+                   marker=data["marker"]), findings
+
+    def searched_dirs(self, repo: Path) -> list[Path]:
+        """Every place a run writes to: the repo (work/, .dvc/cache, .git), HOME, TMPDIR, DVC's site
+        cache, and the tensorboard directory decoupled MaxText keeps inside its installation."""
+        maxtext_tb = Path(sysconfig.get_paths()["purelib"]) / "local_tensorboard"  # see max_utils.py
+        return [repo, self.home, self.tmpdir, self.dvc_site_cache, *([maxtext_tb] if maxtext_tb.is_dir() else [])]
+
+    def search(self, repo: Path, watch: ProcessWatch) -> dict:
+        """Findings of a run: the processes that held the canary and the files that hold it."""
+        return {"processes": watch.record(), "files": files_containing(self.canary, self.searched_dirs(repo))}
+
+
+def files_containing(needle: str, roots: list[Path]) -> dict:
+    """``found``: every file under ``roots`` whose raw bytes contain ``needle``; ``files``/``bytes``:
+    how much was searched. Symlinked directories are followed (work/jax_cache is one), each once."""
+    data, found, seen, files, size = needle.encode(), [], set(), 0, 0
+    for root in roots:
+        for folder, dirs, names in os.walk(root, followlinks=True):
+            real = os.path.realpath(folder)
+            if real in seen:
+                dirs.clear()
+                continue
+            seen.add(real)
+            for name in names:
+                path = os.path.join(folder, name)
+                if os.path.isfile(path):
+                    files, size = files + 1, size + os.path.getsize(path)
+                    if _file_contains(path, data):
+                        found.append(path)
+    return {"found": found, "files": files, "bytes": size}
+
+
+def _file_contains(path: str, data: bytes, chunk: int = 1 << 22) -> bool:
+    """Chunked search, overlapping by len(data) so a match across a chunk boundary is found."""
+    with open(path, "rb") as f:
+        tail = b""
+        while block := f.read(chunk):
+            if data in tail + block:
+                return True
+            tail = block[-len(data):]
+    return False
+
+
+@dataclass
+class ProcessSeen:
+    """A process of a canary run that held the canary in its argv or its environment."""
+
+    pid: int
+    ppid: int
+    cmdline: str          # with the canary replaced by <canary>
+    in_argv: bool
+    in_environ: bool
+    has_children: bool
+
+
+@dataclass
+class ProcessWatch:
+    """Samples /proc while a canary run goes on: every process holding ``marker`` (set only in the
+    run's environment, so inherited by all its processes) or the canary, whatever its ancestry.
+
+    ``commands`` collects the command lines of the run's processes (proof that MaxText was sampled);
+    ``holders`` the processes that held the canary, each (pid, argv, environ) state once.
+    """
+
+    canary: str
+    marker: str
+    interval: float = 0.5  # one scan costs ~25 ms of CPU; MaxText processes live 10 s and more
+    commands: set[str] = field(default_factory=set)
+    holders: list[ProcessSeen] = field(default_factory=list)
+
+    def __enter__(self) -> ProcessWatch:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval)
+
+    def sample(self) -> None:
+        canary, marker = self.canary.encode(), self.marker.encode()
+        procs: dict[int, tuple[int, bytes, bytes]] = {}
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = Path(entry.path, "stat").read_text()
+                cmdline = Path(entry.path, "cmdline").read_bytes()
+                environ = Path(entry.path, "environ").read_bytes()
+            except OSError:  # gone, or not ours
+                continue
+            procs[int(entry.name)] = (int(stat.rsplit(")", 1)[1].split()[1]), cmdline, environ)
+        parents = {ppid for ppid, _, _ in procs.values()}
+        for pid, (ppid, cmdline, environ) in procs.items():
+            if marker not in environ and canary not in environ and canary not in cmdline:
+                continue
+            shown = cmdline.replace(b"\0", b" ").decode(errors="replace").replace(self.canary, "<canary>").strip()
+            self.commands.add(shown)
+            if canary in cmdline or canary in environ:
+                seen = ProcessSeen(pid, ppid, shown, canary in cmdline, canary in environ, pid in parents)
+                if seen not in self.holders:
+                    self.holders.append(seen)
+
+    def record(self) -> dict:
+        """What was seen, as JSON data (the canary itself never appears in it)."""
+        return {"commands": sorted(self.commands), "holders": [asdict(h) for h in self.holders]}

@@ -19,16 +19,17 @@ def test_step_line_is_parsed_with_tokens_per_second():
     assert line == "  step 40/150  loss 2.103  tokens/s/device 3908  ETA 0:55"
 
 
-def test_secrets_are_redacted_from_the_log(tmp_path, monkeypatch, capsys):
+def test_the_child_gets_no_token_and_the_log_masks_it(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_TOKEN", "hf_abcdefghijklmnop")
     script = tmp_path / "fake_maxtext.py"
-    script.write_text("import os; print('token', os.environ['HF_TOKEN']); print(%r)" % LINE)
+    script.write_text("import os; print('child has', os.environ.get('HF_TOKEN')); print('echo hf_abcdefghijklmnop');"
+                      " print(%r)" % LINE)
     cmd = MaxTextCommand("fake", [])
     monkeypatch.setattr(MaxTextCommand, "argv", lambda self: [sys.executable, str(script)])
     runner.run(cmd, tmp_path / "log.txt", total_steps=150)
     log, out = (tmp_path / "log.txt").read_text(), capsys.readouterr().out
     assert "hf_abcdefghijklmnop" not in log + out
-    assert "token <HF_TOKEN>" in log
+    assert "child has None" in log and "echo <HF_TOKEN>" in log
     assert "step 40/150  loss 2.103  tokens/s/device 3908" in out
 
 
