@@ -12,7 +12,7 @@ export PATH := $(BIN):$(PATH)
 export GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT := false
 export NO_GCE_CHECK := true
 
-.PHONY: demo test test-fast bench lock lock-vm clean-work
+.PHONY: demo test test-fast bench bench-realsize lock lock-vm clean-work
 
 $(VENV)/.installed: requirements.lock pyproject.toml
 	@test -n "$(PY312)" || { echo "Python 3.12 not found: install it (e.g. 'uv python install 3.12' or 'pyenv install 3.12')" >&2; exit 1; }
@@ -34,6 +34,10 @@ test-fast: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	python benchmarks/bench_dvc.py
+
+# DVC vs plain tools on a gemma-3-4b-sized checkpoint (17.2 GB, needs 3.5 x that free): SIZE=1GiB for a quick run.
+bench-realsize: $(VENV)/.installed
+	python benchmarks/bench_realsize.py --size $(or $(SIZE),full)
 
 lock: $(VENV)/.installed
 	python -m pip freeze --exclude-editable | grep -v '^mtpipe' > requirements.lock

@@ -344,14 +344,19 @@ def stage_overhead_rows(repo: Path, scratch: Path, enabled: bool, only: list[str
 # ----------------------------------------------------------------------------------- output
 
 
+def markdown_table(header: tuple[str, ...], cells: list[tuple[str, ...]]) -> str:
+    """A Markdown table with padded columns."""
+    lines = [header, *cells]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    text = ["| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |" for line in lines]
+    text.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(text)
+
+
 def print_table(rows: list[Row]) -> None:
     header = ("what", "measured", "baseline", "ratio", "goal")
-    cells = [header] + [(r.what, r.measured, r.baseline, f"{r.ratio:.2f}" if r.ratio else "", r.goal) for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
-    for n, line in enumerate(cells):
-        print("| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |")
-        if n == 0:
-            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    print(markdown_table(header, [(r.what, r.measured, r.baseline, f"{r.ratio:.2f}" if r.ratio else "", r.goal)
+                                  for r in rows]))
 
 
 def parse_size(text: str) -> int:
