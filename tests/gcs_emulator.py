@@ -142,7 +142,7 @@ def add_dvc_remote(repo: Path, emulator: GcsEmulator, env: dict[str, str], name:
     """
 
     def dvc(*args: str) -> None:
-        subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, env=env, check=True)
+        subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, env=env, check=True, capture_output=True)
 
     level = ["--local"] if local else []
     dvc("remote", "add", *level, "-d", name, f"gs://{emulator.bucket}/{prefix}")
