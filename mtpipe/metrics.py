@@ -30,19 +30,25 @@ def loss_curve(path: Path) -> list[dict]:
             row = {"step": step, "loss": round(record[LOSS], 5)}
             if EVAL_LOSS in record:
                 row["eval_loss"] = round(record[EVAL_LOSS], 5)
-            if TOKENS_PER_S in record:
-                row["tokens_per_s"] = round(record[TOKENS_PER_S], 1)
             rows.append(row)
     if not rows:
         raise RuntimeError(f"{path} holds no '{LOSS}' values: MaxText did not train")
     return rows
 
 
+def tokens_per_s_median(path: Path) -> float | None:
+    """Median tokens/s per device over the steps after the first (compile) step, if MaxText logged it.
+
+    Speed differs run to run, so it goes to work/timings.jsonl, not into the DVC metrics or plots
+    (a forced rerun with identical inputs must leave dvc.lock as it was)."""
+    tps = sorted(r[TOKENS_PER_S] for r in list(read_steps(path).values())[1:] if TOKENS_PER_S in r)
+    return round(tps[len(tps) // 2], 1) if tps else None
+
+
 def summarize_sft(rows: list[dict]) -> dict:
-    """First/last loss (mean of up to 5 steps at each end), last eval loss, median tokens/s."""
+    """First/last loss (mean of up to 5 steps at each end), first/last eval loss."""
     head, tail = rows[: min(5, len(rows))], rows[-min(5, len(rows)):]
     evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
-    tps = sorted(r["tokens_per_s"] for r in rows[1:] if "tokens_per_s" in r)
     return {
         "steps": rows[-1]["step"],
         "loss_first": rows[0]["loss"],
@@ -50,7 +56,6 @@ def summarize_sft(rows: list[dict]) -> dict:
         "loss_first5_mean": round(sum(r["loss"] for r in head) / len(head), 5),
         "loss_last5_mean": round(sum(r["loss"] for r in tail) / len(tail), 5),
         **({"eval_loss_first": evals[0], "eval_loss_last": evals[-1]} if evals else {}),
-        **({"tokens_per_s_median": tps[len(tps) // 2]} if tps else {}),
     }
 
 

@@ -93,7 +93,7 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 class Timer:
-    """Wall time of a stage, for its metrics (training) or work/timings.jsonl (conversions)."""
+    """Wall time of a stage, recorded in work/timings.jsonl."""
 
     def __init__(self) -> None:
         self.start = time.monotonic()
@@ -101,13 +101,16 @@ class Timer:
     def seconds(self) -> float:
         return round(time.monotonic() - self.start, 1)
 
-    def record(self, branch: str, stage: str) -> None:
-        """Append the wall time to work/timings.jsonl: it differs run to run, so it stays out of the
-        outputs DVC hashes (a reproducible stage's outputs and metrics are the same bytes every run)."""
+    def record(self, branch: str, stage: str, **speed: float | None) -> None:
+        """Append the wall time (and ``speed``, e.g. tokens/s) to work/timings.jsonl and print it.
+
+        They differ run to run, so they stay out of the outputs DVC hashes: a stage rerun on
+        identical inputs writes the same bytes, and dvc.lock does not change."""
+        line = {"stage": f"{stage}@{branch}", "wall_s": self.seconds(), **speed,
+                "at": time.strftime("%Y-%m-%dT%H:%M:%S")}
         TIMINGS.parent.mkdir(parents=True, exist_ok=True)
         with TIMINGS.open("a") as f:
-            f.write(json.dumps({"stage": f"{stage}@{branch}", "wall_s": self.seconds(),
-                                "at": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
+            f.write(json.dumps(line) + "\n")
 
 
 def size_mib(path: Path) -> float:

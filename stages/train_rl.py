@@ -87,11 +87,12 @@ def main() -> None:
     write_csv(ROOT / "plots" / "rl" / "train_rl.csv", curve)
     rewards = [r["reward_mean"] for r in curve if "reward_mean" in r]
     summary = {
-        "steps": final_step, "wall_s": timer.seconds(), "resumed_from_step": resumed_from or 0,
+        "steps": final_step, "resumed_from_step": resumed_from or 0,
         "reward_first": rewards[0], "reward_last": rewards[-1],
         **{f"eval_{when}_{key}": value for when, row in evals.items() for key, value in row.items()},
     }
     write_json(ROOT / "metrics" / "rl" / "train_rl.json", summary)
+    timer.record("rl", "train_rl")
     acc = {w: evals[w]["accuracy"] for w in evals}
     print(f"  reward {rewards[0]:.3f} -> {rewards[-1]:.3f}; eval accuracy before/after: {acc}")
     shutil.rmtree(run_dir)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from mtpipe import commands, gsm8k_chat, runner
 from mtpipe.config import load_stage
-from mtpipe.metrics import loss_curve, summarize_sft, write_csv
+from mtpipe.metrics import loss_curve, summarize_sft, tokens_per_s_median, write_csv
 from mtpipe.stage import (
     JAX_CACHE, ROOT, WORK, artifact, atomic_dir, digest, latest_checkpoint, log_path, require, run_stage, Timer,
     write_json, write_stamp)
@@ -49,7 +49,8 @@ def main(branch: str) -> None:
         with atomic_dir(artifact(branch, OUTPUT[branch])) as out:
             write_stamp(out, "train_sft", digest(cfg), skipped=True)
         write_csv(plot_path, [{"step": 0, "loss": None}])
-        write_json(metrics_path, {"steps": 0, "wall_s": timer.seconds()})
+        write_json(metrics_path, {"steps": 0})
+        timer.record(branch, "train_sft")
         print("  steps: 0, no warm-up")
         return
     converted, dataset, model = artifact(branch, "maxtext"), artifact(branch, "dataset"), artifact(branch, "model")
@@ -78,7 +79,8 @@ def main(branch: str) -> None:
         os.replace(run_dir / "checkpoints" / str(final_step) / "model_params", out / "model_params")
         write_stamp(out, "train_sft", run_digest, run_name=run_name, step=final_step)
     write_csv(plot_path, curve)
-    summary = summarize_sft(curve) | {"wall_s": timer.seconds(), "resumed_from_step": resumed_from or 0}
+    summary = summarize_sft(curve) | {"resumed_from_step": resumed_from or 0}
+    timer.record(branch, "train_sft", tokens_per_s=tokens_per_s_median(metrics_file))
     write_json(metrics_path, summary)
     print(f"  loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f} over {summary['steps']} steps")
     shutil.rmtree(run_dir)

@@ -51,7 +51,7 @@ def test_export_is_a_standard_hf_directory(pipeline_repo):
 def test_dvc_metrics_and_plots_show(pipeline_repo):
     shown = json.loads(dvc(pipeline_repo, "metrics", "show", "--json").stdout)
     flat = json.dumps(shown)
-    assert "loss_last" in flat and "wall_s" in flat
+    assert "loss_last" in flat and "eval_loss_last" in flat
     out = pipeline_repo / "work" / "plots"
     dvc(pipeline_repo, "plots", "show", "--out", str(out))
     html = (out / "index.html").read_text()
