@@ -102,7 +102,7 @@ class Timer:
         return round(time.monotonic() - self.start, 1)
 
     def record(self, branch: str, stage: str, **speed: float | None) -> None:
-        """Append the wall time (and ``speed``, e.g. tokens/s) to work/timings.jsonl and print it.
+        """Append the wall time (and ``speed``, e.g. tokens/s) to work/timings.jsonl.
 
         They differ run to run, so they stay out of the outputs DVC hashes: a stage rerun on
         identical inputs writes the same bytes, and dvc.lock does not change."""
