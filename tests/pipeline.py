@@ -132,10 +132,14 @@ class CanaryEnv:
         return cls("hf_canary" + secrets.token_hex(16), *dirs)
 
     def env(self) -> dict[str, str]:
-        """What a canary run adds to :func:`env`; XDG / HF cache variables point into HOME."""
+        """What a canary run adds to :func:`env`; XDG / HF cache variables point into HOME.
+
+        SHELL=/bin/sh: DVC runs each stage as `$SHELL -c CMD`; dash (Debian's /bin/sh, and what DVC
+        gets where SHELL is unset, as in CI) stays the stage's parent, holding the token, unless the
+        command starts with `exec`, while bash replaces itself and would hide a missing `exec`."""
         cache = self.home / ".cache"
         name, value = self.marker.split("=")
-        return {name: value, "HF_TOKEN": self.canary, "HUGGING_FACE_HUB_TOKEN": self.canary, "HOME": str(self.home),
+        return {name: value, "SHELL": "/bin/sh", "HF_TOKEN": self.canary, "HUGGING_FACE_HUB_TOKEN": self.canary, "HOME": str(self.home),
                 "TMPDIR": str(self.tmpdir), "DVC_SITE_CACHE_DIR": str(self.dvc_site_cache),
                 "XDG_CACHE_HOME": str(cache), "XDG_CONFIG_HOME": str(self.home / ".config"),
                 "XDG_DATA_HOME": str(self.home / ".local" / "share"), "HF_HOME": str(cache / "huggingface")}

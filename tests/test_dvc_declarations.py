@@ -47,7 +47,7 @@ def test_code_deps_are_exactly_the_imported_modules(name):
     stage = STAGES[name]
     script_name = name.split("@")[0]
     script = ROOT / "stages" / f"{script_name}.py"
-    assert f"python -m stages.{script_name}" in stage.cmd
+    assert stage.cmd.startswith(f"exec python -m stages.{script_name}")  # exec: see docs/secrets.md
     expected = {f"stages/{script_name}.py"} | project_modules(script)
     if script_name in MAXTEXT_STAGES:  # the child process: python -m mtpipe.launch ...
         expected |= project_modules(ROOT / "mtpipe" / "launch.py") | {"mtpipe/launch.py"}
