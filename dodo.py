@@ -1,10 +1,13 @@
 """doit tasks around the DVC pipeline: create, set up, use and delete the TPU v6e-8 VM.
 
     doit vm_up [--project P --zone Z --reservation R --name N]   (or env PROJECT/ZONE/RESERVATION/NAME)
+               [--provisioning reservation|spot|on-demand]
     doit vm_run [--set=steps=2000 ...] [--exp-name NAME] [--target STAGE] [--keep] [--down] [--recreate]
+                [--queue --set=steps=500 --set=steps=1000 ...] [--provisioning spot]
     doit vm_setup        doit vm_status       doit vm_shell        doit vm_down
 
-vm_run creates and sets up the VM itself when needed; each run is a DVC experiment (`dvc exp show`).
+vm_run creates and sets up the VM itself when needed; each run is a DVC experiment (`dvc exp show`);
+a VM lost during the run (Spot preemption) is replaced up to `max_recoveries` times.
 
 Configuration: conf/vm.yaml; what vm_up created: .vm_state.json; docs/tpu-vm.md explains it all.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import getpass
+import itertools
 import signal
 import subprocess
 import tempfile
@@ -23,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from doit.exceptions import TaskFailed
+from google.cloud import compute_v1
 from omegaconf import DictConfig
 
 from mtpipe import preflight as preflight_checks
@@ -40,6 +45,9 @@ TARGET_PARAMS = [
 ]
 KEEP = {"name": "keep", "long": "keep", "type": bool, "default": False,
         "help": "keep the VM when this task fails or is interrupted"}
+PROVISIONING = {"name": "provisioning", "long": "provisioning", "type": str, "default": None,
+                "help": "reservation | spot | on-demand (else conf/vm.yaml's provisioning; vm_run: "
+                        "the recorded VM's)"}
 
 
 def _task_action(fn: Callable[..., None]) -> Callable[..., TaskFailed | None]:
@@ -81,6 +89,13 @@ def _remote(cfg: DictConfig, state: dict) -> vm.Remote:
     return vm.Remote.from_config(cfg, ip or cfg.name, host_key)
 
 
+def spend_line(state: dict) -> str:
+    """What the VMs of this run (the one recorded, and those it replaced) cost so far."""
+    count, hours, usd = vm.spend(state)
+    replaced = f", {count - 1} of them replaced after being lost" if count > 1 else ""
+    return f"this run's VMs: {count}{replaced}; {hours:.2f} h in all, about {usd:.2f} USD"
+
+
 def delete_all(cfg: DictConfig, root: Path) -> None:
     """Delete the VM and its firewall rule (each may already be gone); forget the state."""
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not stop this
@@ -91,13 +106,18 @@ def delete_all(cfg: DictConfig, root: Path) -> None:
         gone = compute.delete_firewall(cfg.firewall.name)
         print(f"mtpipe: firewall rule {cfg.firewall.name}: {'deleted' if gone else 'already gone'}",
               flush=True)
+        state = vm.read_state(root)
+        if state.get("vms") and state.get("name") == cfg.name:
+            vm.vm_ended(state, "deleted")
+            print(f"mtpipe: {spend_line(state)}", flush=True)
         vm.clear_state(root)
     finally:
         signal.signal(signal.SIGINT, previous)
 
 
 def _guarded(cfg: DictConfig, root: Path, keep: bool, body: Callable[[], None]) -> None:
-    """Run body; on any failure, Ctrl-C or SIGTERM/SIGHUP delete the VM unless --keep."""
+    """Run body; on any failure, Ctrl-C or SIGTERM/SIGHUP delete the VM unless --keep (a VM lost
+    more often than max_recoveries is deleted anyway: a preempted VM cannot be restarted)."""
 
     def interrupt(signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
@@ -105,13 +125,13 @@ def _guarded(cfg: DictConfig, root: Path, keep: bool, body: Callable[[], None]) 
     previous = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         body()
-    except BaseException:
-        if keep:
+    except BaseException as e:
+        if keep and not isinstance(e, vm.VmLost):
             print(f"mtpipe: failed; VM {cfg.name} kept (--keep): `doit vm_down` deletes it",
                   flush=True)
         else:
-            print(f"mtpipe: failed or interrupted; deleting VM {cfg.name} (use --keep to keep it)",
-                  flush=True)
+            why = "a lost VM cannot be restarted" if keep else "use --keep to keep it"
+            print(f"mtpipe: failed or interrupted; deleting VM {cfg.name} ({why})", flush=True)
             delete_all(cfg, root)
         raise
     finally:
@@ -122,14 +142,15 @@ def _guarded(cfg: DictConfig, root: Path, keep: bool, body: Callable[[], None]) 
 # ---------------------------------------------------------------- actions
 
 
-def ensure_vm(cfg: DictConfig, root: Path, sets: list[str], keep: bool, may_create: bool,
-              preflight: bool = False) -> vm.Remote:
+def ensure_vm(cfg: DictConfig, root: Path, experiments: list[list[str]], keep: bool,
+              may_create: bool, preflight: bool = False) -> vm.Remote:
     """The VM `cfg` names, reachable over SSH: reused when it exists, else created.
 
-    Before creating anything the checks before spending run (vm_checks.before_spending); a VM that
-    exists only gets the project checks. `preflight` then AOT-compiles the TPU branches (after the
-    quick checks: a compile takes minutes the first time). `may_create` False refuses to replace a
-    VM that .vm_state.json records but Compute no longer has (vm_run without --recreate).
+    Before creating anything the checks before spending run (vm_checks.before_spending) for the
+    `--set` values of every experiment; a VM that exists only gets the project checks. `preflight`
+    then AOT-compiles the TPU branches (after the quick checks: a compile takes minutes the first
+    time). `may_create` False refuses to replace a VM that .vm_state.json records but Compute no
+    longer has (vm_run without --recreate).
     """
     state = vm.read_state(root)
     vm.check_create(cfg)
@@ -141,41 +162,57 @@ def ensure_vm(cfg: DictConfig, root: Path, sets: list[str], keep: bool, may_crea
                               f"{state['project']}/{state['zone']}",
                               "delete it first with `doit vm_down`, or use its name/zone/project")
         state = {}
-    public_key = vm.ssh_public_key(cfg)
     instance = compute.get_instance(cfg.name)
     created = instance is None
     if instance is not None:
         print(f"mtpipe: reusing VM {cfg.name} ({instance.status}) in {cfg.zone}", flush=True)
-        vm_checks.check_project(cfg, root, sets)
-        if preflight:
-            preflight_checks.run(sets, root, committed=True)
+        vm_checks.check_project(cfg, root, experiments)
+        if not state.get("vms"):   # created elsewhere: its cost counts from its creation
+            vm.vm_started(state, cfg, instance.creation_timestamp)
     else:
         if state and not may_create:
             raise vm.VmError(
                 f"VM {cfg.name}, recorded in {vm.STATE_FILE} (created {state.get('created')}), no "
                 f"longer exists in {cfg.project}/{cfg.zone}: Compute deleted it after "
                 "max_run_duration_s, or someone else did. Rerun with --recreate to create a new one "
-                f"(about {cfg.price_per_hour_usd:.2f} USD per hour), or `doit vm_down` to forget it")
-        vm_checks.before_spending(cfg, compute, root, sets)
-        if preflight:
+                f"(about {vm.price_per_hour(cfg):.2f} USD per hour), or `doit vm_down` to forget it")
+        vm_checks.before_spending(cfg, compute, root, experiments)
+    if preflight:
+        for sets in experiments:
             preflight_checks.run(sets, root, committed=True)
-        run_id = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-        labels = {**cfg.labels, "mtpipe-run": run_id, "created-by": vm.label_value(getpass.getuser())}
-        hours = int(cfg.max_run_duration_s) / 3600
-        print(f"mtpipe: creating {cfg.machine_type} VM {cfg.name} in {cfg.zone}: about "
-              f"{cfg.price_per_hour_usd:.2f} USD per hour while it exists; "
-              + (f"Compute deletes it after {hours:g} h (at most "
-                 f"{hours * cfg.price_per_hour_usd:.2f} USD)." if hours else
-                 "NO time limit (max_run_duration_s: 0): `doit vm_down` when done."), flush=True)
-        compute.create_firewall(firewall_body(cfg, cfg.name, cfg.firewall.name))
-        try:
-            instance = compute.create_instance(instance_body(cfg, cfg.name, public_key, labels))
-        except BaseException:
-            compute.delete_firewall(cfg.firewall.name)
-            raise
+    if created:
         state = {}
+        instance = create_vm(cfg, compute, state)
+    return connect(cfg, root, state, instance, created, keep)
+
+
+def create_vm(cfg: DictConfig, compute: Compute, state: dict) -> compute_v1.Instance:
+    """Create the firewall rule (409: it exists) and the VM, print the price, add it to the ledger."""
+    public_key = vm.ssh_public_key(cfg)
+    run_id = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    labels = {**cfg.labels, "mtpipe-run": run_id, "created-by": vm.label_value(getpass.getuser())}
+    usd, hours = vm.price_per_hour(cfg), int(cfg.max_run_duration_s) / 3600
+    print(f"mtpipe: creating {cfg.machine_type} VM {cfg.name} ({cfg.provisioning}) in {cfg.zone}: "
+          f"about {usd:.2f} USD per hour while it exists; "
+          + (f"Compute deletes it after {hours:g} h (at most {hours * usd:.2f} USD)." if hours else
+             "NO time limit (max_run_duration_s: 0): `doit vm_down` when done."), flush=True)
+    compute.create_firewall(firewall_body(cfg, cfg.name, cfg.firewall.name))
+    try:
+        instance = compute.create_instance(instance_body(cfg, cfg.name, public_key, labels))
+    except BaseException:
+        compute.delete_firewall(cfg.firewall.name)
+        raise
+    vm.vm_started(state, cfg, instance.creation_timestamp)
+    return instance
+
+
+def connect(cfg: DictConfig, root: Path, state: dict, instance: compute_v1.Instance,
+            created: bool, keep: bool) -> vm.Remote:
+    """Record the VM in the state file, wait until its sshd takes our key (pinning its host key)."""
+    if created:
+        state.pop("host_key", None)   # a new VM, a new host key
     state.update(project=cfg.project, zone=cfg.zone, name=cfg.name, firewall=cfg.firewall.name,
-                 created=instance.creation_timestamp, price_per_hour_usd=cfg.price_per_hour_usd,
+                 created=instance.creation_timestamp, provisioning=cfg.provisioning,
                  max_run_duration_s=int(cfg.max_run_duration_s))
     vm.write_state(root, state)
     remote = _remote(cfg, state)
@@ -193,10 +230,71 @@ def ensure_vm(cfg: DictConfig, root: Path, sets: list[str], keep: bool, may_crea
     return remote
 
 
+def lost(cfg: DictConfig, root: Path) -> str | None:
+    """Why the VM can no longer run the pipeline (preempted, stopped, gone), or None while it is
+    RUNNING: then a failed command is the pipeline's failure, not the VM's.
+
+    Raises VmError when the VM must not be replaced: `doit vm_down` deleted it (the state file no
+    longer records it), or it reached max_run_duration_s (the spending limit).
+    """
+    instance = _compute(cfg).get_instance(cfg.name)
+    if instance is not None and instance.status == "RUNNING":
+        return None
+    state = vm.read_state(root)
+    if state.get("name") != cfg.name:
+        raise vm.VmError(f"VM {cfg.name} was deleted during the run (`doit vm_down`?): not replaced")
+    limit = int(cfg.max_run_duration_s)
+    age = (datetime.now(timezone.utc) - datetime.fromisoformat(state["created"])).total_seconds()
+    if instance is None and limit and age >= limit:
+        raise vm.VmError(f"VM {cfg.name} reached max_run_duration_s ({limit} s) and Compute "
+                         "deleted it: raise max_run_duration_s in conf/vm.yaml (0: no limit) for "
+                         "longer runs")
+    spot = cfg.provisioning == "spot"
+    if instance is None:
+        why = "was preempted and deleted by Compute" if spot else "was deleted by someone else"
+    else:
+        why = f"was {'preempted' if spot else 'stopped by Compute'} (status {instance.status})"
+    vm.vm_ended(state, why)
+    vm.write_state(root, state)
+    return why
+
+
+def replace_vm(cfg: DictConfig, root: Path, keep: bool) -> vm.Remote:
+    """Delete the lost VM (a preempted Spot VM cannot be restarted) and create a new one."""
+    compute = _compute(cfg)
+    compute.delete_instance(cfg.name)
+    state = vm.read_state(root)
+    return connect(cfg, root, state, create_vm(cfg, compute, state), created=True, keep=keep)
+
+
+def with_recovery(cfg: DictConfig, root: Path, keep: bool, remote: vm.Remote,
+                  attempt: Callable[[vm.Remote], None]) -> None:
+    """Run `attempt` on the VM; when it fails because the VM was lost, replace the VM and run it
+    again, at most `max_recoveries` times (a managed job: the pipeline resumes from the bucket)."""
+    limit = int(cfg.max_recoveries)
+    for recovery in itertools.count(1):
+        try:
+            attempt(remote)
+            return
+        except vm.VmError as e:
+            why = lost(cfg, root)
+            if why is None:
+                raise
+            if recovery > limit:
+                raise vm.VmLost(f"VM {cfg.name} {why} ({e}); it was replaced {limit} times "
+                                f"already (max_recoveries: {limit}), so vm_run gives up and deletes "
+                                "it. Rerun later, raise max_recoveries in conf/vm.yaml, or use "
+                                "--provisioning=reservation or on-demand") from e
+            print(f"mtpipe: recovery {recovery} of {limit}: VM {cfg.name} {why} ({e}); deleting "
+                  f"it and creating a new {cfg.provisioning} VM, then setup and the pipeline again",
+                  flush=True)
+            remote = replace_vm(cfg, root, keep)
+
+
 @_task_action
 def vm_up(keep: bool, **params: Any) -> None:
     root = vm.repo_root()
-    ensure_vm(vm.load_config(params), root, [], keep, may_create=True)
+    ensure_vm(vm.load_config(params), root, [[]], keep, may_create=True)
 
 
 @_task_action
@@ -208,30 +306,45 @@ def vm_setup(keep: bool, **params: Any) -> None:
 
 @_task_action
 def vm_run(keep: bool, down: bool, recreate: bool, target: str | None, set: list[str],
-           exp_name: str | None, no_preflight: bool, **params: Any) -> None:
+           exp_name: str | None, queue: bool, no_preflight: bool, **params: Any) -> None:
     root, _, cfg = _target(params)
-    vm.check_exp_name(root, exp_name)
+    experiments = vm.experiments(set, queue)
+    names = vm.experiment_names(exp_name, len(experiments))
+    for name in names:
+        vm.check_exp_name(root, name)
     secret_lines, secret_data = vm.secrets_stdin(list(cfg.run.secrets))
-    script = vm.run_script(cfg, root, vm.dvc_command(target, set, exp_name), secret_lines, exp_name)
-    remote = ensure_vm(cfg, root, set, keep, may_create=recreate or bool(cfg.recreate),
+    scripts = [vm.run_script(cfg, root, vm.dvc_command(target, sets, name), secret_lines, name)
+               for sets, name in zip(experiments, names)]
+    remote = ensure_vm(cfg, root, experiments, keep, may_create=recreate or bool(cfg.recreate),
                        preflight=not no_preflight)  # will it fit the TPU? (docs/preflight.md, cached)
+    todo = list(zip(experiments, scripts))   # a replacement VM runs only what is left
 
-    def body() -> None:
+    def attempt(remote: vm.Remote) -> None:
         vm.setup(remote, cfg, root)
         commit = vm.ship(remote, root, cfg.run.remote_dir)
         print(f"mtpipe: shipped {commit[:12]}; running the pipeline on {cfg.name}", flush=True)
-        vm.check(remote, script, "the pipeline", stdin=secret_data)
-        names = vm.fetch_experiments(remote, root, cfg.run.remote_dir, commit)
-        if names:
-            print(f"mtpipe: experiment {', '.join(names)} (baseline {commit[:7]}) is now in this "
-                  "repository: `dvc exp show` lists it, `dvc exp apply NAME && dvc pull` brings it "
-                  "into the workspace", flush=True)
-        else:
-            print("mtpipe: the run made no DVC experiment (run.command without {dvc}?)", flush=True)
+        while todo:
+            sets, script = todo[0]
+            if len(scripts) > 1:
+                print(f"mtpipe: experiment {len(scripts) - len(todo) + 1} of {len(scripts)}: "
+                      f"{' '.join(sets)}", flush=True)
+            vm.check(remote, script, "the pipeline", stdin=secret_data)
+            got = vm.fetch_experiments(remote, root, cfg.run.remote_dir, commit)
+            todo.pop(0)
+            if got:
+                print(f"mtpipe: experiment {', '.join(got)} (baseline {commit[:7]}) is now in this "
+                      "repository: `dvc exp show` lists it, `dvc exp apply NAME && dvc pull` brings "
+                      "it into the workspace", flush=True)
+            else:
+                print("mtpipe: the run made no DVC experiment (run.command without {dvc}?)",
+                      flush=True)
 
-    _guarded(cfg, root, keep, body)
+    _guarded(cfg, root, keep, lambda: with_recovery(cfg, root, keep, remote, attempt))
     if down:
         delete_all(cfg, root)
+    else:
+        print(f"mtpipe: {spend_line(vm.read_state(root))}; VM {cfg.name} keeps running: "
+              "`doit vm_down` deletes it", flush=True)
 
 
 @_task_action
@@ -249,22 +362,30 @@ def vm_status(**params: Any) -> None:
     compute = _compute(cfg)
     instance = compute.get_instance(cfg.name)
     rule = compute.get_firewall(cfg.firewall.name)
+    recorded = state if state.get("name") == cfg.name else {}
     print(f"firewall rule {cfg.firewall.name}: {'exists' if rule else 'none'}")
     if instance is None:
         print(f"VM {cfg.name} in {cfg.project}/{cfg.zone}: none")
-        return
-    since = datetime.fromisoformat(instance.creation_timestamp)
-    hours = (datetime.now(timezone.utc) - since).total_seconds() / 3600
-    print(f"VM {cfg.name} in {cfg.project}/{cfg.zone}: {instance.status}, "
-          f"{instance.machine_type.rsplit('/', 1)[-1]}, external IP {external_ip(instance)}")
-    print(f"  since {since.isoformat()} ({hours:.2f} h): about "
-          f"{hours * cfg.price_per_hour_usd:.2f} USD so far at {cfg.price_per_hour_usd:.2f} USD/h")
-    limit = instance.scheduling.max_run_duration.seconds
-    if limit:
-        print(f"  Compute deletes it at {since.timestamp() + limit:.0f} "
-              f"({time.strftime('%Y-%m-%d %H:%M %Z', time.localtime(since.timestamp() + limit))})")
-    if state.get("name") != cfg.name:
-        print("  (not recorded in .vm_state.json: created elsewhere)")
+    else:
+        since = datetime.fromisoformat(instance.creation_timestamp)
+        hours = (datetime.now(timezone.utc) - since).total_seconds() / 3600
+        usd = recorded["vms"][-1]["usd_per_hour"] if recorded.get("vms") else vm.price_per_hour(cfg)
+        print(f"VM {cfg.name} in {cfg.project}/{cfg.zone}: {instance.status}, "
+              f"{instance.machine_type.rsplit('/', 1)[-1]}, {instance.scheduling.provisioning_model}, "
+              f"external IP {external_ip(instance)}")
+        print(f"  since {since.isoformat()} ({hours:.2f} h): about {hours * usd:.2f} USD so far at "
+              f"{usd:.2f} USD/h")
+        limit = instance.scheduling.max_run_duration.seconds
+        if limit:
+            print(f"  Compute deletes it at "
+                  f"{time.strftime('%Y-%m-%d %H:%M %Z', time.localtime(since.timestamp() + limit))}")
+        if not recorded:
+            print("  (not recorded in .vm_state.json: created elsewhere)")
+    for entry in recorded.get("vms", [])[:-1]:
+        print(f"  replaced: {entry['name']} ({entry['provisioning']}) {entry['created']} .. "
+              f"{entry['ended']}: {entry['why']}")
+    if recorded.get("vms"):
+        print(f"  {spend_line(recorded)}")
 
 
 @_task_action
@@ -282,7 +403,7 @@ def vm_shell(**params: Any) -> None:
 
 def task_vm_up() -> dict:
     """Check, then create the TPU v6e-8 VM + SSH firewall rule (reuses an existing one); prints the cost."""
-    return {"actions": [vm_up], "params": TARGET_PARAMS + [KEEP]}
+    return {"actions": [vm_up], "params": TARGET_PARAMS + [PROVISIONING, KEEP]}
 
 
 def task_vm_setup() -> dict:
@@ -295,6 +416,7 @@ def task_vm_run() -> dict:
     return {
         "actions": [vm_run],
         "params": TARGET_PARAMS + [
+            PROVISIONING,
             KEEP,
             {"name": "down", "long": "down", "type": bool, "default": False,
              "help": "delete the VM after a successful run too"},
@@ -305,7 +427,11 @@ def task_vm_run() -> dict:
             {"name": "set", "long": "set", "type": list, "default": [],
              "help": "`dvc exp run -S VALUE`: --set=steps=2000 (repeatable)"},
             {"name": "exp_name", "long": "exp-name", "type": str, "default": None,
-             "help": "the experiment's name (default: one DVC makes up)"},
+             "help": "the experiment's name (default: one DVC makes up); NAME-1, NAME-2, ... "
+                     "with --queue"},
+            {"name": "queue", "long": "queue", "type": bool, "default": False,
+             "help": "one experiment per value of a --set key given several times (a grid for "
+                     "several such keys), run one after another on one VM"},
             {"name": "no_preflight", "long": "no-preflight", "type": bool, "default": False,
              "help": "skip the AOT compile that checks the preset fits the TPU (doit preflight)"},
         ],
@@ -313,7 +439,7 @@ def task_vm_run() -> dict:
 
 
 def task_vm_status() -> dict:
-    """Show the VM and firewall rule, how long the VM has existed and its cost so far."""
+    """Show the VM and firewall rule, how long the VM has existed and the run's cost so far."""
     return {"actions": [vm_status], "params": TARGET_PARAMS}
 
 

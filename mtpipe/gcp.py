@@ -68,17 +68,35 @@ def client_kwargs() -> dict[str, Any]:
     return kwargs
 
 
-def instance_body(cfg: Any, name: str, ssh_public_key: str, labels: dict[str, str]) -> dict:
-    """The instances.insert body: the tutorial's `gcloud compute instances create` flags + safety."""
-    scheduling: dict[str, Any] = {
-        "provisioning_model": "RESERVATION_BOUND",   # --provisioning-model
-        "instance_termination_action": "DELETE",     # --instance-termination-action
-        "on_host_maintenance": "TERMINATE",          # --maintenance-policy
+def scheduling(cfg: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The `scheduling` and `reservation_affinity` fields for `cfg.provisioning`.
+
+    reservation: the tutorial's RESERVATION_BOUND VM in the named reservation; spot: a Spot VM
+    (`--provisioning-model=SPOT`), which Compute deletes when it preempts it (a preempted Spot VM
+    cannot be restarted, only deleted and recreated); on-demand: a STANDARD VM. Every mode
+    terminates on host maintenance and never restarts by itself; `maxRunDuration` deletes the VM.
+    """
+    model = {"reservation": "RESERVATION_BOUND", "spot": "SPOT", "on-demand": "STANDARD"}
+    fields: dict[str, Any] = {
+        "provisioning_model": model[cfg.provisioning],   # --provisioning-model
+        "on_host_maintenance": "TERMINATE",              # --maintenance-policy
         "automatic_restart": False,
     }
+    if cfg.provisioning != "on-demand" or cfg.max_run_duration_s:
+        fields["instance_termination_action"] = "DELETE"  # --instance-termination-action
     if cfg.max_run_duration_s:
-        scheduling["max_run_duration"] = {"seconds": int(cfg.max_run_duration_s)}
-    return {
+        fields["max_run_duration"] = {"seconds": int(cfg.max_run_duration_s)}
+    affinity = None
+    if cfg.provisioning == "reservation":               # --reservation-affinity=specific
+        affinity = {"consume_reservation_type": "SPECIFIC_RESERVATION",
+                    "key": "compute.googleapis.com/reservation-name", "values": [cfg.reservation]}
+    return fields, affinity
+
+
+def instance_body(cfg: Any, name: str, ssh_public_key: str, labels: dict[str, str]) -> dict:
+    """The instances.insert body: the tutorial's `gcloud compute instances create` flags + safety."""
+    fields, affinity = scheduling(cfg)
+    body = {
         "name": name,
         "machine_type": f"zones/{cfg.zone}/machineTypes/{cfg.machine_type}",
         "disks": [{
@@ -95,16 +113,14 @@ def instance_body(cfg: Any, name: str, ssh_public_key: str, labels: dict[str, st
             "access_configs": [{"name": "External NAT", "type_": "ONE_TO_ONE_NAT"}],
         }],
         "tags": {"items": [name]},                   # --tags=NAME (the firewall rule's target)
-        "scheduling": scheduling,
-        "reservation_affinity": {                    # --reservation-affinity=specific
-            "consume_reservation_type": "SPECIFIC_RESERVATION",
-            "key": "compute.googleapis.com/reservation-name",
-            "values": [cfg.reservation],
-        },
+        "scheduling": fields,
         "service_accounts": [{"email": cfg.service_account, "scopes": list(cfg.scopes)}],
         "labels": labels,
         "metadata": {"items": [{"key": "ssh-keys", "value": f"{cfg.ssh.user}:{ssh_public_key}"}]},
     }
+    if affinity:
+        body["reservation_affinity"] = affinity
+    return body
 
 
 def firewall_body(cfg: Any, name: str, firewall: str) -> dict:

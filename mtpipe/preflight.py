@@ -167,9 +167,9 @@ def compile_step(module: str, args: list[str], work: Path, log: Path) -> dict[st
 
 
 def price_per_hour() -> float:
-    """The VM price conf/vm.yaml (or $MTPIPE_VM_CONFIG) states."""
+    """The VM price conf/vm.yaml (or $MTPIPE_VM_CONFIG) states for its `provisioning` mode."""
     from mtpipe import vm  # late: vm imports asyncssh, only needed for this number
-    return float(vm.load_config().price_per_hour_usd)
+    return vm.price_per_hour(vm.load_config())
 
 
 def report(cfg: DictConfig, preset: str, compiled: dict[str, Any], chip: Chip, chips: int,

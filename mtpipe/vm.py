@@ -13,6 +13,7 @@ import codecs
 import getpass
 import hashlib
 import io
+import itertools
 import json
 import os
 import re
@@ -23,6 +24,7 @@ import tarfile
 import tempfile
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +37,20 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG_ENV = "MTPIPE_VM_CONFIG"
 ENV_KEYS = {"project": "PROJECT", "zone": "ZONE", "reservation": "RESERVATION", "name": "NAME"}
 STATE_FILE = ".vm_state.json"
+PROVISIONING = ("reservation", "spot", "on-demand")   # how the VM is paid for (conf/vm.yaml)
 NAME_RE = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
 class VmError(RuntimeError):
     """A failure on or reaching the VM, worded for the user."""
+
+
+class SessionLost(VmError):
+    """The SSH session broke before the command ended (the VM went away, or the network)."""
+
+
+class VmLost(VmError):
+    """The VM was lost (preempted, stopped, gone) more often than `max_recoveries` allows."""
 
 
 # ---------------------------------------------------------------- configuration and state
@@ -49,7 +60,8 @@ def load_config(params: dict[str, Any] | None = None, state: dict | None = None)
     """conf/vm.yaml < $MTPIPE_VM_CONFIG < env PROJECT/ZONE/RESERVATION/NAME < doit params.
 
     Keys still unset after that are filled from the state file (the VM vm_up created), then
-    `name` defaults to mtpipe-<user>.
+    `name` defaults to mtpipe-<user>. `provisioning` is the recorded VM's unless a doit param sets
+    it, so that reusing or replacing that VM keeps its kind (and its price).
     """
     cfg = OmegaConf.load(ROOT / "conf" / "vm.yaml")
     if os.environ.get(CONFIG_ENV):
@@ -65,6 +77,8 @@ def load_config(params: dict[str, Any] | None = None, state: dict | None = None)
             cfg[key] = state[key]
     if not cfg.name:
         cfg.name = "mtpipe-" + label_value(getpass.getuser()).replace("_", "-")[:40]
+    if not (params or {}).get("provisioning") and state and state.get("name") == cfg.name:
+        cfg.provisioning = state.get("provisioning", cfg.provisioning)   # the recorded VM's kind
     if not cfg.firewall.name:
         cfg.firewall.name = f"{cfg.name}-ssh"
     return cfg
@@ -89,9 +103,31 @@ def require(cfg: DictConfig, *keys: str) -> None:
 
 def check_create(cfg: DictConfig) -> None:
     """The settings vm_up needs, before any request (vm_checks asks Compute about the rest)."""
-    require(cfg, "project", "zone", "reservation", "name")
+    if cfg.provisioning not in PROVISIONING:
+        raise ConfigError("vm.provisioning", f"{cfg.provisioning!r} is not one of "
+                          f"{', '.join(PROVISIONING)}",
+                          "pass --provisioning=spot (or reservation, on-demand), or set "
+                          "provisioning: in conf/vm.yaml")
+    reservation = ["reservation"] if cfg.provisioning == "reservation" else []
+    require(cfg, "project", "zone", *reservation, "name")
+    price_per_hour(cfg)
     if int(cfg.max_run_duration_s) < 0:
         raise ConfigError("vm.max_run_duration_s", "is negative", "use seconds, or 0 to disable")
+    if int(cfg.max_recoveries) < 0:
+        raise ConfigError("vm.max_recoveries", "is negative", "use 0 (never recreate a lost VM) or more")
+
+
+def price_per_hour(cfg: DictConfig) -> float:
+    """USD per hour of one VM in `cfg.provisioning` mode (reservation: on-demand unless set)."""
+    prices = cfg.price_per_hour_usd
+    value = prices.get(cfg.provisioning) if isinstance(prices, DictConfig) else None
+    if value is None and cfg.provisioning == "reservation" and isinstance(prices, DictConfig):
+        value = prices.get("on-demand")
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ConfigError(f"vm.price_per_hour_usd.{cfg.provisioning}", f"is {value!r}, not a price",
+                          "set price_per_hour_usd: {reservation: ..., spot: ..., on-demand: ...} "
+                          "(USD per hour of one VM) in conf/vm.yaml")
+    return float(value)
 
 
 def read_state(root: Path) -> dict:
@@ -108,6 +144,31 @@ def write_state(root: Path, state: dict) -> None:
 
 def clear_state(root: Path) -> None:
     (root / STATE_FILE).unlink(missing_ok=True)
+
+
+def vm_started(state: dict, cfg: DictConfig, created: str) -> None:
+    """Add a VM of this run to the state's ledger (`vms`): name, mode, price, creation time."""
+    state.setdefault("vms", []).append({
+        "name": cfg.name, "provisioning": cfg.provisioning, "usd_per_hour": price_per_hour(cfg),
+        "created": created, "ended": None, "why": None})
+
+
+def vm_ended(state: dict, why: str) -> None:
+    """Close the ledger entry of the current VM (it was deleted, preempted or is gone)."""
+    if state.get("vms") and not state["vms"][-1]["ended"]:
+        state["vms"][-1].update(ended=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                                why=why)
+
+
+def spend(state: dict) -> tuple[int, float, float]:
+    """VMs of this run, hours they existed (the current one until now) and their cost in USD."""
+    now = datetime.now(timezone.utc)
+    hours = usd = 0.0
+    for entry in state.get("vms", []):
+        end = datetime.fromisoformat(entry["ended"]) if entry["ended"] else now
+        h = max(0.0, (end - datetime.fromisoformat(entry["created"])).total_seconds() / 3600)
+        hours, usd = hours + h, usd + h * entry["usd_per_hour"]
+    return len(state.get("vms", [])), hours, usd
 
 
 def repo_root() -> Path:
@@ -144,6 +205,7 @@ class Remote:
     proxy_command: str | None = None
     host_key: str | None = None      # OpenSSH public key line; None = trust on first use
     connect_timeout_s: float = 20
+    keepalive_s: float = 15          # a VM that vanished is noticed after 3 unanswered keepalives
 
     @classmethod
     def from_config(cls, cfg: DictConfig, host: str, host_key: str | None) -> Remote:
@@ -151,7 +213,7 @@ class Remote:
         if proxy:
             proxy = proxy.format(name=cfg.name, zone=cfg.zone, project=cfg.project)
         return cls(host, int(cfg.ssh.port), cfg.ssh.user, os.path.expanduser(cfg.ssh.key_file),
-                   proxy, host_key, float(cfg.ssh.connect_timeout_s))
+                   proxy, host_key, float(cfg.ssh.connect_timeout_s), float(cfg.ssh.keepalive_s))
 
     async def connect(self) -> asyncssh.SSHClientConnection:
         known: Any = None
@@ -160,7 +222,8 @@ class Remote:
         return await asyncssh.connect(
             self.host, port=self.port, username=self.user, client_keys=[self.key_file],
             known_hosts=known, proxy_command=self.proxy_command, config=None, agent_path=None,
-            connect_timeout=self.connect_timeout_s)
+            connect_timeout=self.connect_timeout_s, keepalive_interval=self.keepalive_s,
+            keepalive_count_max=3)
 
 
 async def _pump(stream: asyncssh.SSHReader, sink: Any) -> None:
@@ -178,18 +241,21 @@ async def _run(remote: Remote, command: str, stdin: bytes, stream: bool) -> tupl
         raise VmError(f"cannot reach the VM over SSH at {remote.host}:{remote.port} ({e}); "
                       "check the firewall rule (vm.firewall.source_ranges) or ssh.proxy_command, "
                       "or recreate the VM with `doit vm_down vm_up`") from e
-    async with conn:
-        proc = await conn.create_process(command, encoding=None)
-        proc.stdin.write(stdin)
-        proc.stdin.write_eof()
-        if stream:
-            await asyncio.gather(_pump(proc.stdout, sys.stdout),
-                                 _pump(proc.stderr, sys.stderr))
-            out = b""
-        else:
-            out, _ = await asyncio.gather(proc.stdout.read(), _pump(proc.stderr, sys.stderr))
-        result = await proc.wait()
-        return (result.exit_status if result.exit_status is not None else 255), out
+    try:
+        async with conn:
+            proc = await conn.create_process(command, encoding=None)
+            proc.stdin.write(stdin)
+            proc.stdin.write_eof()
+            if stream:
+                await asyncio.gather(_pump(proc.stdout, sys.stdout),
+                                     _pump(proc.stderr, sys.stderr))
+                out = b""
+            else:
+                out, _ = await asyncio.gather(proc.stdout.read(), _pump(proc.stderr, sys.stderr))
+            result = await proc.wait()
+    except (OSError, asyncssh.Error) as e:
+        raise SessionLost(f"lost the SSH session to {remote.host}:{remote.port} ({e})") from e
+    return (result.exit_status if result.exit_status is not None else 255), out
 
 
 def run(remote: Remote, script: str, stdin: bytes = b"", stream: bool = True) -> tuple[int, bytes]:
@@ -325,6 +391,37 @@ def secrets_stdin(names: list[str]) -> tuple[list[str], bytes]:
     return lines, data
 
 
+def set_key(value: str) -> str:
+    """The params key a `--set` value sets (`+a.b=1` and `a.b=2` set the same key)."""
+    return value.partition("=")[0].lstrip("+~")
+
+
+def experiments(sets: list[str], queue: bool) -> list[list[str]]:
+    """The `--set` values of each experiment of a vm_run.
+
+    Without --queue: one experiment, and a key given twice is an error (dvc would keep one value).
+    With --queue: a key given several times is swept, a key given once applies to every
+    experiment, two swept keys make a grid (`--set=steps=100 --set=steps=200` is two experiments).
+    """
+    values: dict[str, list[str]] = {}
+    for value in sets:
+        values.setdefault(set_key(value), []).append(value)
+    if not queue:
+        for key, given in values.items():
+            if len(given) > 1:
+                raise ConfigError("--set", f"{key} is given {len(given)} times",
+                                  "give it once, or add --queue to run one experiment per value")
+        return [list(sets)]
+    return [list(point) for point in itertools.product(*values.values())]
+
+
+def experiment_names(exp_name: str | None, count: int) -> list[str | None]:
+    """`--exp-name` for each experiment: NAME for one, NAME-1, NAME-2, ... for a sweep."""
+    if count == 1 or not exp_name:
+        return [exp_name] * count
+    return [f"{exp_name}-{i}" for i in range(1, count + 1)]
+
+
 def dvc_command(target: str | None, sets: list[str], exp_name: str | None) -> str:
     """`dvc exp run [-S a=1 ...] [--name NAME] [TARGET]`: every VM run is a DVC experiment."""
     words = ["dvc", "exp", "run", *[w for s in sets for w in ("-S", s)]]
@@ -361,10 +458,12 @@ def _forget_on_vm(exp_name: str | None) -> list[str]:
 
 def run_script(cfg: DictConfig, root: Path, dvc: str, secret_lines: list[str],
                exp_name: str | None = None) -> str:
-    """The pipeline run on the VM: secrets from stdin, env, cd into the repo, the command.
+    """One experiment on the VM: secrets from stdin, env, cd into the repo, the command.
 
-    The experiment refs present before the run are noted, so that :func:`fetch_experiments` brings
-    back only the ones this run made.
+    The repo first goes back to the shipped commit (`git reset --hard`; DVC's outputs, its cache and
+    work/ stay), so that each experiment of a sweep is HEAD plus its own `--set` values and reuses
+    what the previous ones computed. The experiment refs present before the run are noted, so that
+    :func:`fetch_experiments` brings back only the one this run made.
     """
     env = {**hardware_env(root, cfg.run.hardware), **{k: str(v) for k, v in cfg.run.env.items()}}
     return "\n".join([
@@ -372,6 +471,7 @@ def run_script(cfg: DictConfig, root: Path, dvc: str, secret_lines: list[str],
         *secret_lines,
         *_export(env),
         f'cd "$HOME"/{shlex.quote(cfg.run.remote_dir)}',
+        "git reset -q --hard && git clean -fdq",
         *_forget_on_vm(exp_name),
         f"git for-each-ref --format='%(refname)' refs/exps/ > {EXPS_BEFORE}",
         cfg.run.command.replace("{dvc}", dvc),

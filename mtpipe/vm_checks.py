@@ -5,10 +5,11 @@
 runs. Each failure is a ConfigError naming the key and the fix:
 
 * Compute: the credentials work (the first call is authenticated), the zone offers the machine type
-  (TPU v6e), the reservation exists, reserves that machine type and has a free VM;
-* the project as the VM will run it (HEAD's params.yaml with the `--set` values applied): every
-  branch composes (what the `configure` stage checks), HF_TOKEN is set when a Hub model or dataset
-  of a composed preset is gated, and the default DVC remote accepts a write.
+  (TPU v6e), and with `provisioning: reservation` the reservation exists, reserves that machine type
+  and has a free VM;
+* the project as the VM will run it (HEAD's params.yaml with each experiment's `--set` values
+  applied): every branch composes (what the `configure` stage checks), HF_TOKEN is set when a Hub
+  model or dataset of a composed preset is gated, and the default DVC remote accepts a write.
 """
 
 from __future__ import annotations
@@ -25,18 +26,26 @@ from mtpipe import config, hub, overrides
 from mtpipe.errors import ConfigError
 from mtpipe.gcp import Compute
 
-def before_spending(cfg: DictConfig, compute: Compute, root: Path, sets: list[str]) -> None:
+
+def before_spending(cfg: DictConfig, compute: Compute, root: Path,
+                    experiments: list[list[str]]) -> None:
     """Everything below, Compute first (it also proves the credentials), then the project."""
     check_compute(cfg, compute)
-    check_project(cfg, root, sets)
+    check_project(cfg, root, experiments)
 
 
 def check_compute(cfg: DictConfig, compute: Compute) -> None:
-    """The credentials work, the zone offers the machine type, the reservation has room for one VM."""
+    """The credentials work, the zone offers the machine type, a reservation has room for one VM."""
     if compute.get_machine_type(cfg.machine_type) is None:   # authenticated: bad credentials fail here
         raise ConfigError("vm.zone", f"zone {cfg.zone!r} does not offer {cfg.machine_type} (TPU v6e)",
                           "pick a zone listed for v6e at cloud.google.com/tpu/docs/regions-zones "
                           "(e.g. us-east5-b) with ZONE / --zone, where your reservation is")
+    if cfg.provisioning == "reservation":
+        check_reservation(cfg, compute)
+
+
+def check_reservation(cfg: DictConfig, compute: Compute) -> None:
+    """The reservation exists, reserves the machine type and has a free VM."""
     reservation = compute.get_reservation(cfg.reservation)
     if reservation is None:
         raise ConfigError("vm.reservation",
@@ -55,10 +64,11 @@ def check_compute(cfg: DictConfig, compute: Compute) -> None:
                           "--filter=labels.app=mtpipe`), wait for one to end, or use another reservation")
 
 
-def check_project(cfg: DictConfig, root: Path, sets: list[str]) -> None:
-    """The branches compose, gated Hub repos have HF_TOKEN, the DVC remote is writable."""
-    branches = composed_branches(root, sets)
-    check_hub_tokens(branches.values())
+def check_project(cfg: DictConfig, root: Path, experiments: list[list[str]]) -> None:
+    """For each experiment's `--set` values the branches compose and gated Hub repos have
+    HF_TOKEN; the DVC remote is writable."""
+    check_hub_tokens([branch for sets in experiments
+                      for branch in composed_branches(root, sets).values()])
     check_remote_writable(root, float(cfg.remote_probe_timeout_s))
 
 

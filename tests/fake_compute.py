@@ -6,6 +6,9 @@ resource is a 404 and a duplicate a 409 with Google's error body; an insert nami
 reservation ends in an operation error; a RUNNING instance has an external (NAT) IP that points at
 127.0.0.1. Zones list their machine types, and a reservation counts the VMs using it (`inUseCount`)
 until they are deleted, by a DELETE or by :meth:`FakeCompute.expire` (maxRunDuration running out).
+An insert is refused (400) where Compute documents a refusal: a Spot VM that restarts itself or
+migrates, a RESERVATION_BOUND VM without a specific reservation. :meth:`FakeCompute.preempt` does
+what a Spot preemption does: the instance is TERMINATED, or deleted (termination action DELETE).
 `POST /token` answers like an OAuth server refusing an expired refresh token. Every request is
 recorded (method, path, Host header, headers, body) so tests can check what was sent and to whom.
 """
@@ -15,7 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -77,6 +80,24 @@ class FakeCompute:
         with self.lock:
             self._release(self.instances.pop((project, zone, name)))
 
+    def preempt(self, project: str, zone: str, name: str, delete: bool = False,
+                then: Callable[[], None] | None = None) -> None:
+        """Preempt the VM like Compute preempts a Spot VM: TERMINATED (termination action STOP),
+        or gone (DELETE); either way it runs nothing any more and cannot be restarted.
+
+        `then` runs before the API answers another request: what goes away with the VM (its SSH
+        sessions, its disk), so that no client sees the instance gone while the VM still runs.
+        """
+        with self.lock:
+            if delete:
+                self._release(self.instances.pop((project, zone, name)))
+            else:
+                self.instances[(project, zone, name)].update(
+                    status="TERMINATED",
+                    lastStopTimestamp=datetime.now(timezone.utc).isoformat(timespec="milliseconds"))
+            if then:
+                then()
+
     # --------------------------------------------------------- request handling
 
     def handle(self, method: str, path: str, body: dict) -> tuple[int, dict]:
@@ -109,11 +130,23 @@ class FakeCompute:
         if key in self.instances:
             return _error(409, f"The resource 'projects/{project}/zones/{zone}/instances/"
                                f"{body['name']}' already exists")
-        reservation = (body.get("reservationAffinity") or {}).get("values", [""])[0]
-        if reservation not in self.reservations:
-            msg = f"The resource 'projects/{project}/zones/{zone}/reservations/{reservation}' was not found"
-            return 200, self._operation(project, zone, error=msg)
-        self.reservations[reservation].in_use += 1
+        scheduling, affinity = body.get("scheduling") or {}, body.get("reservationAffinity") or {}
+        model = scheduling.get("provisioningModel", "STANDARD")
+        if model == "SPOT" and (scheduling.get("automaticRestart", True)
+                                or scheduling.get("onHostMaintenance") != "TERMINATE"):
+            return _error(400, "Invalid value for field 'resource.scheduling': Spot VMs require "
+                               "automaticRestart false and onHostMaintenance TERMINATE")
+        specific = affinity.get("consumeReservationType") == "SPECIFIC_RESERVATION"
+        if (model == "RESERVATION_BOUND") != specific:
+            return _error(400, "Invalid value for field 'resource.scheduling.provisioningModel': "
+                               f"{model} with reservation affinity {affinity or 'none'}")
+        if specific:
+            reservation = affinity.get("values", [""])[0]
+            if reservation not in self.reservations:
+                msg = (f"The resource 'projects/{project}/zones/{zone}/reservations/{reservation}' "
+                       "was not found")
+                return 200, self._operation(project, zone, error=msg)
+            self.reservations[reservation].in_use += 1
         now = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
         instance = {**body, "id": str(next(self._ids)), "status": "PROVISIONING",
                     "creationTimestamp": now, "zone": f"{self.url}{PREFIX}{project}/zones/{zone}"}

@@ -5,7 +5,8 @@ in its own home directory, with a small environment of its own: nothing of the t
 environment (HF_TOKEN in particular) leaks into it. It accepts only the keys `authorized()`
 returns, as `user:ssh-ed25519 AAAA...` lines (the format of the instance's `ssh-keys` metadata),
 so a test can make the fake Compute API's metadata the only source of access. Closing the
-connection kills the command's process group, as sshd's SIGHUP does.
+connection kills the command's process group, as sshd's SIGHUP does; `drop_sessions()` aborts every
+live connection, the way a VM that is preempted or deleted takes its sessions with it.
 """
 
 from __future__ import annotations
@@ -21,8 +22,18 @@ import asyncssh
 
 
 class _Server(asyncssh.SSHServer):
-    def __init__(self, authorized: Callable[[], list[str]]) -> None:
+    def __init__(self, authorized: Callable[[], list[str]],
+                 live: set[asyncssh.SSHServerConnection]) -> None:
         self.authorized = authorized
+        self.live = live
+        self.conn: asyncssh.SSHServerConnection | None = None
+
+    def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
+        self.conn = conn
+        self.live.add(conn)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.live.discard(self.conn)
 
     def begin_auth(self, username: str) -> bool:
         return True
@@ -51,6 +62,8 @@ class LoopbackSshd:
         self.commands: list[str | None] = []
         self.port = 0
         self.host_key = asyncssh.generate_private_key("ssh-ed25519")
+        self._live: set[asyncssh.SSHServerConnection] = set()
+        self._children: set[int] = set()   # pids of the commands running now
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._server: asyncssh.SSHAcceptor | None = None
@@ -61,12 +74,26 @@ class LoopbackSshd:
 
         async def listen() -> asyncssh.SSHAcceptor:
             return await asyncssh.create_server(
-                lambda: _Server(self.authorized), "127.0.0.1", 0, server_host_keys=[self.host_key],
+                lambda: _Server(self.authorized, self._live), "127.0.0.1", 0,
+                server_host_keys=[self.host_key],
                 process_factory=self._handle, encoding=None)
 
         self._server = asyncio.run_coroutine_threadsafe(listen(), self._loop).result(10)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
+
+    def drop_sessions(self) -> int:
+        """Abort every live connection; return how many there were, once their commands are dead."""
+
+        async def abort() -> int:
+            conns = list(self._live)
+            for conn in conns:
+                conn.abort()
+            while self._children:
+                await asyncio.sleep(0.02)
+            return len(conns)
+
+        return asyncio.run_coroutine_threadsafe(abort(), self._loop).result(10)
 
     def stop(self) -> None:
         if self._server is not None:
@@ -81,6 +108,7 @@ class LoopbackSshd:
             *argv, cwd=self.home, env=self.env, start_new_session=True,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE)
+        self._children.add(child.pid)
 
         async def feed() -> None:
             assert child.stdin is not None
@@ -106,15 +134,18 @@ class LoopbackSshd:
         feeder = asyncio.ensure_future(feed())
         runner = asyncio.ensure_future(run())
         closed = asyncio.ensure_future(process.channel.wait_closed())
-        await asyncio.wait({runner, closed}, return_when=asyncio.FIRST_COMPLETED)
-        feeder.cancel()
-        if runner.done() and not runner.exception():
-            process.exit(runner.result())
-        else:  # the client went away: hang up on the command like sshd does
-            runner.cancel()
-            try:
-                os.killpg(child.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            await child.wait()
-        closed.cancel()
+        try:
+            await asyncio.wait({runner, closed}, return_when=asyncio.FIRST_COMPLETED)
+            feeder.cancel()
+            if runner.done() and not runner.exception():
+                process.exit(runner.result())
+            else:  # the client went away: hang up on the command like sshd does
+                runner.cancel()
+                try:
+                    os.killpg(child.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                await child.wait()
+            closed.cancel()
+        finally:
+            self._children.discard(child.pid)

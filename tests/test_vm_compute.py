@@ -4,7 +4,8 @@
   them, against the tutorial's `gcloud compute instances create` flags;
 * operations are waited on until DONE; 404 and 409 are "already gone" / "already there";
 * bad input (missing keys, missing or expired credentials, an unknown reservation) fails with the
-  key and the fix, before anything is created (more checks before spending: test_vm_checks.py).
+  key and the fix, before anything is created (more checks before spending: test_vm_checks.py);
+* the provisioning modes (reservation, spot, on-demand): their scheduling fields and prices.
 """
 
 from __future__ import annotations
@@ -199,3 +200,80 @@ def test_doit_list_documents_every_task(repo: Path) -> None:
     assert rc == 0 and sorted(lines) == ["vm_down", "vm_run", "vm_setup", "vm_shell", "vm_status",
                                          "vm_up"]
     assert all(len(line.split()) > 4 for line in lines.values())
+
+
+# ---------------------------------------------------------------- provisioning modes (issue 11)
+
+GOLDEN_SCHEDULING = {   # the scheduling fields and reservation affinity each mode sends
+    "reservation": (GOLDEN_INSTANCE["scheduling"], GOLDEN_INSTANCE["reservationAffinity"]),
+    # gcloud ... --provisioning-model=SPOT --instance-termination-action=DELETE
+    #   --maintenance-policy=TERMINATE --no-restart-on-failure
+    "spot": ({"provisioningModel": "SPOT", "instanceTerminationAction": "DELETE",
+              "onHostMaintenance": "TERMINATE", "automaticRestart": False,
+              "maxRunDuration": {"seconds": "14400"}}, None),
+    "on-demand": ({"provisioningModel": "STANDARD", "instanceTerminationAction": "DELETE",
+                   "onHostMaintenance": "TERMINATE", "automaticRestart": False,
+                   "maxRunDuration": {"seconds": "14400"}}, None),
+}
+
+
+@pytest.mark.preemption
+@pytest.mark.parametrize("mode", sorted(GOLDEN_SCHEDULING))
+def test_scheduling_per_provisioning_mode(fake: FakeCompute, mode: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each mode's insert body, as sent; the fake accepts it (it refuses what Compute refuses)."""
+    if mode != "reservation":
+        monkeypatch.delenv("RESERVATION")      # only a reservation-bound VM needs one
+    cfg = vm.load_config({"provisioning": mode})
+    vm.check_create(cfg)
+    instance = gcp.Compute(cfg.project, cfg.zone).create_instance(
+        gcp.instance_body(cfg, cfg.name, KEY, {"app": "mtpipe"}))
+    (insert,) = fake.inserts()
+    body = drop_empty(insert.json())
+    scheduling, affinity = GOLDEN_SCHEDULING[mode]
+    assert body["scheduling"] == scheduling and body.get("reservationAffinity") == affinity
+    assert {k: v for k, v in body.items() if k not in ("scheduling", "reservationAffinity", "labels")} \
+        == {k: v for k, v in GOLDEN_INSTANCE.items()
+            if k not in ("scheduling", "reservationAffinity", "labels")}
+    assert instance.status == "RUNNING" and instance.scheduling.provisioning_model == scheduling[
+        "provisioningModel"]
+    assert vm.price_per_hour(cfg) == {"reservation": 21.6, "spot": 4.32, "on-demand": 21.6}[mode]
+
+
+@pytest.mark.preemption
+def test_on_demand_without_time_limit_has_no_termination_action(fake: FakeCompute) -> None:
+    cfg = vm.load_config({"provisioning": "on-demand", "max_run_duration_s": 0})
+    fields, affinity = gcp.scheduling(cfg)
+    assert fields == {"provisioning_model": "STANDARD", "on_host_maintenance": "TERMINATE",
+                      "automatic_restart": False} and affinity is None
+
+
+@pytest.mark.preemption
+@pytest.mark.parametrize("args, overlay, message", [
+    (["--provisioning=spotty"], "",
+     "vm.provisioning: 'spotty' is not one of reservation, spot, on-demand. Fix: pass "
+     "--provisioning=spot"),
+    (["--provisioning=spot"], "price_per_hour_usd: {spot: cheap}\n",
+     "vm.price_per_hour_usd.spot: is 'cheap', not a price"),
+    ([], "max_recoveries: -1\n", "vm.max_recoveries: is negative"),
+])
+def test_bad_provisioning_settings_fail_before_any_request(
+        fake: FakeCompute, repo: Path, args: list[str], overlay: str, message: str) -> None:
+    config = Path(os.environ[vm.CONFIG_ENV])
+    config.write_text(config.read_text() + overlay)
+    rc, out = doit(repo, "vm_up", *args)
+    assert rc != 0 and message in out, out
+    assert fake.requests == []
+
+
+@pytest.mark.preemption
+def test_spot_needs_no_reservation(fake: FakeCompute, repo: Path,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without RESERVATION a Spot vm_up passes the Compute checks without asking for one (this
+    repo has no params.yaml, so the project checks stop it, before anything is created)."""
+    monkeypatch.delenv("RESERVATION")
+    rc, out = doit(repo, "vm_up", "--provisioning=spot")
+    assert rc != 0 and "params.yaml: is not committed" in out, out
+    assert fake.calls("GET", "/machineTypes/ct6e-standard-8t")
+    assert not [r for r in fake.requests if "/reservations/" in r.path]
+    assert fake.inserts() == [] and not fake.firewalls

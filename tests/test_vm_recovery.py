@@ -1,0 +1,232 @@
+"""Spot VMs with recovery (issue 11): vm_run replaces a VM that is lost during the run.
+
+The loopback world of test_vm_cycle.py (fake Compute API, SSH server as the VM, GCS emulator as the
+DVC remote) around a one-stage DVC repo. The run command is a cheap stand-in for a training that
+resumes from a bucket: it counts steps 1..STEPS, keeping the last finished step in a directory named
+by MTPIPE_WORK_BUCKET (passed with `run.env`, as a real run would pass its bucket), then runs the
+experiment (`{dvc}`). A background thread preempts the VM when the count reaches a given step: the
+fake Compute API marks the instance TERMINATED or deletes it, the SSH server drops the live sessions
+(their commands die) and the VM's home is wiped (a new VM has a new disk), all before the API
+answers another request. The recovery loop under test is vm_run's own.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from gcs_emulator import GcsEmulator, gcs_emulator  # noqa: F401 (a fixture)
+from test_vm_cycle import (  # noqa: F401 (local_env is a fixture)
+    Env,
+    _sh,
+    assert_deleted,
+    experiments,
+    local_env,
+    loopback_world,
+    make_repo,
+)
+
+pytestmark = pytest.mark.preemption
+
+STEPS = 6
+SPOT = {"provisioningModel": "SPOT", "instanceTerminationAction": "DELETE",
+        "onHostMaintenance": "TERMINATE", "automaticRestart": False,
+        "maxRunDuration": {"seconds": "14400"}}
+# The stand-in training: resume at the bucket's last step, one step every 0.3 s, then the experiment.
+RESUMABLE = (
+    'B="$MTPIPE_WORK_BUCKET"; echo x >> "$B/attempts"; step=$(cat "$B/step" 2>/dev/null || echo 0); '
+    'echo "training resumes at step $step"; '
+    f'while [ "$step" -lt {STEPS} ]; do sleep 0.3; step=$((step + 1)); '
+    'echo "$step" >> "$B/steps-run"; echo "$step" > "$B/step"; done; '
+    'source "$HOME/venv/bin/activate" && dvc pull --allow-missing && {dvc} && dvc push')
+
+
+@pytest.fixture
+def spot(tmp_path: Path, gcs_emulator: GcsEmulator,  # noqa: F811
+         local_env: dict[str, str]) -> Iterator[Env]:  # noqa: F811
+    """A one-stage repo (`count` writes params.yaml's steps to count.json) on a Spot VM, admitted
+    over SSH only while its instance is RUNNING, with the stand-in training as run.command."""
+    repo = tmp_path / "repo"
+    make_repo(repo, gcs_emulator, local_env)
+    stage = ('python -c "import json, yaml; s = yaml.safe_load(open(\'params.yaml\'))[\'steps\']; '
+             'json.dump({\'steps\': s}, open(\'count.json\', \'w\'))"')
+    _sh([sys.executable, "-m", "dvc", "stage", "add", "-q", "-n", "count", "-p", "steps",
+         "-M", "count.json", stage], repo, local_env)
+    _sh(["git", "add", "-A"], repo, local_env)
+    _sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "stage"], repo, local_env)
+    with loopback_world(tmp_path, repo, local_env) as w:
+        bucket(w).mkdir()
+        admitted = w.sshd.authorized
+        w.sshd.authorized = lambda: [key for key in admitted() if _running(w, key)]
+        w.configure(provisioning="spot", run__command=RESUMABLE,
+                    run__env__MTPIPE_WORK_BUCKET=str(bucket(w)))
+        w.env.pop("RESERVATION")   # a Spot VM needs none
+        yield w
+
+
+def bucket(w: Env) -> Path:
+    """Where the stand-in training keeps its progress: outlives every VM, like a GCS bucket."""
+    return w.repo.parent / "bucket"
+
+
+def _running(w: Env, key: str) -> bool:
+    """The key is in the ssh-keys metadata of a RUNNING instance (a stopped VM runs no sshd)."""
+    return any(inst.get("status") == "RUNNING" and any(
+        item["value"] == key for item in inst.get("metadata", {}).get("items", []))
+        for inst in w.fake.instances.values())
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().split() if path.exists() else []
+
+
+class Preempter(threading.Thread):
+    """Preempt the VM once per (attempt, step, delete): when attempt number `attempt` of the
+    stand-in training has finished `step`, TERMINATE (or delete) the instance, with its sessions
+    and its disk."""
+
+    def __init__(self, w: Env, plan: list[tuple[int, int, bool]]) -> None:
+        super().__init__(daemon=True)
+        self.w, self.plan, self.done = w, plan, 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        for attempt, step, delete in self.plan:
+            while not self.stop.is_set():
+                if (len(_lines(bucket(self.w) / "attempts")) == attempt
+                        and int((_lines(bucket(self.w) / "step") or ["0"])[0]) >= step):
+                    break
+                time.sleep(0.02)
+            else:
+                return
+            self.w.fake.preempt("proj-1", "us-east5-b", "mt-test", delete=delete, then=self.vm_gone)
+            self.done += 1
+
+    def vm_gone(self) -> None:
+        self.w.sshd.drop_sessions()
+        for path in self.w.sshd.home.iterdir():
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+
+
+def test_spot_run_preempted_twice_completes(spot: Env) -> None:
+    """Preempted at step 2 (TERMINATED) and step 4 (deleted): two recoveries, three inserts of a
+    Spot VM, each setting up again; the training resumes where the bucket says and the experiment
+    comes back; vm_status adds up all three VMs; nothing is left after vm_down."""
+    w = spot
+    preempter = Preempter(w, [(1, 2, False), (2, 4, True)])
+    preempter.start()
+    try:
+        out = w.doit("vm_run", "--set=steps=7", "--exp-name=spot").stdout
+    finally:
+        preempter.stop.set()
+    assert preempter.done == 2
+    assert "recovery 1 of 3: VM mt-test was preempted (status TERMINATED)" in out, out
+    assert "recovery 2 of 3: VM mt-test was preempted and deleted by Compute" in out, out
+    inserts = w.fake.inserts()
+    assert len(inserts) == 3
+    for insert in inserts:
+        body = insert.json()
+        assert body["scheduling"] == SPOT and "reservationAffinity" not in body
+    assert "(spot) in us-east5-b: about 4.32 USD per hour" in out
+    # Each VM set up from scratch; the steps ran once each, resuming at the bucket's last step.
+    assert (w.sshd.home / "setup-count").read_text() == "ran\n"   # the third VM's disk
+    assert out.count("mtpipe: VM set up") == 3
+    assert _lines(bucket(w) / "attempts") == ["x"] * 3
+    assert _lines(bucket(w) / "steps-run") == [str(i) for i in range(1, STEPS + 1)]
+    resumed = [line for line in out.splitlines() if line.startswith("training resumes at step")]
+    assert len(resumed) == 3 and resumed[0].endswith("step 0") and not resumed[1].endswith("step 0")
+    assert experiments(w)["spot"]["metrics"] == {"count.json": {"steps": 7}}
+    assert "this run's VMs: 3, 2 of them replaced after being lost" in out
+    # The lost VMs were deleted before their replacement was inserted (the TERMINATED one by us).
+    paths = [(r.method, r.path.split("?")[0]) for r in w.fake.requests]
+    instance = "/compute/v1/projects/proj-1/zones/us-east5-b/instances"
+    deletes = [i for i, p in enumerate(paths) if p == ("DELETE", instance + "/mt-test")]
+    posts = [i for i, p in enumerate(paths) if p == ("POST", instance)]
+    assert len(deletes) == 2 and posts[0] < deletes[0] < posts[1] < deletes[1] < posts[2]
+
+    status = w.doit("vm_status").stdout
+    assert "RUNNING, ct6e-standard-8t, SPOT" in status and "at 4.32 USD/h" in status
+    assert status.count("  replaced: mt-test (spot)") == 2 and "this run's VMs: 3" in status
+    down = w.doit("vm_down").stdout
+    assert "this run's VMs: 3, 2 of them replaced" in down
+    assert_deleted(w)
+
+
+def test_max_recoveries_exceeded_deletes_the_vm(spot: Env) -> None:
+    """max_recoveries 1, preempted twice: vm_run gives up with a clear message and deletes the VM
+    and the firewall rule, even with --keep (a preempted Spot VM cannot be restarted)."""
+    w = spot
+    w.configure(max_recoveries=1)
+    preempter = Preempter(w, [(1, 1, False), (2, 1, False)])
+    preempter.start()
+    try:
+        proc = w.doit("vm_run", "--keep", ok=False)
+    finally:
+        preempter.stop.set()
+    out = proc.stdout + proc.stderr
+    assert "recovery 1 of 1: VM mt-test was preempted (status TERMINATED)" in out, out
+    assert ("VmLost: VM mt-test was preempted (status TERMINATED) (lost the SSH session to "
+            "127.0.0.1") in out
+    assert "it was replaced 1 times already (max_recoveries: 1), so vm_run gives up" in out
+    assert "deleting VM mt-test (a lost VM cannot be restarted)" in out
+    assert len(w.fake.inserts()) == 2
+    assert_deleted(w)
+
+
+def test_failure_on_a_running_spot_vm_is_not_retried(spot: Env) -> None:
+    """A pipeline that fails on a VM that still runs is the pipeline's failure: no recovery."""
+    spot.configure(run__command='echo x >> "$MTPIPE_WORK_BUCKET/attempts"; exit 3')
+    proc = spot.doit("vm_run", ok=False)
+    assert "the pipeline failed on the VM (exit 3)" in proc.stdout + proc.stderr
+    assert "recovery" not in proc.stdout and len(spot.fake.inserts()) == 1
+    assert _lines(bucket(spot) / "attempts") == ["x"]
+    assert_deleted(spot)
+
+
+def test_vm_past_max_run_duration_is_not_replaced(spot: Env) -> None:
+    """Compute deleted the VM because its time limit ran out: that is the spending limit, not a
+    preemption, so vm_run stops (and says which setting to raise) instead of paying for another."""
+    w = spot
+    w.configure(max_run_duration_s=1, run__command='echo x >> "$MTPIPE_WORK_BUCKET/attempts"; '
+                                                  'sleep 1; echo 1 > "$MTPIPE_WORK_BUCKET/step"; '
+                                                  'sleep 60')
+    preempter = Preempter(w, [(1, 1, True)])   # from outside, maxRunDuration looks the same
+    preempter.start()
+    try:
+        proc = w.doit("vm_run", ok=False)
+    finally:
+        preempter.stop.set()
+    out = proc.stdout + proc.stderr
+    assert "VM mt-test reached max_run_duration_s (1 s) and Compute deleted it" in out, out
+    assert "recovery" not in proc.stdout and len(w.fake.inserts()) == 1
+    assert_deleted(w)
+
+
+def test_sweep_resumes_after_the_finished_experiments(spot: Env) -> None:
+    """A three-experiment sweep preempted during the second: the replacement VM runs the second
+    and the third only (the first came back before the VM was lost)."""
+    w = spot
+    w.configure(run__command='echo x >> "$MTPIPE_WORK_BUCKET/attempts"; '
+                             'sleep 1; source "$HOME/venv/bin/activate" && '
+                             'dvc pull --allow-missing && {dvc} && dvc push')
+    preempter = Preempter(w, [(2, 0, True)])   # as soon as the second experiment starts
+    preempter.start()
+    try:
+        out = w.doit("vm_run", "--queue", "--set=steps=1", "--set=steps=2", "--set=steps=3",
+                     "--exp-name=sweep", "--down").stdout
+    finally:
+        preempter.stop.set()
+    assert preempter.done == 1 and len(w.fake.inserts()) == 2
+    assert "recovery 1 of 3: VM mt-test was preempted and deleted by Compute" in out, out
+    assert [line.rsplit(": ", 1)[1] for line in out.splitlines()
+            if line.startswith("mtpipe: experiment ") and " of 3: " in line] == [
+        "steps=1", "steps=2", "steps=2", "steps=3"]
+    assert len(_lines(bucket(w) / "attempts")) == 4
+    assert {name: data["metrics"] for name, data in experiments(w).items()} == {
+        f"sweep-{n}": {"count.json": {"steps": n}} for n in (1, 2, 3)}
+    assert_deleted(w)
