@@ -87,7 +87,7 @@ def to_maxtext(cfg: DictConfig, hf_dir: Path, out_dir: Path) -> MaxTextCommand:
 
 def train_sft(
     cfg: DictConfig, *, ckpt: Path, train_files: str, eval_files: str | None, columns: list[str],
-    tokenizer_dir: Path, base_output: Path, run_name: str, metrics_file: Path, jax_cache_dir: Path,
+    tokenizer_dir: Path, base_output: Path | str, run_name: str, metrics_file: Path, jax_cache_dir: Path,
 ) -> MaxTextCommand:
     """Supervised fine-tuning on local chat data (parquet files from hf_download, never the Hub)."""
     t = cfg.train_sft
@@ -134,7 +134,7 @@ def _eval_args(t: DictConfig, eval_files: str | None, columns: list[str]) -> lis
 
 
 def train_rl(
-    cfg: DictConfig, *, ckpt: Path, train_files: str, eval_files: str, tokenizer_dir: Path, base_output: Path,
+    cfg: DictConfig, *, ckpt: Path, train_files: str, eval_files: str, tokenizer_dir: Path, base_output: Path | str,
     run_name: str, jax_cache_dir: Path,
 ) -> MaxTextCommand:
     """GRPO on local GSM8K-format parquet files; the rollout backend is chosen by ``rollout_backend``."""

@@ -69,15 +69,18 @@ def write_csv(path: Path, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
-def read_tensorboard(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """tag -> [(step, value)] from the tensorboard event files under ``log_dir`` (tunix's logger)."""
+def read_tensorboard(log_dir: Path | str) -> dict[str, list[tuple[int, float]]]:
+    """tag -> [(step, value)] from the tensorboard event files under ``log_dir`` (tunix's logger),
+    a local directory or a gs:// URL (a run directory in the work bucket, mtpipe.run_dir)."""
     import struct
 
+    from fsspec.core import url_to_fs
     from tensorboardX.proto import event_pb2
 
+    fs, root = url_to_fs(str(log_dir))
     scalars: dict[str, list[tuple[int, float]]] = {}
-    for path in sorted(log_dir.rglob("events.out.tfevents.*")):
-        with open(path, "rb") as f:
+    for path in sorted(fs.glob(f"{root}/**/events.out.tfevents.*")):
+        with fs.open(path, "rb") as f:
             while header := f.read(12):
                 event = event_pb2.Event.FromString(f.read(struct.unpack("<Q", header[:8])[0]))
                 f.read(4)
@@ -87,7 +90,7 @@ def read_tensorboard(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return scalars
 
 
-RL_EVAL = re.compile(r"(Pre|Post) RL Training: corr=(\d+), total=(\d+), accuracy=([\d.]+)%, "
+RL_EVAL = re.compile(r"(Pre|Post) RL Training: corr=([\d.]+), total=(\d+), accuracy=([\d.]+)%, "
                      r"partial_accuracy=([\d.]+)%, format_accuracy=([\d.]+)%, mean_reward=([-\d.]+)")
 RL_CURVES = {  # plot column -> tensorboard tag
     "reward_mean": "rewards/train/mean",
@@ -104,7 +107,8 @@ def rl_eval(log_text: str) -> dict[str, dict]:
     """train_rl's eval before and after GRPO, from its log: {"pre": {...}, "post": {...}}."""
     found = {}
     for when, corr, total, acc, partial, fmt, reward in RL_EVAL.findall(log_text):
-        found[when.lower()] = {"correct": int(corr), "total": int(total), "accuracy": float(acc),
+        found[when.lower()] = {"correct": float(corr) if "." in corr else int(corr),  # float: eval_mode pass_at_1
+                               "total": int(total), "accuracy": float(acc),
                                "partial_accuracy": float(partial), "format_accuracy": float(fmt),
                                "mean_reward": float(reward)}
     return found

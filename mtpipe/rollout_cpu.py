@@ -186,6 +186,8 @@ class CpuJaxRollout(base_rollout.BaseRollout):
     self._cache_models: dict[int, _CacheModel] = {}  # by rollout rows: MaxText's cache has a fixed batch
     self._jit_cache: dict[tuple, Any] = {}
     self._calls = 0
+    # One seed for the run: MaxText's data_shuffle_seed orders the prompts and, here, seeds sampling.
+    self._base_key = jax.random.PRNGKey(int(getattr(maxtext_config, "data_shuffle_seed", 0) or 0))
     self.last_generate_seconds = 0.0
 
   # -- tunix interface -------------------------------------------------------------------------
@@ -196,8 +198,11 @@ class CpuJaxRollout(base_rollout.BaseRollout):
     prompt_ids = [self._tokenize(p) for p in prompts]
     prompt_len = max(rollout_config.max_prompt_length, self._min_prompt_length, *(len(p) for p in prompt_ids))
     padded = np.stack([_left_pad(p, prompt_len, self.pad_id()) for p in prompt_ids])
-    seed = self._calls if rollout_config.seed is None else rollout_config.seed
-    key = jax.random.PRNGKey(seed) if isinstance(seed, int) else seed
+    seed = rollout_config.seed
+    if seed is None:
+      key = jax.random.fold_in(self._base_key, self._calls)
+    else:
+      key = jax.random.PRNGKey(seed) if isinstance(seed, int) else seed
     self._calls += 1
     with self._context():
       tokens, logprobs = self.sample(

@@ -11,7 +11,7 @@ import sys
 from mtpipe import commands, runner
 from mtpipe.config import load_stage
 from mtpipe.stage import (
-    ROOT, artifact, atomic_dir, digest, log_path, require, run_stage, size_mib, strip_orbax_timestamps, Timer,
+    ROOT, artifact, atomic_dir, digest, log_path, require, run_stage, size_mib, normalise_orbax_metadata, Timer,
     write_json, write_stamp)
 
 
@@ -22,7 +22,7 @@ def main(branch: str) -> None:
         cmd = commands.to_maxtext(cfg, hf_dir=model / "files", out_dir=out)
         runner.run(cmd, log_path(branch, "to_maxtext"))
         require(out / "0" / "items", "MaxText checkpoint 0/items")
-        strip_orbax_timestamps(out)
+        normalise_orbax_metadata(out)
         write_stamp(out, "to_maxtext", digest(cfg, model))
         checkpoint_mib = size_mib(out)
     write_json(ROOT / "metrics" / branch / "to_maxtext.json", {"checkpoint_mib": checkpoint_mib})

@@ -3,23 +3,22 @@
 Starts from the RL branch's SFT warm-up when it ran (rl.train_sft.steps > 0), else from the
 converted checkpoint. The rollout backend is `rl.train_rl.rollout_backend`: vllm on a TPU VM (as
 MaxText ships it), cpu_jax elsewhere (mtpipe.rollout_cpu samples with the actor in JAX).
-The run directory lives in work/ under an input-digest run name, as for train_sft.
+The run directory lives in work/ or the MTPIPE_WORK_BUCKET bucket under an input-digest run name, as
+for train_sft (mtpipe.run_dir).
 Writes artifacts/rl/trained/model_params, metrics/rl/train_rl.json (reward and eval accuracy before
 and after GRPO) and plots/rl/train_rl.csv (reward per function, KL, loss per step).
 Run: dvc repro train_rl   (or: python -m stages.train_rl)
 """
 
-import os
-import shutil
 from pathlib import Path
 
 from mtpipe import commands, gsm8k_chat, runner
 from mtpipe.config import load_stage
 from mtpipe.errors import ConfigError
 from mtpipe.metrics import read_tensorboard, rl_curve, rl_eval, write_csv
+from mtpipe.run_dir import run_dir
 from mtpipe.stage import (
-    JAX_CACHE, ROOT, WORK, artifact, atomic_dir, digest, latest_checkpoint, log_path, read_stamp, run_stage, Timer,
-    write_json, write_stamp)
+    JAX_CACHE, ROOT, artifact, atomic_dir, digest, log_path, read_stamp, run_stage, Timer, write_json, write_stamp)
 
 
 def check_rollout_backend(backend: str) -> None:
@@ -57,33 +56,31 @@ def main() -> None:
     dataset, model = artifact("rl", "dataset"), artifact("rl", "model")
     start = warmup / "model_params" if not read_stamp(warmup).get("skipped") else converted / "0" / "items"
     run_digest = digest(cfg, converted, warmup, dataset)
-    run_name = f"train_rl-{run_digest[:12]}"
-    base = WORK / "train_rl"
-    run_dir = base / run_name
-    resumed_from = latest_checkpoint(run_dir / "checkpoints" / "actor")
+    run = run_dir("train_rl", f"train_rl-{run_digest[:12]}")
+    resumed_from = run.latest_checkpoint("checkpoints/actor")
     if resumed_from is not None:
-        print(f"  {run_name}: an earlier run left actor checkpoints up to step {resumed_from}")
+        print(f"  {run.url}: an earlier run left actor checkpoints up to step {resumed_from}")
     files = dataset / "files"
     check_prompt_budget(cfg, files, model / "files")
     cmd = commands.train_rl(
         cfg, ckpt=start, train_files=str(files / cfg.dataset.train_files), eval_files=str(files / cfg.dataset.eval_files),
-        tokenizer_dir=model / "files", base_output=base, run_name=run_name, jax_cache_dir=JAX_CACHE,
+        tokenizer_dir=model / "files", base_output=run.base, run_name=run.run_name, jax_cache_dir=JAX_CACHE,
     )
     print(f"  GRPO from {'the SFT warm-up' if start.parent == warmup else 'the converted model'}")
     runner.run(cmd, log_path("rl", "train_rl"), total_steps=cfg.train_rl.num_batches)
 
-    final_step = latest_checkpoint(run_dir / "checkpoints" / "actor")
+    final_step = run.latest_checkpoint("checkpoints/actor")
     if final_step is None or final_step < cfg.train_rl.num_batches:
-        raise RuntimeError(f"train_rl wrote no final actor checkpoint under {run_dir}/checkpoints/actor"
+        raise RuntimeError(f"train_rl wrote no final actor checkpoint under {run.url}/checkpoints/actor"
                            f" (found {final_step}, expected {cfg.train_rl.num_batches})")
-    curve = rl_curve(read_tensorboard(run_dir / "tensorboard"))
+    curve = rl_curve(read_tensorboard(f"{run.url}/tensorboard"))
     this_run = log_path("rl", "train_rl").read_text(errors="replace").split(f"$ {cmd.as_tutorial()}")[-1]
     evals = rl_eval(this_run)
     if cfg.train_rl.num_test_batches and set(evals) != {"pre", "post"}:
         raise RuntimeError(f"train_rl logged no eval before and after GRPO (found {sorted(evals)})")
     with atomic_dir(artifact("rl", "trained")) as out:
-        os.replace(run_dir / "checkpoints" / "actor" / str(final_step) / "model_params", out / "model_params")
-        write_stamp(out, "train_rl", run_digest, run_name=run_name, step=final_step)
+        run.take(f"checkpoints/actor/{final_step}/model_params", out / "model_params")
+        write_stamp(out, "train_rl", run_digest, run_name=run.run_name, step=final_step)
     write_csv(ROOT / "plots" / "rl" / "train_rl.csv", curve)
     rewards = [r["reward_mean"] for r in curve if "reward_mean" in r]
     summary = {
@@ -95,7 +92,7 @@ def main() -> None:
     timer.record("rl", "train_rl")
     acc = {w: evals[w]["accuracy"] for w in evals}
     print(f"  reward {rewards[0]:.3f} -> {rewards[-1]:.3f}; eval accuracy before/after: {acc}")
-    shutil.rmtree(run_dir)
+    run.remove()
 
 
 if __name__ == "__main__":

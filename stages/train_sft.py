@@ -5,24 +5,23 @@ the GSM8K rows rewritten as conversations in train_rl's own prompt format (mtpip
 `rl.train_sft.steps: 0` skips it and GRPO starts from the converted model.
 
 MaxText's run_name is derived from a digest of this stage's inputs (its resolved config, the
-converted checkpoint, the data), and its run directory lives in work/ where DVC does not delete it:
-a killed run with identical inputs resumes from its last checkpoint, changed inputs start clean.
-On success the final model_params move into the stage's output and the run directory goes.
+converted checkpoint, the data), and its run directory lives where DVC does not delete it: work/, or
+the bucket MTPIPE_WORK_BUCKET names (mtpipe.run_dir). A killed run with identical inputs resumes
+from its last checkpoint (from the bucket: on any machine), changed inputs start clean.
+On success the final model_params become the stage's output and the run directory goes.
 Writes metrics/<branch>/train_sft.json (DVC metrics) and plots/<branch>/train_sft.csv (loss plot).
 Run: dvc repro train_sft@sft   (or: python -m stages.train_sft sft)
 """
 
-import os
-import shutil
 import sys
 from pathlib import Path
 
 from mtpipe import commands, gsm8k_chat, runner
 from mtpipe.config import load_stage
 from mtpipe.metrics import loss_curve, summarize_sft, tokens_per_s_median, write_csv
+from mtpipe.run_dir import run_dir
 from mtpipe.stage import (
-    JAX_CACHE, ROOT, WORK, artifact, atomic_dir, digest, latest_checkpoint, log_path, require, run_stage, Timer,
-    write_json, write_stamp)
+    JAX_CACHE, ROOT, artifact, atomic_dir, digest, log_path, require, run_stage, Timer, write_json, write_stamp)
 
 OUTPUT = {"sft": "trained", "rl": "warmup"}  # the SFT branch's final model; the RL branch's warm start
 
@@ -55,35 +54,34 @@ def main(branch: str) -> None:
         return
     converted, dataset, model = artifact(branch, "maxtext"), artifact(branch, "dataset"), artifact(branch, "model")
     run_digest = digest(cfg, converted, dataset)
-    run_name = f"train_sft-{branch}-{run_digest[:12]}"
-    base = WORK / "train_sft"
-    run_dir = base / run_name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    resumed_from = latest_checkpoint(run_dir / "checkpoints")
+    run = run_dir("train_sft", f"train_sft-{branch}-{run_digest[:12]}")
+    run.scratch.mkdir(parents=True, exist_ok=True)
+    resumed_from = run.latest_checkpoint()
     if resumed_from is not None:
-        print(f"  resuming {run_name}: MaxText restores its checkpoint at step {resumed_from}")
-    train_files, eval_files, columns = chat_files(cfg, dataset, run_dir)
-    metrics_file = run_dir / "metrics.jsonl"
+        print(f"  resuming {run.url}: MaxText restores its checkpoint at step {resumed_from}")
+    train_files, eval_files, columns = chat_files(cfg, dataset, run.scratch)
+    metrics_file = run.scratch / "metrics.jsonl"
     cmd = commands.train_sft(
         cfg, ckpt=converted / "0" / "items", train_files=train_files, eval_files=eval_files, columns=columns,
-        tokenizer_dir=model / "files", base_output=base, run_name=run_name, metrics_file=metrics_file,
+        tokenizer_dir=model / "files", base_output=run.base, run_name=run.run_name, metrics_file=metrics_file,
         jax_cache_dir=JAX_CACHE,
     )
-    runner.run(cmd, log_path(branch, "train_sft"), total_steps=cfg.train_sft.steps)
+    with run.mirrored(metrics_file):
+        runner.run(cmd, log_path(branch, "train_sft"), total_steps=cfg.train_sft.steps)
 
-    final_step = latest_checkpoint(run_dir / "checkpoints")
+    final_step = run.latest_checkpoint()
     if final_step is None or final_step < cfg.train_sft.steps - 1:
-        raise RuntimeError(f"train_sft wrote no final checkpoint in {run_dir}/checkpoints (found {final_step})")
+        raise RuntimeError(f"train_sft wrote no final checkpoint in {run.url}/checkpoints (found {final_step})")
     curve = loss_curve(require(metrics_file, "MaxText metrics_file"))
     with atomic_dir(artifact(branch, OUTPUT[branch])) as out:
-        os.replace(run_dir / "checkpoints" / str(final_step) / "model_params", out / "model_params")
-        write_stamp(out, "train_sft", run_digest, run_name=run_name, step=final_step)
+        run.take(f"checkpoints/{final_step}/model_params", out / "model_params")
+        write_stamp(out, "train_sft", run_digest, run_name=run.run_name, step=final_step)
     write_csv(plot_path, curve)
     summary = summarize_sft(curve) | {"resumed_from_step": resumed_from or 0}
     timer.record(branch, "train_sft", tokens_per_s=tokens_per_s_median(metrics_file))
     write_json(metrics_path, summary)
     print(f"  loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f} over {summary['steps']} steps")
-    shutil.rmtree(run_dir)
+    run.remove()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,19 @@ The bug: the emulator parses a `multipart/related` upload with `email.parser`, w
 line break before each boundary as "CRLF or LF". gcsfs (uploads under 5 MiB) separates parts with a
 bare LF, so a file ending in `\r` is read as ending in `\r\n` + boundary and silently loses its last
 byte. `parse_multipart_related` takes the line break style from the first boundary line instead.
+
+Generation headers (`_send_generation_headers`): real GCS sends `x-goog-generation` with every
+download and tensorstore (Orbax's storage, pointed here by `TENSORSTORE_GCS_HTTP_URL`) fails every
+read without it ("Malformed StorageGeneration"); Orbax's saves worked, its restores did not.
+
+Speed (`_speed_up_storage`): the emulator rewrites its whole metadata file (`.meta`, every object's
+resource as indented JSON, through Python's slow pure-Python encoder) after every object write, so
+an upload of n objects costs O(n^2); a checkpoint's 2916 files took minutes whatever their size.
+Here the file is written at most once a second (compact JSON) and when the launcher stops; the
+emulator reads it only when it starts, so a restarted emulator still sees every object. Resumable
+uploads append each chunk instead of rereading and rewriting the partial file, and the finished
+file is renamed into place instead of written again. The listen backlog is 128 instead of 5, so
+16 parallel clients do not wait for TCP SYN retransmits.
 """
 
 from __future__ import annotations
@@ -21,6 +34,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,17 +59,25 @@ def parse_multipart_related(body: bytes, content_type: str) -> dict:
     if not match:
         raise ValueError(f"no boundary in Content-Type {content_type!r}")
     dash_boundary = b"--" + match.group(1).encode()
-    rest = body[body.index(dash_boundary) + len(dash_boundary) :]
-    eol = b"\r\n" if rest.startswith(b"\r\n") else b"\n"
-    # Each piece starts with `eol` when a part follows, or with "--" after the closing delimiter.
-    pieces = [p[len(eol) :] for p in rest.split(eol + dash_boundary) if not p.startswith(b"--")]
+    pos = body.index(dash_boundary) + len(dash_boundary)
+    eol = b"\r\n" if body.startswith(b"\r\n", pos) else b"\n"
+    # The pieces between delimiters (eol + dash_boundary), as (start, end) offsets: slicing only
+    # the payload copies a multi-MiB upload once. Each piece starts with `eol` when a part
+    # follows, or with "--" after the closing delimiter.
+    bounds, delimiter = [], eol + dash_boundary
+    while (end := body.find(delimiter, pos)) >= 0:
+        bounds.append((pos, end))
+        pos = end + len(delimiter)
+    bounds.append((pos, len(body)))
+    pieces = [(start + len(eol), end) for start, end in bounds if not body.startswith(b"--", start, end)]
     if len(pieces) != 2:
         raise ValueError(f"expected 2 parts (metadata, media), got {len(pieces)}")
     parts = []
-    for piece in pieces:
-        head, _, payload = piece.partition(eol + eol)
-        lines = (line.partition(":") for line in head.decode().split(eol.decode()))
-        parts.append(({k.strip().lower(): v.strip() for k, _, v in lines}, payload))
+    for start, end in pieces:
+        split = body.find(eol + eol, start, end)
+        head_end, payload_start = (end, end) if split < 0 else (split, split + 2 * len(eol))
+        lines = (line.partition(":") for line in body[start:head_end].decode().split(eol.decode()))
+        parts.append(({k.strip().lower(): v.strip() for k, _, v in lines}, body[payload_start:end]))
     (_, meta), (media_headers, content) = parts
     return {
         "meta": json.loads(meta),
@@ -65,7 +87,7 @@ def parse_multipart_related(body: bytes, content_type: str) -> dict:
 
 
 def patch_emulator() -> None:
-    """Route `multipart/related` bodies through `parse_multipart_related`; keep the rest."""
+    """Route `multipart/related` bodies through `parse_multipart_related`; send generation headers."""
     from gcp_storage_emulator import server
 
     original = server._read_data
@@ -78,6 +100,135 @@ def patch_emulator() -> None:
         return parse_multipart_related(raw, content_type) if raw else None
 
     server._read_data = read_data
+    _send_generation_headers(server)
+    _speed_up_storage(server)
+
+
+META_WRITE_INTERVAL_S = 1.0
+_meta_lock = threading.RLock()  # held by each request and by each metadata write
+_meta_dirty: set = set()  # Storage instances whose metadata file is out of date
+
+
+def flush_metadata() -> None:
+    """Write the metadata file of each storage that changed since its last write (compact JSON)."""
+    with _meta_lock:
+        for storage in list(_meta_dirty):
+            _meta_dirty.discard(storage)
+            data = {"buckets": storage.buckets, "objects": storage.objects, "resumable": storage.resumable,
+                    "bucket_iam_policies": storage.bucket_iam_policies, "soft_deleted": storage.soft_deleted}
+            storage._store.write_bytes(".meta", json.dumps(data).encode("utf-8"))
+
+
+def _speed_up_storage(server) -> None:
+    """Deferred metadata writes, appended resumable chunks, renamed finished uploads, backlog 128.
+
+    The server handles one request at a time; the lock keeps the background writer from
+    serialising the metadata while a request changes it.
+    """
+    from gcp_storage_emulator import storage as storage_module
+    from gcp_storage_emulator.exceptions import BadRequest
+
+    storage_cls = storage_module.Storage
+    resumable_dir = storage_module.RESUMABLE_DIR
+
+    def mark_dirty(self) -> None:
+        _meta_dirty.add(self)
+
+    def partial_path(self, file_id: str) -> Path | None:
+        """The on-disk file of a resumable upload (None for the in-memory store)."""
+        if self._use_memory_fs:
+            return None
+        return self._store._disk_path(self._object_path(resumable_dir, self.safe_id(file_id)))
+
+    original_add, original_count, original_create = (
+        storage_cls.add_to_resumable_upload, storage_cls.get_resumable_byte_count, storage_cls.create_file)
+
+    def add_to_resumable_upload(self, file_id, content, total_size=None, expected_start=None):
+        path = partial_path(self, file_id)
+        if path is None:
+            return original_add(self, file_id, content, total_size, expected_start)
+        size = path.stat().st_size if path.is_file() else 0
+        if expected_start is not None and expected_start != size:
+            raise BadRequest(f"Invalid Content-Range start: expected {size}, got {expected_start}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab") as f:
+            f.write(content or b"")
+        size += len(content or b"")
+        if total_size is None or size < total_size:
+            return None
+        return path.read_bytes()[:total_size]
+
+    def get_resumable_byte_count(self, file_id):
+        path = partial_path(self, file_id)
+        if path is None:
+            return original_count(self, file_id)
+        return path.stat().st_size if path.is_file() else 0
+
+    def create_file(self, bucket_name, file_name, content, file_obj, file_id=None):
+        path = partial_path(self, file_id) if file_id else None
+        if (path is None or bucket_name not in self.buckets or not path.is_file()
+                or path.stat().st_size != len(content)):
+            return original_create(self, bucket_name, file_name, content, file_obj, file_id)
+        target = self._store._disk_path(self._object_path(bucket_name, file_name))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, target)  # the finished upload already holds exactly `content`
+        self.objects.setdefault(bucket_name, {})[file_name] = file_obj
+        self.delete_resumable_file_obj(file_id)
+        self._write_config_to_file()
+
+    storage_cls._write_config_to_file = mark_dirty
+    storage_cls.add_to_resumable_upload = add_to_resumable_upload
+    storage_cls.get_resumable_byte_count = get_resumable_byte_count
+    storage_cls.create_file = create_file
+
+    original_handle = server.Router.handle
+
+    def handle(self, method):
+        with _meta_lock:
+            return original_handle(self, method)
+
+    server.Router.handle = handle
+
+    class Backlog128(server.server.HTTPServer):
+        request_queue_size = 128
+
+    def run(self) -> None:  # APIThread.run with the larger backlog
+        self._httpd = Backlog128((self._host, self._port), server.partial(server.RequestHandler, self._storage))
+        self.is_running.set()
+        self._httpd.serve_forever()
+
+    server.APIThread.run = run
+
+    def write_periodically() -> None:
+        while True:
+            time.sleep(META_WRITE_INTERVAL_S)
+            flush_metadata()
+
+    threading.Thread(target=write_periodically, name="gcs-emulator-meta", daemon=True).start()
+
+
+def _send_generation_headers(server) -> None:
+    """Media downloads get `x-goog-generation` / `x-goog-metageneration`, as from real GCS.
+
+    tensorstore (Orbax's storage) reads the object's generation from that header and fails every
+    read without it ("Malformed StorageGeneration"); gcsfs does not need it.
+    """
+    from gcp_storage_emulator.handlers import objects
+
+    original = objects.download
+
+    def download(request, response, storage, *args, **kwargs):
+        original(request, response, storage, *args, **kwargs)
+        if response.status.value in (200, 206):
+            obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
+            response["x-goog-generation"] = obj["generation"]
+            response["x-goog-metageneration"] = obj["metageneration"]
+
+    objects.download = download  # objects.get calls it for `alt=media`
+    for _, methods in server.HANDLERS:
+        for method, handler in methods.items():
+            if handler is original:
+                methods[method] = download
 
 
 @dataclass(frozen=True)
@@ -206,7 +357,7 @@ def _serve(data_dir: str, bucket: str) -> None:
     server = create_server("127.0.0.1", 0, default_bucket=bucket, data_dir=data_dir)
     server.start()
     print(f"PORT {server._api._httpd.server_address[1]}", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: (server.stop(), sys.exit(0)))
+    signal.signal(signal.SIGTERM, lambda *_: (server.stop(), flush_metadata(), sys.exit(0)))
     signal.pause()
 
 

@@ -76,6 +76,7 @@ ADDED = {
     "train_rl": {
         "hf_train_files", "hf_eval_files", "tokenizer_path",  # the pinned local download
         "dataset_name",  # openai/gsm8k: MaxText's `#### N` answer extraction keys on this name
+        "checkpoint_period",  # every 10 batches: a Spot preemption loses at most ~5 min
         "jax_cache_dir",
         *STORAGE,
     },

@@ -1,0 +1,168 @@
+"""Where a training stage keeps MaxText's run directory: this machine's ``work/``, or a GCS bucket.
+
+MaxText resumes a run by its name: it restores the latest complete checkpoint under
+``<base_output_directory>/<run_name>/checkpoints``. Run names are input digests (mtpipe.stage), so
+the same inputs find the same run directory. By default it is ``work/<stage>/<run_name>``: a killed
+stage resumes on the same machine. With ``MTPIPE_WORK_BUCKET=gs://BUCKET[/PREFIX]`` it is
+``gs://BUCKET/PREFIX/<stage>/<run_name>``: a stage started with the same inputs on any machine (a
+new VM after a Spot preemption, a fresh clone) resumes from the bucket. The variable is not a DVC
+param because where scratch state lives changes no stage's result (docs/decisions.md).
+
+Files only this machine needs stay in ``work/<stage>/<run_name>`` (the scratch directory): the rl
+warm-up's chat parquet, and MaxText's ``metrics_file``, which it appends to with ``open()``; the
+stage mirrors that file into the bucket while MaxText runs, so a resumed run's loss curve is whole.
+On success the stage moves (local) or downloads (bucket) the final params into its DVC output and
+deletes the run directory; ``MTPIPE_WORK_BUCKET_KEEP=1`` keeps the bucket's copy.
+Credentials: Application Default Credentials, from the environment only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mtpipe.errors import ConfigError
+from mtpipe.stage import COMMIT_MARKER, WORK, latest_checkpoint, normalise_orbax_metadata
+
+if TYPE_CHECKING:
+    import gcsfs
+
+WORK_BUCKET_ENV = "MTPIPE_WORK_BUCKET"
+KEEP_ENV = "MTPIPE_WORK_BUCKET_KEEP"
+BUCKET_URL = re.compile(r"gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[^\s]*)?")
+MIRROR_EVERY_S = 5.0
+BUCKET_FIX = (f"export {WORK_BUCKET_ENV}=gs://BUCKET/PREFIX for a bucket this machine's credentials can write "
+              "(roles/storage.objectUser), or unset it to keep run directories in work/")
+
+
+def work_bucket() -> str | None:
+    """``gs://BUCKET[/PREFIX]`` from MTPIPE_WORK_BUCKET without a trailing slash; None when unset."""
+    value = os.environ.get(WORK_BUCKET_ENV, "").strip()
+    if not value:
+        return None
+    if not BUCKET_URL.fullmatch(value.rstrip("/")):
+        raise ConfigError(WORK_BUCKET_ENV, f"{value!r} is not a gs://BUCKET[/PREFIX] URL", BUCKET_FIX)
+    return value.rstrip("/")
+
+
+def gcs() -> gcsfs.GCSFileSystem:
+    """A new gcsfs file system: no listing cached from before MaxText wrote; endpoint and credentials
+    from the environment (Application Default Credentials; STORAGE_EMULATOR_HOST in tests).
+    Imported here: a run without a work bucket does not load it."""
+    import gcsfs
+
+    return gcsfs.GCSFileSystem(skip_instance_cache=True)
+
+
+def check_writable(url: str) -> None:
+    """Write and delete a probe object under ``url``; fail naming MTPIPE_WORK_BUCKET and the fix."""
+    probe = f"{url}/.mtpipe-write-probe"
+    try:
+        fs = gcs()
+        fs.pipe(probe, b"")
+        fs.rm(probe)
+    except Exception as err:  # gcsfs raises HTTP, auth and connection errors of many types
+        raise ConfigError(WORK_BUCKET_ENV, f"cannot write to {url} ({type(err).__name__}: {err})",
+                          BUCKET_FIX) from err
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """One MaxText run: ``base`` is its base_output_directory, ``scratch`` this machine's part of it."""
+
+    base: str
+    run_name: str
+    scratch: Path
+
+    @property
+    def url(self) -> str:
+        """The run directory MaxText writes (a local path or a gs:// URL)."""
+        return f"{self.base}/{self.run_name}"
+
+    @property
+    def in_bucket(self) -> bool:
+        return self.base.startswith("gs://")
+
+    def latest_checkpoint(self, checkpoints: str = "checkpoints") -> int | None:
+        """Highest complete checkpoint step under ``<run dir>/<checkpoints>``, if any.
+
+        Orbax renames a finished step into place on a local disk; on GCS it writes
+        ``<step>/commit_success.txt`` last, and MaxText restores only such steps."""
+        if not self.in_bucket:
+            return latest_checkpoint(Path(self.url) / checkpoints)
+        markers = gcs().glob(f"{self.url}/{checkpoints}/*/{COMMIT_MARKER}")
+        steps = [int(step) for step in (m.split("/")[-2] for m in markers) if step.isdigit()]
+        return max(steps, default=None)
+
+    def take(self, path: str, dest: Path) -> None:
+        """Move (local) or download (bucket) ``<run dir>/<path>`` to ``dest``, the same bytes wherever
+        the run directory was (:func:`mtpipe.stage.normalise_orbax_metadata`)."""
+        if self.in_bucket:
+            gcs().get(f"{self.url}/{path}", str(dest), recursive=True)
+        else:
+            os.replace(Path(self.url) / path, dest)
+        normalise_orbax_metadata(dest)
+
+    @contextlib.contextmanager
+    def mirrored(self, local: Path) -> Iterator[None]:
+        """Keep a copy of the scratch file ``local`` in the bucket run directory while the block runs.
+
+        A new machine first gets the bucket's copy (if it has none of its own); then the file is
+        uploaded every MIRROR_EVERY_S seconds when it changed, and once more at the end (also on
+        failure). A SIGKILL loses at most the last MIRROR_EVERY_S seconds. Local runs: no-op."""
+        if not self.in_bucket:
+            yield
+            return
+        remote, fs = f"{self.url}/{local.name}", gcs()
+        if not local.exists() and fs.exists(remote):
+            fs.get(remote, str(local))
+        stop = threading.Event()
+        thread = threading.Thread(target=self._upload_changes, args=(local, remote, stop), daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+
+    @staticmethod
+    def _upload_changes(local: Path, remote: str, stop: threading.Event) -> None:
+        """Upload ``local``'s complete lines when they changed, until ``stop`` (then once more)."""
+        fs, uploaded = gcs(), b""
+        while True:
+            stopping = stop.wait(MIRROR_EVERY_S)
+            data = local.read_bytes() if local.exists() else b""
+            lines = data[: data.rfind(b"\n") + 1]  # a line MaxText is still writing waits for the next round
+            if lines != uploaded:
+                try:
+                    fs.pipe(remote, lines)
+                    uploaded = lines
+                except Exception as err:  # a network blip must not stop training: retried next round
+                    print(f"  could not mirror {local.name} to {remote}: {err}")
+            if stopping:
+                return
+
+    def remove(self) -> None:
+        """After success: delete the run directory (the bucket's kept with MTPIPE_WORK_BUCKET_KEEP=1)."""
+        if self.in_bucket and os.environ.get(KEEP_ENV) == "1":
+            print(f"  {KEEP_ENV}=1: keeping {self.url}")
+        elif self.in_bucket:
+            gcs().rm(self.url, recursive=True)
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def run_dir(stage: str, run_name: str) -> RunDir:
+    """Where ``stage`` keeps run ``run_name``: in the work bucket, checked writable, else in work/."""
+    scratch, bucket = WORK / stage / run_name, work_bucket()
+    if bucket is None:
+        return RunDir(str(WORK / stage), run_name, scratch)
+    run = RunDir(f"{bucket}/{stage}", run_name, scratch)
+    check_writable(run.url)
+    return run

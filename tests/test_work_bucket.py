@@ -1,0 +1,261 @@
+"""Training state in a work bucket (issue 11, mtpipe/run_dir.py): a killed training stage resumes on
+another machine from the bucket's latest complete checkpoint.
+
+The patched GCS emulator (tests/gcs_emulator.py) is the bucket for every client a stage has:
+gcsfs and google-cloud-storage read STORAGE_EMULATOR_HOST, tensorstore (Orbax's storage)
+TENSORSTORE_GCS_HTTP_URL with GOOGLE_AUTH_TOKEN_FOR_TESTING. A fresh `git clone` of the session's
+pipeline repo is the new machine.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import gcsfs
+import pytest
+import yaml
+from omegaconf import OmegaConf
+from gcs_emulator import GcsEmulator, gcs_emulator  # noqa: F401 (gcs_emulator is a fixture)
+
+from conftest import restore
+from mtpipe import config
+from mtpipe import run_dir as rd
+from mtpipe.errors import ConfigError
+from pipeline import ROOT, dvc, env, git
+
+pytestmark = pytest.mark.preemption
+
+STEPS, PERIOD = 20, 10  # checkpoints at steps 1 (Orbax's first save), 10 and 20
+
+
+def bucket_env(emulator: GcsEmulator, prefix: str = "work") -> dict[str, str]:
+    """A stage's environment for a work bucket on the emulator."""
+    return {rd.WORK_BUCKET_ENV: f"gs://{emulator.bucket}/{prefix}", "STORAGE_EMULATOR_HOST": emulator.endpoint,
+            "TENSORSTORE_GCS_HTTP_URL": emulator.endpoint, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "anon"}
+
+
+def emulator_fs(emulator: GcsEmulator) -> gcsfs.GCSFileSystem:
+    return gcsfs.GCSFileSystem(endpoint_url=emulator.endpoint, token="anon", skip_instance_cache=True)
+
+
+# ------------------------------------------- what a preemption loses on the TPU presets
+
+MAX_LOST_MINUTES = 5
+GCS_WRITE_GB_S = 1.0  # assumed; Orbax logs each save's time ("Finished save (blocking + background) in N s")
+STATE_BYTES_PER_PARAM = 12  # float32 params + Adam's two moments, what each checkpoint holds
+# (branch, preset): seconds per step (the tutorials' ~10 min of training: 1000 SFT steps, 50 GRPO
+# batches) and billions of trained parameters (Gemma 3 4B's language model, Llama 3.1 8B)
+TPU_TRAINING = {
+    ("sft", "gemma3-4b-ultrachat-v6e8"): (600 / 1000, 3.9),
+    ("rl", "llama3.1-8b-gsm8k-v6e8"): (600 / 50, 8.0),
+}
+RL_YML = Path(importlib.util.find_spec("maxtext").origin).parent / "configs" / "post_train" / "rl.yml"
+
+
+def checkpoint_period(branch: str, preset: str) -> int:
+    """The preset's checkpoint_period (train_rl: its extra_args, else MaxText's rl.yml)."""
+    presets = {"sft": "gemma3-4b-ultrachat-v6e8", "rl": "llama3.1-8b-gsm8k-v6e8", branch: preset}
+    cfg = config.compose(branch, OmegaConf.create({"steps": None, **{b: {"preset": p} for b, p in presets.items()}}))
+    if branch == "sft":
+        return cfg.train_sft.checkpoint_period
+    return cfg.train_rl.extra_args.get("checkpoint_period", yaml.safe_load(RL_YML.read_text())["checkpoint_period"])
+
+
+@pytest.mark.parametrize(("branch", "preset"), sorted(TPU_TRAINING))
+def test_a_preemption_loses_at_most_5_minutes_of_tpu_training(branch, preset):
+    """Lost: the steps since the last complete checkpoint (checkpoint_period x step time) and those
+    run while the next one was being written (its size at GCS_WRITE_GB_S)."""
+    step_s, billions = TPU_TRAINING[(branch, preset)]
+    period, save_s = checkpoint_period(branch, preset), billions * STATE_BYTES_PER_PARAM / GCS_WRITE_GB_S
+    lost_min = (period * step_s + save_s) / 60
+    assert lost_min <= MAX_LOST_MINUTES, (
+        f"{preset}: checkpoint_period {period} loses up to {lost_min:.1f} min; set it to at most "
+        f"{int((MAX_LOST_MINUTES * 60 - save_s) / step_s)}")
+    assert save_s < period * step_s, f"{preset}: training would wait for each save; raise checkpoint_period"
+
+
+# ------------------------------------------------------------------------ the setting itself
+
+
+@pytest.mark.parametrize("value", ["my-bucket/work", "gs://", "gs://My_Bucket/work", "/tmp/work", "s3://b/work"])
+def test_a_work_bucket_that_is_no_gs_url_is_named_with_the_fix(value, monkeypatch):
+    monkeypatch.setenv(rd.WORK_BUCKET_ENV, value)
+    with pytest.raises(ConfigError) as err:
+        rd.run_dir("train_sft", "train_sft-sft-0123456789ab")
+    assert err.value.key == rd.WORK_BUCKET_ENV and repr(value) in err.value.problem
+    assert f"export {rd.WORK_BUCKET_ENV}=gs://" in err.value.fix and "unset it" in err.value.fix
+
+
+def test_without_a_work_bucket_the_run_directory_stays_in_work(monkeypatch):
+    monkeypatch.delenv(rd.WORK_BUCKET_ENV, raising=False)
+    run = rd.run_dir("train_rl", "train_rl-0123456789ab")
+    assert not run.in_bucket and run.url == str(ROOT / "work" / "train_rl" / "train_rl-0123456789ab")
+    assert Path(run.url) == run.scratch
+
+
+def test_an_unwritable_work_bucket_is_named_with_the_fix(gcs_emulator, monkeypatch):
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator.endpoint)
+    monkeypatch.setenv(rd.WORK_BUCKET_ENV, "gs://no-such-bucket/work")
+    with pytest.raises(ConfigError, match=r"cannot write to gs://no-such-bucket/work/train_sft/r\b") as err:
+        rd.run_dir("train_sft", "r")
+    assert err.value.key == rd.WORK_BUCKET_ENV and "roles/storage.objectUser" in err.value.fix
+
+
+def test_a_bucket_run_directory_counts_committed_steps_mirrors_and_cleans_up(gcs_emulator, monkeypatch, tmp_path):
+    """Only steps with Orbax's commit marker count; the mirrored file holds whole lines and comes
+    back on a machine that has none; `take` downloads without the run directory's path in the
+    commit markers; `remove` deletes unless told to keep."""
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator.endpoint)
+    fs = emulator_fs(gcs_emulator)
+    run = rd.RunDir(f"gs://{gcs_emulator.bucket}/unit/train_sft", "r", tmp_path / "scratch")
+    for step in (10, 20):
+        fs.pipe(f"{run.url}/checkpoints/{step}/model_params/w/0", b"w%d" % step)
+        fs.pipe(f"{run.url}/checkpoints/{step}/model_params/{rd.COMMIT_MARKER}",
+                f"Checkpoint commit was successful to {run.url}/checkpoints/{step}/model_params".encode())
+    fs.pipe(f"{run.url}/checkpoints/10/{rd.COMMIT_MARKER}", b"")
+    assert run.latest_checkpoint() == 10  # step 20 is still being written
+
+    metrics = run.scratch / "metrics.jsonl"
+    run.scratch.mkdir()
+    with run.mirrored(metrics):
+        metrics.write_text('{"step": 1}\n{"step": 2')  # MaxText is writing line 2
+    assert fs.cat(f"{run.url}/metrics.jsonl") == b'{"step": 1}\n'
+    metrics.unlink()
+    with run.mirrored(metrics):
+        assert metrics.read_text() == '{"step": 1}\n'
+
+    run.take("checkpoints/10/model_params", tmp_path / "model_params")
+    assert (tmp_path / "model_params" / "w" / "0").read_bytes() == b"w10"
+    assert (tmp_path / "model_params" / rd.COMMIT_MARKER).read_text() == "Checkpoint commit was successful"
+    monkeypatch.setenv(rd.KEEP_ENV, "1")
+    run.remove()
+    assert fs.exists(f"{run.url}/checkpoints/10/{rd.COMMIT_MARKER}") and not run.scratch.exists()
+    monkeypatch.delenv(rd.KEEP_ENV)
+    run.remove()
+    assert fs.find(run.url) == []
+
+
+@pytest.mark.slow
+def test_a_bad_work_bucket_stops_the_stage_before_maxtext(pipeline_repo):
+    proc = subprocess.run([sys.executable, "-m", "stages.train_sft", "sft"], cwd=pipeline_repo,
+                          env={**env(), rd.WORK_BUCKET_ENV: "my-bucket/work"}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode != 0
+    assert ("train_sft: MTPIPE_WORK_BUCKET: 'my-bucket/work' is not a gs://BUCKET[/PREFIX] URL. "
+            f"Fix: export {rd.WORK_BUCKET_ENV}=gs://") in proc.stderr, proc.stderr[-3000:]
+    assert "mtpipe.launch" not in proc.stdout, proc.stdout  # MaxText never started
+
+
+# ------------------------------------------------------------- killed here, resumed elsewhere
+
+
+def short_training(repo: Path) -> None:
+    """STEPS steps with a checkpoint every PERIOD, no evaluation (one XLA compile less per run)."""
+    path = repo / "params.yaml"
+    params = yaml.safe_load(path.read_text())
+    params["steps"] = STEPS
+    params["sft"]["train_sft"].update(checkpoint_period=PERIOD, eval_interval=0)
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def completed_steps(log: str) -> list[int]:
+    return [int(n) for n in re.findall(r"completed step: (\d+),", log)]
+
+
+def committed(fs: gcsfs.GCSFileSystem, runs: str) -> dict[int, str]:
+    """step -> run directory, for each complete checkpoint under ``runs``."""
+    fs.invalidate_cache()
+    markers = fs.glob(f"{runs}/*/checkpoints/*/{rd.COMMIT_MARKER}")
+    return {int(m.split("/")[-2]): m.split("/checkpoints/")[0] for m in markers}
+
+
+def checkpoint_to_resume(fs: gcsfs.GCSFileSystem, runs: str) -> str | None:
+    """The run directory once it holds a complete checkpoint of step >= PERIOD and the mirrored
+    metrics file has reached that step (a preemption later than MIRROR_EVERY_S after it)."""
+    steps = committed(fs, runs)
+    step = max((s for s in steps if s >= PERIOD), default=None)
+    metrics = f"{steps[step]}/metrics.jsonl" if step is not None else None
+    if metrics and fs.exists(metrics):
+        if max(json.loads(line)["step"] for line in fs.cat(metrics).splitlines()) >= step:
+            return steps[step]
+    return None
+
+
+def kill_after_checkpoint(repo: Path, bucket: dict[str, str], fs: gcsfs.GCSFileSystem, runs: str) -> tuple[str, int]:
+    """Run train_sft@sft and SIGKILL it (and DVC) once :func:`checkpoint_to_resume` finds a run
+    directory; returns its gs:// URL and the latest complete step it holds after the kill."""
+    proc = subprocess.Popen(["dvc", "repro", "--no-run-cache", "train_sft@sft"], cwd=repo, env={**env(), **bucket},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline, run = time.monotonic() + 900, None
+        while run is None and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.3)
+            run = checkpoint_to_resume(fs, runs)
+        assert run is not None and proc.poll() is None, "train_sft ended (or timed out) before a bucket checkpoint"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return f"gs://{run}", max(step for step, where in committed(fs, runs).items() if where == run)
+
+
+def fresh_clone(repo: Path, dest: Path) -> Path:
+    """`git clone` of ``repo`` with its DVC outputs checked out: DVC's cache is shared, standing in
+    for `dvc pull` from a remote; a warm XLA compile cache, as a set-up VM keeps."""
+    git(dest.parent, "clone", "-q", str(repo), str(dest))
+    dvc(dest, "cache", "dir", "--local", str(repo / ".dvc" / "cache"))
+    dvc(dest, "checkout")
+    (dest / "work").mkdir()
+    (dest / "work" / "jax_cache").symlink_to(ROOT / "work" / "jax_cache")
+    return dest
+
+
+@pytest.mark.slow
+def test_killed_training_resumes_from_the_bucket_in_a_fresh_clone(pipeline_repo, gcs_emulator, tmp_path):
+    """train_sft@sft killed (SIGKILL) after a bucket checkpoint leaves its checkpoints in the bucket
+    only; in a fresh clone the same stage restores that step (MaxText's log), trains to the end,
+    writes the output as a local run does, keeps the whole loss curve and empties the bucket."""
+    bucket, fs = bucket_env(gcs_emulator), emulator_fs(gcs_emulator)
+    runs, scratch = f"{gcs_emulator.bucket}/work/train_sft", pipeline_repo / "work" / "train_sft"
+    before = set(scratch.iterdir()) if scratch.is_dir() else set()
+    short_training(pipeline_repo)
+    try:
+        url, killed_at = kill_after_checkpoint(pipeline_repo, bucket, fs, runs)
+        run_name = url.rsplit("/", 1)[1]
+        assert PERIOD <= killed_at < STEPS, killed_at
+        assert not (scratch / run_name / "checkpoints").exists(), "checkpoints went to work/, not the bucket"
+    finally:
+        for left in set(scratch.glob("train_sft-*")) - before:
+            shutil.rmtree(left)
+        restore(pipeline_repo)
+
+    clone = fresh_clone(pipeline_repo, tmp_path / "clone")
+    short_training(clone)
+    out = dvc(clone, "repro", "--no-run-cache", "train_sft@sft", extra_env=bucket).stdout
+    assert f"resuming {url}: MaxText restores its checkpoint at step {killed_at}" in out, out[-3000:]
+    log = (clone / "work" / "logs" / "sft" / "train_sft.log").read_text()
+    assert re.search(rf"Restored params from step: {killed_at}\b", log), "MaxText did not restore the bucket's step"
+    steps = completed_steps(log)
+    assert steps[0] == killed_at + 1 and steps[-1] == STEPS, steps
+
+    metrics = json.loads((clone / "metrics" / "sft" / "train_sft.json").read_text())
+    assert metrics["steps"] == STEPS and metrics["resumed_from_step"] == killed_at
+    with open(clone / "plots" / "sft" / "train_sft.csv") as f:
+        assert [int(row["step"]) for row in csv.DictReader(f)] == list(range(1, STEPS + 1))
+    trained = clone / "artifacts" / "sft" / "trained"
+    assert json.loads((trained / "mtpipe.json").read_text())["step"] == STEPS
+    layout = [sorted(p.relative_to(d) for p in d.rglob("*"))
+              for d in (trained / "model_params", pipeline_repo / "artifacts" / "sft" / "trained" / "model_params")]
+    assert layout[0] == layout[1], "the downloaded params differ in layout from a local run's"
+    fs.invalidate_cache()
+    assert fs.find(f"{runs}/{run_name}") == [], "the bucket run directory was not deleted after success"
