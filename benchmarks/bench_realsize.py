@@ -17,6 +17,8 @@ times on v6e-8 (conversion about 300 s, training about 600 s). Files just writte
 cache (dropping it needs root), for DVC and the plain tool alike.
 
 Everything lives in a temporary directory under --workdir, deleted at the end (also on failure).
+At full size on 2 shared cores it took 26 min with one --jobs value and 36 min with two (each adds
+two uploads and two downloads of 17.2 GB through the emulator); results: docs/remote-and-cache.md.
 Usage: python benchmarks/bench_realsize.py [--size 1GiB|full] [--jobs 4,16] [--checksum-jobs 1,2]
 """
 
