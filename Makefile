@@ -43,9 +43,9 @@ lock: $(VENV)/.installed
 	python -m pip freeze --exclude-editable | grep -v '^mtpipe' > requirements.lock
 
 # The TPU VM's environment (installed by `doit vm_setup`), resolved here from pyproject.toml's pins
-# for Linux x86_64 / Python 3.12 with hashes: mtpipe/vm_lock.py, docs/tpu-vm.md. Needs PyPI.
+# for Linux x86_64 / Python 3.12 with hashes: mtpipe/cloud/vm_lock.py, docs/tpu-vm.md. Needs PyPI.
 lock-vm: $(VENV)/.installed
-	python -m mtpipe.vm_lock
+	python -m mtpipe.cloud.vm_lock
 
 clean-work:
 	rm -rf work

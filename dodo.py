@@ -30,10 +30,10 @@ from doit.exceptions import TaskFailed
 from google.cloud import compute_v1
 from omegaconf import DictConfig
 
-from mtpipe import preflight as preflight_checks
-from mtpipe import vm, vm_checks
+from mtpipe.maxtext import preflight as preflight_checks
+from mtpipe.cloud import vm, vm_checks
 from mtpipe.errors import ConfigError
-from mtpipe.gcp import Compute, GcpError, external_ip, firewall_body, instance_body
+from mtpipe.cloud.gcp import Compute, GcpError, external_ip, firewall_body, instance_body
 
 DOIT_CONFIG = {"default_tasks": ["vm_status"], "verbosity": 2, "backend": "json",
                "dep_file": ".doit.db.json"}

@@ -7,7 +7,7 @@ answer format partly learnt, so GRPO's rewards differ within a group of samples 
 In a throwaway copy of the project (the working tree as git would commit it) it runs
 `dvc repro train_sft@rl` once (data, download, conversion, warm-up: shared by all seeds), then
 `dvc repro train_rl` once per seed. The seed is MaxText's `data_shuffle_seed`: it orders the prompts
-and seeds the CPU sampler (mtpipe.rollout_cpu).
+and seeds the CPU sampler (mtpipe.maxtext.rollout_cpu).
 
 The eval (MaxText's, before and after GRPO, on 96 of the 100 embedded test prompts) samples two
 completions per prompt at temperature 0.7 (`eval_sampling_strategy: standard`,

@@ -5,8 +5,8 @@ the stages that read it. Bad values stop here, before any download, conversion o
 Run: dvc repro configure   (or: python -m stages.configure)
 """
 
-from mtpipe.config import load_params, write_resolved
-from mtpipe.stage import run_stage
+from mtpipe.pipeline.config import load_params, write_resolved
+from mtpipe.pipeline.stage import run_stage
 
 
 def main() -> None:

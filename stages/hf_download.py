@@ -13,10 +13,10 @@ import sys
 
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")  # before huggingface_hub is imported
 
-from mtpipe import datasets_check, hub
-from mtpipe.config import load_stage
+from mtpipe.data import datasets_check, hub
+from mtpipe.pipeline.config import load_stage
 from mtpipe.errors import ConfigError
-from mtpipe.stage import artifact, atomic_dir, digest, run_stage, write_stamp
+from mtpipe.pipeline.stage import artifact, atomic_dir, digest, run_stage, write_stamp
 
 
 def check_rows(cfg, files) -> int:

@@ -1,14 +1,14 @@
 """Stage make_embedded: the embedded default (tiny models, tokenizers, datasets) into embedded/.
 
-Deterministic and offline (see mtpipe/embedded.py): writes <out>.partial, then renames it to <out>.
+Deterministic and offline (see mtpipe/data/embedded.py): writes <out>.partial, then renames it to <out>.
 Run: dvc repro make_embedded   (or: python -m stages.make_embedded embedded)
 """
 
 import sys
 from pathlib import Path
 
-from mtpipe import embedded
-from mtpipe.stage import Timer, atomic_dir, run_stage
+from mtpipe.data import embedded
+from mtpipe.pipeline.stage import Timer, atomic_dir, run_stage
 
 
 def main(out: str) -> None:

@@ -7,9 +7,9 @@ Run: dvc repro to_huggingface@sft   (or: python -m stages.to_huggingface sft)
 
 import sys
 
-from mtpipe import commands, runner
-from mtpipe.config import load_stage
-from mtpipe.stage import (
+from mtpipe.maxtext import commands, runner
+from mtpipe.pipeline.config import load_stage
+from mtpipe.pipeline.stage import (
     ROOT, artifact, atomic_dir, digest, log_path, require, run_stage, size_mib, Timer, write_json,
     write_stamp)
 

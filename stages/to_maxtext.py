@@ -8,9 +8,9 @@ Run: dvc repro to_maxtext@sft   (or: python -m stages.to_maxtext sft)
 
 import sys
 
-from mtpipe import commands, runner
-from mtpipe.config import load_stage
-from mtpipe.stage import (
+from mtpipe.maxtext import commands, runner
+from mtpipe.pipeline.config import load_stage
+from mtpipe.pipeline.stage import (
     ROOT, artifact, atomic_dir, digest, log_path, require, run_stage, size_mib, normalise_orbax_metadata, Timer,
     write_json, write_stamp)
 

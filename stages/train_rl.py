@@ -2,9 +2,9 @@
 
 Starts from the RL branch's SFT warm-up when it ran (rl.train_sft.steps > 0), else from the
 converted checkpoint. The rollout backend is `rl.train_rl.rollout_backend`: vllm on a TPU VM (as
-MaxText ships it), cpu_jax elsewhere (mtpipe.rollout_cpu samples with the actor in JAX).
+MaxText ships it), cpu_jax elsewhere (mtpipe.maxtext.rollout_cpu samples with the actor in JAX).
 The run directory lives in work/ or the MTPIPE_WORK_BUCKET bucket under an input-digest run name, as
-for train_sft (mtpipe.run_dir).
+for train_sft (mtpipe.maxtext.run_dir).
 Writes artifacts/rl/trained/model_params, metrics/rl/train_rl.json (reward and eval accuracy before
 and after GRPO) and plots/rl/train_rl.csv (reward per function, KL, loss per step).
 Run: dvc repro train_rl   (or: python -m stages.train_rl)
@@ -12,12 +12,14 @@ Run: dvc repro train_rl   (or: python -m stages.train_rl)
 
 from pathlib import Path
 
-from mtpipe import commands, gsm8k_chat, runner
-from mtpipe.config import load_stage
+from mtpipe.maxtext import commands, runner
+
+from mtpipe.data import gsm8k_chat
+from mtpipe.pipeline.config import load_stage
 from mtpipe.errors import ConfigError
-from mtpipe.metrics import read_tensorboard, rl_curve, rl_eval, write_csv
-from mtpipe.run_dir import run_dir
-from mtpipe.stage import (
+from mtpipe.pipeline.metrics import read_tensorboard, rl_curve, rl_eval, write_csv
+from mtpipe.maxtext.run_dir import run_dir
+from mtpipe.pipeline.stage import (
     JAX_CACHE, ROOT, artifact, atomic_dir, digest, log_path, read_stamp, run_stage, Timer, write_json, write_stamp)
 
 

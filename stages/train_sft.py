@@ -1,12 +1,12 @@
 """Stage train_sft@<branch>: supervised fine-tuning with maxtext.trainers.post_train.sft.train_sft.
 
 SFT branch: the tutorial's fine-tuning on chat data. RL branch: an optional warm-up before GRPO on
-the GSM8K rows rewritten as conversations in train_rl's own prompt format (mtpipe.gsm8k_chat);
+the GSM8K rows rewritten as conversations in train_rl's own prompt format (mtpipe.data.gsm8k_chat);
 `rl.train_sft.steps: 0` skips it and GRPO starts from the converted model.
 
 MaxText's run_name is derived from a digest of this stage's inputs (its resolved config, the
 converted checkpoint, the data), and its run directory lives where DVC does not delete it: work/, or
-the bucket MTPIPE_WORK_BUCKET names (mtpipe.run_dir). A killed run with identical inputs resumes
+the bucket MTPIPE_WORK_BUCKET names (mtpipe.maxtext.run_dir). A killed run with identical inputs resumes
 from its last checkpoint (from the bucket: on any machine), changed inputs start clean.
 On success the final model_params become the stage's output and the run directory goes.
 Writes metrics/<branch>/train_sft.json (DVC metrics) and plots/<branch>/train_sft.csv (loss plot).
@@ -16,11 +16,13 @@ Run: dvc repro train_sft@sft   (or: python -m stages.train_sft sft)
 import sys
 from pathlib import Path
 
-from mtpipe import commands, gsm8k_chat, runner
-from mtpipe.config import load_stage
-from mtpipe.metrics import loss_curve, summarize_sft, tokens_per_s_median, write_csv
-from mtpipe.run_dir import run_dir
-from mtpipe.stage import (
+from mtpipe.maxtext import commands, runner
+
+from mtpipe.data import gsm8k_chat
+from mtpipe.pipeline.config import load_stage
+from mtpipe.pipeline.metrics import loss_curve, summarize_sft, tokens_per_s_median, write_csv
+from mtpipe.maxtext.run_dir import run_dir
+from mtpipe.pipeline.stage import (
     JAX_CACHE, ROOT, artifact, atomic_dir, digest, log_path, require, run_stage, Timer, write_json, write_stamp)
 
 OUTPUT = {"sft": "trained", "rl": "warmup"}  # the SFT branch's final model; the RL branch's warm start

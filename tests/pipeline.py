@@ -92,7 +92,7 @@ def export_logit_diff(repo: Path, branch: str, maxtext_name: str, tiny: str, n_t
     import numpy as np
     import numpy_forward
 
-    from mtpipe import embedded
+    from mtpipe.data import embedded
 
     ids = np.random.default_rng(0).integers(4, embedded.TINY_VOCAB, size=n_tokens)
     ours = maxtext_forward.logits(repo / f"artifacts/{branch}/trained/model_params", maxtext_name, ids,

@@ -6,7 +6,7 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from mtpipe import config
+from mtpipe.pipeline import config
 from mtpipe.errors import ConfigError
 
 
@@ -123,7 +123,7 @@ def test_configure_stage_exit_message(tmp_path):
 
 @pytest.mark.parametrize("model", ["gemma3-tiny", "llama3.1-tiny"])
 def test_tiny_model_dims_match_the_generator(model):
-    from mtpipe import embedded
+    from mtpipe.data import embedded
 
     conf = OmegaConf.to_container(config.load_yaml(config.CONF_DIR / "model" / f"{model}.yaml"))
     assert conf["maxtext_overrides"] == embedded.MAXTEXT_OVERRIDES[model]

@@ -1,4 +1,4 @@
-"""HF -> MaxText -> HF through `python -m mtpipe.launch` keeps every text tensor bit-exact.
+"""HF -> MaxText -> HF through `python -m mtpipe.maxtext.launch` keeps every text tensor bit-exact.
 
 The slow tests run the real MaxText converters (to_maxtext with lazy, torch-free loading; then
 to_huggingface) on the tiny twins; the fast ones check the adapter and launcher on their own.
@@ -19,8 +19,9 @@ from safetensors.numpy import load_file, save_file
 
 import maxtext_forward
 import numpy_forward
-from mtpipe import embedded, maxtext_adapter
+from mtpipe.data import embedded
 
+from mtpipe.maxtext import maxtext_adapter
 ROOT = Path(__file__).resolve().parents[1]
 JAX_CACHE = ROOT / "work" / "jax_cache"
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
@@ -58,11 +59,11 @@ def to_huggingface_args(name: str, hf_dir: Path, items: Path, out: Path) -> list
 
 
 def launch(module: str, args: list[str], log: Path) -> tuple[int, float, str]:
-    """Run `python -m mtpipe.launch module args` as MaxText runs on CPU; return status, seconds, output."""
+    """Run `python -m mtpipe.maxtext.launch module args` as MaxText runs on CPU; return status, seconds, output."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "DECOUPLE_GCLOUD": "TRUE"}
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "mtpipe.launch", module, *args],
+        [sys.executable, "-m", "mtpipe.maxtext.launch", module, *args],
         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     log.write_text(proc.stdout)
@@ -167,7 +168,7 @@ def test_gemma3_mapping_kept_for_in_memory_names(tmp_path, monkeypatch):
 def test_launch_refuses_a_token_in_argv_without_echoing_it(models):
     secret = "hf_NotARealTokenButSecret123"
     args = ["model_name=gemma3-4b", f"hf_access_token={secret}", f"--hf_model_path={models / 'gemma3-tiny'}"]
-    proc = subprocess.run([sys.executable, "-m", "mtpipe.launch", maxtext_adapter.TO_MAXTEXT, *args],
+    proc = subprocess.run([sys.executable, "-m", "mtpipe.maxtext.launch", maxtext_adapter.TO_MAXTEXT, *args],
                           cwd=ROOT, capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 2
     assert "hf_access_token" in proc.stderr and "HF_TOKEN" in proc.stderr
@@ -183,7 +184,7 @@ def test_launch_refuses_a_token_in_argv_without_echoing_it(models):
     ],
 )
 def test_launch_fails_early_on_bad_conversion_args(args, message):
-    proc = subprocess.run([sys.executable, "-m", "mtpipe.launch", maxtext_adapter.TO_HUGGINGFACE, *args],
+    proc = subprocess.run([sys.executable, "-m", "mtpipe.maxtext.launch", maxtext_adapter.TO_HUGGINGFACE, *args],
                           cwd=ROOT, capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 2 and message in proc.stderr
 
@@ -192,7 +193,7 @@ def test_launch_exits_with_the_module_status(tmp_path):
     good, bad = tmp_path / "good.py", tmp_path / "bad.py"
     good.write_text("x = 1\n")
     bad.write_text("def broken(:\n")
-    run = lambda f: subprocess.run([sys.executable, "-m", "mtpipe.launch", "py_compile", str(f)], cwd=ROOT,  # noqa: E731
+    run = lambda f: subprocess.run([sys.executable, "-m", "mtpipe.maxtext.launch", "py_compile", str(f)], cwd=ROOT,  # noqa: E731
                                    capture_output=True, text=True)  # fmt: skip
     assert run(good).returncode == 0
     failed = run(bad)

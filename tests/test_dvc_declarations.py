@@ -1,7 +1,7 @@
 """dvc.yaml declares exactly what each stage reads: no hidden inputs, no spurious ones.
 
 * code: the stage script plus every project module it imports (and, for stages that run MaxText,
-  every module the child process `python -m mtpipe.launch` imports) are deps, and no other module;
+  every module the child process `python -m mtpipe.maxtext.launch` imports) are deps, and no other module;
 * config: a pipeline stage reads one resolved file, config/<branch>/<stage>.yaml, and declares it;
 * params: `configure` declares every top-level key of params.yaml (it is the only reader).
 """
@@ -13,7 +13,7 @@ import pytest
 import yaml
 from dvc.repo import Repo
 
-from mtpipe import config
+from mtpipe.pipeline import config
 
 ROOT = config.ROOT
 MAXTEXT_STAGES = {"to_maxtext", "train_sft", "train_rl", "to_huggingface"}
@@ -49,10 +49,10 @@ def test_code_deps_are_exactly_the_imported_modules(name):
     script = ROOT / "stages" / f"{script_name}.py"
     assert stage.cmd.startswith(f"exec python -m stages.{script_name}")  # exec: see docs/secrets.md
     expected = {f"stages/{script_name}.py"} | project_modules(script)
-    if script_name in MAXTEXT_STAGES:  # the child process: python -m mtpipe.launch ...
-        expected |= project_modules(ROOT / "mtpipe" / "launch.py") | {"mtpipe/launch.py"}
-    if script_name == "train_rl":  # ... or, for the cpu_jax rollout backend, python -m mtpipe.rollout_cpu
-        expected |= project_modules(ROOT / "mtpipe" / "rollout_cpu.py") | {"mtpipe/rollout_cpu.py"}
+    if script_name in MAXTEXT_STAGES:  # the child process: python -m mtpipe.maxtext.launch ...
+        expected |= project_modules(ROOT / "mtpipe" / "maxtext" / "launch.py") | {"mtpipe/maxtext/launch.py"}
+    if script_name == "train_rl":  # ... or, for the cpu_jax rollout backend, python -m mtpipe.maxtext.rollout_cpu
+        expected |= project_modules(ROOT / "mtpipe" / "maxtext" / "rollout_cpu.py") | {"mtpipe/maxtext/rollout_cpu.py"}
     declared = {d for d in deps_of(stage) if d.endswith(".py")}
     assert declared == expected, f"missing: {expected - declared}, not used: {declared - expected}"
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from mtpipe import embedded
+from mtpipe.data import embedded
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""mtpipe.hub against a Hub-compatible server on 127.0.0.1, and mtpipe.datasets_check."""
+"""mtpipe.data.hub against a Hub-compatible server on 127.0.0.1, and mtpipe.data.datasets_check."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 from huggingface_hub import HfApi, constants, snapshot_download
 from safetensors.numpy import load_file, save
 
-from mtpipe.datasets_check import check_chat_rows, check_gsm8k_rows
+from mtpipe.data.datasets_check import check_chat_rows, check_gsm8k_rows
 from mtpipe.errors import ConfigError
-from mtpipe.hub import fetch_dataset, fetch_model
+from mtpipe.data.hub import fetch_dataset, fetch_model
 from hf_server import HubServer, publish
 
 TOKEN = "hf_test_secret_0123456789"

@@ -66,8 +66,8 @@ def test_a_param_reruns_exactly_the_stages_that_read_it(pipeline_repo, change, e
     [
         ("stages/train_sft.py", {"train_sft@sft", "train_sft@rl"}),
         ("stages/to_maxtext.py", {"to_maxtext@sft", "to_maxtext@rl"}),
-        ("mtpipe/metrics.py", {"train_sft@sft", "train_sft@rl", "train_rl"}),
-        ("mtpipe/hub.py", {"hf_download@sft", "hf_download@rl"}),
+        ("mtpipe/pipeline/metrics.py", {"train_sft@sft", "train_sft@rl", "train_rl"}),
+        ("mtpipe/data/hub.py", {"hf_download@sft", "hf_download@rl"}),
     ],
 )
 def test_a_code_change_reruns_the_stages_that_run_it(pipeline_repo, path, expected):

@@ -1,7 +1,7 @@
 """Logit checks: the independent numpy forward (tests/numpy_forward.py) against itself and MaxText.
 
 Fast tests check properties of the numpy forward that do not need MaxText (causality, GQA grouping,
-the sliding-window receptive field). The slow tests take each tiny twin from mtpipe.embedded through
+the sliding-window receptive field). The slow tests take each tiny twin from mtpipe.data.embedded through
 the real converters (HF -> to_maxtext -> to_huggingface) and require
 
 * MaxText's forward of the converted checkpoint == the numpy forward of the HF source, and
@@ -22,7 +22,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import numpy_forward
-from mtpipe import embedded
+from mtpipe.data import embedded
 
 SEQ_LEN = 100  # > the tiny Gemma 3's sliding window (64), so local layers really are local
 
@@ -34,7 +34,7 @@ TWINS: dict[str, Callable[[str | os.PathLike], None]] = {
 
 @pytest.fixture(scope="module", params=sorted(TWINS))
 def twin(request, tmp_path_factory) -> tuple[str, Path]:
-    """(name, directory) of a tiny twin written by mtpipe.embedded."""
+    """(name, directory) of a tiny twin written by mtpipe.data.embedded."""
     out = tmp_path_factory.mktemp(request.param) / "hf"
     TWINS[request.param](out)
     return request.param, out

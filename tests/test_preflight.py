@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from mtpipe import commands, overrides, preflight
-from mtpipe.config import ROOT, compose
+from mtpipe.maxtext import commands, preflight
+
+from mtpipe.pipeline import overrides
+from mtpipe.pipeline.config import ROOT, compose
 from mtpipe.errors import ConfigError
 
 pytestmark = pytest.mark.preflight

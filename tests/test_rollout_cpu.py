@@ -1,4 +1,4 @@
-"""The cpu_jax rollout backend (mtpipe.rollout_cpu) for MaxText's GRPO trainer.
+"""The cpu_jax rollout backend (mtpipe.maxtext.rollout_cpu) for MaxText's GRPO trainer.
 
 Fast tests check the sampling pieces and the stand-in modules without MaxText's model. The slow ones
 build the tiny Llama 3.1 twin's MaxText model the way train_rl does (random weights, the embedded
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtpipe import rollout_cpu
+from mtpipe.maxtext import rollout_cpu
 
 RL_YML = Path(importlib.util.find_spec("maxtext").origin).parent / "configs" / "post_train" / "rl.yml"
 PROMPTS = ["Tom has 3 pens. He gets 4 more. How many pens?", "Mia has 12 coins and gives 5 away. How many are left?"]
@@ -89,7 +89,7 @@ def tiny(tmp_path_factory):
     from transformers import AutoTokenizer
     from tunix.rl.rollout import base_rollout
 
-    from mtpipe import embedded
+    from mtpipe.data import embedded
 
     root = tmp_path_factory.mktemp("tiny")
     embedded.write_llama31_tiny(root / "llama")

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from mtpipe import runner
-from mtpipe.commands import MaxTextCommand
+from mtpipe.maxtext import runner
+from mtpipe.maxtext.commands import MaxTextCommand
 
 LINE = ("I1129 completed step: 40, seconds: 0.131, TFLOP/s/device: 0.012, Tokens/s/device: 3907.5, "
         "total_weights: 512, loss: 2.103, lm_loss: 2.103, perplexity: 8.19")

@@ -1,4 +1,4 @@
-"""The config schema (mtpipe/schema.py): for each section of params.yaml, a wrong type, an out-of-range
+"""The config schema (mtpipe/pipeline/schema.py): for each section of params.yaml, a wrong type, an out-of-range
 value and an impossible combination stop `configure`, naming the key; every shipped preset passes."""
 
 import shutil
@@ -9,7 +9,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from mtpipe import config, schema
+from mtpipe.pipeline import config, schema
 from mtpipe.errors import ConfigError
 
 pytestmark = pytest.mark.vm_experiments

@@ -30,17 +30,17 @@ pytestmark = pytest.mark.secrets
 
 STAGE = re.compile(r"-m stages\.(\w+)")
 # Every MaxText entry point of the pipeline, as the runner launches it.
-MAXTEXT_CHILDREN = ("mtpipe.launch maxtext.checkpoint_conversion.to_maxtext",
-                    "mtpipe.launch maxtext.trainers.post_train.sft.train_sft",
-                    "mtpipe.rollout_cpu maxtext.trainers.post_train.rl.train_rl",
-                    "mtpipe.launch maxtext.checkpoint_conversion.to_huggingface")
+MAXTEXT_CHILDREN = ("mtpipe.maxtext.launch maxtext.checkpoint_conversion.to_maxtext",
+                    "mtpipe.maxtext.launch maxtext.trainers.post_train.sft.train_sft",
+                    "mtpipe.maxtext.rollout_cpu maxtext.trainers.post_train.rl.train_rl",
+                    "mtpipe.maxtext.launch maxtext.checkpoint_conversion.to_huggingface")
 
 
 def leaks(processes: dict) -> list[str]:
     """The samples where a process held the canary although it must not.
 
     Allowed: DVC (the user handed it the token, it hands it to hf_download), hf_download, and a
-    stage process before `mtpipe.stage.drop_hub_token` restarts it, i.e. before it started anything.
+    stage process before `mtpipe.pipeline.stage.drop_hub_token` restarts it, i.e. before it started anything.
     Never allowed: the canary in any argv; in the environment of a stage that has started a child,
     of MaxText, or of anything below it.
     """
@@ -74,7 +74,7 @@ def assert_nowhere(findings: dict, expected_children: tuple[str, ...]) -> None:
 def test_a_stage_restarts_without_the_token_unless_it_downloads(hub_token):
     """/proc/self/environ, not only os.environ: a process keeps the environment it was started with."""
     canary = "hf_canary" + secrets.token_hex(8)
-    code = ("import os; from mtpipe.stage import run_stage; run_stage(lambda: print("
+    code = ("import os; from mtpipe.pipeline.stage import run_stage; run_stage(lambda: print("
             f"open('/proc/self/environ', 'rb').read().count({canary.encode()!r}), os.environ.get('HF_TOKEN')), "
             f"hub_token={hub_token})")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
@@ -86,7 +86,7 @@ def test_only_hf_download_keeps_the_token():
     """Every stage script runs through run_stage (which drops the token); only hf_download opts out."""
     for script in sorted((ROOT / "stages").glob("*.py")):
         main = script.read_text().split('if __name__ == "__main__":')[1]
-        assert "run_stage(main" in main, f"{script.name} does not start through mtpipe.stage.run_stage"
+        assert "run_stage(main" in main, f"{script.name} does not start through mtpipe.pipeline.stage.run_stage"
         assert ("hub_token=True" in main) == (script.stem == "hf_download"), script.name
 
 

@@ -3,8 +3,8 @@
 google/gemma-3-4b-it and meta-llama/Llama-3.1-8B-Instruct are described by small fixtures
 (tests/fixtures/<model>/: the Hub's config.json and the tensor inventory of its safetensors, see
 tests/fixtures/README.md). Each goes through what `to_maxtext` and `to_huggingface` run for the
-tutorial presets (mtpipe.commands builds the arguments, mtpipe.maxtext_adapter patches MaxText as
-`mtpipe.launch` does), with MaxText's own mapping, hook and stacking functions evaluated under
+tutorial presets (mtpipe.maxtext.commands builds the arguments, mtpipe.maxtext.maxtext_adapter patches MaxText as
+`mtpipe.maxtext.launch` does), with MaxText's own mapping, hook and stacking functions evaluated under
 `jax.eval_shape`: shapes and dtypes only, nothing is allocated or downloaded. It checks that
 
 * every source tensor is read exactly once (text model; the vision tower is copied unchanged),
@@ -25,8 +25,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from mtpipe import commands, config, maxtext_adapter
+from mtpipe.maxtext import commands, maxtext_adapter
 
+
+from mtpipe.pipeline import config
 pytestmark = [pytest.mark.preflight, pytest.mark.slow]
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -1,7 +1,7 @@
 """MaxText's GRPO trainer (train_rl) on CPU with the cpu_jax rollout backend, and MaxText's rewards.
 
 The slow test runs the real `maxtext.trainers.post_train.rl.train_rl` (through
-`python -m mtpipe.rollout_cpu`) on the tiny Llama 3.1 twin converted by the real converter, for two
+`python -m mtpipe.maxtext.rollout_cpu`) on the tiny Llama 3.1 twin converted by the real converter, for two
 GRPO steps on GSM8K-format parquet files, and checks what a stage would rely on: exit status (no hang
 at exit), the actor checkpoint, changed parameters, the tensorboard scalars and the eval lines.
 """
@@ -93,8 +93,8 @@ def length_signal(prompts, completions, tmvp_config, **kwargs):
 
 @pytest.mark.slow
 def test_train_rl_runs_two_grpo_steps_on_cpu(tmp_path):
-    from mtpipe import embedded
-    from mtpipe.metrics import read_tensorboard
+    from mtpipe.data import embedded
+    from mtpipe.pipeline.metrics import read_tensorboard
 
     env = dict(os.environ, JAX_PLATFORMS="cpu", DECOUPLE_GCLOUD="TRUE", PYTHONPATH=str(REPO))
     cache = f"jax_cache_dir={REPO / 'work' / 'jax_cache'}"
@@ -102,7 +102,7 @@ def test_train_rl_runs_two_grpo_steps_on_cpu(tmp_path):
     embedded.write_gsm8k_tiny(tmp_path / "gsm8k", n_train=8, n_test=2)
     dims = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in embedded.MAXTEXT_OVERRIDES["llama3.1-tiny"].items()]
     subprocess.run(
-        [sys.executable, "-m", "mtpipe.launch", "maxtext.checkpoint_conversion.to_maxtext", f"model_name={MODEL_NAME}",
+        [sys.executable, "-m", "mtpipe.maxtext.launch", "maxtext.checkpoint_conversion.to_maxtext", f"model_name={MODEL_NAME}",
          *dims, f"base_output_directory={tmp_path / 'conv'}", "scan_layers=True", "use_multimodal=False",
          "hardware=cpu", "skip_jax_distributed_system=true", cache, f"--hf_model_path={tmp_path / 'llama'}"],
         env=env, check=True, capture_output=True, timeout=600,
@@ -120,7 +120,7 @@ def test_train_rl_runs_two_grpo_steps_on_cpu(tmp_path):
         "learning_rate=1e-3", "adam_weight_decay=0.0", f"reward_functions_path={tmp_path / 'rewards.py'}",
         "reward_functions=match_format_exactly,match_format_approximately,check_numbers,length_signal", cache,
     ]
-    run = subprocess.run([sys.executable, "-m", "mtpipe.rollout_cpu", *argv], env=env, capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-m", "mtpipe.maxtext.rollout_cpu", *argv], env=env, capture_output=True, text=True,
                          timeout=900)
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-4000:]

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from mtpipe import commands, config
+from mtpipe.maxtext import commands
 
+
+from mtpipe.pipeline import config
 TUTORIAL_TO_MAXTEXT = """python3 -m maxtext.checkpoint_conversion.to_maxtext model_name="${MODEL_NAME}" \
   hf_access_token="${HF_TOKEN}" base_output_directory="${MODEL_CHECKPOINT_DIRECTORY}" \
   scan_layers=True use_multimodal=False hardware=cpu skip_jax_distributed_system=true \
@@ -163,7 +165,7 @@ def test_train_rl_matches_tutorial():
     cmd = rl_command(cfgs["train_rl"])
     compare("train_rl", TUTORIAL_TRAIN_RL, cmd)
     assert cmd.env == TUTORIAL_ENV
-    assert cmd.launcher == "mtpipe.launch", "the tutorial preset keeps MaxText's vLLM rollout"
+    assert cmd.launcher == "mtpipe.maxtext.launch", "the tutorial preset keeps MaxText's vLLM rollout"
     assert cfgs["train_sft"].train_sft.steps == 0, "the tutorial has no SFT warm-up"
 
 
@@ -175,8 +177,8 @@ def test_rl_export_uses_the_base_model_name():
 
 def test_embedded_rl_uses_the_cpu_rollout_backend():
     cmd = rl_command(config.stage_view(config.compose("rl", config.load_params()), "train_rl"))
-    assert cmd.launcher == "mtpipe.rollout_cpu"
-    assert cmd.argv()[1:4] == ["-m", "mtpipe.rollout_cpu", commands.TRAIN_RL]
+    assert cmd.launcher == "mtpipe.maxtext.rollout_cpu"
+    assert cmd.argv()[1:4] == ["-m", "mtpipe.maxtext.rollout_cpu", commands.TRAIN_RL]
 
 
 @pytest.mark.parametrize("branch", ["sft", "rl"])

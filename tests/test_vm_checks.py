@@ -1,4 +1,4 @@
-"""The checks before spending (mtpipe/vm_checks.py): each fails before anything billable is created.
+"""The checks before spending (mtpipe/cloud/vm_checks.py): each fails before anything billable is created.
 
 `doit vm_up` / `doit vm_run` run in process against the fake Compute API, with the GCS emulator as
 the DVC remote and the loopback Hub for gated models. Every failing check is asserted to stop the
@@ -24,8 +24,10 @@ from fake_compute import FakeCompute, Reservation, running_fake
 from gcs_emulator import GCS_TEST_ENV, GcsEmulator, gcs_emulator  # noqa: F401 (a fixture)
 from hf_server import HubServer
 
-from mtpipe import gcp, preflight, vm, vm_checks
-from mtpipe.config import load_yaml
+from mtpipe.cloud import gcp, vm, vm_checks
+
+from mtpipe.maxtext import preflight
+from mtpipe.pipeline.config import load_yaml
 from mtpipe.errors import ConfigError
 
 pytestmark = pytest.mark.vm_experiments

@@ -22,7 +22,7 @@ import pytest
 from doit.doit_cmd import DoitMain
 from fake_compute import FakeCompute, running_fake
 
-from mtpipe import gcp, vm
+from mtpipe.cloud import gcp, vm
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = {"PROJECT": "proj-1", "ZONE": "us-east5-b", "RESERVATION": "v6e-res", "NAME": "mt-test"}

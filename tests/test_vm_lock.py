@@ -1,6 +1,6 @@
 """The TPU VM's environment: one hash-pinned lock, resolved here, installed by the real setup commands.
 
-`doit vm_setup` runs conf/vm.yaml's `setup.commands` on the VM (mtpipe.vm.setup_script). The slow
+`doit vm_setup` runs conf/vm.yaml's `setup.commands` on the VM (mtpipe.cloud.vm.setup_script). The slow
 test runs that same script on this machine, in a scratch HOME, so a typo or a broken pin fails here
 and not on a VM that bills by the hour. Three commands cannot run here and are replaced, by name, with
 shell functions defined before the script (the script itself is unchanged):
@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from mtpipe import vm, vm_lock
+from mtpipe.cloud import vm, vm_lock
 
 ROOT = Path(__file__).resolve().parents[1]
 

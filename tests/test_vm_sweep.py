@@ -29,7 +29,7 @@ from test_vm_cycle import (  # noqa: F401 (local_env is a fixture)
     loopback_world,
 )
 
-from mtpipe import vm
+from mtpipe.cloud import vm
 from mtpipe.errors import ConfigError
 
 pytestmark = pytest.mark.preemption

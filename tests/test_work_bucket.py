@@ -1,4 +1,4 @@
-"""Training state in a work bucket (issue 11, mtpipe/run_dir.py): a killed training stage resumes on
+"""Training state in a work bucket (issue 11, mtpipe/maxtext/run_dir.py): a killed training stage resumes on
 another machine from the bucket's latest complete checkpoint.
 
 The patched GCS emulator (tests/gcs_emulator.py) is the bucket for every client a stage has:
@@ -28,8 +28,8 @@ from omegaconf import OmegaConf
 from gcs_emulator import GcsEmulator, gcs_emulator  # noqa: F401 (gcs_emulator is a fixture)
 
 from conftest import restore
-from mtpipe import config
-from mtpipe import run_dir as rd
+from mtpipe.pipeline import config
+from mtpipe.maxtext import run_dir as rd
 from mtpipe.errors import ConfigError
 from pipeline import ROOT, dvc, env, git
 
@@ -153,7 +153,7 @@ def test_a_bad_work_bucket_stops_the_stage_before_maxtext(pipeline_repo):
     assert proc.returncode != 0
     assert ("train_sft: MTPIPE_WORK_BUCKET: 'my-bucket/work' is not a gs://BUCKET[/PREFIX] URL. "
             f"Fix: export {rd.WORK_BUCKET_ENV}=gs://") in proc.stderr, proc.stderr[-3000:]
-    assert "mtpipe.launch" not in proc.stdout, proc.stdout  # MaxText never started
+    assert "mtpipe.maxtext.launch" not in proc.stdout, proc.stdout  # MaxText never started
 
 
 # ------------------------------------------------------------- killed here, resumed elsewhere

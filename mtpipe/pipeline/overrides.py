@@ -13,7 +13,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from mtpipe.config import load_params
+from mtpipe.pipeline.config import load_params
 from mtpipe.errors import ConfigError
 
 

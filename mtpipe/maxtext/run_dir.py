@@ -1,7 +1,7 @@
 """Where a training stage keeps MaxText's run directory: this machine's ``work/``, or a GCS bucket.
 
 MaxText resumes a run by its name: it restores the latest complete checkpoint under
-``<base_output_directory>/<run_name>/checkpoints``. Run names are input digests (mtpipe.stage), so
+``<base_output_directory>/<run_name>/checkpoints``. Run names are input digests (mtpipe.pipeline.stage), so
 the same inputs find the same run directory. By default it is ``work/<stage>/<run_name>``: a killed
 stage resumes on the same machine. With ``MTPIPE_WORK_BUCKET=gs://BUCKET[/PREFIX]`` it is
 ``gs://BUCKET/PREFIX/<stage>/<run_name>``: a stage started with the same inputs on any machine (a
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mtpipe.errors import ConfigError
-from mtpipe.stage import COMMIT_MARKER, WORK, latest_checkpoint, normalise_orbax_metadata
+from mtpipe.pipeline.stage import COMMIT_MARKER, WORK, latest_checkpoint, normalise_orbax_metadata
 
 if TYPE_CHECKING:
     import gcsfs
@@ -103,7 +103,7 @@ class RunDir:
 
     def take(self, path: str, dest: Path) -> None:
         """Move (local) or download (bucket) ``<run dir>/<path>`` to ``dest``, the same bytes wherever
-        the run directory was (:func:`mtpipe.stage.normalise_orbax_metadata`)."""
+        the run directory was (:func:`mtpipe.pipeline.stage.normalise_orbax_metadata`)."""
         if self.in_bucket:
             gcs().get(f"{self.url}/{path}", str(dest), recursive=True)
         else:

@@ -3,7 +3,7 @@
 A branch (``sft`` or ``rl``) names a preset in ``conf/preset/``. The preset composes a model, a
 dataset and a hardware preset (its ``defaults:`` mapping) and holds one section per stage. Values in
 ``params.yaml`` override the preset; ``null`` there keeps the preset's value. Every key is checked
-against the typed schema in :mod:`mtpipe.schema` (type, range, combinations).
+against the typed schema in :mod:`mtpipe.pipeline.schema` (type, range, combinations).
 
 The ``configure`` stage resolves everything and writes ``config/<branch>/<stage>.yaml``: exactly what
 that stage reads, nothing more. Each pipeline stage depends on its own file, so DVC reruns a stage
@@ -20,10 +20,10 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from mtpipe import schema
+from mtpipe.pipeline import schema
 from mtpipe.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = ROOT / "conf"
 RESOLVED_DIR = ROOT / "config"
 
@@ -72,7 +72,7 @@ def _load_named(group: str, name: Any, key: str) -> DictConfig:
 def compose(branch: str, params: DictConfig) -> DictConfig:
     """Compose one branch: its preset's parts, the preset, then non-null params overrides; then check it.
 
-    params.yaml is checked against the schema (mtpipe/schema.py) before the merge, the composed
+    params.yaml is checked against the schema (mtpipe/pipeline/schema.py) before the merge, the composed
     branch after it, so every error names the key and says where to fix it.
     """
     if branch not in params or not isinstance(params[branch], DictConfig):

@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mtpipe.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG_ENV = "MTPIPE_VM_CONFIG"
 ENV_KEYS = {"project": "PROJECT", "zone": "ZONE", "reservation": "RESERVATION", "name": "NAME"}
 STATE_FILE = ".vm_state.json"

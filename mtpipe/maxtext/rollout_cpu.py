@@ -10,7 +10,7 @@ imported, and changes nothing else:
   a tunix `BaseRollout` that samples with the MaxText actor model itself, in JAX.
 
 The rest of MaxText and tunix (config, model load, data, rewards, GrpoLearner, eval, checkpoints)
-runs unmodified. `run_train_rl(argv)` is the entry point (`python -m mtpipe.rollout_cpu
+runs unmodified. `run_train_rl(argv)` is the entry point (`python -m mtpipe.maxtext.rollout_cpu
 [maxtext.trainers.post_train.rl.train_rl] key=value ...`): it installs the backend, runs train_rl's
 `main`, and leaves with `os._exit`, because the math-verify process pool hangs a normal interpreter
 exit.
@@ -403,7 +403,7 @@ def install() -> None:
   adapter.__doc__ = "mtpipe stand-in: the cpu_jax rollout registers no vLLM model."
   adapter.register = lambda config=None: None
   rollout = types.ModuleType(ROLLOUT_MODULE)
-  rollout.__doc__ = "mtpipe stand-in: MaxTextVllmRollout is mtpipe.rollout_cpu.CpuJaxRollout."
+  rollout.__doc__ = "mtpipe stand-in: MaxTextVllmRollout is mtpipe.maxtext.rollout_cpu.CpuJaxRollout."
   rollout.MaxTextVllmRollout = CpuJaxRollout
   parent = importlib.import_module(PARENT_PACKAGE)  # its __init__ imports nothing from vLLM
   for name, module in ((ADAPTER_MODULE, adapter), (ROLLOUT_MODULE, rollout)):
@@ -439,10 +439,10 @@ def run_train_rl(argv: Sequence[str]) -> NoReturn:
 
 
 if __name__ == "__main__":
-  # `python -m mtpipe.rollout_cpu [maxtext.trainers.post_train.rl.train_rl] <train_rl arguments>`
+  # `python -m mtpipe.maxtext.rollout_cpu [maxtext.trainers.post_train.rl.train_rl] <train_rl arguments>`
   _args = sys.argv[1:]
   _args = _args[1:] if _args[:1] == [TRAIN_RL_MODULE] else _args
-  from mtpipe.maxtext_adapter import apply  # pylint: disable=import-outside-toplevel
+  from mtpipe.maxtext.maxtext_adapter import apply  # pylint: disable=import-outside-toplevel
 
   apply(TRAIN_RL_MODULE, _args)  # no token in argv; tunix saves with MaxText's storage flags
   run_train_rl(_args)

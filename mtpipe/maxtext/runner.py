@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from mtpipe.commands import MaxTextCommand
-from mtpipe.stage import HUB_TOKEN_ENV
+from mtpipe.maxtext.commands import MaxTextCommand
+from mtpipe.pipeline.stage import HUB_TOKEN_ENV
 
 STEP_LINE = re.compile(r"completed step: (?P<step>\d+), seconds: (?P<sec>[\d.]+)"
                        r"(?:.*?Tokens/s/device: (?P<tps>[\d.]+))?.*?loss: (?P<loss>[\d.naif-]+)")

@@ -22,9 +22,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from mtpipe import config, hub, overrides
+from mtpipe.pipeline import config, overrides
+
+from mtpipe.data import hub
 from mtpipe.errors import ConfigError
-from mtpipe.gcp import Compute
+from mtpipe.cloud.gcp import Compute
 
 
 def before_spending(cfg: DictConfig, compute: Compute, root: Path,

@@ -22,7 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from mtpipe.config import ROOT
+from mtpipe.pipeline.config import ROOT
 from mtpipe.errors import ConfigError
 
 WORK = ROOT / "work"                # untracked: MaxText run dirs (resume), logs, JAX compile cache

@@ -1,9 +1,9 @@
 """Child-process entry: patch MaxText, run one of its modules as __main__, exit with its status.
 
-    python -m mtpipe.launch maxtext.checkpoint_conversion.to_maxtext model_name=... --hf_model_path=...
+    python -m mtpipe.maxtext.launch maxtext.checkpoint_conversion.to_maxtext model_name=... --hf_model_path=...
 
 Arguments after the module name are passed to it unchanged (as its sys.argv[1:]). Nothing here
-prints argv; secrets come from the environment only (see mtpipe.maxtext_adapter.reject_secrets).
+prints argv; secrets come from the environment only (see mtpipe.maxtext.maxtext_adapter.reject_secrets).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import runpy
 import sys
 
-from mtpipe import maxtext_adapter
+from mtpipe.maxtext import maxtext_adapter
 
 
 def _exit_status(code: object) -> int:
@@ -38,13 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     """Apply the adapter's patches, run the module, then the adapter's post-processing if it succeeded."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-"):
-        print("usage: python -m mtpipe.launch <maxtext.module> [args...]", file=sys.stderr)
+        print("usage: python -m mtpipe.maxtext.launch <maxtext.module> [args...]", file=sys.stderr)
         return 2
     module, args = argv[0], argv[1:]
     try:
         finish = maxtext_adapter.apply(module, args)
     except maxtext_adapter.AdapterError as exc:
-        print(f"mtpipe.launch: error: {exc}", file=sys.stderr)
+        print(f"mtpipe.maxtext.launch: error: {exc}", file=sys.stderr)
         return 2
     status = run_module(module, args)
     if status == 0:

@@ -71,7 +71,7 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 
 def read_tensorboard(log_dir: Path | str) -> dict[str, list[tuple[int, float]]]:
     """tag -> [(step, value)] from the tensorboard event files under ``log_dir`` (tunix's logger),
-    a local directory or a gs:// URL (a run directory in the work bucket, mtpipe.run_dir)."""
+    a local directory or a gs:// URL (a run directory in the work bucket, mtpipe.maxtext.run_dir)."""
     import struct
 
     from fsspec.core import url_to_fs

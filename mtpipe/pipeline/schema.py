@@ -86,7 +86,7 @@ class Source:
     revision: Optional[CommitSha] = None   # kind: hub; branch and tag names move
     path: Optional[str] = None             # kind: local
     allow_patterns: Optional[list[str]] = None
-    splits: Optional[Union[str, list[str]]] = None  # datasets without allow_patterns (mtpipe.hub)
+    splits: Optional[Union[str, list[str]]] = None  # datasets without allow_patterns (mtpipe.data.hub)
     subset: Optional[str] = None
 
 
@@ -161,7 +161,7 @@ class WarmupTrainSft(TrainSft):
 
 @dataclass
 class TrainRl:
-    rollout_backend: Literal["cpu_jax", "vllm"]  # vllm: MaxText's (TPU); cpu_jax: mtpipe.rollout_cpu
+    rollout_backend: Literal["cpu_jax", "vllm"]  # vllm: MaxText's (TPU); cpu_jax: mtpipe.maxtext.rollout_cpu
     chips_per_vm: PositiveInt
     num_batches: PositiveInt
     num_test_batches: PositiveInt

@@ -30,7 +30,7 @@ class MaxTextCommand:
     module: str
     args: list[str]
     env: dict[str, str] = field(default_factory=dict)
-    launcher: str = "mtpipe.launch"  # applies mtpipe.maxtext_adapter; train_rl on CPU: mtpipe.rollout_cpu
+    launcher: str = "mtpipe.maxtext.launch"  # applies mtpipe.maxtext.maxtext_adapter; train_rl on CPU: mtpipe.maxtext.rollout_cpu
 
     def argv(self) -> list[str]:
         """The child process: ``python -m <launcher> <module> <args>``."""
@@ -168,7 +168,7 @@ def train_rl(
         *kv(cfg.model.maxtext_overrides),
         *kv(t.extra_args),
     ]
-    launcher = {"cpu_jax": "mtpipe.rollout_cpu", "vllm": "mtpipe.launch"}[t.rollout_backend]
+    launcher = {"cpu_jax": "mtpipe.maxtext.rollout_cpu", "vllm": "mtpipe.maxtext.launch"}[t.rollout_backend]
     return MaxTextCommand(TRAIN_RL, args, env=dict(cfg.hardware.env), launcher=launcher)
 
 

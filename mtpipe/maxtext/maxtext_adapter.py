@@ -1,8 +1,8 @@
 """Every patch MaxText 0.2.5 needs, in one place (see docs/maxtext-adapter.md).
 
-``mtpipe.launch`` calls :func:`apply` in the child process, before it runs the MaxText module.
+``mtpipe.maxtext.launch`` calls :func:`apply` in the child process, before it runs the MaxText module.
 The same code serves the real checkpoints (google/gemma-3-4b-it, Llama 3.1 8B) and their tiny
-twins from ``mtpipe.embedded``: every patch is driven by the source checkpoint on disk.
+twins from ``mtpipe.data.embedded``: every patch is driven by the source checkpoint on disk.
 
 Patches, for ``maxtext.checkpoint_conversion.to_maxtext`` and ``.to_huggingface``:
 

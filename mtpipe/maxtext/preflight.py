@@ -5,13 +5,13 @@ Answered on the laptop CPU, with no TPU and no network, before any VM exists:
 * **Compiled** (exact): MaxText's own cross-compilation (``maxtext.trainers.pre_train.train_compile``)
   compiles the training step for the hardware preset's TPU topology (``TPU_ACCELERATOR_TYPE``, e.g.
   v6e-8) with the model, batch, sequence length, dtypes and remat settings of the stage's own
-  command line (:mod:`mtpipe.commands`, from the composed config). XLA's memory analysis gives the
+  command line (:mod:`mtpipe.maxtext.commands`, from the composed config). XLA's memory analysis gives the
   HBM per chip of the train state (params + optimizer state) and of the step's temporaries.
 * **Estimated** (stated formulas): the FLOPs per step (MaxText's own
   ``calculate_tflops_training_per_device``, the number its MFU logging uses; XLA's cost analysis
   counts a scanned layer block once, not once per layer), step and run time at :data:`MFU`, and for
   GRPO the reference model, the rollout engine's weights and KV cache, and the rollout time.
-* The compile runs in a child process (``python -m mtpipe.preflight --compile``), cached in
+* The compile runs in a child process (``python -m mtpipe.maxtext.preflight --compile``), cached in
   ``work/preflight/<digest>.json`` by the digest of its command line and the MaxText/JAX/libtpu
   versions: an unchanged preflight costs nothing the second time.
 
@@ -36,10 +36,12 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from mtpipe import commands, overrides
-from mtpipe.config import BRANCH_STAGES, ROOT, compose
+from mtpipe.maxtext import commands
+
+from mtpipe.pipeline import overrides
+from mtpipe.pipeline.config import BRANCH_STAGES, ROOT, compose
 from mtpipe.errors import ConfigError
-from mtpipe.runner import child_env
+from mtpipe.maxtext.runner import child_env
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,7 @@ def chip_of(topo: str, branch: str, hardware: str) -> tuple[Chip, int]:
     generation, _, count = topo.partition("-")
     if generation not in CHIPS or not count.isdigit():
         raise ConfigError(f"{branch}.hardware", f"preflight knows no TPU {topo!r} (conf/hardware/{hardware}.yaml)",
-                          f"use one of {sorted(CHIPS)}-<chips>, or add its specs to mtpipe/preflight.py CHIPS")
+                          f"use one of {sorted(CHIPS)}-<chips>, or add its specs to mtpipe/maxtext/preflight.py CHIPS")
     return CHIPS[generation], int(count)
 
 
@@ -147,7 +149,7 @@ def compile_step(module: str, args: list[str], work: Path, log: Path) -> dict[st
     env = child_env({"JAX_PLATFORMS": "cpu", "DECOUPLE_GCLOUD": "TRUE", "ALLOW_MULTIPLE_LIBTPU_LOAD": "true"})
     with tempfile.TemporaryDirectory(dir=work) as tmp:
         out = Path(tmp) / "result.json"
-        argv = [sys.executable, "-m", "mtpipe.preflight", "--compile", str(out), module,
+        argv = [sys.executable, "-m", "mtpipe.maxtext.preflight", "--compile", str(out), module,
                 *args, f"base_output_directory={tmp}"]
         with open(log, "w", encoding="utf8") as log_file:
             log_file.write(f"$ {' '.join(argv)}\n")
@@ -168,7 +170,7 @@ def compile_step(module: str, args: list[str], work: Path, log: Path) -> dict[st
 
 def price_per_hour() -> float:
     """The VM price conf/vm.yaml (or $MTPIPE_VM_CONFIG) states for its `provisioning` mode."""
-    from mtpipe import vm  # late: vm imports asyncssh, only needed for this number
+    from mtpipe.cloud import vm  # late: vm imports asyncssh, only needed for this number
     return vm.price_per_hour(vm.load_config())
 
 
@@ -415,5 +417,5 @@ def _child(out: Path, module: str, args: list[str]) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) < 4 or sys.argv[1] != "--compile":
-        sys.exit("usage: python -m mtpipe.preflight --compile OUT.json <maxtext trainer module> key=value ...")
+        sys.exit("usage: python -m mtpipe.maxtext.preflight --compile OUT.json <maxtext trainer module> key=value ...")
     sys.exit(_child(Path(sys.argv[2]), sys.argv[3], sys.argv[4:]))
