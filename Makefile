@@ -4,6 +4,8 @@
 
 SHELL := /bin/bash
 VENV := .venv
+# uv installs the lock in under a minute, where pip took 10 minutes and more
+UV_VERSION := 0.13.9
 BIN := $(CURDIR)/$(VENV)/bin
 # Python 3.12 (MaxText needs >= 3.12): a working python3.12 on PATH, else pyenv's, else say how to get one.
 PY312 := $(shell for p in python3.12 $$(pyenv root 2>/dev/null)/versions/3.12*/bin/python; do \
@@ -17,7 +19,8 @@ export NO_GCE_CHECK := true
 $(VENV)/.installed: requirements.lock pyproject.toml
 	@test -n "$(PY312)" || { echo "Python 3.12 not found: install it (e.g. 'uv python install 3.12' or 'pyenv install 3.12')" >&2; exit 1; }
 	@test -x $(BIN)/python || $(PY312) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --no-deps -r requirements.lock
+	$(BIN)/python -m pip install --quiet uv==$(UV_VERSION)
+	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps -r requirements.lock
 	$(BIN)/python -m pip check
 	@touch $@
 

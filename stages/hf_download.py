@@ -14,8 +14,8 @@ import sys
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")  # before huggingface_hub is imported
 
 from mtpipe.data import datasets_check, hub
-from mtpipe.pipeline.config import load_stage
 from mtpipe.errors import ConfigError
+from mtpipe.pipeline.config import load_stage
 from mtpipe.pipeline.stage import artifact, atomic_dir, digest, run_stage, write_stamp
 
 

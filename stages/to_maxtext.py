@@ -10,9 +10,8 @@ import sys
 
 from mtpipe.maxtext import commands, runner
 from mtpipe.pipeline.config import load_stage
-from mtpipe.pipeline.stage import (
-    ROOT, artifact, atomic_dir, digest, log_path, require, run_stage, size_mib, normalise_orbax_metadata, Timer,
-    write_json, write_stamp)
+from mtpipe.pipeline.stage import (ROOT, Timer, artifact, atomic_dir, digest, log_path, normalise_orbax_metadata,
+                                   require, run_stage, size_mib, write_json, write_stamp)
 
 
 def main(branch: str) -> None:

@@ -12,15 +12,15 @@ Run: dvc repro train_rl   (or: python -m stages.train_rl)
 
 from pathlib import Path
 
-from mtpipe.maxtext import commands, runner
-
 from mtpipe.data import gsm8k_chat
-from mtpipe.pipeline.config import load_stage
 from mtpipe.errors import ConfigError
-from mtpipe.pipeline.metrics import read_tensorboard, rl_curve, rl_eval, write_csv
+from mtpipe.maxtext import commands
 from mtpipe.maxtext.run_dir import run_dir
-from mtpipe.pipeline.stage import (
-    JAX_CACHE, ROOT, artifact, atomic_dir, digest, log_path, read_stamp, run_stage, Timer, write_json, write_stamp)
+from mtpipe.pipeline.backend import run_training
+from mtpipe.pipeline.config import load_stage
+from mtpipe.pipeline.metrics import read_tensorboard, rl_curve, rl_eval, write_csv
+from mtpipe.pipeline.stage import (JAX_CACHE, ROOT, Timer, artifact, atomic_dir, digest, log_path, read_stamp,
+                                   run_stage, write_json, write_stamp)
 
 
 def check_rollout_backend(backend: str) -> None:
@@ -69,7 +69,7 @@ def main() -> None:
         tokenizer_dir=model / "files", base_output=run.base, run_name=run.run_name, jax_cache_dir=JAX_CACHE,
     )
     print(f"  GRPO from {'the SFT warm-up' if start.parent == warmup else 'the converted model'}")
-    runner.run(cmd, log_path("rl", "train_rl"), total_steps=cfg.train_rl.num_batches)
+    run_training(cfg, cmd, log_path("rl", "train_rl"), total_steps=cfg.train_rl.num_batches)
 
     final_step = run.latest_checkpoint("checkpoints/actor")
     if final_step is None or final_step < cfg.train_rl.num_batches:

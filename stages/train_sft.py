@@ -16,14 +16,14 @@ Run: dvc repro train_sft@sft   (or: python -m stages.train_sft sft)
 import sys
 from pathlib import Path
 
-from mtpipe.maxtext import commands, runner
-
 from mtpipe.data import gsm8k_chat
+from mtpipe.maxtext import commands
+from mtpipe.maxtext.run_dir import run_dir
+from mtpipe.pipeline.backend import run_training
 from mtpipe.pipeline.config import load_stage
 from mtpipe.pipeline.metrics import loss_curve, summarize_sft, tokens_per_s_median, write_csv
-from mtpipe.maxtext.run_dir import run_dir
-from mtpipe.pipeline.stage import (
-    JAX_CACHE, ROOT, artifact, atomic_dir, digest, log_path, require, run_stage, Timer, write_json, write_stamp)
+from mtpipe.pipeline.stage import (JAX_CACHE, ROOT, Timer, artifact, atomic_dir, digest, log_path, require, run_stage,
+                                   write_json, write_stamp)
 
 OUTPUT = {"sft": "trained", "rl": "warmup"}  # the SFT branch's final model; the RL branch's warm start
 
@@ -69,7 +69,7 @@ def main(branch: str) -> None:
         jax_cache_dir=JAX_CACHE,
     )
     with run.mirrored(metrics_file):
-        runner.run(cmd, log_path(branch, "train_sft"), total_steps=cfg.train_sft.steps)
+        run_training(cfg, cmd, log_path(branch, "train_sft"), total_steps=cfg.train_sft.steps)
 
     final_step = run.latest_checkpoint()
     if final_step is None or final_step < cfg.train_sft.steps - 1:

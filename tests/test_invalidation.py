@@ -93,35 +93,35 @@ def test_exp_run_steps_as_typed_reruns_only_training_and_export(pipeline_repo):
 
 
 def test_killed_training_resumes_from_its_checkpoint(pipeline_repo):
-    """SIGKILL train_sft (and DVC) right after its step-50 checkpoint; no output is left that DVC
-    would cache; the rerun restores step 50 (MaxText's log starts at step 51, not 1)."""
+    """SIGKILL train_sft (and DVC) right after its step-10 checkpoint; no output is left that DVC
+    would cache; the rerun restores step 10 (MaxText's log starts at step 11, not 1)."""
     log = pipeline_repo / "work/logs/sft/train_sft.log"
     try:
-        edit_params(pipeline_repo, lambda p: p.update(steps=200))
+        edit_params(pipeline_repo, lambda p: (p.update(steps=30), p["sft"]["train_sft"].update(checkpoint_period=10)))
         log.write_text("")
         shutil.rmtree(pipeline_repo / "work/train_sft", ignore_errors=True)
         proc = subprocess.Popen(["dvc", "repro", "--no-run-cache", "train_sft@sft"], cwd=pipeline_repo, env=env(),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 900
-        pattern = "*/checkpoints/50/model_params/commit_success.txt"
+        pattern = "*/checkpoints/10/model_params/commit_success.txt"
         while time.monotonic() < deadline and proc.poll() is None:
             if next((pipeline_repo / "work/train_sft").glob(pattern), None):
                 break
             time.sleep(0.1)
-        assert proc.poll() is None, "training ended before its step-50 checkpoint could be interrupted"
+        assert proc.poll() is None, "training ended before its step-10 checkpoint could be interrupted"
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         killed_log = log.read_text()
-        assert "completed step: 200," not in killed_log
+        assert "completed step: 30," not in killed_log
         assert not (pipeline_repo / "artifacts/sft/trained").exists()
         assert "train_sft@sft" in stale(pipeline_repo)
 
         out = dvc(pipeline_repo, "repro", "--no-run-cache", "train_sft@sft").stdout
-        assert "checkpoint at step 50" in out, out
+        assert "checkpoint at step 10" in out, out
         resumed = log.read_text()[len(killed_log):]
         steps = [int(n) for n in re.findall(r"completed step: (\d+),", resumed)]
-        assert steps[0] == 51 and steps[-1] == 200, steps[:3]
-        assert json.loads((pipeline_repo / "metrics/sft/train_sft.json").read_text())["resumed_from_step"] == 50
+        assert steps[0] == 11 and steps[-1] == 30, steps[:3]
+        assert json.loads((pipeline_repo / "metrics/sft/train_sft.json").read_text())["resumed_from_step"] == 10
     finally:
         restore(pipeline_repo)
 

@@ -1,6 +1,8 @@
 """The runner: progress lines from MaxText's log, secrets redacted, failures loud."""
 
+import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,3 +42,33 @@ def test_a_failing_tool_fails_the_stage(tmp_path, monkeypatch):
     with pytest.raises(runner.MaxTextFailed, match="exited with 3"):
         runner.run(MaxTextCommand("fake", []), tmp_path / "log.txt")
     assert "# exit 3" in Path(tmp_path / "log.txt").read_text()
+
+
+@pytest.mark.multihost
+def test_processes_get_the_jobset_environment_and_one_failure_stops_all(tmp_path, monkeypatch):
+    """Two processes: each gets its index as a GKE JobSet gives it; when process 1 dies, process 0
+    (which would otherwise wait for it forever) is stopped and the run fails naming process 1."""
+    script = tmp_path / "two.py"
+    script.write_text("import os, sys, time\n"
+                      "i = os.environ['JOB_COMPLETION_INDEX']\n"
+                      "print('index', i, 'of', os.environ['JAX_PROCESS_COUNT'], os.environ['JAX_COORDINATOR_ADDRESS'])\n"
+                      "sys.stdout.flush()\n"
+                      "if i == '1':\n    time.sleep(1); sys.exit(9)\n"
+                      "time.sleep(600)\n")
+    monkeypatch.setattr(MaxTextCommand, "argv", lambda self: [sys.executable, str(script)])
+    start = time.monotonic()
+    with pytest.raises(runner.MaxTextFailed, match=r"process 1 of 2 exited with 9; full log: .*train\.process1\.log"):
+        runner.run(MaxTextCommand("fake", []), tmp_path / "train.log", processes=2)
+    assert time.monotonic() - start < 60, "process 0 was not stopped"
+    log0, log1 = (tmp_path / "train.log").read_text(), (tmp_path / "train.process1.log").read_text()
+    assert "index 0 of 2 127.0.0.1" in log0 and "# exit -15" in log0
+    assert "index 1 of 2 127.0.0.1" in log1 and "# exit 9" in log1
+
+
+@pytest.mark.multihost
+def test_a_taken_coordinator_port_fails_before_starting(tmp_path, monkeypatch):
+    monkeypatch.setattr(MaxTextCommand, "argv", lambda self: pytest.fail("started a process"))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", runner.COORDINATOR_PORT))
+        with pytest.raises(runner.MaxTextFailed, match="port 1234 on 127.0.0.1 is taken"):
+            runner.run(MaxTextCommand("fake", []), tmp_path / "log.txt", processes=2)

@@ -163,7 +163,10 @@ def loopback_world(tmp_path: Path, repo: Path, local_env: dict[str, str]) -> Ite
         config.write_text(yaml.safe_dump({
             "ssh": {"port": sshd.port, "key_file": str(tmp_path / "keys" / "id"), "ready_timeout_s": 10,
                     "connect_timeout_s": 5},
+            # the VM keeps its XLA compile cache in work/ across runs; here it is the checkout's, warm
             "setup": {"files": [], "commands": [f'ln -sfn {ROOT / ".venv"} "$HOME/venv"',
+                                   'mkdir -p "$HOME/mtpipe/work"',
+                                   f'ln -sfn {ROOT / "work" / "jax_cache"} "$HOME/mtpipe/work/jax_cache"',
                                    'echo ran >> "$HOME/setup-count"']},
             # a sampler records the argv of every process of the remote session while the pipeline runs
             "run": {"command": 'SID=$(ps -o sid= -p $$ | tr -d " "); '

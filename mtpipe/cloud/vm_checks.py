@@ -22,11 +22,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from mtpipe.pipeline import config, overrides
-
+from mtpipe.cloud.gcp import Compute
 from mtpipe.data import hub
 from mtpipe.errors import ConfigError
-from mtpipe.cloud.gcp import Compute
+from mtpipe.pipeline import config, overrides
 
 
 def before_spending(cfg: DictConfig, compute: Compute, root: Path,

@@ -133,9 +133,8 @@ def _table_keys(model_name: str) -> list[str]:
 
 def use_source_config(model_name: str, hf_dir: Path) -> None:
     """Patch 1: MaxText's hard-coded HF config for `model_name` becomes the source's config.json."""
-    from transformers import AutoConfig
-
     from maxtext.checkpoint_conversion.utils.hf_model_configs import HF_MODEL_CONFIGS
+    from transformers import AutoConfig
 
     source = AutoConfig.from_pretrained(hf_dir)
     for key in _table_keys(model_name):
@@ -147,9 +146,8 @@ def accept_padded_vocabulary(hf_dir: Path) -> dict[str, int]:
 
     Returns a dict that gets ``{"maxtext_vocab": n}`` when that happened (for :func:`restore_padded_rows`).
     """
-    from transformers import AutoConfig
-
     from maxtext.configs import pyconfig
+    from transformers import AutoConfig
 
     source = AutoConfig.from_pretrained(hf_dir)
     source_vocab = getattr(source, "text_config", source).vocab_size

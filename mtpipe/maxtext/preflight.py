@@ -36,12 +36,11 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from mtpipe.errors import ConfigError
 from mtpipe.maxtext import commands
-
+from mtpipe.maxtext.runner import child_env
 from mtpipe.pipeline import overrides
 from mtpipe.pipeline.config import BRANCH_STAGES, ROOT, compose
-from mtpipe.errors import ConfigError
-from mtpipe.maxtext.runner import child_env
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Run a MaxText command in a child process: full log to a file, progress to the console.
+"""Run a MaxText command in child processes (one, or several JAX processes as the hosts of a slice):
+full logs to files, progress to the console.
 
 The console shows one line per training step that MaxText reports (step, loss, tokens/s, ETA) and
 the tail of the log if the command fails. The child never gets a Hub token (``HF_TOKEN``): only
@@ -14,7 +15,9 @@ import shlex
 import socket
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mtpipe.maxtext.commands import MaxTextCommand
@@ -23,6 +26,7 @@ from mtpipe.pipeline.stage import HUB_TOKEN_ENV
 STEP_LINE = re.compile(r"completed step: (?P<step>\d+), seconds: (?P<sec>[\d.]+)"
                        r"(?:.*?Tokens/s/device: (?P<tps>[\d.]+))?.*?loss: (?P<loss>[\d.naif-]+)")
 REDACTED_ENV = (*HUB_TOKEN_ENV, "GOOGLE_APPLICATION_CREDENTIALS")
+COORDINATOR_PORT = 1234  # fixed in MaxText's initialize_jax_for_cpu
 
 
 class MaxTextFailed(RuntimeError):
@@ -61,39 +65,112 @@ def format_progress(step: int, total: int | None, loss: str, tps: str | None, el
     return line
 
 
-def run(cmd: MaxTextCommand, log_path: Path, total_steps: int | None = None) -> None:
-    """Run ``cmd``; raise :class:`MaxTextFailed` with the log's tail if it fails.
+def process_env(index: int, count: int) -> dict[str, str]:
+    """What a GKE JobSet gives host ``index`` of ``count``, as MaxText's ``hardware=cpu`` start-up reads
+    it (``max_utils.initialize_jax_for_cpu``: coordinator on port 1234, process id = job completion index)."""
+    return {"JAX_COORDINATOR_ADDRESS": "127.0.0.1", "JOB_INDEX": "0", "JOB_COMPLETION_INDEX": str(index),
+            "PROCESSES_IN_JOB": str(count), "JAX_PROCESS_COUNT": str(count)}
 
-    A stage started with ``--print-command`` prints the child's command line and exits instead
-    (benchmarks/bench_dvc.py times that command against the stage).
+
+def process_log(log_path: Path, index: int) -> Path:
+    """Process 0 logs to ``log_path``, process i to ``<stem>.process<i>.log`` beside it."""
+    return log_path if index == 0 else log_path.with_name(f"{log_path.stem}.process{index}{log_path.suffix}")
+
+
+def check_coordinator_port() -> None:
+    """Fail before starting anything if another run holds MaxText's fixed coordinator port."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", COORDINATOR_PORT))
+        except OSError as err:
+            raise MaxTextFailed(f"port {COORDINATOR_PORT} on 127.0.0.1 is taken ({err.strerror}): MaxText's JAX "
+                                "coordinator for CPU processes needs it. Fix: wait for the other multi-process "
+                                "run on this machine to end, or stop it") from None
+
+
+@dataclass
+class _Child:
+    """One MaxText process, its log and the last lines it wrote."""
+
+    index: int
+    proc: subprocess.Popen
+    log_path: Path
+    tail: list[str] = field(default_factory=list)
+
+
+def run(cmd: MaxTextCommand, log_path: Path, total_steps: int | None = None, processes: int = 1) -> None:
+    """Run ``cmd`` as ``processes`` JAX processes; raise :class:`MaxTextFailed` with the log's tail if
+    one fails (the others are stopped: a multi-process run cannot go on without one of them).
+
+    Console progress comes from process 0. A stage started with ``--print-command`` prints the
+    child's command line (one per process) and exits instead (benchmarks/bench_dvc.py times it).
     """
+    envs = [dict(cmd.env, **(process_env(i, processes) if processes > 1 else {})) for i in range(processes)]
     if "--print-command" in sys.argv:
-        env = [f"{k}={socket.gethostname() if v == '@hostname' else v}" for k, v in cmd.env.items()]
-        print(shlex.join([*(["env", *env] if env else []), "python", *cmd.argv()[1:]]))
+        for env in envs:
+            shown = [f"{k}={socket.gethostname() if v == '@hostname' else v}" for k, v in env.items()]
+            print(shlex.join([*(["env", *shown] if shown else []), "python", *cmd.argv()[1:]]))
         sys.exit(0)
-    env = child_env(cmd.env)
+    if processes > 1:
+        check_coordinator_port()
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    print(f"$ {redact(cmd.as_tutorial())}", flush=True)
-    start, first_step = time.monotonic(), None
-    tail: list[str] = []
-    with open(log_path, "a", encoding="utf8") as log:
-        log.write(f"$ {redact(cmd.as_tutorial())}\n# launched as: python -m {cmd.launcher} {cmd.module} ...\n")
-        proc = subprocess.Popen(cmd.argv(), env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1)
-        assert proc.stdout is not None
-        for raw in proc.stdout:
+    print(f"$ {redact(cmd.as_tutorial())}" + (f"   # x {processes} processes" if processes > 1 else ""), flush=True)
+    start = time.monotonic()
+    children = [_Child(i, subprocess.Popen(cmd.argv(), env=child_env(env), stdout=subprocess.PIPE,
+                                           stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1),
+                       process_log(log_path, i)) for i, env in enumerate(envs)]
+    readers = [threading.Thread(target=_follow, args=(c, cmd, processes, total_steps, start), daemon=True)
+               for c in children]
+    for reader in readers:
+        reader.start()
+    failed = _wait_all(children)
+    for reader in readers:
+        reader.join()
+    if failed is not None:
+        sys.stderr.write("".join(failed.tail))
+        which = f"process {failed.index} of {processes} " if processes > 1 else ""
+        raise MaxTextFailed(f"{cmd.module} {which}exited with {failed.proc.returncode}; "
+                            f"full log: {failed.log_path}")
+    print(f"  done in {time.monotonic() - start:.1f}s (log: {log_path})", flush=True)
+
+
+def _follow(child: _Child, cmd: MaxTextCommand, processes: int, total_steps: int | None, start: float) -> None:
+    """Copy one process's output into its log (redacted); process 0's steps become console progress."""
+    first_step = None
+    with open(child.log_path, "a", encoding="utf8") as log:
+        log.write(f"$ {redact(cmd.as_tutorial())}\n# launched as: python -m {cmd.launcher} {cmd.module} ..."
+                  + (f" (process {child.index} of {processes})" if processes > 1 else "") + "\n")
+        assert child.proc.stdout is not None
+        for raw in child.proc.stdout:
             line = redact(raw)
             log.write(line)
-            tail = (tail + [line])[-40:]
-            match = STEP_LINE.search(line)
+            child.tail = (child.tail + [line])[-40:]
+            match = STEP_LINE.search(line) if child.index == 0 else None
             if match:
                 step = int(match["step"])
                 first_step = step if first_step is None else first_step
                 print(format_progress(step, total_steps, match["loss"], match["tps"],
                                       time.monotonic() - start, first_step), flush=True)
-        code = proc.wait()
-        log.write(f"# exit {code} after {time.monotonic() - start:.1f}s\n")
-    if code != 0:
-        sys.stderr.write("".join(tail))
-        raise MaxTextFailed(f"{cmd.module} exited with {code}; full log: {log_path}")
-    print(f"  done in {time.monotonic() - start:.1f}s (log: {log_path})", flush=True)
+        log.write(f"# exit {child.proc.wait()} after {time.monotonic() - start:.1f}s\n")
+
+
+def _wait_all(children: list[_Child], grace_s: float = 10.0) -> _Child | None:
+    """Wait for every process; at the first failure stop the others. Return the first that failed."""
+    while True:
+        codes = [c.proc.poll() for c in children]
+        failed = next((c for c, code in zip(children, codes) if code not in (None, 0)), None)
+        if failed is not None:
+            for c in children:
+                if c.proc.poll() is None:
+                    c.proc.terminate()
+            deadline = time.monotonic() + grace_s
+            for c in children:
+                try:
+                    c.proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    c.proc.kill()
+                    c.proc.wait()
+            return failed
+        if all(code == 0 for code in codes):
+            return None
+        time.sleep(0.2)

@@ -20,8 +20,8 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from mtpipe.pipeline import schema
 from mtpipe.errors import ConfigError
+from mtpipe.pipeline import schema
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = ROOT / "conf"

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from mtpipe.pipeline.config import load_params
 from mtpipe.errors import ConfigError
+from mtpipe.pipeline.config import load_params
 
 
 def committed_params(root: Path) -> bytes:

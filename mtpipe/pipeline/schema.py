@@ -114,6 +114,8 @@ class Dataset:
 @dataclass
 class Hardware:
     name: str
+    backend: Literal["local", "xpk"]       # local: MaxText runs here; xpk: a GKE workload (docs/multihost.md)
+    processes: Annotated[int, Check(ge=1, le=16, why="JAX processes started on this machine")]
     env: dict[str, str]                    # exported for MaxText; environment values are strings
     maxtext_args: dict[str, Any]           # free-form MaxText keys
 
@@ -401,6 +403,19 @@ def combination_errors(cfg: SftBranch) -> list[ConfigError]:
     if cfg.dataset.schema == "chat" and len(cfg.dataset.columns) != 1:
         add(f"{b}.dataset.columns", f"is {cfg.dataset.columns}, but a chat dataset is one column of messages",
             f"set columns: [messages] in {data_file}")
+
+    hw, hw_file = cfg.hardware, f"conf/hardware/{cfg.hardware.name}.yaml"
+    if hw.processes > 1:  # several JAX processes on one machine: MaxText's CPU start-up (docs/multihost.md)
+        if hw.backend != "local" or hw.env.get("JAX_PLATFORMS") != "cpu" or hw.maxtext_args.get("hardware") != "cpu" \
+                or hw.maxtext_args.get("skip_jax_distributed_system") is not False:
+            add(f"{b}.hardware.processes", f"is {hw.processes}, but only JAX on the CPU starts several processes on "
+                "one machine (a TPU host runs one process for all its chips)",
+                f"set processes: 1 in {hw_file}, or env JAX_PLATFORMS: cpu and maxtext_args hardware: cpu, "
+                "skip_jax_distributed_system: false (as conf/hardware/cpu-2proc.yaml)")
+        if isinstance(cfg, RlBranch):
+            add(f"{b}.hardware", f"is {hw.name} ({hw.processes} processes), but the CPU rollout of train_rl runs in "
+                "one process; multi-host GRPO is a Pathways workload on GKE",
+                "set rl.hardware: cpu (or a v6e-* preset with backend: xpk on GKE)")
 
     # Conversion, training and export must agree on the parameter layout, or loading fails.
     trainers = [("train_sft", cfg.train_sft.extra_args)] if cfg.train_sft.steps > 0 else []

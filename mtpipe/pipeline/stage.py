@@ -14,16 +14,16 @@ import hashlib
 import json
 import os
 import shutil
-import time
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from mtpipe.pipeline.config import ROOT
 from mtpipe.errors import ConfigError
+from mtpipe.pipeline.config import ROOT
 
 WORK = ROOT / "work"                # untracked: MaxText run dirs (resume), logs, JAX compile cache
 JAX_CACHE = WORK / "jax_cache"
