@@ -23,11 +23,12 @@ from mtpipe.pipeline.stage import (JAX_CACHE, ROOT, Timer, artifact, atomic_dir,
                                    run_stage, write_json, write_stamp)
 
 
-def check_rollout_backend(backend: str) -> None:
-    """Fail before MaxText starts when the backend cannot run on this machine."""
+def check_rollout_backend(backend: str, runs_here: bool) -> None:
+    """Fail before MaxText starts when the backend cannot run on this machine (an xpk workload
+    runs in the image, which has vLLM)."""
     from importlib.util import find_spec
 
-    missing = [m for m in ("vllm", "tpu_inference") if backend == "vllm" and find_spec(m) is None]
+    missing = [m for m in ("vllm", "tpu_inference") if runs_here and backend == "vllm" and find_spec(m) is None]
     if missing:
         raise ConfigError("rl.train_rl.rollout_backend", f"vllm needs {' and '.join(missing)}, not installed here",
                           "run on a TPU VM set up by `doit vm_setup`, or set rollout_backend: cpu_jax")
@@ -53,7 +54,7 @@ def check_prompt_budget(cfg, files: Path, tokenizer_dir: Path) -> None:
 
 def main() -> None:
     cfg, timer = load_stage("rl", "train_rl"), Timer()
-    check_rollout_backend(cfg.train_rl.rollout_backend)
+    check_rollout_backend(cfg.train_rl.rollout_backend, runs_here=cfg.hardware.backend == "local")
     converted, warmup = artifact("rl", "maxtext"), artifact("rl", "warmup")
     dataset, model = artifact("rl", "dataset"), artifact("rl", "model")
     start = warmup / "model_params" if not read_stamp(warmup).get("skipped") else converted / "0" / "items"

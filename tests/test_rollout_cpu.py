@@ -74,8 +74,9 @@ def test_missing_vllm_backend_names_the_key_and_the_fix():
     if importlib.util.find_spec("vllm") and importlib.util.find_spec("tpu_inference"):
         pytest.skip("vLLM and tpu-inference are installed here")
     with pytest.raises(ConfigError, match=r"rl.train_rl.rollout_backend: vllm needs .*Fix: .*cpu_jax"):
-        check_rollout_backend("vllm")
-    check_rollout_backend("cpu_jax")
+        check_rollout_backend("vllm", runs_here=True)
+    check_rollout_backend("cpu_jax", runs_here=True)
+    check_rollout_backend("vllm", runs_here=False)   # an xpk workload: vLLM is in the image
 
 
 # ----------------------------------------------------------------------------- MaxText model

@@ -47,13 +47,15 @@ def test_a_failing_tool_fails_the_stage(tmp_path, monkeypatch):
 @pytest.mark.multihost
 def test_processes_get_the_jobset_environment_and_one_failure_stops_all(tmp_path, monkeypatch):
     """Two processes: each gets its index as a GKE JobSet gives it; when process 1 dies, process 0
-    (which would otherwise wait for it forever) is stopped and the run fails naming process 1."""
+    (which would otherwise wait for it forever) is stopped and the run fails naming process 1, at
+    once, although an orphan of process 1 still holds its output pipe."""
     script = tmp_path / "two.py"
     script.write_text("import os, sys, time\n"
                       "i = os.environ['JOB_COMPLETION_INDEX']\n"
                       "print('index', i, 'of', os.environ['JAX_PROCESS_COUNT'], os.environ['JAX_COORDINATOR_ADDRESS'])\n"
                       "sys.stdout.flush()\n"
-                      "if i == '1':\n    time.sleep(1); sys.exit(9)\n"
+                      "if i == '1':\n"  # dies, leaving an orphan that holds its stdout (as MaxText's resource tracker)
+                      "    import subprocess; subprocess.Popen(['sleep', '300']); time.sleep(1); sys.exit(9)\n"
                       "time.sleep(600)\n")
     monkeypatch.setattr(MaxTextCommand, "argv", lambda self: [sys.executable, str(script)])
     start = time.monotonic()

@@ -27,6 +27,7 @@ STEP_LINE = re.compile(r"completed step: (?P<step>\d+), seconds: (?P<sec>[\d.]+)
                        r"(?:.*?Tokens/s/device: (?P<tps>[\d.]+))?.*?loss: (?P<loss>[\d.naif-]+)")
 REDACTED_ENV = (*HUB_TOKEN_ENV, "GOOGLE_APPLICATION_CREDENTIALS")
 COORDINATOR_PORT = 1234  # fixed in MaxText's initialize_jax_for_cpu
+READER_GRACE_S = 10.0
 
 
 class MaxTextFailed(RuntimeError):
@@ -124,8 +125,11 @@ def run(cmd: MaxTextCommand, log_path: Path, total_steps: int | None = None, pro
     for reader in readers:
         reader.start()
     failed = _wait_all(children)
-    for reader in readers:
-        reader.join()
+    for child, reader in zip(children, readers):
+        # a killed process's orphans (multiprocessing's resource tracker) may hold its pipe for minutes
+        reader.join(timeout=READER_GRACE_S)
+        with open(child.log_path, "a", encoding="utf8") as log:
+            log.write(f"# exit {child.proc.returncode} after {time.monotonic() - start:.1f}s\n")
     if failed is not None:
         sys.stderr.write("".join(failed.tail))
         which = f"process {failed.index} of {processes} " if processes > 1 else ""
@@ -137,7 +141,7 @@ def run(cmd: MaxTextCommand, log_path: Path, total_steps: int | None = None, pro
 def _follow(child: _Child, cmd: MaxTextCommand, processes: int, total_steps: int | None, start: float) -> None:
     """Copy one process's output into its log (redacted); process 0's steps become console progress."""
     first_step = None
-    with open(child.log_path, "a", encoding="utf8") as log:
+    with open(child.log_path, "a", encoding="utf8", buffering=1) as log:
         log.write(f"$ {redact(cmd.as_tutorial())}\n# launched as: python -m {cmd.launcher} {cmd.module} ..."
                   + (f" (process {child.index} of {processes})" if processes > 1 else "") + "\n")
         assert child.proc.stdout is not None
@@ -151,7 +155,6 @@ def _follow(child: _Child, cmd: MaxTextCommand, processes: int, total_steps: int
                 first_step = step if first_step is None else first_step
                 print(format_progress(step, total_steps, match["loss"], match["tps"],
                                       time.monotonic() - start, first_step), flush=True)
-        log.write(f"# exit {child.proc.wait()} after {time.monotonic() - start:.1f}s\n")
 
 
 def _wait_all(children: list[_Child], grace_s: float = 10.0) -> _Child | None:

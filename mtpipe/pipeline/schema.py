@@ -111,6 +111,30 @@ class Dataset:
     columns: list[str]
 
 
+K8sName = Annotated[str, Check(pattern=r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?",
+                                means="a lowercase name of at most 40 letters, digits and dashes (what xpk accepts)")]
+
+
+@dataclass
+class Xpk:
+    """Where and how an xpk workload runs (``hardware.backend: xpk``, mtpipe/cloud/xpk.py).
+
+    ``null`` in cluster, project, zone, docker_image (and reservation, with provisioning: reservation)
+    is a placeholder: the training stage names it with the fix before it submits anything."""
+
+    cluster: Optional[K8sName]             # the GKE cluster `xpk cluster create` made
+    project: Optional[str]
+    zone: Optional[str]
+    docker_image: Optional[str]            # repository without tag, e.g. us-docker.pkg.dev/P/REPO/mtpipe
+    tpu_type: str                          # xpk --tpu-type, e.g. v6e-32
+    num_slices: PositiveInt
+    max_restarts: Annotated[int, Check(ge=0, le=100, why="JobSet restarts after a failure or preemption")]
+    priority: Literal["very-low", "low", "medium", "high", "very-high"]
+    provisioning: Optional[Literal["reservation", "spot", "on-demand"]]  # null: the cluster's node pools decide
+    reservation: Optional[str]             # provisioning: reservation
+    pathways: bool                         # create-pathways also for SFT (GRPO always runs on Pathways)
+
+
 @dataclass
 class Hardware:
     name: str
@@ -118,6 +142,7 @@ class Hardware:
     processes: Annotated[int, Check(ge=1, le=16, why="JAX processes started on this machine")]
     env: dict[str, str]                    # exported for MaxText; environment values are strings
     maxtext_args: dict[str, Any]           # free-form MaxText keys
+    xpk: Optional[Xpk] = None              # backend: xpk only
 
 
 # ---- the per-stage sections of a preset (params.yaml overrides them) ------------------------------
@@ -416,6 +441,14 @@ def combination_errors(cfg: SftBranch) -> list[ConfigError]:
             add(f"{b}.hardware", f"is {hw.name} ({hw.processes} processes), but the CPU rollout of train_rl runs in "
                 "one process; multi-host GRPO is a Pathways workload on GKE",
                 "set rl.hardware: cpu (or a v6e-* preset with backend: xpk on GKE)")
+
+    hw, hw_file = cfg.hardware, f"conf/hardware/{cfg.hardware.name}.yaml"
+    if hw.backend == "xpk" and hw.xpk is None:
+        add(f"{b}.hardware.xpk", "is missing, but backend: xpk runs training as an xpk workload and needs its "
+            "cluster, TPU type and image", f"add an xpk: section to {hw_file} (conf/hardware/v6e-32.yaml has one)")
+    if hw.backend == "xpk" and hw.processes != 1:
+        add(f"{b}.hardware.processes", f"is {hw.processes}, but on GKE each host of the slice runs one process",
+            f"set processes: 1 in {hw_file}")
 
     # Conversion, training and export must agree on the parameter layout, or loading fails.
     trainers = [("train_sft", cfg.train_sft.extra_args)] if cfg.train_sft.steps > 0 else []
