@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -30,6 +31,13 @@ STEPS, PERIOD = 12, 4
 SET = ["-S", "sft.hardware=cpu-2proc", "-S", f"steps={STEPS}", "-S", f"sft.train_sft.checkpoint_period={PERIOD}"]
 
 
+def fresh_logs_and_runs(repo: Path) -> None:
+    """No log lines or run directories of earlier runs (work/ is not versioned: restore keeps it)."""
+    for log in (repo / "work" / "logs" / "sft").glob("train_sft*.log"):
+        log.write_text("")
+    shutil.rmtree(repo / "work" / "train_sft", ignore_errors=True)
+
+
 def logs(repo: Path) -> tuple[str, str]:
     """The two processes' MaxText logs (process 0's is the stage's usual log)."""
     folder = repo / "work" / "logs" / "sft"
@@ -41,7 +49,7 @@ def assert_two_hosts(log0: str, log1: str) -> None:
     for index, log in enumerate((log0, log1)):
         assert f"Jax process id is {index}" in log and "Jax distributed system initialized on CPUs!" in log
         assert "Num_devices: 2" in log
-        assert "Inefficient dataloading" not in log, "a process had no training file of its own"
+        assert "Inefficient dataloading" not in log, "a process had no data file of its own"
 
 
 def jax_process(dvc_proc: subprocess.Popen, index: int, timeout: float = 600) -> psutil.Process:
@@ -66,7 +74,7 @@ def test_two_processes_train_survive_a_killed_process_and_export(pipeline_repo: 
     the 1-process one (tests/test_pipeline_sft.py)."""
     runs = pipeline_repo / "work" / "train_sft"
     try:
-        (pipeline_repo / "work" / "logs" / "sft" / "train_sft.log").write_text("")
+        fresh_logs_and_runs(pipeline_repo)
         proc = subprocess.Popen(["dvc", "exp", "run", *SET], cwd=pipeline_repo, env=env(), text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         host1 = jax_process(proc, 1)
@@ -81,7 +89,7 @@ def test_two_processes_train_survive_a_killed_process_and_export(pipeline_repo: 
         assert not host0.is_running() or host0.status() == psutil.STATUS_ZOMBIE, "process 0 was left running"
         assert not (pipeline_repo / "artifacts" / "sft" / "trained").exists()
         # one checkpoint, written by both: a sharded array has one chunk from each process
-        (run,) = {p.parents[1] for p in runs.glob(f"*/checkpoints/{PERIOD}/commit_success.txt")}
+        (run,) = {p.parents[2] for p in runs.glob(f"*/checkpoints/{PERIOD}/commit_success.txt")}
         kernel = run / "checkpoints" / str(PERIOD) / "model_params" / "decoder.layers.layers_0.mlp.wo.kernel.value"
         assert sorted(p.name for p in kernel.iterdir() if not p.name.startswith(".")) == ["0.0.0", "0.0.1"]
         killed0, killed1 = logs(pipeline_repo)
@@ -116,7 +124,7 @@ def test_two_processes_write_one_checkpoint_into_the_bucket(pipeline_repo: Path,
     params["sft"]["train_sft"].update(checkpoint_period=PERIOD // 2)
     try:
         path.write_text(yaml.safe_dump(params, sort_keys=False))
-        (pipeline_repo / "work" / "logs" / "sft" / "train_sft.log").write_text("")
+        fresh_logs_and_runs(pipeline_repo)
         dvc(pipeline_repo, "repro", "--no-run-cache", "train_sft@sft", extra_env=bucket)
         log0, log1 = logs(pipeline_repo)
         assert_two_hosts(log0, log1)

@@ -119,8 +119,18 @@ def tiny(tmp_path_factory):
     return rollout, model, tokenizer, mesh, config
 
 
+_REFERENCE: dict[tuple[str, int], list[int]] = {}  # the module's `tiny` model is the same in every test
+
+
 def _reference_greedy(tiny, prompt: str, steps: int) -> list[int]:
-    """MaxText forward on the unpadded sequence, re-run from scratch for every new token."""
+    """MaxText forward on the unpadded sequence, re-run from scratch for every new token (slow:
+    computed once per prompt for the module)."""
+    if (prompt, steps) not in _REFERENCE:
+        _REFERENCE[prompt, steps] = _reference_greedy_uncached(tiny, prompt, steps)
+    return _REFERENCE[prompt, steps]
+
+
+def _reference_greedy_uncached(tiny, prompt: str, steps: int) -> list[int]:
     from flax.linen import partitioning as nn_partitioning
 
     rollout, model, tokenizer, mesh, config = tiny

@@ -236,11 +236,11 @@ _GSM8K_FEATURES = {"question": {"dtype": "string", "_type": "Value"}, "answer": 
 
 
 def write_ultrachat_tiny(out_dir: str | os.PathLike, n_train: int = 2000, n_test: int = 200) -> None:
-    """UltraChat-200k-shaped SFT data: data/train_sft-0000{0,1}-of-00002.parquet (two shards, as the
-    Hub's three: with two JAX processes each reads its own) and data/test_sft-00000-of-00001.parquet."""
+    """UltraChat-200k-shaped SFT data: data/{train,test}_sft-0000{0,1}-of-00002.parquet, two shards
+    per split (the Hub's train split has three) so that each of two JAX processes reads its own."""
     out = Path(out_dir)
     rng = random.Random(SEED + 1)
-    for split, n, shards in (("train_sft", n_train, 2), ("test_sft", n_test, 1)):
+    for split, n, shards in (("train_sft", n_train, 2), ("test_sft", n_test, 2)):
         rows = _ultrachat_rows(rng, n)
         per = -(-n // shards)
         for i in range(shards):
