@@ -72,5 +72,6 @@ def test_a_taken_coordinator_port_fails_before_starting(tmp_path, monkeypatch):
     monkeypatch.setattr(MaxTextCommand, "argv", lambda self: pytest.fail("started a process"))
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", runner.COORDINATOR_PORT))
+        sock.listen()
         with pytest.raises(runner.MaxTextFailed, match="port 1234 on 127.0.0.1 is taken"):
             runner.run(MaxTextCommand("fake", []), tmp_path / "log.txt", processes=2)

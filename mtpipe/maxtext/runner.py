@@ -81,8 +81,10 @@ def process_log(log_path: Path, index: int) -> Path:
 def check_coordinator_port() -> None:
     """Fail before starting anything if another run holds MaxText's fixed coordinator port."""
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: connections closing are no owner
         try:
             sock.bind(("127.0.0.1", COORDINATOR_PORT))
+            sock.listen()
         except OSError as err:
             raise MaxTextFailed(f"port {COORDINATOR_PORT} on 127.0.0.1 is taken ({err.strerror}): MaxText's JAX "
                                 "coordinator for CPU processes needs it. Fix: wait for the other multi-process "
