@@ -128,8 +128,9 @@ def run(cmd: MaxTextCommand, log_path: Path, total_steps: int | None = None, pro
         reader.start()
     failed = _wait_all(children)
     for child, reader in zip(children, readers):
-        # a killed process's orphans (multiprocessing's resource tracker) may hold its pipe for minutes
-        reader.join(timeout=READER_GRACE_S)
+        # after a failure, a killed process's orphans (multiprocessing's resource tracker) may hold its
+        # pipe for minutes; after a success the whole log is read (train_rl parses it)
+        reader.join(timeout=READER_GRACE_S if failed else None)
         with open(child.log_path, "a", encoding="utf8") as log:
             log.write(f"# exit {child.proc.returncode} after {time.monotonic() - start:.1f}s\n")
     if failed is not None:
