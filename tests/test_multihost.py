@@ -25,6 +25,8 @@ from gcs_emulator import GcsEmulator, gcs_emulator  # noqa: F401 (a fixture)
 from pipeline import dvc, env, export_logit_diff
 from test_work_bucket import bucket_env, emulator_fs
 
+from mtpipe.pipeline.stage import COMMIT_MARKER
+
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 
 STEPS, PERIOD = 12, 4
@@ -80,7 +82,7 @@ def test_two_processes_train_survive_a_killed_process_and_export(pipeline_repo: 
         host1 = jax_process(proc, 1)
         host0 = jax_process(proc, 0)
         deadline = time.monotonic() + 900
-        while not list(runs.glob(f"*/checkpoints/{PERIOD}/{'commit_success.txt'}")):
+        while not list(runs.glob(f"*/checkpoints/{PERIOD}/{COMMIT_MARKER}")):
             assert proc.poll() is None and time.monotonic() < deadline, "no step-4 checkpoint"
             time.sleep(0.2)
         host1.send_signal(signal.SIGKILL)
@@ -89,7 +91,7 @@ def test_two_processes_train_survive_a_killed_process_and_export(pipeline_repo: 
         assert not host0.is_running() or host0.status() == psutil.STATUS_ZOMBIE, "process 0 was left running"
         assert not (pipeline_repo / "artifacts" / "sft" / "trained").exists()
         # one checkpoint, written by both: a sharded array has one chunk from each process
-        (run,) = {p.parents[2] for p in runs.glob(f"*/checkpoints/{PERIOD}/commit_success.txt")}
+        (run,) = {p.parents[2] for p in runs.glob(f"*/checkpoints/{PERIOD}/{COMMIT_MARKER}")}
         kernel = run / "checkpoints" / str(PERIOD) / "model_params" / "decoder.layers.layers_0.mlp.wo.kernel.value"
         assert sorted(p.name for p in kernel.iterdir() if not p.name.startswith(".")) == ["0.0.0", "0.0.1"]
         killed0, killed1 = logs(pipeline_repo)
