@@ -29,8 +29,10 @@ demo: $(VENV)/.installed
 	dvc metrics show
 	dvc plots show --out dvc_plots >/dev/null && echo "loss curves: dvc_plots/index.html"
 
+# two pytest-xdist workers: one builds the shared pipeline while the other runs what needs none
+# (tests/conftest.py, docs/testing.md); WORKERS=0 runs everything in one process
 test: $(VENV)/.installed
-	python -m pytest
+	python -m pytest -n $(or $(WORKERS),2) --dist loadgroup --no-loadscope-reorder
 
 test-fast: $(VENV)/.installed
 	python -m pytest -m "not slow"

@@ -1,14 +1,25 @@
-"""Shared fixtures. The real pipeline runs once per test session, in a copy of the project."""
+"""Shared fixtures, and the order tests run in.
+
+The real pipeline runs once per test session, in a copy of the project. `make test` runs the suite
+on two pytest-xdist workers (`-n 2 --dist loadgroup`): one builds that pipeline while the other runs
+the tests that do not need it; the tests that do are grouped per file, each file on one worker, in a
+copy of the built project of its own (docs/testing.md).
+"""
 
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from pipeline import CanaryEnv, ProcessWatch, copy_project, dvc, git, take_vm_code_path
 
 CANARY_RECORD = "canary-run.json"  # beside the repo copy, outside every searched directory
+FIRST_PIPELINE_FILE = "test_vm_recovery"  # the longest file of pipeline tests: started with the build
+# the longest files (minutes) go first within their rank, so that no worker ends on a long one alone
+LONGEST_FILES = ["test_vm_sweep", "test_conversion_roundtrip", "test_multihost", "test_invalidation", "test_vm_cycle"]
 
 
 @dataclass
@@ -27,13 +38,29 @@ def pipeline_run(tmp_path_factory) -> PipelineRun:
     on the code path of a TPU VM, with a canary HF_TOKEN (tests/test_secrets.py searches for it).
 
     The result is committed, so tests that change things can go back with :func:`restore`.
-    Iterating on tests: MTPIPE_TEST_PIPELINE_REPO=<a copy made by an earlier session> reuses it.
+    Under xdist the first worker that needs it builds it (the others wait for the lock) and each
+    worker works in a copy of its own. Iterating on tests: MTPIPE_TEST_PIPELINE_REPO=<a copy made
+    by an earlier session> reuses it.
     """
     if os.environ.get("MTPIPE_TEST_PIPELINE_REPO"):
         repo = Path(os.environ["MTPIPE_TEST_PIPELINE_REPO"])
         restore(repo)
         return PipelineRun(repo, *CanaryEnv.load(repo.parent / CANARY_RECORD))
-    base = tmp_path_factory.mktemp("pipeline")
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return build_pipeline(tmp_path_factory.mktemp("pipeline"))
+    shared = tmp_path_factory.getbasetemp().parent  # the same for every worker of this session
+    with FileLock(shared / "pipeline.lock"):
+        if not (shared / "pipeline" / CANARY_RECORD).exists():
+            build_pipeline(shared / "pipeline")
+    repo = tmp_path_factory.mktemp("pipeline") / "repo"
+    shutil.copytree(shared / "pipeline" / "repo", repo, symlinks=True)
+    restore(repo)
+    return PipelineRun(repo, *CanaryEnv.load(shared / "pipeline" / CANARY_RECORD))
+
+
+def build_pipeline(base: Path) -> PipelineRun:
+    """Run the pipeline in a new copy of the project under `base` (see :func:`pipeline_run`)."""
+    base.mkdir(parents=True, exist_ok=True)
     repo = copy_project(base / "repo")
     take_vm_code_path(repo)
     canary = CanaryEnv.create(base)
@@ -59,3 +86,28 @@ def restore(repo: Path) -> None:
     dvc(repo, "checkout", "--force")
     status = dvc(repo, "status", "--json").stdout
     assert status.strip().splitlines()[-1] in ("{}", ""), status
+
+
+def pytest_collection_modifyitems(config, items: list[pytest.Item]) -> None:
+    """Group and order the tests for `--dist loadgroup --no-loadscope-reorder` (two workers).
+
+    Each file of tests that use the shared pipeline is one xdist group (tests of one file share the
+    repo's state). The first such group goes first, so one worker builds the pipeline at once; the
+    slow tests that need no pipeline come next (the other worker runs them meanwhile), then the other
+    pipeline groups, then the quick tests, which even out the end.
+    """
+    def uses_pipeline(item: pytest.Item) -> bool:
+        return "pipeline_run" in getattr(item, "fixturenames", ())
+
+    for item in items:
+        if uses_pipeline(item) and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(f"pipeline-{item.path.stem}"))
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        long = LONGEST_FILES.index(item.path.stem) if item.path.stem in LONGEST_FILES else len(LONGEST_FILES)
+        if uses_pipeline(item) and item.path.stem == FIRST_PIPELINE_FILE:
+            return 0, long
+        if item.get_closest_marker("xdist_group"):
+            return 2, long
+        return (1 if item.get_closest_marker("slow") else 3), long
+
+    items.sort(key=rank)  # stable: file order within each rank

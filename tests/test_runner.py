@@ -45,6 +45,7 @@ def test_a_failing_tool_fails_the_stage(tmp_path, monkeypatch):
 
 
 @pytest.mark.multihost
+@pytest.mark.xdist_group("coordinator-port")  # with tests/test_multihost.py
 def test_processes_get_the_jobset_environment_and_one_failure_stops_all(tmp_path, monkeypatch):
     """Two processes: each gets its index as a GKE JobSet gives it; when process 1 dies, process 0
     (which would otherwise wait for it forever) is stopped and the run fails naming process 1, at
@@ -68,6 +69,7 @@ def test_processes_get_the_jobset_environment_and_one_failure_stops_all(tmp_path
 
 
 @pytest.mark.multihost
+@pytest.mark.xdist_group("coordinator-port")
 def test_a_taken_coordinator_port_fails_before_starting(tmp_path, monkeypatch):
     monkeypatch.setattr(MaxTextCommand, "argv", lambda self: pytest.fail("started a process"))
     with socket.socket() as sock:
