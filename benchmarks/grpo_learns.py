@@ -9,12 +9,15 @@ In a throwaway copy of the project (the working tree as git would commit it) it 
 `dvc repro train_rl` once per seed. The seed is MaxText's `data_shuffle_seed`: it orders the prompts
 and seeds the CPU sampler (mtpipe.maxtext.rollout_cpu).
 
-The eval (MaxText's, before and after GRPO, on 96 of the 100 embedded test prompts) samples two
-completions per prompt at temperature 0.7 (`eval_sampling_strategy: standard`,
-`eval_mode: pass_at_1`), so it measures what GRPO optimises, on fixed prompts:
+The eval (MaxText's, before and after GRPO, on 96 of the 100 embedded test prompts) samples
+`num_eval_passes` completions per prompt at temperature 0.7 (`eval_sampling_strategy: standard`,
+`eval_mode: pass_at_1`), so it measures what GRPO optimises, on fixed prompts. The CPU sampler
+draws a prompt's k-th eval sample with the same random numbers before and after GRPO (common random
+numbers, mtpipe/maxtext/rollout_cpu.py), so the difference is the policy's, not the dice's:
 
 * reward under sampling: the mean reward (the training reward functions) per sampled completion;
 * accuracy: the fraction of sampled completions with the right answer (pass@1 estimate);
+* training reward: the mean reward of GRPO's own samples over its first and last 5 steps;
 * gain: mean over seeds of (after - before), 95% Student-t interval over seeds.
 
 Usage: python benchmarks/grpo_learns.py [--seeds 1,2,3] [--set rl.KEY=VALUE ...] [--keep] [--repo KEPT_COPY]
@@ -23,6 +26,7 @@ Usage: python benchmarks/grpo_learns.py [--seeds 1,2,3] [--set rl.KEY=VALUE ...]
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import math
 import shutil
@@ -40,6 +44,7 @@ sys.path.insert(0, str(PROJECT / "tests"))
 from pipeline import copy_project, dvc  # noqa: E402  (the tests' throwaway project copy)
 
 PRESET = "embedded-rl-bench"
+EDGE_STEPS = 5  # training reward: mean over the first and the last this many GRPO steps
 
 
 def set_params(repo: Path, sets: list[str], seed: int | None) -> None:
@@ -75,8 +80,12 @@ def run_seed(repo: Path, seed: int, sets: list[str]) -> dict:
     start = time.monotonic()
     dvc(repo, "repro", "train_rl", timeout=3600)
     metrics = json.loads((repo / "metrics" / "rl" / "train_rl.json").read_text())
+    rewards = [float(row["reward_mean"]) for row in csv.DictReader(open(repo / "plots" / "rl" / "train_rl.csv"))]
+    passes = yaml.safe_load((repo / "conf" / "preset" / f"{PRESET}.yaml").read_text())["train_rl"]["extra_args"]
     return {"seed": seed, "seconds": time.monotonic() - start, "steps": metrics["steps"],
-            "eval_n": metrics["eval_pre_total"],
+            "eval_n": metrics["eval_pre_total"], "eval_passes": passes.get("num_eval_passes", 1),
+            "train_reward_first": statistics.fmean(rewards[:EDGE_STEPS]),
+            "train_reward_last": statistics.fmean(rewards[-EDGE_STEPS:]),
             **{f"{key}_{when}": metrics[f"eval_{when}_{key}"] for when in ("pre", "post")
                for key in ("mean_reward", "accuracy", "format_accuracy")}}
 
@@ -84,18 +93,23 @@ def run_seed(repo: Path, seed: int, sets: list[str]) -> dict:
 def print_table(runs: list[dict], warmup_s: float) -> None:
     print(f"\nGRPO on the embedded default, preset {PRESET}: data, conversion and warm-up (shared) "
           f"{warmup_s / 60:.1f} min")
-    print("| seed | reward before | reward after | accuracy before | accuracy after | format before / after | minutes |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| seed | eval reward before | after | eval accuracy before | after | format before / after "
+          f"| training reward, first / last {EDGE_STEPS} steps | minutes |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in runs:
         print(f"| {r['seed']} | {r['mean_reward_pre']:.3f} | {r['mean_reward_post']:.3f} | {r['accuracy_pre']:.1f}% | "
               f"{r['accuracy_post']:.1f}% | {r['format_accuracy_pre']:.1f}% / {r['format_accuracy_post']:.1f}% | "
-              f"{r['seconds'] / 60:.1f} |")
+              f"{r['train_reward_first']:.3f} / {r['train_reward_last']:.3f} | {r['seconds'] / 60:.1f} |")
     print()
-    for what, key, unit in (("reward under sampling", "mean_reward", ""), ("accuracy (pass@1)", "accuracy", " points")):
+    for what, key, unit in (("eval reward under sampling", "mean_reward", ""), ("eval accuracy (pass@1)", "accuracy", " points")):
         mean, low, high = mean_ci([r[f"{key}_post"] - r[f"{key}_pre"] for r in runs])
         verdict = "excludes 0" if low > 0 or high < 0 else "includes 0"
         print(f"gain in {what}: {mean:+.3f}{unit}, 95% CI [{low:+.3f}, {high:+.3f}] over {len(runs)} seeds ({verdict})")
-    print(f"eval: {runs[0]['eval_n']} test prompts x 2 samples; {runs[0]['steps']} GRPO steps per seed")
+    mean, low, high = mean_ci([r["train_reward_last"] - r["train_reward_first"] for r in runs])
+    print(f"training reward, last - first {EDGE_STEPS} steps: {mean:+.3f}, 95% CI [{low:+.3f}, {high:+.3f}] "
+          "(other prompts at each step: noisier than the eval)")
+    print(f"eval: {runs[0]['eval_n']} test prompts x {runs[0]['eval_passes']} samples, paired before/after; "
+          f"{runs[0]['steps']} GRPO steps per seed")
 
 
 def main() -> None:

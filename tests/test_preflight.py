@@ -43,6 +43,17 @@ def test_set_overrides_params_like_dvc_exp_run_s() -> None:
         overrides.apply_sets(PARAMS, ["steps"])
 
 
+def test_an_xpk_preset_is_compiled_for_its_slice_and_priced_per_chip(monkeypatch) -> None:
+    """GKE presets name their TPU in hardware.xpk.tpu_type (no TPU_ACCELERATOR_TYPE: GKE sets it)."""
+    cfg = compose("sft", overrides.apply_sets(PARAMS, ["sft.preset=gemma3-4b-ultrachat-v6e32"]))
+    assert preflight.topology(cfg) == "v6e-32"
+    assert "compile_topology=v6e-32" in preflight.compile_args(preflight.stage_command(cfg), preflight.topology(cfg))
+    assert preflight.chip_of("v6e-32", "sft", "v6e-32")[1] == 32
+    monkeypatch.setattr(preflight, "price_per_hour", lambda: 21.60)  # conf/vm.yaml on demand: a v6e-8 VM
+    assert preflight.usd_per_hour(8) == pytest.approx(21.60) and preflight.usd_per_hour(32) == pytest.approx(86.40)
+    assert preflight.topology(compose("sft", overrides.apply_sets(PARAMS, []))) is None  # the CPU default
+
+
 def test_compile_args_are_the_stage_args_without_paths() -> None:
     cfg = compose("sft", overrides.apply_sets(PARAMS, ["sft.preset=gemma3-4b-ultrachat-v6e8"]))
     cmd = preflight.stage_command(cfg)

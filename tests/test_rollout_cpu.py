@@ -30,14 +30,14 @@ DECODE_BATCH = 2  # train_rl's batch_size (prompts per step); a rollout has batc
 
 def test_greedy_pick_is_argmax_with_zero_logprob_shape():
     logits = jnp.array([[0.1, 2.0, -1.0], [3.0, 0.0, 2.9]])
-    tokens, logprobs = rollout_cpu._sample_next(logits, jax.random.PRNGKey(0), 0.0, None, None)
+    tokens, logprobs = rollout_cpu._sample_next(logits, jax.random.split(jax.random.PRNGKey(0), 2), 0.0, None, None)
     assert tokens.tolist() == [1, 0]
     assert logprobs.shape == (2,)
 
 
 def test_top_k_and_top_p_only_draw_allowed_tokens():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 256))
-    keys = jax.random.split(jax.random.PRNGKey(1), 4)
+    keys = jax.random.split(jax.random.PRNGKey(1), (3, 256))
     top2, lp = rollout_cpu._sample_next(logits, keys[0], 1.0, 2, None)
     assert set(np.asarray(top2).tolist()) == {0, 1}
     # logprob under the renormalised top-2 distribution
@@ -198,6 +198,22 @@ def test_kv_cache_and_full_forward_sample_the_same(tiny):
     for cached, full in zip(outs[0].tokens, outs[1].tokens):
         assert cached.tolist() == full.tolist()
     np.testing.assert_allclose(np.concatenate(outs[0].logprobs), np.concatenate(outs[1].logprobs), atol=1e-4)
+
+
+@pytest.mark.slow
+def test_an_eval_pass_samples_a_prompt_with_the_same_random_numbers(tiny):
+    """Common random numbers: with 2 eval passes, the 3rd call of the same prompts repeats the 1st
+    (same weights, same samples), the 2nd differs; rows repeating one prompt in a call differ."""
+    rollout = tiny[0]
+    rows = [PROMPTS[0], PROMPTS[0], PROMPTS[1]]
+    rollout._eval_passes, rollout._calls_with = 2, {}
+    try:
+        first, second, third = (_generate(tiny, rows, temperature=1.0, eos_tokens=[-1]).tokens for _ in range(3))
+    finally:
+        rollout._eval_passes, rollout._calls_with = 1, {}
+    assert [t.tolist() for t in third] == [t.tolist() for t in first]
+    assert [t.tolist() for t in second] != [t.tolist() for t in first]
+    assert first[0].tolist() != first[1].tolist(), "two samples of one prompt in a call drew the same numbers"
 
 
 @pytest.mark.slow

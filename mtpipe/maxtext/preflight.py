@@ -63,6 +63,7 @@ CONVERT_S_PER_BPARAM = 70.0    # to_maxtext: the tutorials' ~5 min for Gemma 3 4
 EXPORT_S_PER_BPARAM = 70.0     # to_huggingface: assumed like the conversion
 TRAIN_STARTUP_S = 180.0        # loading the checkpoint + compiling the step on the TPU VM
 VM_SETUP_S = 900.0             # VM creation, boot and `doit vm_setup` (apt, uv, MaxText install)
+VM_CHIPS = 8                   # the chips of conf/vm.yaml's VM (ct6e-standard-8t, a v6e-8), which its price is for
 
 # A stage argument whose value starts with this is a file path; the compile does not read files.
 PLACEHOLDER = "/mtpipe-preflight-path"
@@ -84,8 +85,17 @@ GIB = 2**30
 
 
 def topology(cfg: DictConfig) -> str | None:
-    """The TPU topology a branch's hardware preset targets (its TPU_ACCELERATOR_TYPE), or None (CPU)."""
+    """The TPU topology a branch's hardware preset targets: its TPU_ACCELERATOR_TYPE on a TPU VM, its
+    `xpk.tpu_type` on GKE (backend xpk), or None (CPU)."""
+    if cfg.hardware.get("backend") == "xpk":
+        return cfg.hardware.xpk.tpu_type
     return cfg.hardware.env.get("TPU_ACCELERATOR_TYPE")
+
+
+def usd_per_hour(chips: int) -> float:
+    """What `chips` chips cost per hour: conf/vm.yaml's VM price (a v6e-8, 8 chips) per chip, times
+    `chips` (list prices are per chip-hour, so a v6e-32 slice costs 4 VMs)."""
+    return price_per_hour() / VM_CHIPS * chips
 
 
 def chip_of(topo: str, branch: str, hardware: str) -> tuple[Chip, int]:
@@ -315,7 +325,7 @@ def check(sets: list[str], root: Path = ROOT, branches: tuple[str, ...] = tuple(
               + ("compile result cached" if cached else f"compiling the training step for {topo} on the CPU "
                  "(minutes for a full-size model)"), flush=True)
         compiled = compile_step(cmd.module, args, work, work / f"{branch}-{preset}.log")
-        row = report(cfg, preset, compiled, chip, chips, price_per_hour())
+        row = report(cfg, preset, compiled, chip, chips, usd_per_hour(chips))
         (work / f"{branch}-{preset}.json").write_text(json.dumps(row, indent=1) + "\n")
         rows.append(row)
     if rows:

@@ -23,6 +23,15 @@ pad token is never sampled (when it differs from EOS): the trainer treats every 
 Positions and segment ids are built from `tokens != pad` exactly as the trainer builds them for its
 log-probs, so the sampler's and the trainer's distributions agree.
 
+Random numbers are paired: each row draws from its own key, made from the run's seed (MaxText's
+`data_shuffle_seed`), the prompt's text, the row's repeat index among the rows with that prompt in
+the call, and the prompt's eval pass (how many earlier calls held it, modulo MaxText's
+`num_eval_passes`). So the eval before GRPO and the eval after it sample each prompt with the same
+random numbers (common random numbers): where the policy did not change, neither do the samples,
+and the difference between the two evals measures the policy rather than the dice
+(benchmarks/grpo_learns.py). GRPO's training prompts are new at each step, so their draws are as
+independent as before.
+
 Two decoders give the same tokens (tests/test_rollout_cpu.py): MaxText's own KV cache (prefill,
 then one autoregressive step per token; the default), and a full forward over a fixed
 [B, prompt + new] buffer per token (used when the cache does not fit, or with
@@ -39,6 +48,7 @@ import sys
 import time
 import traceback
 import types
+import zlib
 from typing import Any, Callable, NoReturn, Optional, Sequence, Tuple
 
 import jax
@@ -57,15 +67,16 @@ ADAPTER_MODULE = "maxtext.integration.vllm.maxtext_vllm_adapter"
 TRAIN_RL_MODULE = "maxtext.trainers.post_train.rl.train_rl"
 KV_CACHE_ENV = "MTPIPE_ROLLOUT_KV_CACHE"  # "0" switches to the full-forward decoder
 
-# advance(i, tokens sampled at step i-1 or None, key) -> (tokens [B], logprobs [B])
+# advance(i, tokens sampled at step i-1 or None, per-row keys [B, 2]) -> (tokens [B], logprobs [B])
 Advance = Callable[[int, Optional[np.ndarray], jax.Array], Tuple[jax.Array, jax.Array]]
 
 
 # ----------------------------------------------------------------------------- jitted steps
 
 
-def _sample_next(logits, key, temperature: float, top_k: Optional[int], top_p: Optional[float]):
-  """Picks one token per row from `logits` [B, V]; returns (tokens [B], logprobs [B]).
+def _sample_next(logits, keys, temperature: float, top_k: Optional[int], top_p: Optional[float]):
+  """Picks one token per row from `logits` [B, V] with that row's key (`keys` [B, 2]); returns
+  (tokens [B], logprobs [B]).
 
   Greedy (argmax, logprob 0) when temperature <= 0 or top_k == 1. Otherwise temperature, then
   top-k, then top-p (nucleus) filtering, then a categorical draw; the logprob is taken under the
@@ -85,39 +96,39 @@ def _sample_next(logits, key, temperature: float, top_k: Optional[int], top_p: O
     cutoff_idx = jnp.sum(cum < top_p, axis=-1, keepdims=True)  # first token whose mass reaches top_p
     cutoff = jnp.take_along_axis(sorted_logits, cutoff_idx, axis=-1)
     logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-  tokens = jax.random.categorical(key, logits, axis=-1)
+  tokens = jax.vmap(jax.random.categorical)(keys, logits)
   logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
   return tokens, logprobs
 
 
-def _pick(last_logits, key, *, temperature, top_k, top_p, pad_id, forbid_pad):
+def _pick(last_logits, keys, *, temperature, top_k, top_p, pad_id, forbid_pad):
   if forbid_pad:
     last_logits = last_logits.at[:, pad_id].set(-jnp.inf)
-  return _sample_next(last_logits, key, temperature, top_k, top_p)
+  return _sample_next(last_logits, keys, temperature, top_k, top_p)
 
 
-def _full_forward_step(graphdef, state, buffer, step, key, **settings):
+def _full_forward_step(graphdef, state, buffer, step, keys, **settings):
   """Samples the token at position `step` of `buffer` [B, T] from one full forward (adapter call,
   which derives segment ids from the pad id); causality makes the pads after `step` irrelevant."""
   model = nnx.merge(graphdef, state)
   positions = common.build_positions_from_mask(buffer != settings["pad_id"])
   logits, _ = model(buffer, positions=positions, cache=None, attention_mask=None)
-  return _pick(jax.lax.dynamic_index_in_dim(logits, step - 1, axis=1, keepdims=False), key, **settings)
+  return _pick(jax.lax.dynamic_index_in_dim(logits, step - 1, axis=1, keepdims=False), keys, **settings)
 
 
-def _prefill_step(graphdef, params, cache, rest, prompts, key, **settings):
+def _prefill_step(graphdef, params, cache, rest, prompts, keys, **settings):
   """MaxText prefill of left-padded prompts [B, P]; samples the first new token."""
   model = nnx.merge(graphdef, params, cache, rest)
   mask = prompts != settings["pad_id"]
   logits = model(prompts, common.build_positions_from_mask(mask), mask.astype(jnp.int32), model_mode="prefill")
-  return (*_pick(logits[:, -1], key, **settings), nnx.state(model, nnx.Cache))
+  return (*_pick(logits[:, -1], keys, **settings), nnx.state(model, nnx.Cache))
 
 
-def _autoregressive_step(graphdef, params, cache, rest, tokens, positions, key, **settings):
+def _autoregressive_step(graphdef, params, cache, rest, tokens, positions, keys, **settings):
   """One MaxText autoregressive step: feeds `tokens` [B] at `positions` [B], samples the next ones."""
   model = nnx.merge(graphdef, params, cache, rest)
   logits = model(tokens[:, None], positions[:, None], model_mode="autoregressive")
-  return (*_pick(logits[:, -1], key, **settings), nnx.state(model, nnx.Cache))
+  return (*_pick(logits[:, -1], keys, **settings), nnx.state(model, nnx.Cache))
 
 
 class _CacheModel:
@@ -185,9 +196,10 @@ class CpuJaxRollout(base_rollout.BaseRollout):
     self.kv_cache = os.environ.get(KV_CACHE_ENV, "1") != "0" if kv_cache is None else kv_cache
     self._cache_models: dict[int, _CacheModel] = {}  # by rollout rows: MaxText's cache has a fixed batch
     self._jit_cache: dict[tuple, Any] = {}
-    self._calls = 0
     # One seed for the run: MaxText's data_shuffle_seed orders the prompts and, here, seeds sampling.
     self._base_key = jax.random.PRNGKey(int(getattr(maxtext_config, "data_shuffle_seed", 0) or 0))
+    self._eval_passes = max(1, int(getattr(maxtext_config, "num_eval_passes", 1) or 1))
+    self._calls_with: dict[str, int] = {}  # prompt -> how many earlier calls held it
     self.last_generate_seconds = 0.0
 
   # -- tunix interface -------------------------------------------------------------------------
@@ -200,16 +212,15 @@ class CpuJaxRollout(base_rollout.BaseRollout):
     padded = np.stack([_left_pad(p, prompt_len, self.pad_id()) for p in prompt_ids])
     seed = rollout_config.seed
     if seed is None:
-      key = jax.random.fold_in(self._base_key, self._calls)
+      base = self._base_key
     else:
-      key = jax.random.PRNGKey(seed) if isinstance(seed, int) else seed
-    self._calls += 1
+      base = jax.random.PRNGKey(seed) if isinstance(seed, int) else seed
     with self._context():
       tokens, logprobs = self.sample(
           padded,
           rollout_config.max_tokens_to_generate,
           list(rollout_config.eos_tokens or [self.eos_id()]),
-          key,
+          self._row_keys(base, prompts),
           temperature=rollout_config.temperature,
           top_k=rollout_config.top_k,
           top_p=rollout_config.top_p,
@@ -227,6 +238,20 @@ class CpuJaxRollout(base_rollout.BaseRollout):
         left_padded_prompt_tokens=padded,
         logprobs=logprobs if rollout_config.return_logprobs else None,
     )
+
+  def _row_keys(self, base: jax.Array, prompts: list[str]) -> jax.Array:
+    """One key per row [B, 2]: from `base`, the prompt's text, its repeat index in this call and
+    its eval pass (see the module docstring); counts this call for each prompt in it."""
+    repeats: dict[str, int] = {}
+    keys = []
+    for prompt in prompts:
+      key = jax.random.fold_in(base, zlib.crc32(prompt.encode()))
+      key = jax.random.fold_in(key, repeats.get(prompt, 0))
+      keys.append(jax.random.fold_in(key, self._calls_with.get(prompt, 0) % self._eval_passes))
+      repeats[prompt] = repeats.get(prompt, 0) + 1
+    for prompt in repeats:
+      self._calls_with[prompt] = self._calls_with.get(prompt, 0) + 1
+    return jnp.stack(keys)
 
   def get_per_token_logps(self, prompt_tokens: jax.Array, completion_tokens: jax.Array) -> jax.Array:
     """Log-probs of `completion_tokens` under the current weights (used when num_iterations > 1)."""
@@ -263,14 +288,14 @@ class CpuJaxRollout(base_rollout.BaseRollout):
       padded_prompts: np.ndarray,
       max_new_tokens: int,
       eos_ids: Sequence[int],
-      key: jax.Array,
+      row_keys: jax.Array,
       *,
       temperature: float,
       top_k: Optional[int],
       top_p: Optional[float],
   ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Decodes from left-padded prompts [B, P]; returns per row the tokens up to and including
-    the first EOS, and their logprobs."""
+    """Decodes from left-padded prompts [B, P], row b drawing with `row_keys[b]` (folded with the
+    token's index); returns per row the tokens up to and including the first EOS, and their logprobs."""
     batch, prompt_len = padded_prompts.shape
     pad = self.pad_id()
     settings = dict(temperature=float(temperature), top_k=top_k, top_p=top_p, pad_id=pad, forbid_pad=pad not in eos_ids)
@@ -283,9 +308,9 @@ class CpuJaxRollout(base_rollout.BaseRollout):
     out_logprobs = np.zeros((batch, max_new_tokens), np.float32)
     eos = np.asarray(eos_ids)
     tok = None
+    fold = jax.vmap(jax.random.fold_in, in_axes=(0, None))
     for i in range(max_new_tokens):
-      key, sub = jax.random.split(key)
-      new, lp = advance(i, tok, sub)
+      new, lp = advance(i, tok, fold(row_keys, i))
       tok = np.where(done, pad, np.asarray(new)).astype(np.int32)
       out[:, i] = tok
       out_logprobs[:, i] = np.asarray(lp)
@@ -303,11 +328,11 @@ class CpuJaxRollout(base_rollout.BaseRollout):
     graphdef, state = nnx.split(self._model)
     step = self._jitted("full", _full_forward_step, graphdef, settings)
 
-    def advance(i: int, previous: Optional[np.ndarray], key: jax.Array):
+    def advance(i: int, previous: Optional[np.ndarray], keys: jax.Array):
       nonlocal buf
       if i > 0:
         buf = buf.at[:, prompt_len + i - 1].set(previous)
-      return step(state, buf, prompt_len + i, key)
+      return step(state, buf, prompt_len + i, keys)
 
     return advance
 
@@ -329,12 +354,12 @@ class CpuJaxRollout(base_rollout.BaseRollout):
     lengths = jnp.asarray((padded_prompts != settings["pad_id"]).sum(axis=1), jnp.int32)
     cache = cm.fresh_cache
 
-    def advance(i: int, previous: Optional[np.ndarray], key: jax.Array):
+    def advance(i: int, previous: Optional[np.ndarray], keys: jax.Array):
       nonlocal cache
       if i == 0:
-        tok, lp, cache = prefill(params, cache, cm.rest, prompts, key)
+        tok, lp, cache = prefill(params, cache, cm.rest, prompts, keys)
       else:
-        tok, lp, cache = step(params, cache, cm.rest, jnp.asarray(previous), lengths + i - 1, key)
+        tok, lp, cache = step(params, cache, cm.rest, jnp.asarray(previous), lengths + i - 1, keys)
       return tok, lp
 
     return advance
