@@ -141,6 +141,11 @@ def events_files(run_dir: Path) -> list[Path]:
     return sorted(run_dir.glob("tensorboard/**/events.out*"))
 
 
+def config_dumped(run_dir: Path) -> bool:
+    """MaxText wrote its config (which has an hf_access_token key) into the run's TensorBoard events."""
+    return any(b"hf_access_token" in f.read_bytes() for f in events_files(run_dir))
+
+
 @pytest.mark.slow
 def test_killed_and_failed_training_leave_the_token_nowhere(pipeline_repo: Path, tmp_path: Path):
     """train_sft killed by SIGKILL once it trains, then train_sft failing after MaxText ran (an
@@ -153,9 +158,9 @@ def test_killed_and_failed_training_leave_the_token_nowhere(pipeline_repo: Path,
             proc = start_dvc(pipeline_repo, canary, "repro", "--force", "--single-item", "train_sft@sft")
             deadline = time.monotonic() + 600
             while time.monotonic() < deadline and proc.poll() is None:
-                if any(events_files(d) and next(d.glob("checkpoints/*/model_params"), None)
+                if any(config_dumped(d) and next(d.glob("checkpoints/*/model_params"), None)
                        for d in set(runs.glob("train_sft-*")) - before):
-                    break
+                    break  # training, and its config dump is on disk (TensorBoard flushes when it likes)
                 time.sleep(0.2)
             assert proc.poll() is None, f"train_sft ended before it could be killed:\n{proc.communicate()[0]}"
             os.killpg(proc.pid, signal.SIGKILL)
@@ -170,7 +175,7 @@ def test_killed_and_failed_training_leave_the_token_nowhere(pipeline_repo: Path,
             assert failed.returncode != 0 and "MaxText metrics_file missing" in failed.stdout, failed.stdout[-3000:]
             kept = set(runs.glob("train_sft-*")) - before - killed
         assert len(killed) == 1 and len(kept) == 1, (killed, kept)
-        assert all(any(b"hf_access_token" in f.read_bytes() for f in events_files(d)) for d in killed | kept), \
+        assert all(config_dumped(d) for d in killed | kept), \
             "no config dump in tensorboard: not the VM's code path"
         assert_nowhere(canary.search(pipeline_repo, watch), MAXTEXT_CHILDREN[1:2])
     finally:
