@@ -81,9 +81,10 @@ def run_seed(repo: Path, seed: int, sets: list[str]) -> dict:
     dvc(repo, "repro", "train_rl", timeout=3600)
     metrics = json.loads((repo / "metrics" / "rl" / "train_rl.json").read_text())
     rewards = [float(row["reward_mean"]) for row in csv.DictReader(open(repo / "plots" / "rl" / "train_rl.csv"))]
-    passes = yaml.safe_load((repo / "conf" / "preset" / f"{PRESET}.yaml").read_text())["train_rl"]["extra_args"]
+    # the stage's resolved config (params.yaml, the preset and --set overrides), as train_rl ran it
+    extra_args = yaml.safe_load((repo / "config" / "rl" / "train_rl.yaml").read_text())["train_rl"]["extra_args"]
     return {"seed": seed, "seconds": time.monotonic() - start, "steps": metrics["steps"],
-            "eval_n": metrics["eval_pre_total"], "eval_passes": passes.get("num_eval_passes", 1),
+            "eval_n": metrics["eval_pre_total"], "eval_passes": extra_args.get("num_eval_passes", 1),
             "train_reward_first": statistics.fmean(rewards[:EDGE_STEPS]),
             "train_reward_last": statistics.fmean(rewards[-EDGE_STEPS:]),
             **{f"{key}_{when}": metrics[f"eval_{when}_{key}"] for when in ("pre", "post")

@@ -102,6 +102,7 @@ def pytest_collection_modifyitems(config, items: list[pytest.Item]) -> None:
     for item in items:
         if uses_pipeline(item) and not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(f"pipeline-{item.path.stem}"))
+
     def rank(item: pytest.Item) -> tuple[int, int]:
         long = LONGEST_FILES.index(item.path.stem) if item.path.stem in LONGEST_FILES else len(LONGEST_FILES)
         if uses_pipeline(item) and item.path.stem == FIRST_PIPELINE_FILE:
