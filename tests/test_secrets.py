@@ -153,7 +153,13 @@ def test_killed_and_failed_training_leave_the_token_nowhere(pipeline_repo: Path,
     run directory, tensorboard included, for a resume. Nothing anywhere holds the canary."""
     canary, runs = CanaryEnv.create(tmp_path), pipeline_repo / "work" / "train_sft"
     before = set(runs.iterdir()) if runs.is_dir() else set()
+    preset = pipeline_repo / "conf" / "preset" / "embedded-sft.yaml"
+    cfg = yaml.safe_load(preset.read_text())
     try:
+        # tensorboardX flushes every 120 s (flush_secs) or on close; the demo's 150 steps can end
+        # before the first flush, so the killed run trains long enough to flush its config dump.
+        cfg["train_sft"].update(steps=5000)
+        preset.write_text(yaml.safe_dump(cfg, sort_keys=False))
         with ProcessWatch(canary.canary, canary.marker) as watch:
             proc = start_dvc(pipeline_repo, canary, "repro", "--force", "--single-item", "train_sft@sft")
             deadline = time.monotonic() + 600
@@ -167,8 +173,6 @@ def test_killed_and_failed_training_leave_the_token_nowhere(pipeline_repo: Path,
             proc.wait()
             killed = set(runs.glob("train_sft-*")) - before
 
-            preset = pipeline_repo / "conf" / "preset" / "embedded-sft.yaml"
-            cfg = yaml.safe_load(preset.read_text())
             cfg["train_sft"].update(steps=3, extra_args={"metrics_file": ""})  # MaxText writes none
             preset.write_text(yaml.safe_dump(cfg, sort_keys=False))
             failed = dvc(pipeline_repo, "repro", "train_sft@sft", check=False, extra_env=canary.env())
