@@ -10,14 +10,20 @@ In a throwaway copy of the project (the working tree as git would commit it) it 
 and seeds the CPU sampler (mtpipe.maxtext.rollout_cpu).
 
 The eval (MaxText's, before and after GRPO, on 96 of the 100 embedded test prompts) samples
-`num_eval_passes` completions per prompt at temperature 0.7 (`eval_sampling_strategy: standard`,
-`eval_mode: pass_at_1`), so it measures what GRPO optimises, on fixed prompts. The CPU sampler
+`num_eval_passes` completions per prompt (`eval_mode: pass_at_1`) with `eval_sampling_strategy:
+liberal` (rl.yml: temperature 0.85, top-k 2000, no cut on the tiny 512-token vocabulary), the
+temperature the preset gives GRPO's rollouts (which cut at MaxText's top-k 50, a tail of little
+mass): it measures what GRPO optimises, the reward under its own sampling, on fixed prompts. The CPU sampler
 draws a prompt's k-th eval sample with the same random numbers before and after GRPO (common random
 numbers, mtpipe/maxtext/rollout_cpu.py), so the difference is the policy's, not the dice's:
 
 * reward under sampling: the mean reward (the training reward functions) per sampled completion;
 * accuracy: the fraction of sampled completions with the right answer (pass@1 estimate);
-* training reward: the mean reward of GRPO's own samples over its first and last 5 steps;
+* format: the fraction of sampled completions in the exact answer format (the format reward's test);
+* training reward: the mean reward per completion of GRPO's own samples (other
+  prompts at each step) over its first and last 5 steps, in the eval's units (the sum of the reward
+  functions; tunix's `rewards/train/mean` is their mean, a third of it);
+* KL: GRPO's KL estimate to the warm-up model over the last 5 steps (how far the policy moved);
 * gain: mean over seeds of (after - before), 95% Student-t interval over seeds.
 
 Usage: python benchmarks/grpo_learns.py [--seeds 1,2,3] [--set rl.KEY=VALUE ...] [--keep] [--repo KEPT_COPY]
@@ -45,6 +51,7 @@ from pipeline import copy_project, dvc  # noqa: E402  (the tests' throwaway proj
 
 PRESET = "embedded-rl-bench"
 EDGE_STEPS = 5  # training reward: mean over the first and the last this many GRPO steps
+REWARD_COLUMNS = ("reward_exact_format", "reward_approx_format", "reward_answer")  # plots/rl/train_rl.csv
 
 
 def set_params(repo: Path, sets: list[str], seed: int | None) -> None:
@@ -80,13 +87,15 @@ def run_seed(repo: Path, seed: int, sets: list[str]) -> dict:
     start = time.monotonic()
     dvc(repo, "repro", "train_rl", timeout=3600)
     metrics = json.loads((repo / "metrics" / "rl" / "train_rl.json").read_text())
-    rewards = [float(row["reward_mean"]) for row in csv.DictReader(open(repo / "plots" / "rl" / "train_rl.csv"))]
+    curve = list(csv.DictReader(open(repo / "plots" / "rl" / "train_rl.csv")))
+    rewards = [sum(float(row[key]) for key in REWARD_COLUMNS) for row in curve]
     # the stage's resolved config (params.yaml, the preset and --set overrides), as train_rl ran it
     extra_args = yaml.safe_load((repo / "config" / "rl" / "train_rl.yaml").read_text())["train_rl"]["extra_args"]
     return {"seed": seed, "seconds": time.monotonic() - start, "steps": metrics["steps"],
             "eval_n": metrics["eval_pre_total"], "eval_passes": extra_args.get("num_eval_passes", 1),
             "train_reward_first": statistics.fmean(rewards[:EDGE_STEPS]),
             "train_reward_last": statistics.fmean(rewards[-EDGE_STEPS:]),
+            "kl_last": statistics.fmean(float(row["kl"]) for row in curve[-EDGE_STEPS:]),
             **{f"{key}_{when}": metrics[f"eval_{when}_{key}"] for when in ("pre", "post")
                for key in ("mean_reward", "accuracy", "format_accuracy")}}
 
@@ -95,14 +104,16 @@ def print_table(runs: list[dict], warmup_s: float) -> None:
     print(f"\nGRPO on the embedded default, preset {PRESET}: data, conversion and warm-up (shared) "
           f"{warmup_s / 60:.1f} min")
     print("| seed | eval reward before | after | eval accuracy before | after | format before / after "
-          f"| training reward, first / last {EDGE_STEPS} steps | minutes |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          f"| training reward, first / last {EDGE_STEPS} steps | KL, last {EDGE_STEPS} | minutes |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in runs:
         print(f"| {r['seed']} | {r['mean_reward_pre']:.3f} | {r['mean_reward_post']:.3f} | {r['accuracy_pre']:.1f}% | "
               f"{r['accuracy_post']:.1f}% | {r['format_accuracy_pre']:.1f}% / {r['format_accuracy_post']:.1f}% | "
-              f"{r['train_reward_first']:.3f} / {r['train_reward_last']:.3f} | {r['seconds'] / 60:.1f} |")
+              f"{r['train_reward_first']:.3f} / {r['train_reward_last']:.3f} | {r['kl_last']:.3f} | "
+              f"{r['seconds'] / 60:.1f} |")
     print()
-    for what, key, unit in (("eval reward under sampling", "mean_reward", ""), ("eval accuracy (pass@1)", "accuracy", " points")):
+    for what, key, unit in (("eval reward under sampling", "mean_reward", ""), ("eval accuracy (pass@1)", "accuracy", " points"),
+                            ("eval format", "format_accuracy", " points")):
         mean, low, high = mean_ci([r[f"{key}_post"] - r[f"{key}_pre"] for r in runs])
         verdict = "excludes 0" if low > 0 or high < 0 else "includes 0"
         print(f"gain in {what}: {mean:+.3f}{unit}, 95% CI [{low:+.3f}, {high:+.3f}] over {len(runs)} seeds ({verdict})")
