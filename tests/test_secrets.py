@@ -166,7 +166,7 @@ def test_killed_and_failed_training_leave_the_token_nowhere(pipeline_repo: Path,
             while time.monotonic() < deadline and proc.poll() is None:
                 if any(config_dumped(d) and next(d.glob("checkpoints/*/model_params"), None)
                        for d in set(runs.glob("train_sft-*")) - before):
-                    break  # training, and its config dump is on disk (TensorBoard flushes when it likes)
+                    break  # training, with its config dump on disk
                 time.sleep(0.2)
             assert proc.poll() is None, f"train_sft ended before it could be killed:\n{proc.communicate()[0]}"
             os.killpg(proc.pid, signal.SIGKILL)
