@@ -161,7 +161,8 @@ def test_killed_and_failed_training_leave_the_token_nowhere(pipeline_repo: Path,
         cfg["train_sft"].update(steps=5000)
         preset.write_text(yaml.safe_dump(cfg, sort_keys=False))
         with ProcessWatch(canary.canary, canary.marker) as watch:
-            proc = start_dvc(pipeline_repo, canary, "repro", "--force", "--single-item", "train_sft@sft")
+            # Not --single-item: `configure` must rerun to resolve the 5000 steps into the stage's config.
+            proc = start_dvc(pipeline_repo, canary, "repro", "train_sft@sft")
             deadline = time.monotonic() + 600
             while time.monotonic() < deadline and proc.poll() is None:
                 if any(config_dumped(d) and next(d.glob("checkpoints/*/model_params"), None)
@@ -170,7 +171,7 @@ def test_killed_and_failed_training_leave_the_token_nowhere(pipeline_repo: Path,
                 time.sleep(0.2)
             assert proc.poll() is None, f"train_sft ended before it could be killed:\n{proc.communicate()[0]}"
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            assert " steps=5000 " in proc.communicate()[0], "the killed run did not get the edited preset"
             killed = set(runs.glob("train_sft-*")) - before
 
             cfg["train_sft"].update(steps=3, extra_args={"metrics_file": ""})  # MaxText writes none
