@@ -12,12 +12,13 @@ and seeds the CPU sampler (mtpipe.maxtext.rollout_cpu).
 The eval (MaxText's, before and after GRPO, on 96 of the 100 embedded test prompts) samples
 `num_eval_passes` completions per prompt (`eval_mode: pass_at_1`) with `eval_sampling_strategy:
 liberal` (rl.yml: temperature 0.85, top-k 2000, no cut on the tiny 512-token vocabulary), the
-temperature the preset gives GRPO's rollouts (which cut at MaxText's top-k 50, a tail of little
-mass): it measures what GRPO optimises, the reward under its own sampling, on fixed prompts. The CPU sampler
-draws a prompt's k-th eval sample with the same random numbers before and after GRPO (common random
-numbers, mtpipe/maxtext/rollout_cpu.py), so the difference is the policy's, not the dice's:
+distribution the preset gives GRPO's rollouts: it measures what GRPO optimises, the reward under its
+own sampling, on fixed prompts. The CPU sampler draws a prompt's k-th eval sample with the same
+random numbers before and after GRPO (common random numbers, mtpipe/maxtext/rollout_cpu.py), so the
+difference is the policy's, not the dice's:
 
-* reward under sampling: the mean reward (the training reward functions) per sampled completion;
+* reward under sampling: the mean reward (the training reward functions, with the preset's
+  weights: 1.0 for the exact format, 1.0 for the right answer) per sampled completion;
 * accuracy: the fraction of sampled completions with the right answer (pass@1 estimate);
 * format: the fraction of sampled completions in the exact answer format (the format reward's test);
 * training reward: the mean reward per completion of GRPO's own samples (other
