@@ -18,10 +18,10 @@ from pathlib import Path
 
 from mtpipe.data import gsm8k_chat
 from mtpipe.maxtext import commands
-from mtpipe.maxtext.run_dir import run_dir
+from mtpipe.maxtext.run_dir import MIRROR_EVERY_S, run_dir
 from mtpipe.pipeline.backend import run_training
 from mtpipe.pipeline.config import load_stage
-from mtpipe.pipeline.metrics import loss_curve, summarize_sft, tokens_per_s_median, write_csv
+from mtpipe.pipeline.metrics import loss_curve, missing_steps, summarize_sft, tokens_per_s_median, write_csv
 from mtpipe.pipeline.stage import (JAX_CACHE, ROOT, Timer, artifact, atomic_dir, digest, log_path, require, run_stage,
                                    write_json, write_stamp)
 
@@ -75,6 +75,9 @@ def main(branch: str) -> None:
     if final_step is None or final_step < cfg.train_sft.steps - 1:
         raise RuntimeError(f"train_sft wrote no final checkpoint in {run.url}/checkpoints (found {final_step})")
     curve = loss_curve(require(metrics_file, "MaxText metrics_file"))
+    if lost := missing_steps(curve):
+        print(f"  warning: the loss curve has no rows for steps {lost}: a stopped run logged them after its "
+              f"last mirror to the bucket (every {MIRROR_EVERY_S:.0f} s); the plot has a gap there")
     with atomic_dir(artifact(branch, OUTPUT[branch])) as out:
         run.take(f"checkpoints/{final_step}/model_params", out / "model_params")
         write_stamp(out, "train_sft", run_digest, run_name=run.run_name, step=final_step)

@@ -141,6 +141,12 @@ def events_files(run_dir: Path) -> list[Path]:
     return sorted(run_dir.glob("tensorboard/**/events.out*"))
 
 
+def tensorboard_listing(run_dirs: set[Path]) -> dict[str, list[tuple[str, int, bool]]]:
+    """Each run directory's event files: (name, size, holds the config dump), for a failure message."""
+    return {d.name: [(f.name, f.stat().st_size, b"hf_access_token" in f.read_bytes()) for f in events_files(d)]
+            for d in sorted(run_dirs)}
+
+
 def config_dumped(run_dir: Path) -> bool:
     """MaxText wrote its config (which has an hf_access_token key) into the run's TensorBoard events."""
     return any(b"hf_access_token" in f.read_bytes() for f in events_files(run_dir))
@@ -163,13 +169,14 @@ def test_killed_and_failed_training_leave_the_token_nowhere(pipeline_repo: Path,
         with ProcessWatch(canary.canary, canary.marker) as watch:
             # Not --single-item: `configure` must rerun to resolve the 5000 steps into the stage's config.
             proc = start_dvc(pipeline_repo, canary, "repro", "train_sft@sft")
-            deadline = time.monotonic() + 600
-            while time.monotonic() < deadline and proc.poll() is None:
-                if any(config_dumped(d) and next(d.glob("checkpoints/*/model_params"), None)
-                       for d in set(runs.glob("train_sft-*")) - before):
-                    break  # training, with its config dump on disk
+            deadline, training = time.monotonic() + 1200, None
+            while training is None and time.monotonic() < deadline and proc.poll() is None:
                 time.sleep(0.2)
+                training = next((d for d in set(runs.glob("train_sft-*")) - before  # with its config dump
+                                 if config_dumped(d) and next(d.glob("checkpoints/*/model_params"), None)), None)
             assert proc.poll() is None, f"train_sft ended before it could be killed:\n{proc.communicate()[0]}"
+            assert training is not None, ("no run with a config dump and a checkpoint in 1200 s: "
+                                          f"{tensorboard_listing(set(runs.glob('train_sft-*')) - before)}")
             os.killpg(proc.pid, signal.SIGKILL)
             assert " steps=5000 " in proc.communicate()[0], "the killed run did not get the edited preset"
             killed = set(runs.glob("train_sft-*")) - before
@@ -181,7 +188,7 @@ def test_killed_and_failed_training_leave_the_token_nowhere(pipeline_repo: Path,
             kept = set(runs.glob("train_sft-*")) - before - killed
         assert len(killed) == 1 and len(kept) == 1, (killed, kept)
         assert all(config_dumped(d) for d in killed | kept), \
-            "no config dump in tensorboard: not the VM's code path"
+            f"no config dump in tensorboard: not the VM's code path: {tensorboard_listing(killed | kept)}"
         assert_nowhere(canary.search(pipeline_repo, watch), MAXTEXT_CHILDREN[1:2])
     finally:
         for run_dir in set(runs.glob("train_sft-*")) - before:

@@ -179,11 +179,12 @@ def committed(fs: gcsfs.GCSFileSystem, runs: str) -> dict[int, str]:
     return {int(m.split("/")[-2]): m.split("/checkpoints/")[0] for m in markers}
 
 
-def checkpoint_to_resume(fs: gcsfs.GCSFileSystem, runs: str) -> str | None:
-    """The run directory once it holds a complete checkpoint of step >= PERIOD and the mirrored
-    metrics file has reached that step (a preemption later than MIRROR_EVERY_S after it)."""
+def checkpoint_to_resume(fs: gcsfs.GCSFileSystem, runs: str, at_least: int = PERIOD) -> str | None:
+    """The run directory once it holds a complete checkpoint of step >= ``at_least`` and the mirrored
+    metrics file has reached that step (a preemption later than MIRROR_EVERY_S after it). Earlier, the
+    bucket may lack the loss row of the checkpoint's step, which a resume from it never logs again."""
     steps = committed(fs, runs)
-    step = max((s for s in steps if s >= PERIOD), default=None)
+    step = max((s for s in steps if s >= at_least), default=None)
     metrics = f"{steps[step]}/metrics.jsonl" if step is not None else None
     if metrics and fs.exists(metrics):
         if max(json.loads(line)["step"] for line in fs.cat(metrics).splitlines()) >= step:

@@ -36,6 +36,13 @@ def loss_curve(path: Path) -> list[dict]:
     return rows
 
 
+def missing_steps(rows: list[dict]) -> list[int]:
+    """Steps between the curve's first and last row that have no row: a resumed run restarts after
+    its checkpoint, so rows logged before a preemption but not yet mirrored to the bucket are lost."""
+    logged = {row["step"] for row in rows}
+    return [step for step in range(rows[0]["step"], rows[-1]["step"] + 1) if step not in logged]
+
+
 def tokens_per_s_median(path: Path) -> float | None:
     """Median tokens/s per device over the steps after the first (compile) step, if MaxText logged it.
 
