@@ -76,8 +76,9 @@ def main(branch: str) -> None:
         raise RuntimeError(f"train_sft wrote no final checkpoint in {run.url}/checkpoints (found {final_step})")
     curve = loss_curve(require(metrics_file, "MaxText metrics_file"))
     if lost := missing_steps(curve):
-        print(f"  warning: the loss curve has no rows for steps {lost}: a stopped run logged them after its "
-              f"last mirror to the bucket (every {MIRROR_EVERY_S:.0f} s); the plot has a gap there")
+        print(f"  warning: the loss curve has no rows for steps {lost}: a run stopped (killed, preempted) after "
+              f"their checkpoint but before their rows were written, or mirrored to the bucket (every "
+              f"{MIRROR_EVERY_S:.0f} s); the plot has a gap there")
     with atomic_dir(artifact(branch, OUTPUT[branch])) as out:
         run.take(f"checkpoints/{final_step}/model_params", out / "model_params")
         write_stamp(out, "train_sft", run_digest, run_name=run.run_name, step=final_step)

@@ -37,8 +37,9 @@ def loss_curve(path: Path) -> list[dict]:
 
 
 def missing_steps(rows: list[dict]) -> list[int]:
-    """Steps between the curve's first and last row that have no row: a resumed run restarts after
-    its checkpoint, so rows logged before a preemption but not yet mirrored to the bucket are lost."""
+    """Steps between the curve's first and last row that have no row. A resumed run restarts after its
+    checkpoint, so rows of steps up to it that a stopped run had not yet written (MaxText writes a
+    step's row one step late) or mirrored to the bucket are never logged again."""
     logged = {row["step"] for row in rows}
     return [step for step in range(rows[0]["step"], rows[-1]["step"] + 1) if step not in logged]
 
