@@ -244,17 +244,17 @@ def test_sweep_resumes_after_the_finished_experiments(spot: Env) -> None:
 @pytest.mark.slow
 def test_real_training_on_spot_survives_two_preemptions(project_world: Env, gcs_emulator: GcsEmulator) -> None:  # noqa: F811
     """The embedded SFT training (real MaxText) on a loopback Spot VM, its run directory in the work
-    bucket (the emulator): preempted once the bucket holds the step-20 checkpoint and its loss row
-    (TERMINATED) and again at step 40 (deleted). Each new VM pulls the converted checkpoint from the
+    bucket (the emulator): preempted once the bucket holds the step-50 checkpoint and its loss row
+    (TERMINATED) and again at step 100 (deleted). Each new VM pulls the converted checkpoint from the
     DVC remote (no conversion) and MaxText restores the bucket's latest step; the experiment's
-    metrics and loss curve are those of an uninterrupted 60-step run, and no VM or firewall rule is
-    left. Checkpoints 20 steps (about 8 s) apart: the loss row of a checkpoint's step reaches the
-    bucket up to MIRROR_EVERY_S (5 s) after it, before the next checkpoint commits."""
+    metrics and loss curve are those of an uninterrupted 130-step run, and no VM or firewall rule is
+    left. Checkpoints 50 steps (10 s at 0.2 s a step) apart: a checkpoint step's loss row reaches the
+    bucket up to MIRROR_EVERY_S (5 s) after it, well before the next checkpoint commits."""
     # imported here: with test_work_bucket (gcsfs) imported at collection, the remote probes of the
     # other tests in this file time out when the file runs alone
     from test_work_bucket import bucket_env, checkpoint_to_resume, committed, emulator_fs
 
-    w, steps, period = project_world, 60, 20
+    w, steps, period = project_world, 130, 50  # not the fixture's 150 steps: train_sft reruns
     fs, runs = emulator_fs(gcs_emulator), f"{gcs_emulator.bucket}/spot-work/train_sft"
     admitted = w.sshd.authorized
     w.sshd.authorized = lambda: [key for key in admitted() if _running(w, key)]
