@@ -24,10 +24,11 @@ GIT_ID = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME
 
 
 def env() -> dict[str, str]:
-    """Environment for pipeline commands: the project's venv first on PATH, no cloud probing."""
+    """Environment for pipeline commands: the project's venv first on PATH, no cloud probing. Without
+    DECOUPLE_GCLOUD: the hardware preset alone decides it (the canary runs' preset leaves it out)."""
     venv_bin = str(Path(sys.executable).parent)
     return {
-        **os.environ, **GIT_ID,
+        **{k: v for k, v in os.environ.items() if k != "DECOUPLE_GCLOUD"}, **GIT_ID,
         "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}",
         "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false", "NO_GCE_CHECK": "true", "DVC_NO_ANALYTICS": "1",
     }

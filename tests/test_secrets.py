@@ -160,7 +160,7 @@ def test_killed_and_failed_training_leave_the_token_nowhere(pipeline_repo: Path,
     canary, runs = CanaryEnv.create(tmp_path), pipeline_repo / "work" / "train_sft"
     before = set(runs.iterdir()) if runs.is_dir() else set()
     preset = pipeline_repo / "conf" / "preset" / "embedded-sft.yaml"
-    cfg = yaml.safe_load(preset.read_text())
+    cfg, proc = yaml.safe_load(preset.read_text()), None
     try:
         # tensorboardX flushes every 120 s (flush_secs) or on close; the demo's 150 steps can end
         # before the first flush, so the killed run trains long enough to flush its config dump.
@@ -169,13 +169,13 @@ def test_killed_and_failed_training_leave_the_token_nowhere(pipeline_repo: Path,
         with ProcessWatch(canary.canary, canary.marker) as watch:
             # Not --single-item: `configure` must rerun to resolve the 5000 steps into the stage's config.
             proc = start_dvc(pipeline_repo, canary, "repro", "train_sft@sft")
-            deadline, training = time.monotonic() + 1200, None
+            deadline, training = time.monotonic() + 600, None
             while training is None and time.monotonic() < deadline and proc.poll() is None:
                 time.sleep(0.2)
                 training = next((d for d in set(runs.glob("train_sft-*")) - before  # with its config dump
                                  if config_dumped(d) and next(d.glob("checkpoints/*/model_params"), None)), None)
             assert proc.poll() is None, f"train_sft ended before it could be killed:\n{proc.communicate()[0]}"
-            assert training is not None, ("no run with a config dump and a checkpoint in 1200 s: "
+            assert training is not None, ("no run with a config dump and a checkpoint in 600 s: "
                                           f"{tensorboard_listing(set(runs.glob('train_sft-*')) - before)}")
             os.killpg(proc.pid, signal.SIGKILL)
             assert " steps=5000 " in proc.communicate()[0], "the killed run did not get the edited preset"
@@ -191,6 +191,9 @@ def test_killed_and_failed_training_leave_the_token_nowhere(pipeline_repo: Path,
             f"no config dump in tensorboard: not the VM's code path: {tensorboard_listing(killed | kept)}"
         assert_nowhere(canary.search(pipeline_repo, watch), MAXTEXT_CHILDREN[1:2])
     finally:
+        if proc is not None and proc.poll() is None:  # a failed check before the kill
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
         for run_dir in set(runs.glob("train_sft-*")) - before:
             shutil.rmtree(run_dir)
         restore(pipeline_repo)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,9 +25,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from mtpipe.maxtext import commands, maxtext_adapter
-
-
 from mtpipe.pipeline import config
+
 pytestmark = [pytest.mark.preflight, pytest.mark.slow]
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -180,17 +178,20 @@ def abstract_model_shapes(cmd: commands.MaxTextCommand) -> tuple[dict[str, tuple
 
 @pytest.fixture(scope="module", params=sorted(REAL_MODELS))
 def conversion(request, tmp_path_factory) -> tuple[RealModel, Conversion]:
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
-    from maxtext.checkpoint_conversion.utils import hf_model_configs, hf_shape, param_mapping
-    from maxtext.configs import pyconfig
-
     model = REAL_MODELS[request.param]
     tmp = tmp_path_factory.mktemp(model.fixture)
     hf_dir = tmp / "files"
     source = hub_dir_without_weights(model, hf_dir)
     to_mt, to_hf = stage_args(model, hf_dir, tmp)
     with pytest.MonkeyPatch.context() as mp:
+        # MaxText in this process: on the CPU, Google Cloud stubbed. Only while the fixture runs: the
+        # pipeline runs later tests start from this worker must not inherit DECOUPLE_GCLOUD (it sent
+        # test_secrets' canary runs down the laptop's code path, without their tensorboard config dump).
+        mp.setenv("JAX_PLATFORMS", "cpu")
+        mp.setenv("DECOUPLE_GCLOUD", "TRUE")
+        from maxtext.checkpoint_conversion.utils import hf_model_configs, hf_shape, param_mapping
+        from maxtext.configs import pyconfig
+
         # The adapter patches MaxText's tables in place (as in the child process of a run): restore them after.
         for name in {arg.split("=", 1)[1] for arg in (*to_mt.args, *to_hf.args) if arg.startswith("model_name=")}:
             for key in maxtext_adapter._table_keys(name):
