@@ -266,7 +266,7 @@ def test_real_training_on_spot_survives_two_preemptions(project_world: Env, gcs_
     def preempter() -> None:
         for step, delete in plan:
             while not stop.wait(0.3):
-                # earlier, the bucket may lack the checkpoint step's loss row: a gap the stage reports
+                # only once the bucket also holds the checkpoint step's loss row: a resume never logs it again
                 if checkpoint_to_resume(fs, runs, at_least=step):
                     done.append(max(committed(fs, runs)))
                     preempt(w, delete)
