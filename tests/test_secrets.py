@@ -141,15 +141,19 @@ def events_files(run_dir: Path) -> list[Path]:
     return sorted(run_dir.glob("tensorboard/**/events.out*"))
 
 
-def tensorboard_listing(run_dirs: set[Path]) -> dict[str, list[tuple[str, int, bool]]]:
-    """Each run directory's event files: (name, size, holds the config dump), for a failure message."""
-    return {d.name: [(f.name, f.stat().st_size, b"hf_access_token" in f.read_bytes()) for f in events_files(d)]
-            for d in sorted(run_dirs)}
+def holds_config_dump(events: Path) -> bool:
+    """MaxText wrote its config (which has an hf_access_token key) into this TensorBoard event file."""
+    return b"hf_access_token" in events.read_bytes()
 
 
 def config_dumped(run_dir: Path) -> bool:
-    """MaxText wrote its config (which has an hf_access_token key) into the run's TensorBoard events."""
-    return any(b"hf_access_token" in f.read_bytes() for f in events_files(run_dir))
+    return any(holds_config_dump(f) for f in events_files(run_dir))
+
+
+def tensorboard_listing(run_dirs: set[Path]) -> dict[str, list[tuple[str, int, bool]]]:
+    """Each run directory's event files: (name, size, holds the config dump), for a failure message."""
+    return {d.name: [(f.name, f.stat().st_size, holds_config_dump(f)) for f in events_files(d)]
+            for d in sorted(run_dirs)}
 
 
 @pytest.mark.slow
