@@ -18,7 +18,7 @@ from mtpipe.maxtext import commands
 from mtpipe.maxtext.run_dir import run_dir
 from mtpipe.pipeline.backend import run_training
 from mtpipe.pipeline.config import load_stage
-from mtpipe.pipeline.metrics import read_tensorboard, rl_curve, rl_eval, write_csv
+from mtpipe.pipeline.metrics import missing_steps, read_tensorboard, rl_curve, rl_eval, write_csv
 from mtpipe.pipeline.stage import (JAX_CACHE, ROOT, Timer, artifact, atomic_dir, digest, log_path, read_stamp,
                                    run_stage, write_json, write_stamp)
 
@@ -77,6 +77,9 @@ def main() -> None:
         raise RuntimeError(f"train_rl wrote no final actor checkpoint under {run.url}/checkpoints/actor"
                            f" (found {final_step}, expected {cfg.train_rl.num_batches})")
     curve = rl_curve(read_tensorboard(f"{run.url}/tensorboard"))
+    if lost := missing_steps([row for row in curve if "reward_mean" in row], first=1):
+        print(f"  warning: the reward curve has no rows for steps {lost}: a run stopped (killed, preempted) "
+              "before tensorboardX flushed them (every 120 s); the plot has a gap there")
     this_run = log_path("rl", "train_rl").read_text(errors="replace").split(f"$ {cmd.as_tutorial()}")[-1]
     evals = rl_eval(this_run)
     if cfg.train_rl.num_test_batches and set(evals) != {"pre", "post"}:

@@ -7,15 +7,18 @@ checkout so that repeated test sessions skip XLA compiles.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
 import threading
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -268,3 +271,51 @@ class ProcessWatch:
     def record(self) -> dict:
         """What was seen, as JSON data (the canary itself never appears in it)."""
         return {"commands": sorted(self.commands), "holders": [asdict(h) for h in self.holders]}
+
+
+# --- Interrupted runs: a kill point the test chooses, whatever the machine's speed (docs/testing.md) ---
+
+HOLD_LINE = "mtpipe: holding after step {step} "
+
+
+def start_held(repo: Path, target: str, step: int, log: Path, extra_env: dict[str, str] | None = None,
+               timeout: float = 900) -> subprocess.Popen:
+    """Start ``dvc repro -f -s --no-run-cache <target>`` (that stage alone) in a process group of its own, with MaxText
+    holding after ``step`` (MTPIPE_HOLD_AFTER_STEP: that step's checkpoint and loss row are written);
+    return once the stage's ``log`` says it holds. The caller kills the group."""
+    offset = log.stat().st_size if log.exists() else 0
+    proc = subprocess.Popen(["dvc", "repro", "-f", "-s", "--no-run-cache", target], cwd=repo,
+                            env={**env(), **(extra_env or {}), "MTPIPE_HOLD_AFTER_STEP": str(step)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline, line = time.monotonic() + timeout, HOLD_LINE.format(step=step)
+    while not (log.exists() and line in log.read_text(errors="replace")[offset:]):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            kill_group(proc)
+            raise AssertionError(f"{target} never held after step {step} (exit {proc.returncode}); log: {log}")
+        time.sleep(0.5)
+    return proc
+
+
+def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to ``proc``'s whole process group (DVC, the stage, MaxText) and reap ``proc``."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+    proc.wait()
+
+
+def group_alive(leader: subprocess.Popen) -> bool:
+    """Whether any process of ``leader``'s process group still runs (the leader reaped if it ended:
+    a zombie still counts as a member)."""
+    leader.poll()
+    try:
+        os.killpg(leader.pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def csv_rows(path: Path) -> list[dict[str, str]]:
+    import csv
+
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))

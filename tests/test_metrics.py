@@ -24,3 +24,10 @@ def test_rows_lost_with_a_preempted_machine_are_named(tmp_path: Path) -> None:
     metrics = tmp_path / "metrics.jsonl"
     write_jsonl(metrics, [*range(1, 19), *range(21, 26)])
     assert missing_steps(loss_curve(metrics)) == [19, 20]
+
+
+def test_a_curve_that_starts_late_is_named_from_its_expected_first_step() -> None:
+    """train_rl's rows come from tensorboard events: a killed run that never flushed them leaves
+    a resumed run's curve starting after step 1."""
+    rows = [{"step": s} for s in range(9, 17)]
+    assert missing_steps(rows) == [] and missing_steps(rows, first=1) == list(range(1, 9))

@@ -9,7 +9,8 @@ directory) or in the bucket MTPIPE_WORK_BUCKET names (the GCS emulator), as on G
 The resume runs from work/, not from the bucket: the emulator serves one request at a time, so the
 two processes' restores from it finish far apart, and the first collective after them (Orbax's
 barrier) fails when one process is 30 s behind the other (Gloo's fixed rendezvous timeout), which a
-loaded CI machine reaches.
+loaded CI machine reaches. The uninterrupted run (into the bucket) is the reference the resumed one
+must equal: where a run directory lives changes no byte of its params.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import pytest
 import yaml
 from conftest import restore
 from gcs_emulator import GcsEmulator, gcs_emulator  # noqa: F401 (a fixture)
-from pipeline import dvc, env, export_logit_diff
+from pipeline import HOLD_LINE, csv_rows, dvc, env, export_logit_diff, md5_tree
 from test_work_bucket import bucket_env, emulator_fs
 
 from mtpipe.pipeline.stage import COMMIT_MARKER
@@ -36,7 +37,16 @@ from mtpipe.pipeline.stage import COMMIT_MARKER
 pytestmark = [pytest.mark.multihost, pytest.mark.slow, pytest.mark.xdist_group("coordinator-port")]
 
 STEPS, PERIOD = 12, 4
-SET = ["-S", "sft.hardware=cpu-2proc", "-S", f"steps={STEPS}", "-S", f"sft.train_sft.checkpoint_period={PERIOD}"]
+
+
+def two_processes(repo: Path) -> None:
+    """params.yaml: the SFT branch as 2 JAX processes, STEPS steps, a checkpoint every PERIOD."""
+    path = repo / "params.yaml"
+    params = yaml.safe_load(path.read_text())
+    params["steps"] = STEPS
+    params["sft"].update(hardware="cpu-2proc")
+    params["sft"]["train_sft"].update(checkpoint_period=PERIOD)
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
 
 
 def fresh_logs_and_runs(repo: Path) -> None:
@@ -75,22 +85,62 @@ def jax_process(dvc_proc: subprocess.Popen, index: int, timeout: float = 600) ->
     raise AssertionError(f"no JAX process {index} appeared")
 
 
-def test_two_processes_train_survive_a_killed_process_and_export(pipeline_repo: Path) -> None:
-    """`dvc exp run -S sft.hardware=cpu-2proc`: SIGKILL of JAX process 1 after the step-4 checkpoint
-    fails the stage cleanly (process 0 stopped, no output); the rerun resumes from step 4 in both
-    processes, and the export of the 2-process checkpoint matches MaxText's forward as tightly as
-    the 1-process one (tests/test_pipeline_sft.py)."""
-    runs = pipeline_repo / "work" / "train_sft"
+@pytest.fixture(scope="module")
+def uninterrupted(pipeline_repo: Path, gcs_emulator: GcsEmulator) -> dict:  # noqa: F811
+    """The 2-process run without interruption, its run directory in the bucket (the emulator): what
+    its processes logged, its params (md5 per file) and its loss curve."""
+    bucket, fs = bucket_env(gcs_emulator, prefix="multihost"), emulator_fs(gcs_emulator)
     try:
+        two_processes(pipeline_repo)
         fresh_logs_and_runs(pipeline_repo)
-        proc = subprocess.Popen(["dvc", "exp", "run", *SET], cwd=pipeline_repo, env=env(), text=True,
+        dvc(pipeline_repo, "repro", "--no-run-cache", "train_sft@sft", extra_env=bucket)
+        trained = pipeline_repo / "artifacts" / "sft" / "trained"
+        fs.invalidate_cache()
+        return {"logs": logs(pipeline_repo), "params": md5_tree(trained, ["model_params"]),
+                "stamp": json.loads((trained / "mtpipe.json").read_text()),
+                "curve": csv_rows(pipeline_repo / "plots" / "sft" / "train_sft.csv"),
+                "left_in_bucket": fs.find(f"{gcs_emulator.bucket}/multihost/train_sft")}
+    finally:
+        restore(pipeline_repo)
+
+
+def test_two_processes_write_one_checkpoint_into_the_bucket(uninterrupted: dict, gcs_emulator: GcsEmulator) -> None:  # noqa: F811
+    """With MTPIPE_WORK_BUCKET both processes write the checkpoint into gs:// (the emulator) and the
+    stage takes the final params from there, as a multi-host run on GKE does."""
+    log0, log1 = uninterrupted["logs"]
+    assert_two_hosts(log0, log1)
+    for index, log in enumerate((log0, log1)):
+        saved = re.findall(rf"\[process={index}\] \[async\] Started save checkpoint @ (\S+)", log)
+        assert saved and all(s.startswith(f"gs://{gcs_emulator.bucket}/multihost/") for s in saved), saved[:2]
+    assert uninterrupted["stamp"]["step"] == STEPS
+    assert uninterrupted["left_in_bucket"] == [], "the bucket run directory was kept"
+
+
+@pytest.mark.resume_exact
+def test_two_processes_survive_a_killed_process_resume_exactly_and_export(pipeline_repo: Path,
+                                                                         uninterrupted: dict) -> None:
+    """Both processes hold after the step-4 checkpoint (MTPIPE_HOLD_AFTER_STEP); SIGKILL of JAX
+    process 1 fails the stage cleanly (process 0 stopped, no output); the rerun resumes from step 4
+    in both processes, each skipping the batches of its own shard it trained, and ends as the
+    uninterrupted run (from the bucket) ended: the same param bytes, the same loss curve. The export
+    of the 2-process checkpoint matches MaxText's forward as tightly as the 1-process one
+    (tests/test_pipeline_sft.py)."""
+    runs = pipeline_repo / "work" / "train_sft"
+    folder = pipeline_repo / "work" / "logs" / "sft"
+    try:
+        two_processes(pipeline_repo)
+        fresh_logs_and_runs(pipeline_repo)
+        proc = subprocess.Popen(["dvc", "repro", "--no-run-cache", "train_sft@sft"], cwd=pipeline_repo,
+                                env={**env(), "MTPIPE_HOLD_AFTER_STEP": str(PERIOD)}, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         host1 = jax_process(proc, 1)
         host0 = jax_process(proc, 0)
         deadline = time.monotonic() + 900
-        while not list(runs.glob(f"*/checkpoints/{PERIOD}/{COMMIT_MARKER}")):
-            assert proc.poll() is None and time.monotonic() < deadline, "no step-4 checkpoint"
-            time.sleep(0.2)
+        while not all(HOLD_LINE.format(step=PERIOD) in (folder / name).read_text(errors="replace")
+                      for name in ("train_sft.log", "train_sft.process1.log") if (folder / name).exists()) \
+                or not (folder / "train_sft.process1.log").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the processes never held after step 4"
+            time.sleep(0.5)
         host1.send_signal(signal.SIGKILL)
         out = proc.communicate(timeout=120)[0]
         assert proc.returncode != 0 and "process 1 of 2 exited with -9" in out, out[-3000:]
@@ -103,45 +153,24 @@ def test_two_processes_train_survive_a_killed_process_and_export(pipeline_repo: 
         killed0, killed1 = logs(pipeline_repo)
         assert_two_hosts(killed0, killed1)
 
-        out = dvc(pipeline_repo, "exp", "run", *SET).stdout
+        out = dvc(pipeline_repo, "repro", "--no-run-cache", "train_sft@sft").stdout
         assert f"checkpoint at step {PERIOD}" in out, out[-3000:]
         log0, log1 = (text[len(killed):] for text, killed in zip(logs(pipeline_repo), (killed0, killed1)))
         assert_two_hosts(log0, log1)
         for log in (log0, log1):
             assert re.search(rf"Restored params from step: {PERIOD}\b", log) or \
                 re.search(rf"[Rr]estor\w+ .*step[: ]+{PERIOD}\b", log), "a process did not restore the checkpoint"
+            assert f"mtpipe: resumed at step {PERIOD}: skipped the {PERIOD} batches it trained" in log
             steps = [int(n) for n in re.findall(r"completed step: (\d+),", log)]
             assert steps[0] == PERIOD + 1 and steps[-1] == STEPS, steps
         metrics = json.loads((pipeline_repo / "metrics" / "sft" / "train_sft.json").read_text())
         assert metrics["steps"] == STEPS and metrics["resumed_from_step"] == PERIOD
+        trained = pipeline_repo / "artifacts" / "sft" / "trained"
+        assert md5_tree(trained, ["model_params"]) == uninterrupted["params"], \
+            "the resumed 2-process run's params differ from the uninterrupted run's"
+        assert csv_rows(pipeline_repo / "plots" / "sft" / "train_sft.csv") == uninterrupted["curve"]
         diff = export_logit_diff(pipeline_repo, "sft", "gemma3-4b", "gemma3-tiny")
         print(f"\nmax |logit diff| 2-process SFT export vs MaxText: {diff:.2e}")
         assert diff < 2e-5
-    finally:
-        restore(pipeline_repo)
-
-
-def test_two_processes_write_one_checkpoint_into_the_bucket(pipeline_repo: Path, gcs_emulator: GcsEmulator) -> None:  # noqa: F811
-    """With MTPIPE_WORK_BUCKET both processes write the checkpoint into gs:// (the emulator) and the
-    stage takes the final params from there, as a multi-host run on GKE does."""
-    bucket, fs = bucket_env(gcs_emulator, prefix="multihost"), emulator_fs(gcs_emulator)
-    path = pipeline_repo / "params.yaml"
-    params = yaml.safe_load(path.read_text())
-    params["steps"] = PERIOD
-    params["sft"].update(hardware="cpu-2proc")
-    params["sft"]["train_sft"].update(checkpoint_period=PERIOD // 2)
-    try:
-        path.write_text(yaml.safe_dump(params, sort_keys=False))
-        fresh_logs_and_runs(pipeline_repo)
-        dvc(pipeline_repo, "repro", "--no-run-cache", "train_sft@sft", extra_env=bucket)
-        log0, log1 = logs(pipeline_repo)
-        assert_two_hosts(log0, log1)
-        for index, log in enumerate((log0, log1)):
-            saved = re.findall(rf"\[process={index}\] \[async\] Started save checkpoint @ (\S+)", log)
-            assert saved and all(s.startswith(f"gs://{gcs_emulator.bucket}/multihost/") for s in saved), saved[:2]
-        trained = pipeline_repo / "artifacts" / "sft" / "trained"
-        assert json.loads((trained / "mtpipe.json").read_text())["step"] == PERIOD
-        fs.invalidate_cache()
-        assert fs.find(f"{gcs_emulator.bucket}/multihost/train_sft") == [], "the bucket run directory was kept"
     finally:
         restore(pipeline_repo)

@@ -156,9 +156,11 @@ def loopback_world(tmp_path: Path, repo: Path, local_env: dict[str, str]) -> Ite
             return [item["value"] for inst in fake.instances.values()
                     for item in inst.get("metadata", {}).get("items", []) if item["key"] == "ssh-keys"]
 
+        # PYTHONPATH: most repos here are stand-ins, not the project, yet `{dvc}` runs the project's
+        # mtpipe.cloud.exp_run; in the project's own repo (project_world) its checkout comes first
         sshd = LoopbackSshd(tmp_path / "vm-home", authorized,
-                            env=dict(GCS_TEST_ENV, DVC_SITE_CACHE_DIR=str(tmp_path / "vm-dvc-site"))
-                            ).start()
+                            env=dict(GCS_TEST_ENV, DVC_SITE_CACHE_DIR=str(tmp_path / "vm-dvc-site"),
+                                     PYTHONPATH=str(ROOT))).start()
         config = tmp_path / "vm-test.yaml"
         config.write_text(yaml.safe_dump({
             "ssh": {"port": sshd.port, "key_file": str(tmp_path / "keys" / "id"), "ready_timeout_s": 10,

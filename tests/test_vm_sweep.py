@@ -53,7 +53,7 @@ def test_each_experiment_starts_from_the_shipped_commit() -> None:
                                     "remote_dir": "mtpipe", "command": "dvc pull && {dvc} && dvc push"}})
     script = vm.run_script(cfg, Path("."), vm.dvc_command(None, ["steps=6"], "s-2"), [], "s-2")
     lines = script.splitlines()
-    assert lines[-1] == "dvc pull && dvc exp run -S steps=6 --name s-2 && dvc push"
+    assert lines[-1] == "dvc pull && python -m mtpipe.cloud.exp_run exp run --pull -S steps=6 --name s-2 && dvc push"
     assert lines.index("git reset -q --hard && git clean -fdq") < len(lines) - 1
     assert "export MTPIPE_WORK_BUCKET=gs://b/w" in lines
 

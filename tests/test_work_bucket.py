@@ -9,13 +9,10 @@ pipeline repo is the new machine.
 
 from __future__ import annotations
 
-import csv
 import importlib.util
 import json
-import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -31,12 +28,9 @@ from conftest import restore
 from mtpipe.pipeline import config
 from mtpipe.maxtext import run_dir as rd
 from mtpipe.errors import ConfigError
-from pipeline import ROOT, dvc, env, git
+from pipeline import ROOT, csv_rows, dvc, env, git, kill_group, md5_tree, start_held
 
 pytestmark = pytest.mark.preemption
-
-STEPS, PERIOD = 20, 10  # checkpoints at steps 1 (Orbax's first save), 10 and 20
-
 
 def bucket_env(emulator: GcsEmulator, prefix: str = "work") -> dict[str, str]:
     """A stage's environment for a work bucket on the emulator."""
@@ -158,14 +152,7 @@ def test_a_bad_work_bucket_stops_the_stage_before_maxtext(pipeline_repo):
 
 # ------------------------------------------------------------- killed here, resumed elsewhere
 
-
-def short_training(repo: Path) -> None:
-    """STEPS steps with a checkpoint every PERIOD, no evaluation (one XLA compile less per run)."""
-    path = repo / "params.yaml"
-    params = yaml.safe_load(path.read_text())
-    params["steps"] = STEPS
-    params["sft"]["train_sft"].update(checkpoint_period=PERIOD, eval_interval=0)
-    path.write_text(yaml.safe_dump(params, sort_keys=False))
+PERIOD = 50  # the embedded preset's checkpoint_period: the pipeline's own run is the uninterrupted reference
 
 
 def completed_steps(log: str) -> list[int]:
@@ -181,8 +168,8 @@ def committed(fs: gcsfs.GCSFileSystem, runs: str) -> dict[int, str]:
 
 def checkpoint_to_resume(fs: gcsfs.GCSFileSystem, runs: str, at_least: int = PERIOD) -> str | None:
     """The run directory once it holds a complete checkpoint of step >= ``at_least`` and the mirrored
-    metrics file has reached that step (a preemption later than MIRROR_EVERY_S after it). Earlier, the
-    bucket may lack the loss row of the checkpoint's step, which a resume from it never logs again."""
+    metrics file has reached that step. Earlier, the bucket may lack the loss row of the checkpoint's
+    step, which a resume from it never logs again."""
     steps = committed(fs, runs)
     step = max((s for s in steps if s >= at_least), default=None)
     metrics = f"{steps[step]}/metrics.jsonl" if step is not None else None
@@ -192,22 +179,13 @@ def checkpoint_to_resume(fs: gcsfs.GCSFileSystem, runs: str, at_least: int = PER
     return None
 
 
-def kill_after_checkpoint(repo: Path, bucket: dict[str, str], fs: gcsfs.GCSFileSystem, runs: str) -> tuple[str, int]:
-    """Run train_sft@sft and SIGKILL it (and DVC) once :func:`checkpoint_to_resume` finds a run
-    directory; returns its gs:// URL and the latest complete step it holds after the kill."""
-    proc = subprocess.Popen(["dvc", "repro", "--no-run-cache", "train_sft@sft"], cwd=repo, env={**env(), **bucket},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline, run = time.monotonic() + 900, None
-        while run is None and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.3)
-            run = checkpoint_to_resume(fs, runs)
-        assert run is not None and proc.poll() is None, "train_sft ended (or timed out) before a bucket checkpoint"
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    return f"gs://{run}", max(step for step, where in committed(fs, runs).items() if where == run)
+def wait_for(condition, what: str, timeout: float = 120.0):
+    """Poll ``condition()`` until it returns something true; fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while not (found := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+    return found
 
 
 def fresh_clone(repo: Path, dest: Path) -> Path:
@@ -222,18 +200,27 @@ def fresh_clone(repo: Path, dest: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.resume_exact
 def test_killed_training_resumes_from_the_bucket_in_a_fresh_clone(pipeline_repo, gcs_emulator, tmp_path):
-    """train_sft@sft killed (SIGKILL) after a bucket checkpoint leaves its checkpoints in the bucket
-    only; in a fresh clone the same stage restores that step (MaxText's log), trains to the end,
-    writes the output as a local run does, keeps the whole loss curve and empties the bucket."""
+    """train_sft@sft SIGKILLed after its step-50 checkpoint reached the bucket (MaxText holds there:
+    MTPIPE_HOLD_AFTER_STEP) leaves its checkpoints in the bucket only; in a fresh clone the same stage
+    restores that step, skips the 50 batches it trained and ends as the uninterrupted run (the shared
+    pipeline's) ended: the same param bytes and the same loss curve, row for row. It writes the
+    output as a local run does and empties the bucket."""
     bucket, fs = bucket_env(gcs_emulator), emulator_fs(gcs_emulator)
     runs, scratch = f"{gcs_emulator.bucket}/work/train_sft", pipeline_repo / "work" / "train_sft"
+    reference = pipeline_repo / "artifacts" / "sft" / "trained"
+    params, curve = md5_tree(reference, ["model_params"]), csv_rows(pipeline_repo / "plots" / "sft" / "train_sft.csv")
     before = set(scratch.iterdir()) if scratch.is_dir() else set()
-    short_training(pipeline_repo)
     try:
-        url, killed_at = kill_after_checkpoint(pipeline_repo, bucket, fs, runs)
-        run_name = url.rsplit("/", 1)[1]
-        assert PERIOD <= killed_at < STEPS, killed_at
+        held = start_held(pipeline_repo, "train_sft@sft", PERIOD, pipeline_repo / "work/logs/sft/train_sft.log",
+                          extra_env=bucket)
+        try:  # the hold is endless: the mirror (every MIRROR_EVERY_S) brings the step's row up meanwhile
+            run = wait_for(lambda: checkpoint_to_resume(fs, runs), "the step-50 loss row in the bucket")
+        finally:
+            kill_group(held)
+        url, run_name = f"gs://{run}", run.rsplit("/", 1)[1]
+        assert max(step for step, where in committed(fs, runs).items() if where == run) == PERIOD
         assert not (scratch / run_name / "checkpoints").exists(), "checkpoints went to work/, not the bucket"
     finally:
         for left in set(scratch.glob("train_sft-*")) - before:
@@ -241,22 +228,19 @@ def test_killed_training_resumes_from_the_bucket_in_a_fresh_clone(pipeline_repo,
         restore(pipeline_repo)
 
     clone = fresh_clone(pipeline_repo, tmp_path / "clone")
-    short_training(clone)
-    out = dvc(clone, "repro", "--no-run-cache", "train_sft@sft", extra_env=bucket).stdout
-    assert f"resuming {url}: MaxText restores its checkpoint at step {killed_at}" in out, out[-3000:]
+    out = dvc(clone, "repro", "-f", "-s", "--no-run-cache", "train_sft@sft", extra_env=bucket).stdout
+    assert f"resuming {url}: MaxText restores its checkpoint at step {PERIOD}" in out, out[-3000:]
     log = (clone / "work" / "logs" / "sft" / "train_sft.log").read_text()
-    assert re.search(rf"Restored params from step: {killed_at}\b", log), "MaxText did not restore the bucket's step"
+    assert re.search(rf"Restored params from step: {PERIOD}\b", log), "MaxText did not restore the bucket's step"
+    assert f"mtpipe: resumed at step {PERIOD}: skipped the {PERIOD} batches it trained" in log
     steps = completed_steps(log)
-    assert steps[0] == killed_at + 1 and steps[-1] == STEPS, steps
+    assert steps[0] == PERIOD + 1 and steps[-1] == len(curve), steps
 
-    metrics = json.loads((clone / "metrics" / "sft" / "train_sft.json").read_text())
-    assert metrics["steps"] == STEPS and metrics["resumed_from_step"] == killed_at
-    with open(clone / "plots" / "sft" / "train_sft.csv") as f:
-        assert [int(row["step"]) for row in csv.DictReader(f)] == list(range(1, STEPS + 1))
     trained = clone / "artifacts" / "sft" / "trained"
-    assert json.loads((trained / "mtpipe.json").read_text())["step"] == STEPS
-    layout = [sorted(p.relative_to(d) for p in d.rglob("*"))
-              for d in (trained / "model_params", pipeline_repo / "artifacts" / "sft" / "trained" / "model_params")]
-    assert layout[0] == layout[1], "the downloaded params differ in layout from a local run's"
+    assert md5_tree(trained, ["model_params"]) == params, "the resumed run's params differ from the uninterrupted run's"
+    assert csv_rows(clone / "plots" / "sft" / "train_sft.csv") == curve, "the loss curves differ"
+    metrics = json.loads((clone / "metrics" / "sft" / "train_sft.json").read_text())
+    assert metrics["resumed_from_step"] == PERIOD
+    assert json.loads((trained / "mtpipe.json").read_text())["step"] == len(curve)
     fs.invalidate_cache()
     assert fs.find(f"{runs}/{run_name}") == [], "the bucket run directory was not deleted after success"

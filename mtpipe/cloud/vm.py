@@ -423,8 +423,10 @@ def experiment_names(exp_name: str | None, count: int) -> list[str | None]:
 
 
 def dvc_command(target: str | None, sets: list[str], exp_name: str | None) -> str:
-    """`dvc exp run [-S a=1 ...] [--name NAME] [TARGET]`: every VM run is a DVC experiment."""
-    words = ["dvc", "exp", "run", *[w for s in sets for w in ("-S", s)]]
+    """`dvc exp run --pull [-S a=1 ...] [--name NAME] [TARGET]` through mtpipe.cloud.exp_run: every VM
+    run is a DVC experiment; each stage reaches the remote when it ends, and a stage another VM
+    finished is pulled (from the remote's run-cache), not rerun."""
+    words = ["python", "-m", "mtpipe.cloud.exp_run", "exp", "run", "--pull", *[w for s in sets for w in ("-S", s)]]
     words += ["--name", exp_name] if exp_name else []
     words += [target] if target else []
     return " ".join(shlex.quote(w) for w in words)

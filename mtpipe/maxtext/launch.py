@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mtpipe.maxtext.launch: error: {exc}", file=sys.stderr)
         return 2
     status = run_module(module, args)
+    if status == 0 and (stopped := maxtext_adapter.stopped_status()) is not None:
+        return stopped  # SIGTERM: the run saved its checkpoint but did not finish
     if status == 0:
         finish()
     return status

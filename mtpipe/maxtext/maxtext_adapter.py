@@ -39,12 +39,31 @@ For ``maxtext.trainers.post_train.sft.train_sft`` and ``.rl.train_rl``:
    and ``optimizer_state`` with OCDBT whatever MaxText's ``checkpoint_storage_use_ocdbt`` /
    ``_zarr3`` say (tunix turns OCDBT off for Pathways only). OCDBT names its data files at random,
    so two identical trainings gave different bytes; its handlers now get MaxText's two flags.
+
+For ``maxtext.trainers.post_train.sft.train_sft``:
+
+8. ``resume_data_position`` (monkeypatch): a resumed run restores params, optimizer state and step
+   from its checkpoint, but MaxText's data hooks start the data again from the first batch (tunix
+   skips trained batches only without data hooks). The hooks now skip, once, the batches the
+   restored steps trained (each process its own shard), and every eval scores the eval batches the
+   first one read, so a resumed run is the uninterrupted run, evals included.
+9. ``stop_on_sigterm`` (signal handler + monkeypatch): on SIGTERM (a Spot VM's preemption notice)
+   the step in flight ends, every process agrees on the last step, and tunix's own end of training
+   runs: it writes the last loss row and saves a checkpoint at that step. The process then exits
+   with 128 + SIGTERM. ``MTPIPE_HOLD_AFTER_STEP=N`` (tests) instead holds the run after step N's
+   checkpoint is committed and its loss row written, until it is killed: a kill point that does
+   not depend on the machine's speed. train_rl gets the same hold (``hold_after_checkpoint``);
+   tunix's GRPO learner already fast-forwards its data on resume.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import threading
+import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +71,10 @@ from typing import Any, Callable
 
 TO_MAXTEXT = "maxtext.checkpoint_conversion.to_maxtext"
 TO_HUGGINGFACE = "maxtext.checkpoint_conversion.to_huggingface"
-TRAINERS = ("maxtext.trainers.post_train.sft.train_sft", "maxtext.trainers.post_train.rl.train_rl")
+TRAIN_SFT = "maxtext.trainers.post_train.sft.train_sft"
+TRAINERS = (TRAIN_SFT, "maxtext.trainers.post_train.rl.train_rl")
+HOLD_ENV = "MTPIPE_HOLD_AFTER_STEP"
+STOPPED_STATUS = 128 + signal.SIGTERM  # the exit status of a run that SIGTERM stopped after its save
 
 # transformers in-memory name prefix -> on-disk (legacy) prefix, for Gemma3ForConditionalGeneration.
 GEMMA3_LEGACY_PREFIXES = (
@@ -332,11 +354,148 @@ def honour_checkpoint_storage(argv: list[str]) -> None:
     checkpoint_manager.ocp = orbax_for_tunix
 
 
+def resume_data_position() -> None:
+    """Patch 8: on its first batch, a resumed run skips the batches its restored steps trained. Every
+    eval scores the batches the first eval read (MaxText's eval iterator keeps a history-dependent
+    position across evals), and a resumed run evaluates only at the uninterrupted run's eval steps
+    (tunix also evaluates whenever train() starts)."""
+    from maxtext.trainers.post_train import hooks
+    from tunix.sft import peft_trainer
+
+    load, load_eval = hooks.BaseDataHooks.load_next_train_batch, hooks.BaseDataHooks.load_next_eval_batch
+    run_eval = peft_trainer.PeftTrainer._run_eval
+
+    def load_after_trained_batches(self: Any, train_ctx: Any) -> Any:
+        if not getattr(self, "_mtpipe_resumed", False):
+            self._mtpipe_resumed = True
+            if train_ctx.iter_steps:  # batches = steps x gradient accumulation, this process's shard
+                start = time.monotonic()
+                for _ in range(train_ctx.iter_steps):
+                    self.train_data_loader.load_next_batch_pre_sharding()
+                print(f"mtpipe: resumed at step {train_ctx.train_steps}: skipped the {train_ctx.iter_steps} "
+                      f"batches it trained ({time.monotonic() - start:.1f} s)", flush=True)
+        return load(self, train_ctx)
+
+    def run_eval_on_schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        step, every = self.train_steps, self.config.eval_every_n_steps
+        resumed_start = step and not self.__dict__.get("_mtpipe_evaluated")
+        self._mtpipe_evaluated = True
+        if resumed_start and (every <= 0 or step % every):
+            return None  # the uninterrupted run has no eval at this step
+        return run_eval(self, *args, **kwargs)
+
+    def load_eval_batches_of_the_first_eval(self: Any, train_ctx: Any) -> Any:
+        batches = self.__dict__.setdefault("_mtpipe_eval_batches", [])
+        if not self.__dict__.get("_mtpipe_eval_set"):  # the first eval reads the held-out data
+            batch = load_eval(self, train_ctx)
+            if batch is None:
+                self._mtpipe_eval_set = True
+            else:
+                batches.append(batch)
+            return batch
+        index = int(train_ctx.training_hooks.eval_metadata["eval_step_count"])
+        self.eval_batch = batches[index] if index < len(batches) else None  # MaxText's hooks read it
+        return self.eval_batch
+
+    hooks.BaseDataHooks.load_next_train_batch = load_after_trained_batches
+    hooks.BaseDataHooks.load_next_eval_batch = load_eval_batches_of_the_first_eval
+    peft_trainer.PeftTrainer._run_eval = run_eval_on_schedule
+
+
+class _Stop:
+    """SIGTERM's request to stop, and the step the run stopped after."""
+
+    signalled = threading.Event()
+    after_step: int | None = None
+
+
+def _any_process_signalled() -> bool:
+    """Whether SIGTERM reached any JAX process: all of them must stop after the same step."""
+    import jax
+
+    if jax.process_count() == 1:
+        return _Stop.signalled.is_set()
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.int32(_Stop.signalled.is_set()))))
+
+
+def hold_after_step() -> int | None:
+    """MTPIPE_HOLD_AFTER_STEP as a step number (None when unset)."""
+    value = os.environ.get(HOLD_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise AdapterError(f"{HOLD_ENV}={value!r}: give a step number >= 1, or unset it")
+    return int(value)
+
+
+def _hold(train_ctx: Any, step: int) -> None:
+    """Make step `step` durable (its loss row, its checkpoint), then wait for a signal (tests kill here)."""
+    train_ctx._write_train_metrics()  # tunix writes a step's row when the next one ends
+    train_ctx.checkpoint_manager._checkpoint_manager.wait_until_finished()
+    print(f"mtpipe: holding after step {step} ({HOLD_ENV}): its checkpoint and loss row are written", flush=True)
+    while not _Stop.signalled.wait(1.0):
+        pass
+
+
+def stop_on_sigterm(hold_after: int | None) -> None:
+    """Patch 9: SIGTERM ends the run after the step in flight; tunix then saves that step."""
+    from maxtext.trainers.post_train import hooks
+
+    signal.signal(signal.SIGTERM, lambda *_: _Stop.signalled.set())
+    load = hooks.BaseDataHooks.load_next_train_batch
+
+    def load_unless_stopped(self: Any, train_ctx: Any) -> Any:
+        first = self.__dict__.setdefault("_mtpipe_first_step", train_ctx.train_steps)
+        if hold_after is not None and train_ctx.train_steps == hold_after > first:
+            _hold(train_ctx, hold_after)
+        if _any_process_signalled():
+            _Stop.after_step = train_ctx.train_steps
+            print(f"mtpipe: SIGTERM: stopping after step {train_ctx.train_steps}; saving its checkpoint",
+                  flush=True)
+            return None  # tunix's loop ends; its close() writes the last loss row and saves this step
+        return load(self, train_ctx)
+
+    hooks.BaseDataHooks.load_next_train_batch = load_unless_stopped
+
+
+def hold_after_checkpoint(hold_after: int | None) -> None:
+    """train_rl's MTPIPE_HOLD_AFTER_STEP: hold once the actor's checkpoint of that step is committed."""
+    if hold_after is None:
+        return
+    from tunix.sft import checkpoint_manager
+
+    save = checkpoint_manager.CheckpointManager.save
+
+    def save_then_hold(self: Any, step: int, *args: Any, **kwargs: Any) -> bool:
+        saved = save(self, step, *args, **kwargs)
+        if saved and step == hold_after:
+            self._checkpoint_manager.wait_until_finished()
+            print(f"mtpipe: holding after step {step} ({HOLD_ENV}): its checkpoint is written", flush=True)
+            signal.pause()
+        return saved
+
+    checkpoint_manager.CheckpointManager.save = save_then_hold
+
+
+def stopped_status() -> int | None:
+    """STOPPED_STATUS when SIGTERM stopped the training before its last step, else None."""
+    return STOPPED_STATUS if _Stop.after_step is not None else None
+
+
 def apply(module: str, argv: list[str]) -> Callable[[], None]:
     """Patch MaxText for `module` run with `argv`; return the post-processing step to run on success."""
     reject_secrets(argv)
     if module in TRAINERS:
         honour_checkpoint_storage(argv)
+    if module == TRAIN_SFT:
+        hold_after = hold_after_step()
+        resume_data_position()
+        stop_on_sigterm(hold_after)
+    elif module in TRAINERS:
+        hold_after_checkpoint(hold_after_step())
     if module not in (TO_MAXTEXT, TO_HUGGINGFACE):
         return lambda: None
     args = parse_conversion_args(module, argv)

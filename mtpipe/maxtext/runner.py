@@ -2,7 +2,10 @@
 full logs to files, progress to the console.
 
 The console shows one line per training step that MaxText reports (step, loss, tokens/s, ETA) and
-the tail of the log if the command fails. The child never gets a Hub token (``HF_TOKEN``): only
+the tail of the log if the command fails. SIGTERM (a Spot VM's preemption notice, about 30 s before
+it stops) is passed on to the MaxText processes, which save a checkpoint at the step they reached
+(mtpipe.maxtext.maxtext_adapter, patch 9); those still running after ``MTPIPE_STOP_TIMEOUT_S``
+seconds (default 25) are killed, and the stage fails, so DVC records nothing. The child never gets a Hub token (``HF_TOKEN``): only
 hf_download needs one, and MaxText would write it into its tensorboard config dump
 (docs/secrets.md). Values of the variables in ``REDACTED_ENV`` are masked in the log.
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -28,10 +32,31 @@ STEP_LINE = re.compile(r"completed step: (?P<step>\d+), seconds: (?P<sec>[\d.]+)
 REDACTED_ENV = (*HUB_TOKEN_ENV, "GOOGLE_APPLICATION_CREDENTIALS")
 COORDINATOR_PORT = 1234  # fixed in MaxText's initialize_jax_for_cpu
 READER_GRACE_S = 10.0
+STOP_TIMEOUT_ENV = "MTPIPE_STOP_TIMEOUT_S"
+STOP_TIMEOUT_S = 25.0  # GCE gives a Spot VM about 30 s between the notice and the stop
 
 
 class MaxTextFailed(RuntimeError):
     """MaxText exited with an error; the message holds the end of its log."""
+
+
+class MaxTextStopped(MaxTextFailed):
+    """SIGTERM stopped the run: its processes saved their checkpoint and exited, or were killed."""
+
+
+def stop_timeout_s() -> float:
+    """Seconds the MaxText processes get after SIGTERM (MTPIPE_STOP_TIMEOUT_S, default 25)."""
+    value = os.environ.get(STOP_TIMEOUT_ENV, "").strip()
+    try:
+        timeout = float(value) if value else STOP_TIMEOUT_S
+    except ValueError:
+        timeout = -1.0
+    if timeout <= 0:
+        from mtpipe.errors import ConfigError
+
+        raise ConfigError(STOP_TIMEOUT_ENV, f"{value!r} is not a positive number of seconds",
+                          f"export {STOP_TIMEOUT_ENV}=25 (a Spot VM stops about 30 s after its notice), or unset it")
+    return timeout
 
 
 def child_env(extra: dict[str, str]) -> dict[str, str]:
@@ -114,6 +139,7 @@ def run(cmd: MaxTextCommand, log_path: Path, total_steps: int | None = None, pro
             shown = [f"{k}={socket.gethostname() if v == '@hostname' else v}" for k, v in env.items()]
             print(shlex.join([*(["env", *shown] if shown else []), "python", *cmd.argv()[1:]]))
         sys.exit(0)
+    stop_timeout = stop_timeout_s()
     if processes > 1:
         check_coordinator_port()
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -126,13 +152,23 @@ def run(cmd: MaxTextCommand, log_path: Path, total_steps: int | None = None, pro
                for c in children]
     for reader in readers:
         reader.start()
-    failed = _wait_all(children)
+    sigterm = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: sigterm.set())
+    try:
+        failed = _wait_all(children, sigterm, stop_timeout)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     for child, reader in zip(children, readers):
         # after a failure, a killed process's orphans (multiprocessing's resource tracker) may hold its
         # pipe for minutes; after a success the whole log is read (train_rl parses it)
         reader.join(timeout=READER_GRACE_S if failed else None)
         with open(child.log_path, "a", encoding="utf8") as log:
             log.write(f"# exit {child.proc.returncode} after {time.monotonic() - start:.1f}s\n")
+    if sigterm.is_set():
+        codes = ", ".join(str(c.proc.returncode) for c in children)
+        raise MaxTextStopped(f"{cmd.module} stopped by SIGTERM (exit status {codes}: {128 + signal.SIGTERM} "
+                             f"= saved its checkpoint, -9 = killed after {stop_timeout:.0f} s); a rerun resumes "
+                             f"from its last checkpoint. Full log: {log_path}")
     if failed is not None:
         sys.stderr.write("".join(failed.tail))
         which = f"process {failed.index} of {processes} " if processes > 1 else ""
@@ -160,23 +196,37 @@ def _follow(child: _Child, cmd: MaxTextCommand, processes: int, total_steps: int
                                       time.monotonic() - start, first_step), flush=True)
 
 
-def _wait_all(children: list[_Child], grace_s: float = 10.0) -> _Child | None:
-    """Wait for every process; at the first failure stop the others. Return the first that failed."""
+def _wait_all(children: list[_Child], sigterm: threading.Event, stop_timeout: float,
+              grace_s: float = 10.0) -> _Child | None:
+    """Wait for every process; at the first failure stop the others. Return the first that failed.
+
+    Once ``sigterm`` is set, each process gets SIGTERM and ``stop_timeout`` seconds to save and exit."""
     while True:
+        if sigterm.is_set():
+            for c in children:
+                if c.proc.poll() is None:
+                    c.proc.send_signal(signal.SIGTERM)
+            _wait_or_kill(children, stop_timeout)
+            return next((c for c in children if c.proc.returncode != 0), None)
         codes = [c.proc.poll() for c in children]
         failed = next((c for c, code in zip(children, codes) if code not in (None, 0)), None)
         if failed is not None:
             for c in children:
                 if c.proc.poll() is None:
                     c.proc.terminate()
-            deadline = time.monotonic() + grace_s
-            for c in children:
-                try:
-                    c.proc.wait(max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    c.proc.kill()
-                    c.proc.wait()
+            _wait_or_kill(children, grace_s)
             return failed
         if all(code == 0 for code in codes):
             return None
         time.sleep(0.2)
+
+
+def _wait_or_kill(children: list[_Child], timeout: float) -> None:
+    """Wait up to ``timeout`` seconds in all for the processes to exit; kill those still running."""
+    deadline = time.monotonic() + timeout
+    for c in children:
+        try:
+            c.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            c.proc.kill()
+            c.proc.wait()

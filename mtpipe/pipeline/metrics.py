@@ -36,12 +36,14 @@ def loss_curve(path: Path) -> list[dict]:
     return rows
 
 
-def missing_steps(rows: list[dict]) -> list[int]:
-    """Steps between the curve's first and last row that have no row. A resumed run restarts after its
-    checkpoint, so rows of steps up to it that a stopped run had not yet written (MaxText writes a
-    step's row one step late) or mirrored to the bucket are never logged again."""
+def missing_steps(rows: list[dict], first: int | None = None) -> list[int]:
+    """Steps from ``first`` (default: the curve's first row) to its last row that have no row. A
+    resumed run restarts after its checkpoint, so rows of steps up to it that a stopped run had not
+    yet written (MaxText writes a step's row one step late) or mirrored to the bucket are never
+    logged again."""
     logged = {row["step"] for row in rows}
-    return [step for step in range(rows[0]["step"], rows[-1]["step"] + 1) if step not in logged]
+    start = rows[0]["step"] if first is None else first
+    return [step for step in range(start, rows[-1]["step"] + 1) if step not in logged]
 
 
 def tokens_per_s_median(path: Path) -> float | None:
