@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from mtpipe.errors import ConfigError
 from mtpipe.maxtext import runner
 from mtpipe.maxtext.commands import MaxTextCommand
 
@@ -77,3 +78,44 @@ def test_a_taken_coordinator_port_fails_before_starting(tmp_path, monkeypatch):
         sock.listen()
         with pytest.raises(runner.MaxTextFailed, match="port 1234 on 127.0.0.1 is taken"):
             runner.run(MaxTextCommand("fake", []), tmp_path / "log.txt", processes=2)
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "soon"])
+def test_a_stop_timeout_that_is_no_positive_number_is_named_with_the_fix(value, monkeypatch):
+    monkeypatch.setenv(runner.STOP_TIMEOUT_ENV, value)
+    with pytest.raises(ConfigError) as err:
+        runner.stop_timeout_s()
+    assert err.value.key == runner.STOP_TIMEOUT_ENV and repr(value) in err.value.problem
+    assert f"export {runner.STOP_TIMEOUT_ENV}=25" in err.value.fix
+
+
+@pytest.mark.parametrize(("handles_it", "status"), [(True, "143"), (False, "-9")])
+def test_sigterm_reaches_the_tool_which_saves_or_is_killed_after_the_timeout(handles_it, status, tmp_path,
+                                                                            monkeypatch):
+    """SIGTERM to the stage (a VM's shutdown) goes on to the MaxText process; one that saves and
+    exits in time ends with 143, one that ignores it is killed after MTPIPE_STOP_TIMEOUT_S."""
+    import os
+    import signal
+    import threading
+
+    script = tmp_path / "train.py"
+    script.write_text("import signal, sys, time\n"
+                      f"signal.signal(signal.SIGTERM, {'lambda *_: sys.exit(143)' if handles_it else 'signal.SIG_IGN'})\n"
+                      "print('ready', flush=True)\ntime.sleep(60)\n")
+    monkeypatch.setattr(MaxTextCommand, "argv", lambda self: [sys.executable, str(script)])
+    monkeypatch.setenv(runner.STOP_TIMEOUT_ENV, "2")
+    log = tmp_path / "log.txt"
+
+    def send_sigterm_once_ready() -> None:
+        while "ready" not in (log.read_text() if log.exists() else ""):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    threading.Thread(target=send_sigterm_once_ready, daemon=True).start()
+    start = time.monotonic()
+    with pytest.raises(runner.MaxTextStopped, match=f"stopped by SIGTERM \\(exit status {status}"):
+        runner.run(MaxTextCommand("fake", []), log)
+    assert time.monotonic() - start < 20
+    assert signal.getsignal(signal.SIGTERM) == before, "the stage's own SIGTERM handling was not restored"
+    assert f"# exit {status}" in log.read_text()

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mtpipe.errors import ConfigError
 from mtpipe.maxtext.commands import MaxTextCommand
 from mtpipe.pipeline.stage import HUB_TOKEN_ENV
 
@@ -52,8 +53,6 @@ def stop_timeout_s() -> float:
     except ValueError:
         timeout = -1.0
     if timeout <= 0:
-        from mtpipe.errors import ConfigError
-
         raise ConfigError(STOP_TIMEOUT_ENV, f"{value!r} is not a positive number of seconds",
                           f"export {STOP_TIMEOUT_ENV}=25 (a Spot VM stops about 30 s after its notice), or unset it")
     return timeout
