@@ -17,7 +17,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -268,17 +268,29 @@ def test_real_training_on_spot_survives_two_preemptions(project_world: Env, gcs_
     export_log = w.sshd.home / "mtpipe" / "work" / "logs" / "sft" / "to_huggingface.log"
     done, stop = [], threading.Event()
 
-    def preempter() -> None:
-        while not stop.wait(0.3):  # MaxText holds: the step's row reaches the bucket meanwhile
-            if checkpoint_to_resume(fs, runs, at_least=hold):
-                done.append(max(committed(fs, runs)))
-                preempt(w, delete=False)
-                break
+    def preempt_when(ready: Callable[[], bool], delete: bool) -> None:
+        """Preempt once ``ready()``; a failed poll (the emulator mid-write) is retried, and if the
+        moment never comes the VM is deleted anyway, so the run ends and the test fails."""
+        deadline = time.monotonic() + 1200
         while not stop.wait(0.3):
-            if export_log.exists() and "to_huggingface" in export_log.read_text(errors="replace"):
-                done.append("to_huggingface")
-                preempt(w, delete=True)
+            try:
+                if ready():
+                    done.append("to_huggingface" if delete else max(committed(fs, runs)))
+                    break
+            except Exception as err:  # noqa: BLE001
+                print(f"preempter: poll failed ({type(err).__name__}: {err}); retrying")
+            if time.monotonic() > deadline:
+                done.append("timed out")
                 break
+        else:
+            return
+        preempt(w, delete)
+
+    def preempter() -> None:
+        # MaxText holds after step 50: the step's row reaches the bucket meanwhile
+        preempt_when(lambda: checkpoint_to_resume(fs, runs, at_least=hold) is not None, delete=False)
+        preempt_when(lambda: export_log.exists() and "to_huggingface" in export_log.read_text(errors="replace"),
+                     delete=True)
 
     thread = threading.Thread(target=preempter, daemon=True)
     thread.start()

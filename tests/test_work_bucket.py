@@ -163,7 +163,7 @@ def committed(fs: gcsfs.GCSFileSystem, runs: str) -> dict[int, str]:
     """step -> run directory, for each complete checkpoint under ``runs``."""
     fs.invalidate_cache()
     markers = fs.glob(f"{runs}/*/checkpoints/*/{rd.COMMIT_MARKER}")
-    return {int(m.split("/")[-2]): m.split("/checkpoints/")[0] for m in markers}
+    return {int(m.split("/")[-2]): m.split("/checkpoints/")[0] for m in markers if m.split("/")[-2].isdigit()}
 
 
 def checkpoint_to_resume(fs: gcsfs.GCSFileSystem, runs: str, at_least: int = PERIOD) -> str | None:
@@ -174,7 +174,8 @@ def checkpoint_to_resume(fs: gcsfs.GCSFileSystem, runs: str, at_least: int = PER
     step = max((s for s in steps if s >= at_least), default=None)
     metrics = f"{steps[step]}/metrics.jsonl" if step is not None else None
     if metrics and fs.exists(metrics):
-        if max(json.loads(line)["step"] for line in fs.cat(metrics).splitlines()) >= step:
+        logged = [json.loads(line)["step"] for line in fs.cat(metrics).splitlines() if line.strip()]
+        if logged and max(logged) >= step:
             return steps[step]
     return None
 
