@@ -153,7 +153,7 @@ def test_two_processes_survive_a_killed_process_resume_exactly_and_export(pipeli
         killed0, killed1 = logs(pipeline_repo)
         assert_two_hosts(killed0, killed1)
 
-        out = dvc(pipeline_repo, "repro", "--no-run-cache", "train_sft@sft").stdout
+        out = dvc(pipeline_repo, "repro", "--no-run-cache", "to_huggingface@sft").stdout  # with the export
         assert f"checkpoint at step {PERIOD}" in out, out[-3000:]
         log0, log1 = (text[len(killed):] for text, killed in zip(logs(pipeline_repo), (killed0, killed1)))
         assert_two_hosts(log0, log1)
