@@ -114,6 +114,8 @@ def test_grpo_killed_after_a_checkpoint_resumes_as_the_uninterrupted_run(pipelin
     log = pipeline_repo / "work" / "logs" / "rl" / "train_rl.log"
     try:
         path.write_text(yaml.safe_dump(settings, sort_keys=False))
+        dvc(pipeline_repo, "repro", "-s", "configure")  # start_held runs train_rl alone (-s)
+        assert "checkpoint_period: 4" in (pipeline_repo / "config" / "rl" / "train_rl.yaml").read_text()
         kill_group(start_held(pipeline_repo, "train_rl", 8, log))
         out = dvc(pipeline_repo, "repro", "-f", "-s", "--no-run-cache", "train_rl").stdout
         assert "an earlier run left actor checkpoints up to step 8" in out, out[-3000:]
@@ -126,11 +128,17 @@ def test_grpo_killed_after_a_checkpoint_resumes_as_the_uninterrupted_run(pipelin
         restore(pipeline_repo)
 
 
+ONE = """import json, yaml
+n = yaml.safe_load(open("params.yaml"))["n"]
+open("one.txt", "w").write(str(n))
+json.dump({"n": n}, open("one.json", "w"))
+"""
 TWO_STAGES = """stages:
   one:
-    cmd: python -c "import yaml; open('one.txt', 'w').write(str(yaml.safe_load(open('params.yaml'))['n']))"
+    cmd: python one.py
     params: [n]
     outs: [one.txt]
+    metrics: [one.json: {cache: false}]
   two:
     cmd: test -z "$FAIL" && cp one.txt two.txt
     deps: [one.txt]
@@ -139,8 +147,9 @@ TWO_STAGES = """stages:
 
 
 def test_each_stage_reaches_the_remote_when_it_ends_and_another_machine_pulls_it(tmp_path: Path) -> None:
-    """mtpipe.cloud.exp_run (the VM's `dvc exp run`): stage `one` is pushed, with its run-cache entry,
-    before `two` fails (a VM lost in the last stage); a fresh clone pulls `one` instead of running it."""
+    """mtpipe.cloud.exp_run (the VM's `dvc exp run`): stage `one` is pushed, with its run-cache entry
+    and its `cache: false` metric, before `two` fails (a VM lost in the last stage); a fresh clone
+    pulls `one` instead of running it."""
     repo, remote = tmp_path / "vm1", tmp_path / "remote"
     git_env = {**env(), "DVC_GLOBAL_CONFIG_DIR": str(tmp_path / "g"), "DVC_SITE_CACHE_DIR": str(tmp_path / "s"),
                "PYTHONPATH": str(ROOT)}  # a stand-in repo, not the project: mtpipe comes from this checkout
@@ -151,6 +160,7 @@ def test_each_stage_reaches_the_remote_when_it_ends_and_another_machine_pulls_it
     repo.mkdir()
     (repo / "dvc.yaml").write_text(TWO_STAGES)
     (repo / "params.yaml").write_text("n: 1\n")
+    (repo / "one.py").write_text(ONE)
     for args in (["git", "init", "-q"], ["dvc", "init", "-q"], ["dvc", "remote", "add", "-d", "r", str(remote)],
                  ["git", "add", "-A"], ["git", "commit", "-qm", "init"]):
         assert run(repo, *args).returncode == 0
@@ -165,3 +175,4 @@ def test_each_stage_reaches_the_remote_when_it_ends_and_another_machine_pulls_it
     assert again.returncode == 0, again.stdout + again.stderr
     assert "Stage 'one' is cached - skipping run" in again.stdout and "Running stage 'one'" not in again.stdout
     assert "Running stage 'two'" in again.stdout and (clone / "two.txt").read_text() == "5"
+    assert json.loads((clone / "one.json").read_text()) == {"n": 5}

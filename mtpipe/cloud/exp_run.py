@@ -19,6 +19,16 @@ from collections.abc import Callable
 from typing import Any
 
 
+def push_run_cache_outputs(stage: Any) -> None:
+    """Push what a restore from this stage's run-cache entry pulls: also the outputs with
+    `cache: false` (metrics, plots), which `dvc push` leaves out but the entry holds."""
+    entry = stage.repo.stage_cache._load(stage)
+    if entry:
+        cached = stage.repo.stage_cache._create_stage(entry, wdir=stage.wdir)
+        for objs in cached.get_used_objs().values():
+            stage.repo.cloud.push(objs)
+
+
 def push_after_each_stage() -> None:
     """Wrap DVC's per-stage step (``dvc.repo.reproduce._reproduce_stage``, which `dvc exp run`'s
     executor calls too) so that a stage it reproduced is pushed with its run-cache entry."""
@@ -31,6 +41,7 @@ def push_after_each_stage() -> None:
         if done is not None and not kwargs.get("dry"):
             try:  # the repo lock is this process's already: DVC's lock is re-entrant per Repo
                 stage.repo.push(targets=[stage.addressing], run_cache=True)
+                push_run_cache_outputs(stage)
                 print(f"mtpipe: pushed the outputs of '{stage.addressing}' to the DVC remote", flush=True)
             except Exception as err:  # noqa: BLE001 (any transfer error): the final `dvc push` retries
                 print(f"mtpipe: could not push '{stage.addressing}' yet ({type(err).__name__}: {err})", flush=True)
