@@ -453,7 +453,7 @@ def task_vm_down() -> dict:
     return {"actions": [vm_down], "params": TARGET_PARAMS}
 
 
-# ---------------------------------------------------------------- preflight (issue 9)
+# ---------------------------------------------------------------- preflight
 
 
 @_task_action

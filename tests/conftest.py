@@ -40,7 +40,7 @@ def pipeline_run(tmp_path_factory) -> PipelineRun:
     The result is committed, so tests that change things can go back with :func:`restore`.
     Under xdist the first worker that needs it builds it (the others wait for the lock) and each
     worker works in a copy of its own. Iterating on tests: MTPIPE_TEST_PIPELINE_REPO=<a copy made
-    by an earlier session> reuses it.
+    by an earlier test run> reuses it.
     """
     if os.environ.get("MTPIPE_TEST_PIPELINE_REPO"):
         repo = Path(os.environ["MTPIPE_TEST_PIPELINE_REPO"])

@@ -1,4 +1,4 @@
-"""The multi-host code path run for real (issue 12): the SFT branch as 2 JAX processes on this CPU.
+"""The multi-host code path run for real: the SFT branch as 2 JAX processes on this CPU.
 
 `sft.hardware=cpu-2proc` (conf/hardware/cpu-2proc.yaml) starts MaxText twice with the environment
 a GKE JobSet gives two hosts (mtpipe/maxtext/runner.py): jax.distributed over gloo, one CPU device

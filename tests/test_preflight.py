@@ -1,4 +1,4 @@
-"""Preflight (issue 9): the TPU training step AOT-compiled on this CPU, its HBM, time and cost.
+"""Preflight: the TPU training step AOT-compiled on this CPU, its HBM, time and cost.
 
 The embedded presets run on hardware cpu; `--set <branch>.hardware=v6e-8` points them at a v6e-8,
 so the tiny models' training steps compile for the tutorials' TPU in about a minute each.

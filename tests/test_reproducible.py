@@ -1,4 +1,4 @@
-"""Identical inputs give identical bytes: a forced rerun leaves dvc.lock as it was (issue 10).
+"""Identical inputs give identical bytes: a forced rerun leaves dvc.lock as it was.
 
 `dvc repro -f TARGET` reruns TARGET and every stage above it. When each of them writes the same
 bytes again, DVC records the same hashes, `dvc.lock` does not change and nothing downstream is

@@ -1,4 +1,4 @@
-"""The Hub token exists only where it is needed: hf_download (issue 8; docs/secrets.md).
+"""The Hub token exists only where it is needed: hf_download (docs/secrets.md).
 
 Canary runs set HF_TOKEN (and HUGGING_FACE_HUB_TOKEN) to a random value made at run time, a fresh
 HOME, TMPDIR and DVC site cache, and take the TPU VM's code path: MaxText is not decoupled from

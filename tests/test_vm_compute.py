@@ -202,7 +202,7 @@ def test_doit_list_documents_every_task(repo: Path) -> None:
     assert all(len(line.split()) > 4 for line in lines.values())
 
 
-# ---------------------------------------------------------------- provisioning modes (issue 11)
+# ---------------------------------------------------------------- provisioning modes
 
 GOLDEN_SCHEDULING = {   # the scheduling fields and reservation affinity each mode sends
     "reservation": (GOLDEN_INSTANCE["scheduling"], GOLDEN_INSTANCE["reservationAffinity"]),

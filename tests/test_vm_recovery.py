@@ -1,4 +1,4 @@
-"""Spot VMs with recovery (issue 11): vm_run replaces a VM that is lost during the run.
+"""Spot VMs with recovery: vm_run replaces a VM that is lost during the run.
 
 The loopback world of test_vm_cycle.py (fake Compute API, SSH server as the VM, GCS emulator as the
 DVC remote) around a one-stage DVC repo. The run command is a cheap stand-in for a training that

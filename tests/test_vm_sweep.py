@@ -1,4 +1,4 @@
-"""A sweep on one VM (issue 11): `doit vm_run --queue --set=steps=A --set=steps=B ...`.
+"""A sweep on one VM: `doit vm_run --queue --set=steps=A --set=steps=B ...`.
 
 Each value of a `--set` key given several times is one experiment; vm_run creates and sets up one
 VM, then runs the experiments one after another there (`run.command` once each, the repo reset to

@@ -1,4 +1,4 @@
-"""Training state in a work bucket (issue 11, mtpipe/maxtext/run_dir.py): a killed training stage resumes on
+"""Training state in a work bucket (mtpipe/maxtext/run_dir.py): a killed training stage resumes on
 another machine from the bucket's latest complete checkpoint.
 
 The patched GCS emulator (tests/gcs_emulator.py) is the bucket for every client a stage has:
