@@ -19,14 +19,16 @@ from collections.abc import Callable
 from typing import Any
 
 
-def push_run_cache_outputs(stage: Any) -> None:
-    """Push what a restore from this stage's run-cache entry pulls: also the outputs with
-    `cache: false` (metrics, plots), which `dvc push` leaves out but the entry holds."""
+def push_stage(stage: Any) -> None:
+    """Push what a restore from this stage's run-cache entry pulls (its outputs, the `cache: false`
+    metrics and plots too, which `dvc push` leaves out), then the run-cache itself: a remote never
+    holds an entry without its data."""
     entry = stage.repo.stage_cache._load(stage)
     if entry:
         cached = stage.repo.stage_cache._create_stage(entry, wdir=stage.wdir)
         for objs in cached.get_used_objs().values():
             stage.repo.cloud.push(objs)
+    stage.repo.stage_cache.push(None)
 
 
 def push_after_each_stage() -> None:
@@ -40,8 +42,7 @@ def push_after_each_stage() -> None:
         done = reproduce_stage(stage, **kwargs)
         if done is not None and not kwargs.get("dry"):
             try:  # the repo lock is this process's already: DVC's lock is re-entrant per Repo
-                stage.repo.push(targets=[stage.addressing], run_cache=True)
-                push_run_cache_outputs(stage)
+                push_stage(stage)
                 print(f"mtpipe: pushed the outputs of '{stage.addressing}' to the DVC remote", flush=True)
             except Exception as err:  # noqa: BLE001 (any transfer error): the final `dvc push` retries
                 print(f"mtpipe: could not push '{stage.addressing}' yet ({type(err).__name__}: {err})", flush=True)
