@@ -12,6 +12,7 @@ answers another request. The recovery loop under test is vm_run's own.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import sys
@@ -19,10 +20,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import yaml
 from gcs_emulator import GcsEmulator, gcs_emulator  # noqa: F401 (a fixture)
+from pipeline import md5_tree
 from test_vm_cycle import (  # noqa: F401 (local_env and project_world are fixtures)
     Env,
     _sh,
@@ -33,6 +36,11 @@ from test_vm_cycle import (  # noqa: F401 (local_env and project_world are fixtu
     make_repo,
     project_world,
 )
+
+from mtpipe.pipeline.stage import STAMP
+
+if TYPE_CHECKING:
+    import gcsfs
 
 pytestmark = pytest.mark.preemption
 
@@ -241,18 +249,26 @@ def test_sweep_resumes_after_the_finished_experiments(spot: Env) -> None:
     assert_deleted(w)
 
 
+def remote_manifest(fs: gcsfs.GCSFileSystem, remote: str, dir_md5: str) -> dict[str, str]:
+    """relative path -> md5 of each file of a directory output, from its `.dir` entry in a DVC remote."""
+    entries = json.loads(fs.cat(f"{remote}/files/md5/{dir_md5[:2]}/{dir_md5[2:]}"))
+    return {entry["relpath"]: entry["md5"] for entry in entries}
+
+
 @pytest.mark.slow
 @pytest.mark.resume_exact
-def test_real_training_on_spot_survives_two_preemptions(project_world: Env, gcs_emulator: GcsEmulator) -> None:  # noqa: F811
+def test_real_training_on_spot_survives_two_preemptions(project_world: Env, gcs_emulator: GcsEmulator,  # noqa: F811
+                                                       pipeline_repo: Path) -> None:
     """The embedded SFT branch (real MaxText) up to its export on a loopback Spot VM, the training's
     run directory in the work bucket (the emulator). MaxText holds after step 50
     (MTPIPE_HOLD_AFTER_STEP, in run.env) and the first VM is preempted (TERMINATED) once the bucket has
     that checkpoint and its loss row; the second VM resumes there, finishes train_sft (pushed to the
     DVC remote as it ends: mtpipe.cloud.exp_run) and is preempted (deleted) when to_huggingface has
     started; the third pulls train_sft's outputs from the run-cache instead of training again and
-    exports. Nothing is converted on a VM. The experiment's trained params, export and loss curve
-    are the uninterrupted run's (the pipeline's: checkpoints every 25 steps instead of 50 make
-    train_sft rerun, and change no byte); no VM or firewall rule is left."""
+    exports. Nothing is converted on a VM. The experiment's trained params, export, loss curve and
+    metrics are the uninterrupted run's (the pipeline's: checkpoints every 25 steps instead of 50
+    make train_sft rerun and change only the stamps' digests, and the metrics record the resume);
+    no VM or firewall rule is left."""
     # imported here: with test_work_bucket (gcsfs) imported at collection, the remote probes of the
     # other tests in this file time out when the file runs alone
     from test_work_bucket import bucket_env, checkpoint_to_resume, committed, emulator_fs
@@ -317,9 +333,14 @@ def test_real_training_on_spot_survives_two_preemptions(project_world: Env, gcs_
     metrics = experiments(w)["spot"]["metrics"]["metrics/sft/train_sft.json"]
     assert metrics["resumed_from_step"] == hold
     lock, head = (yaml.safe_load(_sh(["git", "show", f"{r}:dvc.lock"], w.repo, w.env)) for r in (rev, "HEAD"))
-    for stage in ("train_sft@sft", "to_huggingface@sft"):
-        outs = [{k: o[k] for k in ("path", "md5")} for o in lock["stages"][stage]["outs"]]
-        assert outs == [{k: o[k] for k in ("path", "md5")} for o in head["stages"][stage]["outs"]], stage
+    for stage, directory in (("train_sft@sft", "artifacts/sft/trained"), ("to_huggingface@sft", "artifacts/sft/hf")):
+        # every file but the stamp, whose digest covers the config (checkpoint_period: 25, not 50)
+        out = next(o for o in lock["stages"][stage]["outs"] if o["path"] == directory)
+        files = remote_manifest(fs, f"{gcs_emulator.bucket}/{w.repo.parent.name}", out["md5"])
+        reference = md5_tree(pipeline_repo / directory, ["."])
+        assert files.pop(STAMP) != reference.pop(STAMP) and files == reference, f"{stage}: {directory} differs"
+    reference = json.loads((pipeline_repo / "metrics" / "sft" / "train_sft.json").read_text())
+    assert metrics == reference | {"resumed_from_step": hold}, "the metrics differ from the uninterrupted run's"
     curve, reference = (_sh(["git", "show", f"{r}:plots/sft/train_sft.csv"], w.repo, w.env) for r in (rev, "HEAD"))
     assert curve == reference, "the loss curve differs from the uninterrupted run's"
     assert "the loss curve has no rows" not in out
