@@ -8,10 +8,12 @@ import sys
 from pathlib import Path
 
 from mtpipe.data import embedded
+from mtpipe.pipeline.config import load_stage
 from mtpipe.pipeline.stage import Timer, atomic_dir, run_stage
 
 
 def main(out: str) -> None:
+    load_stage("embedded", "make_embedded")  # holds only the code's fingerprints: fails if they are stale
     timer = Timer()
     with atomic_dir(Path(out)) as partial:
         embedded.write_all(partial)

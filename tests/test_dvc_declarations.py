@@ -1,7 +1,8 @@
 """dvc.yaml declares exactly what each stage reads: no hidden inputs, no spurious ones.
 
 * code: the stage script plus every project module it imports (and, for stages that run MaxText,
-  every module the child process `python -m mtpipe.maxtext.launch` imports) are deps, and no other module;
+  every module the child process `python -m mtpipe.maxtext.launch` imports) are fingerprinted in its
+  view (mtpipe/pipeline/fingerprint.py), and no other module; configure depends on the code;
 * config: a pipeline stage reads one resolved file, config/<branch>/<stage>.yaml, and declares it;
 * params: `configure` declares every top-level key of params.yaml (it is the only reader).
 """
@@ -13,7 +14,7 @@ import pytest
 import yaml
 from dvc.repo import Repo
 
-from mtpipe.pipeline import config
+from mtpipe.pipeline import config, fingerprint
 
 ROOT = config.ROOT
 MAXTEXT_STAGES = {"to_maxtext", "train_sft", "train_rl", "to_huggingface"}
@@ -42,25 +43,39 @@ def deps_of(stage) -> set[str]:
     return {str(Path(d.def_path)) for d in stage.deps}
 
 
+@pytest.mark.architecture
 @pytest.mark.parametrize("name", sorted(STAGES))
-def test_code_deps_are_exactly_the_imported_modules(name):
+def test_code_is_fingerprinted_not_declared(name):
+    """A stage's code reaches DVC through the fingerprints in its view, never as .py deps; only
+    configure (which writes the fingerprints) depends on the code, as whole directories."""
     stage = STAGES[name]
     script_name = name.split("@")[0]
-    script = ROOT / "stages" / f"{script_name}.py"
     assert stage.cmd.startswith(f"exec python -m stages.{script_name}")  # exec: see docs/secrets.md
-    expected = {f"stages/{script_name}.py"} | project_modules(script)
-    if script_name in MAXTEXT_STAGES:  # the child process: python -m mtpipe.maxtext.launch ...
+    if script_name == "configure":
+        assert {"stages", "mtpipe", "conf"} <= deps_of(stage)
+    else:
+        assert not {d for d in deps_of(stage) if d.endswith(".py")}
+
+
+@pytest.mark.architecture
+@pytest.mark.parametrize("script_name", sorted({n.split("@")[0] for n in STAGES}))
+def test_fingerprinted_modules_are_exactly_the_imported_ones(script_name):
+    """The modules in a stage's fingerprints are what Python's ModuleFinder says the stage script
+    imports, plus the child processes it starts (`python -m mtpipe.maxtext.launch`, and for train_rl
+    on CPU `python -m mtpipe.maxtext.rollout_cpu`)."""
+    expected = {f"stages/{script_name}.py"} | project_modules(ROOT / "stages" / f"{script_name}.py")
+    if script_name in MAXTEXT_STAGES:
         expected |= project_modules(ROOT / "mtpipe" / "maxtext" / "launch.py") | {"mtpipe/maxtext/launch.py"}
-    if script_name == "train_rl":  # ... or, for the cpu_jax rollout backend, python -m mtpipe.maxtext.rollout_cpu
+    if script_name == "train_rl":
         expected |= project_modules(ROOT / "mtpipe" / "maxtext" / "rollout_cpu.py") | {"mtpipe/maxtext/rollout_cpu.py"}
-    declared = {d for d in deps_of(stage) if d.endswith(".py")}
-    assert declared == expected, f"missing: {expected - declared}, not used: {declared - expected}"
+    found = set(fingerprint.stage_modules(script_name))
+    assert found == expected, f"missing: {expected - found}, not used: {found - expected}"
 
 
-@pytest.mark.parametrize("name", sorted(n for n in STAGES if n.split("@")[0] in config.STAGE_SECTIONS))
+@pytest.mark.parametrize("name", sorted(n for n in STAGES if n != "configure"))
 def test_each_stage_declares_its_resolved_config(name):
     script_name, _, branch = name.partition("@")
-    branch = branch or {"train_rl": "rl"}[script_name]
+    branch = branch or {"train_rl": "rl", "make_embedded": "embedded"}[script_name]
     source = (ROOT / "stages" / f"{script_name}.py").read_text()
     assert f'"{script_name}")' in source, "the stage loads its own view with load_stage(..., stage)"
     configs = {d for d in deps_of(STAGES[name]) if d.startswith("config/")}
@@ -73,7 +88,8 @@ def test_configure_declares_every_params_key():
     declared = {p for dep in STAGES["configure"].deps for p in getattr(dep, "params", None) or []}
     assert declared == set(params)
     outs = {str(o.def_path) for o in STAGES["configure"].outs}
-    assert outs == {f"config/{b}/{s}.yaml" for b, stages in config.BRANCH_STAGES.items() for s in stages}
+    assert outs == {f"config/{b}/{s}.yaml" for b, stages in config.BRANCH_STAGES.items() for s in stages} | {
+        f"config/{b}/{s}.yaml" for b, s in config.CODE_ONLY_VIEWS}
 
 
 def test_every_resolved_view_is_produced_and_consumed():

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from conftest import restore
-from pipeline import dvc, env, ran_stages, reproduced_stages
+from pipeline import dvc, env, git, ran_stages, reproduced_stages
 
 pytestmark = pytest.mark.slow
 
@@ -61,22 +61,55 @@ def test_a_param_reruns_exactly_the_stages_that_read_it(pipeline_repo, change, e
         restore(pipeline_repo)
 
 
-@pytest.mark.parametrize(
-    ("path", "expected"),
-    [
-        ("stages/train_sft.py", {"train_sft@sft", "train_sft@rl"}),
-        ("stages/to_maxtext.py", {"to_maxtext@sft", "to_maxtext@rl"}),
-        ("mtpipe/pipeline/metrics.py", {"train_sft@sft", "train_sft@rl", "train_rl"}),
-        ("mtpipe/data/hub.py", {"hf_download@sft", "hf_download@rl"}),
-    ],
-)
-def test_a_code_change_reruns_the_stages_that_run_it(pipeline_repo, path, expected):
+def edit(path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text, f"{old!r} is not in {path}: update the test"
+    path.write_text(text.replace(old, new, 1))
+
+
+@pytest.mark.architecture
+def test_comments_docstrings_and_error_messages_rerun_only_configure(pipeline_repo):
+    """Edits that cannot change a result, in a module every stage runs: `dvc status` names the
+    change (configure's deps), and `dvc repro` reruns configure and nothing else."""
+    stage_py = pipeline_repo / "mtpipe" / "pipeline" / "stage.py"
     try:
-        with open(pipeline_repo / path, "a") as f:
+        edit(stage_py, '"""Fail loudly when a tool did not produce what it should have."""',
+             '"""Stop the stage when a tool did not produce its output."""  # a reworded docstring')
+        edit(stage_py, '(the MaxText command did not produce it)")', '(MaxText did not write it)")')
+        with open(stage_py, "a") as f:
             f.write("\n# touched by a test\n")
+        assert stale(pipeline_repo) == {"configure"}
+        out = dvc(pipeline_repo, "repro").stdout
+        assert ran_stages(out) == {"configure"}, out
+        assert stale(pipeline_repo) == set()
+        assert not git(pipeline_repo, "status", "--porcelain", "config"), "a resolved view changed"
+    finally:
+        restore(pipeline_repo)
+
+
+@pytest.mark.architecture
+@pytest.mark.parametrize(
+    ("path", "old", "new", "expected"),
+    [
+        ("stages/train_sft.py", '"rl": "warmup"}', '"rl": "warm_start"}', {"train_sft@sft", "train_sft@rl"}),
+        ("stages/to_maxtext.py", "\n\n\ndef ", "\n\n\nTOUCHED = 1\n\n\ndef ", {"to_maxtext@sft", "to_maxtext@rl"}),
+        ("mtpipe/pipeline/metrics.py", 'LOSS = "learning/loss"', 'LOSS = "learning/total_loss"',
+         {"train_sft@sft", "train_sft@rl", "train_rl"}),
+        ("mtpipe/data/hub.py", '"*.txt", "*.jinja")', '"*.jinja")', {"hf_download@sft", "hf_download@rl"}),
+    ],
+    ids=["stage_script", "stage_module_constant", "shared_module_default", "download_default"],
+)
+def test_a_code_change_reruns_the_stages_that_run_it(pipeline_repo, path, old, new, expected):
+    """A change of behaviour (a default, a constant) moves the module's fingerprint in the views of
+    exactly the stages that run it."""
+    try:
+        edit(pipeline_repo / path, old, new)
+        assert stale(pipeline_repo) == {"configure"}
+        dvc(pipeline_repo, "repro", "configure")
         assert stale(pipeline_repo) == expected
     finally:
         restore(pipeline_repo)
+
 
 
 def test_exp_run_steps_as_typed_reruns_only_training_and_export(pipeline_repo):

@@ -221,6 +221,26 @@ class Compute:
             self._wait(op.name, f"deleting firewall rule {name}", zonal=False)
         return True
 
+    # ---- the VM lifecycle's provider interface (mtpipe.cloud.lifecycle.Provider)
+
+    def create_vm(self, cfg: Any, public_key: str, labels: dict[str, str]) -> compute_v1.Instance:
+        """Create the VM ``cfg.name`` describes, admitting ``public_key`` over SSH."""
+        return self.create_instance(instance_body(cfg, cfg.name, public_key, labels))
+
+    def open_ssh(self, cfg: Any) -> bool:
+        """Create the firewall rule that lets SSH reach the VM; False when it already existed."""
+        return self.create_firewall(firewall_body(cfg, cfg.name, cfg.firewall.name))
+
+    @staticmethod
+    def address(instance: compute_v1.Instance) -> str | None:
+        return external_ip(instance)
+
+    @staticmethod
+    def describe(instance: compute_v1.Instance) -> tuple[str, str, int]:
+        """(machine type, provisioning model, time limit in s or 0) of a VM."""
+        return (instance.machine_type.rsplit("/", 1)[-1], instance.scheduling.provisioning_model,
+                instance.scheduling.max_run_duration.seconds)
+
     def _wait(self, operation: str, what: str, zonal: bool) -> None:
         """Call operations.wait until DONE; raise GcpError with the operation's errors if any."""
         deadline = time.monotonic() + self.timeout_s

@@ -6,8 +6,9 @@ dataset and a hardware preset (its ``defaults:`` mapping) and holds one section 
 against the typed schema in :mod:`mtpipe.pipeline.schema` (type, range, combinations).
 
 The ``configure`` stage resolves everything and writes ``config/<branch>/<stage>.yaml``: exactly what
-that stage reads, nothing more. Each pipeline stage depends on its own file, so DVC reruns a stage
-when, and only when, a value it reads changes.
+that stage reads, nothing more, plus the fingerprints of the code it runs (``code:``,
+:mod:`mtpipe.pipeline.fingerprint`). Each pipeline stage depends on its own file, so DVC reruns a
+stage when, and only when, a value it reads or the behaviour of its code changes.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from mtpipe.errors import ConfigError
-from mtpipe.pipeline import schema
+from mtpipe.pipeline import fingerprint, schema
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = ROOT / "conf"
@@ -39,6 +40,8 @@ BRANCH_STAGES: dict[str, tuple[str, ...]] = {
     "sft": ("hf_download", "to_maxtext", "train_sft", "to_huggingface"),
     "rl": ("hf_download", "to_maxtext", "train_sft", "train_rl", "to_huggingface"),
 }
+# Stages that read no config: their view holds only the fingerprints of their code.
+CODE_ONLY_VIEWS = (("embedded", "make_embedded"),)
 # params.yaml keys that are not stage sections of a branch.
 BRANCH_KEYS = ("preset", *schema.GROUPS)
 
@@ -137,29 +140,40 @@ def resolved_path(branch: str, stage: str, root: Path = ROOT) -> Path:
 
 
 def write_resolved(params: DictConfig, root: Path = ROOT) -> list[Path]:
-    """Compose every branch (all validation first), then write each stage's view atomically."""
+    """Compose every branch (all validation first), then write each stage's view atomically.
+
+    A view whose text is unchanged is left as it is (its bytes and mtime), so DVC reruns nothing."""
     composed = {branch: compose(branch, params) for branch in BRANCH_STAGES}
+    views = {(branch, stage): stage_view(cfg, stage) for branch, cfg in composed.items()
+             for stage in BRANCH_STAGES[branch]}
+    views |= {view: OmegaConf.create({}) for view in CODE_ONLY_VIEWS}
     written = []
-    for branch, cfg in composed.items():
-        for stage in BRANCH_STAGES[branch]:
-            path = resolved_path(branch, stage, root)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            text = OmegaConf.to_yaml(stage_view(cfg, stage), sort_keys=True)
-            if path.is_file() and path.read_text() == text:
-                written.append(path)
-                continue
+    for (branch, stage), view in views.items():
+        view.code = fingerprint.stage_code(stage)
+        path = resolved_path(branch, stage, root)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = OmegaConf.to_yaml(view, sort_keys=True)
+        if not (path.is_file() and path.read_text() == text):
             tmp = path.with_suffix(".yaml.partial")
             tmp.write_text(text)
             os.replace(tmp, path)
-            written.append(path)
+        written.append(path)
     return written
 
 
 def load_stage(branch: str, stage: str, root: Path = ROOT) -> DictConfig:
-    """Load the resolved view a stage reads (written by the ``configure`` stage)."""
+    """Load the resolved view a stage reads (written by the ``configure`` stage).
+
+    Fails when the view's code fingerprints are not those of the code about to run (``configure``
+    did not run after an edit), so no output is recorded under another code's address."""
     path = resolved_path(branch, stage, root)
     if not path.is_file():
         raise ConfigError(str(path.relative_to(root)), "not found", "run `dvc repro configure` first")
     cfg = load_yaml(path)
+    recorded, running = OmegaConf.to_container(cfg.get("code") or {}), fingerprint.stage_code(stage)
+    if recorded != running:
+        moved = sorted(m for m in recorded.keys() | running.keys() if recorded.get(m) != running.get(m))
+        raise ConfigError(str(path.relative_to(root)), f"was written for other code (changed: {', '.join(moved)})",
+                          "run `dvc repro` (it reruns configure first), or `dvc repro configure`")
     OmegaConf.set_readonly(cfg, True)
     return cfg

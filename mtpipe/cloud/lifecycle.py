@@ -1,0 +1,333 @@
+"""The TPU VM's life: create, reach, run, recover, delete; what `doit vm_*` tasks drive.
+
+:class:`VmLifecycle` holds the rules (checks before spending, one VM per state file, delete on
+failure unless kept, replace a lost VM at most ``max_recoveries`` times, never replace one that ran
+out of time); the cloud behind it is a :class:`Provider` (Compute Engine: mtpipe.cloud.gcp.Compute).
+What happens on the VM over SSH (setup, shipping, the pipeline) is mtpipe.cloud.vm's.
+"""
+
+from __future__ import annotations
+
+import getpass
+import itertools
+import signal
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Protocol
+
+from omegaconf import DictConfig, OmegaConf
+
+from mtpipe.cloud import vm, vm_checks
+from mtpipe.cloud.gcp import Compute
+from mtpipe.errors import ConfigError
+from mtpipe.maxtext import preflight as preflight_checks
+
+
+class Provider(Protocol):
+    """What the lifecycle needs from a cloud. Instances have ``status`` (``RUNNING`` while usable)
+    and ``creation_timestamp`` (ISO 8601); each call waits until the cloud has done it."""
+
+    def get_instance(self, name: str) -> Any | None: ...
+    def create_vm(self, cfg: DictConfig, public_key: str, labels: dict[str, str]) -> Any: ...
+    def delete_instance(self, name: str) -> bool: ...
+    def open_ssh(self, cfg: DictConfig) -> bool: ...
+    def get_firewall(self, name: str) -> Any | None: ...
+    def delete_firewall(self, name: str) -> bool: ...
+    def address(self, instance: Any) -> str | None: ...
+    def describe(self, instance: Any) -> tuple[str, str, int]: ...
+
+
+def compute_engine(cfg: DictConfig) -> Provider:
+    """The Compute Engine zone ``cfg`` names."""
+    vm.require(cfg, "project", "zone")
+    return Compute(cfg.project, cfg.zone, float(cfg.operation_timeout_s))
+
+
+def spend_line(state: dict) -> str:
+    """What the VMs of this run (the one recorded, and those it replaced) cost so far."""
+    count, hours, usd = vm.spend(state)
+    replaced = f", {count - 1} of them replaced after being lost" if count > 1 else ""
+    return f"this run's VMs: {count}{replaced}; {hours:.2f} h in all, about {usd:.2f} USD"
+
+
+def _say(line: str) -> None:
+    print(f"mtpipe: {line}", flush=True)
+
+
+class VmLifecycle:
+    """The VM ``cfg`` names, recorded in ``root``'s state file (.vm_state.json).
+
+    ``keep``: a VM survives a failure or an interrupt of the task (never a loss: a lost VM cannot
+    be restarted). ``provider`` makes the cloud for a config (tests pass a loopback one)."""
+
+    def __init__(self, cfg: DictConfig, root: Path, keep: bool = False,
+                 provider: Callable[[DictConfig], Provider] = compute_engine) -> None:
+        self.cfg, self.root, self.keep, self._provider = cfg, root, keep, provider
+
+    @property
+    def cloud(self) -> Provider:
+        return self._provider(self.cfg)
+
+    def remote(self, state: dict | None = None) -> vm.Remote:
+        """How to reach the VM, after checking with the cloud that it still exists."""
+        cfg, state = self.cfg, vm.read_state(self.root) if state is None else state
+        instance = self.cloud.get_instance(cfg.name)
+        if instance is None:
+            raise vm.VmError(f"VM {cfg.name} does not exist in {cfg.project}/{cfg.zone} (deleted, or "
+                             "max_run_duration_s ran out): create it with `doit vm_up`")
+        ip = self.cloud.address(instance)
+        if not ip and not cfg.ssh.proxy_command:
+            raise vm.VmError(f"VM {cfg.name} has no external IP: set ssh.proxy_command (IAP) in "
+                             "conf/vm.yaml")
+        host_key = state.get("host_key") if state.get("name") == cfg.name else None
+        return vm.Remote.from_config(cfg, ip or cfg.name, host_key)
+
+    # ------------------------------------------------------------ create and delete
+
+    def ensure(self, experiments: list[list[str]], may_create: bool, preflight: bool = False) -> vm.Remote:
+        """The VM, reachable over SSH: reused when it exists, else created.
+
+        Before creating anything the checks before spending run (vm_checks.before_spending) for the
+        `--set` values of every experiment; a VM that exists only gets the project checks.
+        `preflight` then AOT-compiles the TPU branches (after the quick checks: a compile takes
+        minutes the first time). `may_create` False refuses to replace a VM that .vm_state.json
+        records but the cloud no longer has (vm_run without --recreate).
+        """
+        cfg, root = self.cfg, self.root
+        state = vm.read_state(root)
+        vm.check_create(cfg)
+        cloud = self.cloud
+        recorded = (state.get("project"), state.get("zone"), state.get("name"))
+        if state and recorded != (cfg.project, cfg.zone, cfg.name):
+            other = self._provider(OmegaConf.merge(cfg, {"project": state["project"], "zone": state["zone"]}))
+            if other.get_instance(state["name"]) is not None:
+                raise ConfigError("vm.name", f"{vm.STATE_FILE} tracks another VM, {state['name']} in "
+                                  f"{state['project']}/{state['zone']}",
+                                  "delete it first with `doit vm_down`, or use its name/zone/project")
+            state = {}
+        instance = cloud.get_instance(cfg.name)
+        created = instance is None
+        if instance is not None:
+            _say(f"reusing VM {cfg.name} ({instance.status}) in {cfg.zone}")
+            vm_checks.check_project(cfg, root, experiments)
+            if not state.get("vms"):   # created elsewhere: its cost counts from its creation
+                vm.vm_started(state, cfg, instance.creation_timestamp)
+        else:
+            if state and not may_create:
+                raise vm.VmError(
+                    f"VM {cfg.name}, recorded in {vm.STATE_FILE} (created {state.get('created')}), no "
+                    f"longer exists in {cfg.project}/{cfg.zone}: Compute deleted it after "
+                    "max_run_duration_s, or someone else did. Rerun with --recreate to create a new one "
+                    f"(about {vm.price_per_hour(cfg):.2f} USD per hour), or `doit vm_down` to forget it")
+            vm_checks.before_spending(cfg, cloud, root, experiments)
+        if preflight:
+            for sets in experiments:
+                preflight_checks.run(sets, root, committed=True)
+        if created:
+            state = {}
+            instance = self._create(state)
+        return self._connect(state, instance, created)
+
+    def _create(self, state: dict) -> Any:
+        """Create the firewall rule (it may exist) and the VM, print the price, add it to the ledger."""
+        cfg, cloud = self.cfg, self.cloud
+        public_key = vm.ssh_public_key(cfg)
+        run_id = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+        labels = {**cfg.labels, "mtpipe-run": run_id, "created-by": vm.label_value(getpass.getuser())}
+        usd, hours = vm.price_per_hour(cfg), int(cfg.max_run_duration_s) / 3600
+        _say(f"creating {cfg.machine_type} VM {cfg.name} ({cfg.provisioning}) in {cfg.zone}: "
+             f"about {usd:.2f} USD per hour while it exists; "
+             + (f"Compute deletes it after {hours:g} h (at most {hours * usd:.2f} USD)." if hours else
+                "NO time limit (max_run_duration_s: 0): `doit vm_down` when done."))
+        cloud.open_ssh(cfg)
+        try:
+            instance = cloud.create_vm(cfg, public_key, labels)
+        except BaseException:
+            cloud.delete_firewall(cfg.firewall.name)
+            raise
+        vm.vm_started(state, cfg, instance.creation_timestamp)
+        return instance
+
+    def _connect(self, state: dict, instance: Any, created: bool) -> vm.Remote:
+        """Record the VM in the state file, wait until its sshd takes our key (pinning its host key)."""
+        cfg = self.cfg
+        if created:
+            state.pop("host_key", None)   # a new VM, a new host key
+        state.update(project=cfg.project, zone=cfg.zone, name=cfg.name, firewall=cfg.firewall.name,
+                     created=instance.creation_timestamp, provisioning=cfg.provisioning,
+                     max_run_duration_s=int(cfg.max_run_duration_s))
+        vm.write_state(self.root, state)
+        remote = self.remote(state)
+        try:
+            state["host_key"] = vm.wait_ready(remote, float(cfg.ssh.ready_timeout_s))
+        except BaseException:
+            if created and not self.keep:
+                _say(f"VM {cfg.name} is unreachable; deleting it (use --keep to keep it)")
+                self.delete()
+            raise
+        vm.write_state(self.root, state)
+        remote.host_key = state["host_key"]
+        _say(f"VM {cfg.name} ready at {remote.host}:{remote.port}")
+        return remote
+
+    def delete(self) -> None:
+        """Delete the VM and its firewall rule (each may already be gone); forget the state."""
+        cfg = self.cfg
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not stop this
+        try:
+            cloud = self.cloud
+            _say(f"VM {cfg.name}: {'deleted' if cloud.delete_instance(cfg.name) else 'already gone'}")
+            gone = cloud.delete_firewall(cfg.firewall.name)
+            _say(f"firewall rule {cfg.firewall.name}: {'deleted' if gone else 'already gone'}")
+            state = vm.read_state(self.root)
+            if state.get("vms") and state.get("name") == cfg.name:
+                vm.vm_ended(state, "deleted")
+                _say(spend_line(state))
+            vm.clear_state(self.root)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def guarded(self, body: Callable[[], None]) -> None:
+        """Run body; on any failure, Ctrl-C or SIGTERM/SIGHUP delete the VM unless kept (a VM lost
+        more often than max_recoveries is deleted anyway: a preempted VM cannot be restarted)."""
+
+        def interrupt(signum: int, _frame: Any) -> None:
+            raise KeyboardInterrupt(f"signal {signum}")
+
+        previous = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+        try:
+            body()
+        except BaseException as e:
+            if self.keep and not isinstance(e, vm.VmLost):
+                _say(f"failed; VM {self.cfg.name} kept (--keep): `doit vm_down` deletes it")
+            else:
+                why = "a lost VM cannot be restarted" if self.keep else "use --keep to keep it"
+                _say(f"failed or interrupted; deleting VM {self.cfg.name} ({why})")
+                self.delete()
+            raise
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    # ------------------------------------------------------------ losing and replacing
+
+    def lost(self) -> str | None:
+        """Why the VM can no longer run the pipeline (preempted, stopped, gone), or None while it
+        is RUNNING: then a failed command is the pipeline's failure, not the VM's.
+
+        Raises VmError when the VM must not be replaced: `doit vm_down` deleted it (the state file
+        no longer records it), or it reached max_run_duration_s (the spending limit).
+        """
+        cfg = self.cfg
+        instance = self.cloud.get_instance(cfg.name)
+        if instance is not None and instance.status == "RUNNING":
+            return None
+        state = vm.read_state(self.root)
+        if state.get("name") != cfg.name:
+            raise vm.VmError(f"VM {cfg.name} was deleted during the run (`doit vm_down`?): not replaced")
+        limit = int(cfg.max_run_duration_s)
+        age = (datetime.now(timezone.utc) - datetime.fromisoformat(state["created"])).total_seconds()
+        if instance is None and limit and age >= limit:
+            raise vm.VmError(f"VM {cfg.name} reached max_run_duration_s ({limit} s) and Compute "
+                             "deleted it: raise max_run_duration_s in conf/vm.yaml (0: no limit) for "
+                             "longer runs")
+        spot = cfg.provisioning == "spot"
+        if instance is None:
+            why = "was preempted and deleted by Compute" if spot else "was deleted by someone else"
+        else:
+            why = f"was {'preempted' if spot else 'stopped by Compute'} (status {instance.status})"
+        vm.vm_ended(state, why)
+        vm.write_state(self.root, state)
+        return why
+
+    def replace(self) -> vm.Remote:
+        """Delete the lost VM (a preempted Spot VM cannot be restarted) and create a new one."""
+        self.cloud.delete_instance(self.cfg.name)
+        state = vm.read_state(self.root)
+        return self._connect(state, self._create(state), created=True)
+
+    def with_recovery(self, remote: vm.Remote, attempt: Callable[[vm.Remote], None]) -> None:
+        """Run `attempt` on the VM; when it fails because the VM was lost, replace the VM and run
+        it again, at most `max_recoveries` times (a managed job: the pipeline resumes from the
+        bucket)."""
+        cfg, limit = self.cfg, int(self.cfg.max_recoveries)
+        for recovery in itertools.count(1):
+            try:
+                attempt(remote)
+                return
+            except vm.VmError as e:
+                why = self.lost()
+                if why is None:
+                    raise
+                if recovery > limit:
+                    raise vm.VmLost(f"VM {cfg.name} {why} ({e}); it was replaced {limit} times "
+                                    f"already (max_recoveries: {limit}), so vm_run gives up and deletes "
+                                    "it. Rerun later, raise max_recoveries in conf/vm.yaml, or use "
+                                    "--provisioning=reservation or on-demand") from e
+                _say(f"recovery {recovery} of {limit}: VM {cfg.name} {why} ({e}); deleting "
+                     f"it and creating a new {cfg.provisioning} VM, then setup and the pipeline again")
+                remote = self.replace()
+
+    # ------------------------------------------------------------ running and reporting
+
+    def run_experiments(self, experiments: list[list[str]], names: list[str | None], target: str | None,
+                        may_create: bool, preflight: bool) -> None:
+        """Each experiment as a DVC experiment on the VM, brought back into this repository; a
+        replacement VM runs only what is left."""
+        cfg, root = self.cfg, self.root
+        secret_lines, secret_data = vm.secrets_stdin(list(cfg.run.secrets))
+        scripts = [vm.run_script(cfg, root, vm.dvc_command(target, sets, name), secret_lines, name)
+                   for sets, name in zip(experiments, names)]
+        remote = self.ensure(experiments, may_create, preflight)  # will it fit the TPU? (docs/preflight.md)
+        todo = list(zip(experiments, scripts))
+
+        def attempt(remote: vm.Remote) -> None:
+            vm.setup(remote, cfg, root)
+            commit = vm.ship(remote, root, cfg.run.remote_dir)
+            _say(f"shipped {commit[:12]}; running the pipeline on {cfg.name}")
+            while todo:
+                sets, script = todo[0]
+                if len(scripts) > 1:
+                    _say(f"experiment {len(scripts) - len(todo) + 1} of {len(scripts)}: {' '.join(sets)}")
+                vm.check(remote, script, "the pipeline", stdin=secret_data)
+                got = vm.fetch_experiments(remote, root, cfg.run.remote_dir, commit)
+                todo.pop(0)
+                if got:
+                    _say(f"experiment {', '.join(got)} (baseline {commit[:7]}) is now in this "
+                         "repository: `dvc exp show` lists it, `dvc exp apply NAME && dvc pull` brings "
+                         "it into the workspace")
+                else:
+                    _say("the run made no DVC experiment (run.command without {dvc}?)")
+
+        self.guarded(lambda: self.with_recovery(remote, attempt))
+
+    def status(self) -> list[str]:
+        """The VM and firewall rule as the cloud sees them, with what the run has cost."""
+        cfg, state = self.cfg, vm.read_state(self.root)
+        cloud = self.cloud
+        instance, rule = cloud.get_instance(cfg.name), cloud.get_firewall(cfg.firewall.name)
+        recorded = state if state.get("name") == cfg.name else {}
+        lines = [f"firewall rule {cfg.firewall.name}: {'exists' if rule else 'none'}"]
+        if instance is None:
+            lines.append(f"VM {cfg.name} in {cfg.project}/{cfg.zone}: none")
+        else:
+            since = datetime.fromisoformat(instance.creation_timestamp)
+            hours = (datetime.now(timezone.utc) - since).total_seconds() / 3600
+            usd = recorded["vms"][-1]["usd_per_hour"] if recorded.get("vms") else vm.price_per_hour(cfg)
+            machine, model, limit = cloud.describe(instance)
+            lines += [f"VM {cfg.name} in {cfg.project}/{cfg.zone}: {instance.status}, {machine}, {model}, "
+                      f"external IP {cloud.address(instance)}",
+                      f"  since {since.isoformat()} ({hours:.2f} h): about {hours * usd:.2f} USD so far at "
+                      f"{usd:.2f} USD/h"]
+            if limit:
+                lines.append("  Compute deletes it at "
+                             f"{time.strftime('%Y-%m-%d %H:%M %Z', time.localtime(since.timestamp() + limit))}")
+            if not recorded:
+                lines.append("  (not recorded in .vm_state.json: created elsewhere)")
+        lines += [f"  replaced: {e['name']} ({e['provisioning']}) {e['created']} .. {e['ended']}: {e['why']}"
+                  for e in recorded.get("vms", [])[:-1]]
+        if recorded.get("vms"):
+            lines.append(f"  {spend_line(recorded)}")
+        return lines

@@ -1,0 +1,92 @@
+"""The VM lifecycle (mtpipe/cloud/lifecycle.py) driven directly, without doit: the fake Compute API
+and the loopback SSH server of tests/test_vm_cycle.py stand in for Google Cloud and the VM.
+
+The doit tasks (tests/test_vm_cycle.py, test_vm_recovery.py) check the same rules end to end."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from unittest import mock
+
+import pytest
+from gcs_emulator import gcs_emulator  # noqa: F401 (a fixture)
+from test_vm_cycle import Env, local_env, world  # noqa: F401 (fixtures)
+
+from mtpipe.cloud import vm
+from mtpipe.cloud.lifecycle import VmLifecycle
+
+pytestmark = pytest.mark.architecture
+KEY = ("proj-1", "us-east5-b", "mt-test")
+
+
+@pytest.fixture
+def here(world: Env, monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:  # noqa: F811
+    """The world's environment in this process, in its repo."""
+    monkeypatch.chdir(world.repo)
+    with mock.patch.dict(os.environ, world.env, clear=True):
+        yield world
+
+
+def lifecycle(w: Env, keep: bool = False) -> VmLifecycle:
+    return VmLifecycle(vm.load_config({}, vm.read_state(w.repo)), w.repo, keep)
+
+
+def test_one_vm_is_created_reused_reported_and_deleted(here: Env) -> None:
+    w = here
+    remote = lifecycle(w).ensure([[]], may_create=True)
+    assert remote.port == w.sshd.port and len(w.fake.inserts()) == 1
+    assert w.fake.firewalls and vm.read_state(w.repo)["name"] == "mt-test"
+    assert lifecycle(w).ensure([[]], may_create=False).host_key == remote.host_key
+    assert len(w.fake.inserts()) == 1, "an existing VM was not reused"
+    status = "\n".join(lifecycle(w).status())
+    assert "VM mt-test in proj-1/us-east5-b: RUNNING" in status and "USD so far" in status, status
+    lifecycle(w).delete()
+    assert w.instance() is None and not w.fake.firewalls and not (w.repo / vm.STATE_FILE).exists()
+
+
+def test_a_lost_vm_is_replaced_and_only_the_attempt_repeats(here: Env) -> None:
+    """The VM is preempted during the attempt: the lifecycle records why, replaces the VM and runs
+    the attempt again on the new one; the ledger holds both VMs."""
+    w = here
+    w.configure(provisioning="spot")
+    w.env.pop("RESERVATION")
+    os.environ.pop("RESERVATION")
+    life = lifecycle(w)
+    hosts: list[str | None] = []
+
+    def attempt(remote: vm.Remote) -> None:
+        hosts.append(remote.host_key)
+        if len(hosts) == 1:
+            w.fake.preempt(*KEY)
+            raise vm.SessionLost("lost the SSH session")
+
+    life.with_recovery(life.ensure([[]], may_create=True), attempt)
+    assert len(hosts) == 2 and len(w.fake.inserts()) == 2
+    ledger = vm.read_state(w.repo)["vms"]
+    assert [entry.get("why") for entry in ledger] == ["was preempted (status TERMINATED)", None]
+    life.delete()
+
+
+def test_a_failure_on_a_running_vm_is_the_attempts_and_the_guard_deletes_the_vm(here: Env) -> None:
+    w = here
+    life = lifecycle(w)
+    remote = life.ensure([[]], may_create=True)
+
+    def attempt(_remote: vm.Remote) -> None:
+        raise vm.VmError("the pipeline failed on the VM (exit 3)")
+
+    with pytest.raises(vm.VmError, match="exit 3"):
+        life.guarded(lambda: life.with_recovery(remote, attempt))
+    assert len(w.fake.inserts()) == 1, "a running VM was replaced"
+    assert w.instance() is None and not w.fake.firewalls
+
+
+def test_a_kept_vm_survives_a_failure(here: Env) -> None:
+    w = here
+    life = lifecycle(w, keep=True)
+    life.ensure([[]], may_create=True)
+    with pytest.raises(RuntimeError):
+        life.guarded(lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+    assert w.instance() is not None and vm.read_state(w.repo)["name"] == "mt-test"
+    life.delete()
