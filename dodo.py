@@ -179,7 +179,7 @@ def task_vm_down() -> dict:
 @_task_action
 def preflight(set: list[str]) -> None:
     """AOT-compile each TPU branch's training step on this CPU; fail when one does not fit."""
-    preflight_checks.run(set, vm.repo_root())
+    preflight_checks.run(set, vm.price_per_hour(vm.load_config()), vm.repo_root())
 
 
 def task_preflight() -> dict:

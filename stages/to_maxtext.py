@@ -9,9 +9,10 @@ Run: dvc repro to_maxtext@sft   (or: python -m stages.to_maxtext sft)
 import sys
 
 from mtpipe.maxtext import commands, runner
+from mtpipe.maxtext.checkpoints import normalise_orbax_metadata
 from mtpipe.pipeline.config import load_stage
-from mtpipe.pipeline.stage import (ROOT, Timer, artifact, atomic_dir, digest, log_path, normalise_orbax_metadata,
-                                   require, run_stage, size_mib, write_json, write_stamp)
+from mtpipe.pipeline.stage import (ROOT, Timer, artifact, atomic_dir, digest, log_path, require, run_stage, size_mib,
+                                   write_json, write_stamp)
 
 
 def main(branch: str) -> None:

@@ -12,11 +12,11 @@ Run: dvc repro train_rl   (or: python -m stages.train_rl)
 
 from pathlib import Path
 
+from mtpipe.cloud.backend import run_training
 from mtpipe.data import gsm8k_chat
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import commands
 from mtpipe.maxtext.run_dir import run_dir
-from mtpipe.pipeline.backend import run_training
 from mtpipe.pipeline.config import load_stage
 from mtpipe.pipeline.metrics import missing_steps, read_tensorboard, rl_curve, rl_eval, write_csv
 from mtpipe.pipeline.stage import (JAX_CACHE, ROOT, Timer, artifact, atomic_dir, digest, log_path, read_stamp,

@@ -16,10 +16,10 @@ Run: dvc repro train_sft@sft   (or: python -m stages.train_sft sft)
 import sys
 from pathlib import Path
 
+from mtpipe.cloud.backend import run_training
 from mtpipe.data import gsm8k_chat
 from mtpipe.maxtext import commands
 from mtpipe.maxtext.run_dir import MIRROR_EVERY_S, run_dir
-from mtpipe.pipeline.backend import run_training
 from mtpipe.pipeline.config import load_stage
 from mtpipe.pipeline.metrics import loss_curve, missing_steps, summarize_sft, tokens_per_s_median, write_csv
 from mtpipe.pipeline.stage import (JAX_CACHE, ROOT, Timer, artifact, atomic_dir, digest, log_path, require, run_stage,

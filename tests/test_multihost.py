@@ -31,7 +31,7 @@ from gcs_emulator import GcsEmulator, gcs_emulator  # noqa: F401 (a fixture)
 from pipeline import HOLD_LINE, csv_rows, dvc, env, export_logit_diff, md5_tree
 from test_work_bucket import bucket_env, emulator_fs
 
-from mtpipe.pipeline.stage import COMMIT_MARKER
+from mtpipe.maxtext.checkpoints import COMMIT_MARKER
 
 # one multi-process run per machine at a time (MaxText's coordinator port): with tests/test_runner.py
 pytestmark = [pytest.mark.multihost, pytest.mark.slow, pytest.mark.xdist_group("coordinator-port")]

@@ -28,7 +28,7 @@ def test_forced_rerun_gives_identical_outputs(pipeline_repo, target):
 def test_no_artifact_holds_the_checkouts_path(pipeline_repo):
     """Outputs must not depend on where the repository is: a conversion or training on the VM (or
     in a work bucket) must give the bytes it gives here. Orbax writes its own path into each
-    commit_success.txt; mtpipe.pipeline.stage.normalise_orbax_metadata cuts it."""
+    commit_success.txt; mtpipe.maxtext.checkpoints.normalise_orbax_metadata cuts it."""
     where = str(pipeline_repo.resolve()).encode()
     files = [f for f in (pipeline_repo / "artifacts").rglob("*") if f.is_file()]
     markers = [f for f in files if f.name == "commit_success.txt"]

@@ -124,7 +124,7 @@ class VmLifecycle:
             vm_checks.before_spending(cfg, cloud, root, experiments)
         if preflight:
             for sets in experiments:
-                preflight_checks.run(sets, root, committed=True)
+                preflight_checks.run(sets, vm.price_per_hour(cfg), root, committed=True)
         if created:
             state = {}
             instance = self._create(state)

@@ -1,6 +1,6 @@
 """A training stage's MaxText command as an xpk workload on a GKE TPU slice (``hardware.backend: xpk``).
 
-On this machine, :func:`run` (called by mtpipe.pipeline.backend for train_sft and train_rl):
+On this machine, :func:`run` (called by mtpipe.cloud.backend for train_sft and train_rl):
 
 1. checks before it submits or uploads anything: the ``xpk:`` section of the hardware preset is
    filled in, ``MTPIPE_WORK_BUCKET`` holds the run directory (the hosts share no disk), the ``xpk``

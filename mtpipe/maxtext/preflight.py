@@ -92,10 +92,10 @@ def topology(cfg: DictConfig) -> str | None:
     return cfg.hardware.env.get("TPU_ACCELERATOR_TYPE")
 
 
-def usd_per_hour(chips: int) -> float:
-    """What `chips` chips cost per hour: conf/vm.yaml's VM price (a v6e-8, 8 chips) per chip, times
-    `chips` (list prices are per chip-hour, so a v6e-32 slice costs 4 VMs)."""
-    return price_per_hour() / VM_CHIPS * chips
+def usd_per_hour(chips: int, vm_usd_per_hour: float) -> float:
+    """What `chips` chips cost per hour: the VM's price (a v6e-8, 8 chips) per chip, times `chips`
+    (list prices are per chip-hour, so a v6e-32 slice costs 4 VMs)."""
+    return vm_usd_per_hour / VM_CHIPS * chips
 
 
 def chip_of(topo: str, branch: str, hardware: str) -> tuple[Chip, int]:
@@ -175,12 +175,6 @@ def compile_step(module: str, args: list[str], work: Path, log: Path) -> dict[st
 
 
 # ---------------------------------------------------------------- parent: the report
-
-
-def price_per_hour() -> float:
-    """The VM price conf/vm.yaml (or $MTPIPE_VM_CONFIG) states for its `provisioning` mode."""
-    from mtpipe.cloud import vm  # late: vm imports asyncssh, only needed for this number
-    return vm.price_per_hour(vm.load_config())
 
 
 def report(cfg: DictConfig, preset: str, compiled: dict[str, Any], chip: Chip, chips: int,
@@ -290,19 +284,21 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(line, widths)).rstrip() for line in lines)
 
 
-def run(sets: list[str], root: Path = ROOT, branches: tuple[str, ...] = tuple(BRANCH_STAGES),
-        committed: bool = False) -> list[dict[str, Any]]:
+def run(sets: list[str], vm_usd_per_hour: float, root: Path = ROOT,
+        branches: tuple[str, ...] = tuple(BRANCH_STAGES), committed: bool = False) -> list[dict[str, Any]]:
     """:func:`check`, then raise ConfigError (naming the keys to change) if a branch does not fit."""
-    rows = check(sets, root, branches, committed)
+    rows = check(sets, vm_usd_per_hour, root, branches, committed)
     for row in rows:
         check_fits(row)
     return rows
 
 
-def check(sets: list[str], root: Path = ROOT, branches: tuple[str, ...] = tuple(BRANCH_STAGES),
-          committed: bool = False) -> list[dict[str, Any]]:
+def check(sets: list[str], vm_usd_per_hour: float, root: Path = ROOT,
+          branches: tuple[str, ...] = tuple(BRANCH_STAGES), committed: bool = False) -> list[dict[str, Any]]:
     """Preflight the branches of params.yaml (+ ``--set`` overrides, as ``dvc exp run -S``) that target a TPU.
 
+    ``vm_usd_per_hour``: what the VM of conf/vm.yaml costs (mtpipe.cloud.vm.price_per_hour), the
+    price the cost column scales per chip.
     ``committed``: HEAD's params.yaml (what vm_run ships) instead of the workspace's. Prints a table,
     writes ``work/preflight/<branch>-<preset>.json`` per branch and returns the rows.
     """
@@ -325,7 +321,7 @@ def check(sets: list[str], root: Path = ROOT, branches: tuple[str, ...] = tuple(
               + ("compile result cached" if cached else f"compiling the training step for {topo} on the CPU "
                  "(minutes for a full-size model)"), flush=True)
         compiled = compile_step(cmd.module, args, work, work / f"{branch}-{preset}.log")
-        row = report(cfg, preset, compiled, chip, chips, usd_per_hour(chips))
+        row = report(cfg, preset, compiled, chip, chips, usd_per_hour(chips, vm_usd_per_hour))
         (work / f"{branch}-{preset}.json").write_text(json.dumps(row, indent=1) + "\n")
         rows.append(row)
     if rows:

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mtpipe.errors import ConfigError
-from mtpipe.pipeline.stage import COMMIT_MARKER, WORK, latest_checkpoint, normalise_orbax_metadata
+from mtpipe.maxtext.checkpoints import COMMIT_MARKER, latest_checkpoint, normalise_orbax_metadata
+from mtpipe.pipeline.stage import WORK
 
 if TYPE_CHECKING:
     import gcsfs
@@ -103,7 +104,7 @@ class RunDir:
 
     def take(self, path: str, dest: Path) -> None:
         """Move (local) or download (bucket) ``<run dir>/<path>`` to ``dest``, the same bytes wherever
-        the run directory was (:func:`mtpipe.pipeline.stage.normalise_orbax_metadata`)."""
+        the run directory was (:func:`mtpipe.maxtext.checkpoints.normalise_orbax_metadata`)."""
         if self.in_bucket:
             gcs().get(f"{self.url}/{path}", str(dest), recursive=True)
         else:
