@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import functools
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from doit import doit_cmd
 from doit.exceptions import TaskFailed
 
 from mtpipe.cloud import vm
@@ -29,6 +31,21 @@ from mtpipe.cloud.gcp import GcpError
 from mtpipe.cloud.lifecycle import VmLifecycle, spend_line
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import preflight as preflight_checks
+
+
+def refuse_split_values() -> None:
+    """Stop when the command line had `--set KEY=VALUE` (a space, not `=`) or any other lone
+    `KEY=VALUE` word: doit takes such words out as its own command-line variables before it parses
+    options (doit_cmd.DoitMain.process_args), so the value would reach no task. The project uses no
+    doit variables, so any one of them is such a word."""
+    taken = doit_cmd._CMDLINE_VARS or {}  # doit's own record of them: get_var() needs their names
+    if taken:
+        words = " ".join(f"{name}={value}" for name, value in taken.items())
+        sys.exit(f"mtpipe: doit took `{words}` off the command line as doit variables, so no task would "
+                 "see it: write each override as one word, --set=KEY=VALUE (e.g. --set=steps=2000)")
+
+
+refuse_split_values()
 
 DOIT_CONFIG = {"default_tasks": ["vm_status"], "verbosity": 2, "backend": "json",
                "dep_file": ".doit.db.json"}
