@@ -86,7 +86,10 @@ def test_a_kept_vm_survives_a_failure(here: Env) -> None:
     w = here
     life = lifecycle(w, keep=True)
     life.ensure([[]], may_create=True)
+    def fail() -> None:
+        raise RuntimeError("boom")
+
     with pytest.raises(RuntimeError):
-        life.guarded(lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+        life.guarded(fail)
     assert w.instance() is not None and vm.read_state(w.repo)["name"] == "mt-test"
     life.delete()

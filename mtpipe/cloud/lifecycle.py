@@ -8,6 +8,7 @@ What happens on the VM over SSH (setup, shipping, the pipeline) is mtpipe.cloud.
 
 from __future__ import annotations
 
+import functools
 import getpass
 import itertools
 import signal
@@ -66,18 +67,20 @@ class VmLifecycle:
                  provider: Callable[[DictConfig], Provider] = compute_engine) -> None:
         self.cfg, self.root, self.keep, self._provider = cfg, root, keep, provider
 
-    @property
+    @functools.cached_property
     def cloud(self) -> Provider:
+        """The provider's client for ``cfg``'s zone, made once per lifecycle."""
         return self._provider(self.cfg)
 
     def remote(self, state: dict | None = None) -> vm.Remote:
         """How to reach the VM, after checking with the cloud that it still exists."""
         cfg, state = self.cfg, vm.read_state(self.root) if state is None else state
-        instance = self.cloud.get_instance(cfg.name)
+        cloud = self.cloud
+        instance = cloud.get_instance(cfg.name)
         if instance is None:
             raise vm.VmError(f"VM {cfg.name} does not exist in {cfg.project}/{cfg.zone} (deleted, or "
                              "max_run_duration_s ran out): create it with `doit vm_up`")
-        ip = self.cloud.address(instance)
+        ip = cloud.address(instance)
         if not ip and not cfg.ssh.proxy_command:
             raise vm.VmError(f"VM {cfg.name} has no external IP: set ssh.proxy_command (IAP) in "
                              "conf/vm.yaml")
