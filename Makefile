@@ -4,7 +4,7 @@
 
 SHELL := /bin/bash
 VENV := .venv
-# uv installs the lock in under a minute, where pip took 10 minutes and more
+# uv installs the lock (exactly: `uv pip sync`) in under a minute, where pip took 10 minutes and more
 UV_VERSION := 0.13.9
 BIN := $(CURDIR)/$(VENV)/bin
 # Python 3.12 (MaxText needs >= 3.12): a working python3.12 on PATH, else pyenv's, else say how to get one.
@@ -14,13 +14,13 @@ export PATH := $(BIN):$(PATH)
 export GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT := false
 export NO_GCE_CHECK := true
 
-.PHONY: demo test test-fast bench bench-realsize lock lock-vm clean-work
+.PHONY: demo test test-fast bench bench-realsize lock clean-work
 
 $(VENV)/.installed: requirements.lock pyproject.toml
 	@test -n "$(PY312)" || { echo "Python 3.12 not found: install it (e.g. 'uv python install 3.12' or 'pyenv install 3.12')" >&2; exit 1; }
 	@test -x $(BIN)/python || $(PY312) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet uv==$(UV_VERSION)
-	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps -r requirements.lock
+	$(BIN)/uv pip sync --quiet --python $(BIN)/python --require-hashes requirements.lock
 	$(BIN)/python -m pip check
 	@touch $@
 
@@ -44,13 +44,11 @@ bench: $(VENV)/.installed
 bench-realsize: $(VENV)/.installed
 	python benchmarks/bench_realsize.py --size $(or $(SIZE),full)
 
+# Both locks from pyproject.toml's pins, the VM's first (the tutorial's MaxText resolution), then the
+# laptop's with the VM's versions as constraints: one toolchain (mtpipe/cloud/locks.py, docs/tpu-vm.md).
+# Linux x86_64 / Python 3.12, with hashes, PyPI as of a fixed date. Needs PyPI.
 lock: $(VENV)/.installed
-	python -m pip freeze --exclude-editable | grep -v '^mtpipe' > requirements.lock
-
-# The TPU VM's environment (installed by `doit vm_setup`), resolved here from pyproject.toml's pins
-# for Linux x86_64 / Python 3.12 with hashes: mtpipe/cloud/vm_lock.py, docs/tpu-vm.md. Needs PyPI.
-lock-vm: $(VENV)/.installed
-	python -m mtpipe.cloud.vm_lock
+	python -m mtpipe.cloud.locks
 
 clean-work:
 	rm -rf work

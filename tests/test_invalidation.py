@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from conftest import restore
+from mtpipe.pipeline.toolchain import lock_pins
 from pipeline import dvc, env, git, ran_stages, reproduced_stages
 
 pytestmark = pytest.mark.slow
@@ -65,6 +66,23 @@ def edit(path, old: str, new: str) -> None:
     text = path.read_text()
     assert old in text, f"{old!r} is not in {path}: update the test"
     path.write_text(text.replace(old, new, 1))
+
+
+@pytest.mark.environment
+def test_a_tool_version_reruns_exactly_the_stages_that_run_it(pipeline_repo):
+    """A new tensorstore (Orbax's storage layer) in requirements.lock: configure reruns, then exactly
+    the stages that run MaxText are stale; the generator of the embedded default and the downloads,
+    which never load it, are not."""
+    lock = pipeline_repo / "requirements.lock"
+    try:
+        version = lock_pins(lock.read_text())["tensorstore"]
+        edit(lock, f"\ntensorstore=={version} ", "\ntensorstore==9.9.9 ")
+        assert stale(pipeline_repo) == {"configure"}
+        dvc(pipeline_repo, "repro", "configure")
+        assert stale(pipeline_repo) == {f"{stage}@{branch}" for stage in ("to_maxtext", "train_sft", "to_huggingface")
+                                        for branch in ("sft", "rl")} | {"train_rl"}
+    finally:
+        restore(pipeline_repo)
 
 
 @pytest.mark.architecture

@@ -16,6 +16,7 @@ import pytest
 from mtpipe.maxtext import commands, preflight
 
 from mtpipe.pipeline import overrides
+from mtpipe.pipeline.toolchain import lock_pins
 from mtpipe.pipeline.config import ROOT, compose
 from mtpipe.errors import ConfigError
 
@@ -106,11 +107,17 @@ def test_a_step_too_large_for_hbm_names_the_keys_to_change() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.environment
 def test_tiny_presets_compile_for_v6e8_and_the_second_run_is_cached(root: Path, capsys: pytest.CaptureFixture) -> None:
     rows = preflight.run(ON_V6E, 21.60, root)
     assert [r["branch"] for r in rows] == ["sft", "rl"]
     out = capsys.readouterr().out
     assert "HBM GiB/chip" in out and "embedded-sft" in out and "embedded-rl" in out
+    # compiled by the TPU VM's compiler (one toolchain: requirements.lock pins the VM's versions)
+    vm = lock_pins((ROOT / "requirements-vm.lock").read_text())
+    assert (f"compiled with maxtext {vm['maxtext']}, jax {vm['jax']}, jaxlib {vm['jaxlib']}, libtpu {vm['libtpu']}: "
+            "the TPU VM's") in out
+    assert all(r["versions"] == {n: vm[n] for n in ("maxtext", "jax", "jaxlib", "libtpu")} for r in rows)
     for row in rows:
         written = json.loads((root / "work" / "preflight" / f"{row['branch']}-{row['preset']}.json").read_text())
         assert REPORT_KEYS <= set(written) and written["fits"] is True and written["topology"] == "v6e-8"

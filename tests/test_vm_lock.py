@@ -31,16 +31,12 @@ from omegaconf import OmegaConf
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from mtpipe.cloud import vm, vm_lock
+from mtpipe.cloud import locks, vm
+from mtpipe.pipeline.toolchain import lock_pins
 
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.preflight
-
-
-def lock_pins(text: str) -> dict[str, str]:
-    """name -> version of every `name==version` line of a requirements file."""
-    return {canonicalize_name(m[1]): m[2] for m in re.finditer(r"^([A-Za-z0-9_.\-]+)==(\S+)", text, re.M)}
 
 
 def vm_config():
@@ -51,28 +47,28 @@ def test_one_maxtext_version_for_laptop_and_vm():
     """pyproject.toml pins MaxText; the laptop lock, the VM lock and the installed package agree."""
     from importlib import metadata
 
-    version = vm_lock.maxtext_version()
-    vm_pins = lock_pins(vm_lock.LOCK.read_text())
+    version = locks.maxtext_version()
+    vm_pins = lock_pins(locks.VM_LOCK.read_text())
     assert lock_pins((ROOT / "requirements.lock").read_text())["maxtext"] == version
     assert vm_pins["maxtext"] == version == metadata.version("maxtext")
-    header = vm_lock.LOCK.read_text().split("\n#\n", 1)[0]
+    header = locks.VM_LOCK.read_text().split("\n#\n", 1)[0]
     assert f"step 1 (--resolution lowest): maxtext[tpu-post-train]=={version}" in header
     # No other file names a MaxText version: conf/vm.yaml installs the lock.
     assert not re.search(r"maxtext\S*==", (ROOT / "conf" / "vm.yaml").read_text())
 
 
 def test_vm_lock_pins_what_the_vm_needs():
-    text = vm_lock.LOCK.read_text()
+    text = locks.VM_LOCK.read_text()
     pins = lock_pins(text)
-    project = vm_lock.project_pins()
-    for name in vm_lock.VM_PACKAGES:
+    project = locks.project_pins()
+    for name in locks.VM_PACKAGES:
         assert pins[name] == next(iter(project[name].specifier)).version, name
     # The tutorial's lowest resolution: MaxText's own lower bounds (jax>=0.11.0 -> 0.11.0).
     assert pins["jax"] == "0.11.0" and pins["google-tunix"] == "0.1.7" and "libtpu" in pins
     # PyPI's torch at MaxText's version instead of the PyTorch index's +cpu build.
-    assert vm_lock.torch_overrides() == ["torch==2.11.0", "torchvision==0.26.0"]
+    assert locks.torch_overrides() == ["torch==2.11.0", "torchvision==0.26.0"]
     assert (pins["torch"], pins["torchvision"]) == ("2.11.0", "0.26.0")
-    assert (pins["uv"], pins["pip"]) == (vm_lock.UV_VERSION, vm_lock.PIP_VERSION)
+    assert (pins["uv"], pins["pip"]) == (locks.UV_VERSION, locks.PIP_VERSION)
     # Every pinned package carries hashes (uv pip sync --require-hashes refuses the lock otherwise).
     body = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
     entries = re.split(r"\n(?=[A-Za-z0-9])", body.strip())
@@ -85,7 +81,7 @@ def test_vm_setup_installs_the_lock_with_hashes():
     commands = list(cfg.setup.commands)
     assert list(cfg.setup.files) == ["requirements-vm.lock"]
     assert 'uv pip sync --require-hashes "$HOME/.mtpipe/setup/requirements-vm.lock"' in commands
-    assert f"curl -LsSf https://astral.sh/uv/{vm_lock.UV_VERSION}/install.sh | sh" in commands
+    assert f"curl -LsSf https://astral.sh/uv/{locks.UV_VERSION}/install.sh | sh" in commands
     # The files travel on stdin and count in the marker: a new lock reruns the setup.
     files = vm.setup_files(cfg, ROOT)
     other = files.replace(b"maxtext==", b"maxtext===")
@@ -109,10 +105,10 @@ def test_maxtext_pins_its_github_dependencies_by_commit():
 
 @pytest.mark.slow
 def test_vm_lock_resolves_again_to_the_same_file(tmp_path):
-    """`make lock-vm` today gives the committed lock (PyPI as of vm_lock.INDEX_DATE)."""
+    """`make lock` today gives the committed lock (PyPI as of locks.INDEX_DATE)."""
     out = tmp_path / "requirements-vm.lock"
-    vm_lock.compile_lock(out)
-    assert out.read_text() == vm_lock.LOCK.read_text(), "requirements-vm.lock is stale: run `make lock-vm`"
+    locks.compile_vm_lock(out)
+    assert out.read_text() == locks.VM_LOCK.read_text(), "requirements-vm.lock is stale: run `make lock`"
 
 
 # Stand-ins for the three commands that cannot run here (see the module docstring).
@@ -140,7 +136,7 @@ def run_setup(home: Path, script: str, files: bytes) -> subprocess.CompletedProc
     env = inherited | {
         "HOME": str(home), "PATH": f"{python312}:/usr/local/bin:/usr/bin:/bin",
         "UV_CACHE_DIR": os.environ.get("UV_CACHE_DIR", str(Path.home() / ".cache" / "uv")),
-        "UV_PYTHON_DOWNLOADS": "never", "TEST_UV": str(vm_lock.uv()), "TEST_UV_VERSION": vm_lock.UV_VERSION,
+        "UV_PYTHON_DOWNLOADS": "never", "TEST_UV": str(locks.uv()), "TEST_UV_VERSION": locks.UV_VERSION,
     }  # fmt: skip
     return subprocess.run(["bash", "-c", STANDINS + script], input=files, env=env, capture_output=True)
 
@@ -185,10 +181,10 @@ def test_the_setup_commands_install_the_lock_into_a_fresh_venv(tmp_path):
     assert version == ["3", "12"]
     check = subprocess.run([python, "-m", "pip", "check"], capture_output=True, text=True)
     assert not pip_check_problems(check.stdout, venv), check.stdout + check.stderr
-    assert subprocess.run([vm_lock.uv(), "pip", "check", "--python", python]).returncode == 0
-    freeze = subprocess.run([vm_lock.uv(), "pip", "freeze", "--python", python], capture_output=True, text=True,
+    assert subprocess.run([locks.uv(), "pip", "check", "--python", python]).returncode == 0
+    freeze = subprocess.run([locks.uv(), "pip", "freeze", "--python", python], capture_output=True, text=True,
                             check=True).stdout
-    assert lock_pins(freeze) == lock_pins(vm_lock.LOCK.read_text())
+    assert lock_pins(freeze) == lock_pins(locks.VM_LOCK.read_text())
     imports = "import dvc.repo, dvc_gs, doit, omegaconf, jax, flax, transformers, tunix, torch, maxtext"
     proc_imports = subprocess.run([python, "-c", imports], capture_output=True, text=True,
                                   env={"JAX_PLATFORMS": "cpu", "HOME": str(home), "PATH": "/usr/bin:/bin"}, cwd=home)

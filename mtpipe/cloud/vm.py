@@ -325,7 +325,7 @@ def setup_files(cfg: DictConfig, root: Path) -> bytes:
             path = root / name
             if not path.is_file():
                 raise ConfigError("vm.setup.files", f"{name} does not exist in {root}",
-                                  "name files of the repo (e.g. requirements-vm.lock; `make lock-vm` writes it)")
+                                  "name files of the repo (e.g. requirements-vm.lock; `make lock` writes it)")
             data = path.read_bytes()
             info = tarfile.TarInfo(Path(name).name)
             info.size, info.mode = len(data), 0o644

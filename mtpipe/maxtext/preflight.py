@@ -39,7 +39,7 @@ from omegaconf import DictConfig
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import commands
 from mtpipe.maxtext.runner import child_env
-from mtpipe.pipeline import overrides
+from mtpipe.pipeline import overrides, toolchain
 from mtpipe.pipeline.config import BRANCH_STAGES, ROOT, compose
 
 
@@ -328,7 +328,18 @@ def check(sets: list[str], vm_usd_per_hour: float, root: Path = ROOT,
         print(table(rows))
         print(f"assumptions: MFU {MFU:.0%}, {rows[0]['usd_per_hour']:.2f} USD/h; "
               f"reports in {work}/<branch>-<preset>.json")
+        print(versions_line())
     return rows
+
+
+def versions_line(vm_lock: Path = ROOT / "requirements-vm.lock") -> str:
+    """The compiler's versions, and whether they are the TPU VM's (``vm_lock``)."""
+    ours, vm = versions(), toolchain.lock_pins(vm_lock.read_text())
+    said = ", ".join(f"{name} {version}" for name, version in ours.items())
+    differ = [f"{name} {vm.get(name, 'absent')}" for name, version in ours.items() if vm.get(name) != version]
+    if differ:
+        return f"compiled with {said}: NOT the TPU VM's ({', '.join(differ)}): run `make` to install requirements.lock"
+    return f"compiled with {said}: the TPU VM's (requirements-vm.lock)"
 
 
 # ---------------------------------------------------------------- child: the compile itself

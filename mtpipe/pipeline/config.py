@@ -7,8 +7,9 @@ against the typed schema in :mod:`mtpipe.pipeline.schema` (type, range, combinat
 
 The ``configure`` stage resolves everything and writes ``config/<branch>/<stage>.yaml``: exactly what
 that stage reads, nothing more, plus the fingerprints of the code it runs (``code:``,
-:mod:`mtpipe.pipeline.fingerprint`). Each pipeline stage depends on its own file, so DVC reruns a
-stage when, and only when, a value it reads or the behaviour of its code changes.
+:mod:`mtpipe.pipeline.fingerprint`) and the versions of the tools it runs (``tools:``,
+:mod:`mtpipe.pipeline.toolchain`). Each pipeline stage depends on its own file, so DVC reruns a
+stage when, and only when, a value it reads, the behaviour of its code or a tool's version changes.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from mtpipe.errors import ConfigError
-from mtpipe.pipeline import fingerprint, schema
+from mtpipe.pipeline import fingerprint, schema, toolchain
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = ROOT / "conf"
@@ -150,6 +151,7 @@ def write_resolved(params: DictConfig, root: Path = ROOT) -> list[Path]:
     written = []
     for (branch, stage), view in views.items():
         view.code = fingerprint.stage_code(stage)
+        view.tools = toolchain.stage_tools(stage)
         path = resolved_path(branch, stage, root)
         path.parent.mkdir(parents=True, exist_ok=True)
         text = OmegaConf.to_yaml(view, sort_keys=True)
@@ -165,7 +167,8 @@ def load_stage(branch: str, stage: str, root: Path = ROOT) -> DictConfig:
     """Load the resolved view a stage reads (written by the ``configure`` stage).
 
     Fails when the view's code fingerprints are not those of the code about to run (``configure``
-    did not run after an edit), so no output is recorded under another code's address."""
+    did not run after an edit), or its tool versions not those installed (an environment other than
+    the lock's), so no output is recorded under another code's or another toolchain's address."""
     path = resolved_path(branch, stage, root)
     if not path.is_file():
         raise ConfigError(str(path.relative_to(root)), "not found", "run `dvc repro configure` first")
@@ -175,5 +178,8 @@ def load_stage(branch: str, stage: str, root: Path = ROOT) -> DictConfig:
         moved = sorted(m for m in recorded.keys() | running.keys() if recorded.get(m) != running.get(m))
         raise ConfigError(str(path.relative_to(root)), f"was written for other code (changed: {', '.join(moved)})",
                           "run `dvc repro` (it reruns configure first), or `dvc repro configure`")
+    if moved := toolchain.installed_mismatches(OmegaConf.to_container(cfg.get("tools") or {})):
+        raise ConfigError(str(path.relative_to(root)), f"records other tool versions than installed ({'; '.join(moved)})",
+                          "install the lock (`make`), or `dvc repro configure` after `make lock`")
     OmegaConf.set_readonly(cfg, True)
     return cfg

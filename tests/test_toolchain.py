@@ -1,0 +1,117 @@
+"""The environment is an input: one toolchain on the laptop and the TPU VM, the versions of the tools a
+stage runs in its address, and a dvc.lock that records the committed code (mtpipe/cloud/locks.py,
+mtpipe/pipeline/toolchain.py, mtpipe/pipeline/lock_check.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+from packaging.utils import canonicalize_name
+
+from mtpipe.cloud import locks
+from mtpipe.errors import ConfigError
+from mtpipe.pipeline import config, lock_check, toolchain
+from mtpipe.pipeline.toolchain import lock_pins
+from pipeline import copy_project, env
+
+pytestmark = pytest.mark.environment
+
+LAPTOP, VM = lock_pins(locks.LAPTOP_LOCK.read_text()), lock_pins(locks.VM_LOCK.read_text())
+MAXTEXT_STACK = {"maxtext", "jax", "jaxlib", "libtpu", "orbax-checkpoint", "flax", "optax", "google-tunix", "grain",
+                 "transformers", "safetensors", "tokenizers", "numpy"}
+
+
+def test_the_two_locks_pin_one_version_of_every_shared_package():
+    shared = LAPTOP.keys() & VM.keys()
+    assert len(shared) > 250
+    assert {name: (LAPTOP[name], VM[name]) for name in shared if LAPTOP[name] != VM[name]} == {}
+    assert toolchain.TOOLCHAIN <= shared, "an artifact-touching package is missing from one machine"
+    # what the VM adds is its own: vLLM's stack and torch (the tutorial's TPU post-training extra)
+    assert {"torch", "torchvision"} <= VM.keys() - LAPTOP.keys()
+
+
+def test_this_environment_is_the_laptop_lock():
+    installed = {canonicalize_name(d.metadata["Name"]): d.version for d in metadata.distributions()}
+    assert {name: (version, installed.get(name)) for name, version in LAPTOP.items()
+            if installed.get(name) != version} == {}, "run `make` to install requirements.lock"
+
+
+@pytest.mark.slow
+def test_the_laptop_lock_resolves_again_to_the_same_file(tmp_path: Path):
+    """`make lock` today gives the committed laptop lock (PyPI as of locks.INDEX_DATE, the VM's pins)."""
+    out = tmp_path / "requirements.lock"
+    locks.compile_laptop_lock(out)
+    assert out.read_text() == locks.LAPTOP_LOCK.read_text(), "requirements.lock is stale: run `make lock`"
+
+
+def test_each_view_records_the_versions_of_the_tools_its_stage_runs(tmp_path: Path):
+    config.write_resolved(config.load_params(), tmp_path)
+    tools = {(branch, stage): OmegaConf.load(config.resolved_path(branch, stage, tmp_path)).tools
+             for branch, stages in [*config.BRANCH_STAGES.items(), ("embedded", ("make_embedded",))]
+             for stage in stages}
+    for (branch, stage), recorded in tools.items():
+        assert all(LAPTOP[name] == version for name, version in recorded.items()), (branch, stage)
+    for stage in ("to_maxtext", "train_sft", "to_huggingface"):
+        assert MAXTEXT_STACK <= set(tools["sft", stage]), stage
+    assert MAXTEXT_STACK <= set(tools["rl", "train_rl"])
+    # the download runs the Hub client and reads parquet; it compiles nothing
+    assert set(tools["sft", "hf_download"]) == {"huggingface-hub", "pyarrow"}
+    assert {"safetensors", "transformers", "pyarrow"} <= set(tools["embedded", "make_embedded"])
+    assert not {"jax", "maxtext", "orbax-checkpoint"} & set(tools["embedded", "make_embedded"])
+
+
+def test_a_stage_refuses_to_run_under_other_tool_versions(tmp_path: Path):
+    """A view written for another environment (an upgraded lock not installed, a hand-made venv)
+    stops the stage before any work: its outputs would be filed under the wrong versions."""
+    config.write_resolved(config.load_params(), tmp_path)
+    view = config.resolved_path("sft", "to_maxtext", tmp_path)
+    cfg = OmegaConf.load(view)
+    cfg.tools["orbax-checkpoint"] = "0.0.1"
+    OmegaConf.save(cfg, view)
+    with pytest.raises(ConfigError, match=rf"config/sft/to_maxtext.yaml: records other tool versions than installed "
+                                          rf"\(orbax-checkpoint: 0.0.1 -> {LAPTOP['orbax-checkpoint']}\).*make"):
+        config.load_stage("sft", "to_maxtext", tmp_path)
+
+
+def test_preflight_names_a_compiler_that_is_not_the_vms(tmp_path: Path):
+    other = tmp_path / "requirements-vm.lock"
+    other.write_text(locks.VM_LOCK.read_text().replace(f"\nlibtpu=={VM['libtpu']} ", "\nlibtpu==0.0.1 "))
+    assert f"libtpu {VM['libtpu']}: the TPU VM's" in preflight_line(locks.VM_LOCK)
+    assert "NOT the TPU VM's (libtpu 0.0.1): run `make`" in preflight_line(other)
+
+
+def preflight_line(vm_lock: Path) -> str:
+    from mtpipe.maxtext import preflight
+    return preflight.versions_line(vm_lock)
+
+
+def test_the_record_about_to_be_committed_is_current(tmp_path: Path):
+    """dvc.lock records the code, conf/, params and views as they are (what git would commit): the
+    committed metrics and plots come from this code. Fails after an edit until `dvc repro` ran."""
+    repo = copy_project(tmp_path / "repo")
+    assert lock_check.stale_entries(repo) == [], lock_check.FIX
+
+
+def test_a_stale_record_is_named_and_fails_the_check(tmp_path: Path):
+    repo = copy_project(tmp_path / "repo")
+    edits = {
+        "mtpipe/pipeline/metrics.py": ("\n\n\ndef ", "\n\n\nTOUCHED = 1\n\n\ndef "),
+        "conf/hardware/cpu.yaml": ("\n", "\n# an edit\n"),
+        "params.yaml": ("\nsteps: ", "\nsteps: 1"),
+        "config/sft/train_sft.yaml": ("branch: sft\n", "branch: sft\nextra: 1\n"),
+    }
+    for path, (old, new) in edits.items():
+        text = (repo / path).read_text()
+        assert old in text, path
+        (repo / path).write_text(text.replace(old, new, 1))
+    assert sorted(lock_check.stale_entries(repo)) == ["configure: deps conf modified", "configure: deps mtpipe modified",
+                     "configure: deps params.yaml steps modified", "configure: outs config/sft/train_sft.yaml modified",
+                     "train_sft@sft: deps config/sft/train_sft.yaml modified"]
+    proc = subprocess.run([sys.executable, "-m", "mtpipe.pipeline.lock_check"], cwd=repo, env=env() | {
+        "PYTHONPATH": str(repo)}, capture_output=True, text=True)
+    assert proc.returncode == 1 and "configure: deps mtpipe modified" in proc.stderr and "dvc repro" in proc.stderr
