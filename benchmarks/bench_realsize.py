@@ -41,7 +41,7 @@ import numpy as np
 from bench_dvc import GiB, MiB, PROJECT, disk_used, dvc, make_repo, markdown_table, parse_size, progress, run, timed
 
 sys.path.insert(0, str(PROJECT / "tests"))
-from gcs_emulator import GcsEmulator, add_dvc_remote, dvc_env, running_emulator  # noqa: E402
+from fakes.gcs_emulator import GcsEmulator, add_dvc_remote, dvc_env, running_emulator  # noqa: E402
 
 INVENTORY = PROJECT / "tests" / "fixtures" / "gemma-3-4b-it" / "tensors.json"
 STAGE_SECONDS = {"conversion": 300, "training": 600}  # the tutorial's stage times on v6e-8

@@ -4,17 +4,25 @@ The real pipeline runs once per test session, in a copy of the project. `make te
 on two pytest-xdist workers (`-n 2 --dist loadgroup`): one builds that pipeline while the other runs
 the tests that do not need it; the tests that do are grouped per file, each file on one worker, in a
 copy of the built project of its own (docs/testing.md).
+
+Fixtures used by several test files are defined here (`pipeline_run`, `pipeline_repo`,
+`gcs_emulator`) or in the fixture modules named in `pytest_plugins` (tests/vm_world.py); the fakes
+they start live in tests/fakes/ (docs/testing.md).
 """
 
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from filelock import FileLock
 
+from fakes.gcs_emulator import GcsEmulator, running_emulator
 from pipeline import CanaryEnv, ProcessWatch, copy_project, dvc, git, take_vm_code_path
+
+pytest_plugins = ["vm_world"]  # the loopback VM world: local_env, world, project_world
 
 CANARY_RECORD = "canary-run.json"  # beside the repo copy, outside every searched directory
 FIRST_PIPELINE_FILE = "test_vm_recovery"  # the longest file of pipeline tests: started with the build
@@ -78,6 +86,13 @@ def build_pipeline(base: Path) -> PipelineRun:
 def pipeline_repo(pipeline_run: PipelineRun) -> Path:
     """The repo of :func:`pipeline_run`."""
     return pipeline_run.repo
+
+
+@pytest.fixture(scope="module")
+def gcs_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GcsEmulator]:
+    """One patched emulator per test module, storing objects under a temporary directory."""
+    with running_emulator(tmp_path_factory.mktemp("gcs-data")) as emulator:
+        yield emulator
 
 
 def restore(repo: Path) -> None:

@@ -21,6 +21,10 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 GIT_ID = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
@@ -104,6 +108,20 @@ def export_logit_diff(repo: Path, branch: str, maxtext_name: str, tiny: str, n_t
     ref = numpy_forward.logits(repo / f"artifacts/{branch}/hf", ids, match_maxtext=True)
     assert ref.std() > 0.1, "degenerate logits would make the comparison meaningless"
     return float(np.abs(ours - ref).max())
+
+
+def orbax_arrays(path: Path, strip: str, add: str) -> dict[str, np.ndarray]:
+    """Leaves of an orbax pytree checkpoint as numpy, keyed by path with `strip` -> '' and `add` appended."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    ckptr = ocp.PyTreeCheckpointer()
+    meta = ckptr.metadata(path).item_metadata.tree
+    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
+    tree = ckptr.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
+    leaves = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+    return {k.replace(strip, "").removesuffix(add): v for k, v in leaves.items() if k.startswith(strip)}
 
 
 # --- Canary runs: the pipeline with a fake HF_TOKEN, on the code path a TPU VM takes (docs/secrets.md) ---

@@ -1,4 +1,5 @@
-"""mtpipe's packages keep the order docs/architecture.md declares: no import runs against it."""
+"""mtpipe's packages keep the order docs/architecture.md declares: no import runs against it. The
+tests keep the layout docs/testing.md describes: no test file imports another, fakes in tests/fakes/."""
 
 import ast
 import re
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+TESTS, FAKES = ROOT / "tests", ROOT / "tests" / "fakes"
 pytestmark = pytest.mark.architecture
 
 
@@ -22,15 +24,20 @@ def package_of(module: str) -> str:
     return module.split(".")[1]
 
 
-def imports(path: Path) -> list[tuple[int, str]]:
-    """(line, module) of every `mtpipe.*` import in a file, those inside functions included."""
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every absolute import in a file, those inside functions included."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.append((node.lineno, node.module))
-    return [(line, module) for line, module in found if module.startswith("mtpipe.")]
+    return found
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every `mtpipe.*` import in a file, those inside functions included."""
+    return [(line, module) for line, module in imported_modules(path) if module.startswith("mtpipe.")]
 
 
 def test_every_package_is_in_the_declared_order():
@@ -62,3 +69,39 @@ def test_the_check_sees_an_import_against_the_order(tmp_path: Path):
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from mtpipe.cloud import xpk\n    return xpk\n")
     assert imports(module) == [(2, "mtpipe.cloud")]
+
+
+def imported_test_modules(path: Path) -> list[str]:
+    """`line: module` for every import of a test module (`test_*`) in a file."""
+    return [f"{line}: {module}" for line, module in imported_modules(path) if module.startswith("test_")]
+
+
+def test_no_test_file_imports_another():
+    """What several test files share lives in tests/conftest.py, in a fixture or helper module
+    (tests/vm_world.py, tests/work_bucket.py, tests/pipeline.py) or in tests/fakes/, never in a test
+    file that others import (docs/testing.md)."""
+    found = [f"{path.relative_to(ROOT)}:{hit}" for path in sorted(TESTS.rglob("*.py"))
+             for hit in imported_test_modules(path)]
+    assert not found, "imports of test modules (move what they share to a fixture or helper module):\n" + \
+        "\n".join(found)
+
+
+def test_the_check_sees_an_import_of_a_test_module(tmp_path: Path):
+    module = tmp_path / "test_m.py"
+    module.write_text("import test_a\n\n\ndef f():\n    from test_b import x\n    return x\n")
+    assert imported_test_modules(module) == ["1: test_a", "5: test_b"]
+
+
+def test_every_fake_lives_in_tests_fakes():
+    """A `fake_*` module or a server class (an HTTP or SSH server or request handler) outside
+    tests/fakes/ is a fake the next reader will not find."""
+    misplaced = []
+    for path in sorted(TESTS.rglob("*.py")):
+        if path.is_relative_to(FAKES):
+            continue
+        if path.name.startswith("fake_"):
+            misplaced.append(f"{path.relative_to(ROOT)}: a fake_ module")
+        misplaced += [f"{path.relative_to(ROOT)}:{node.lineno}: class {node.name}"
+                      for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
+                      and any(ast.unparse(base).endswith(("Server", "RequestHandler")) for base in node.bases)]
+    assert not misplaced, "fakes outside tests/fakes/:\n" + "\n".join(misplaced)

@@ -19,11 +19,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from gcs_emulator import (  # noqa: F401 (gcs_emulator is a fixture)
+from fakes.gcs_emulator import (
     GcsEmulator,
     add_dvc_remote,
     dvc_env,
-    gcs_emulator,
     local_remote,
     missing_git_outputs,
     parse_multipart_related,

@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save
 from mtpipe.data.datasets_check import check_chat_rows, check_gsm8k_rows
 from mtpipe.errors import ConfigError
 from mtpipe.data.hub import fetch_dataset, fetch_model
-from hf_server import HubServer, publish
+from fakes.hf_server import HubServer, publish
 
 TOKEN = "hf_test_secret_0123456789"
 CHAT_OK = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]

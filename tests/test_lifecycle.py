@@ -1,5 +1,5 @@
 """The VM lifecycle (mtpipe/cloud/lifecycle.py) driven directly, without doit: the fake Compute API
-and the loopback SSH server of tests/test_vm_cycle.py stand in for Google Cloud and the VM.
+and the loopback SSH server of tests/vm_world.py stand in for Google Cloud and the VM.
 
 The doit tasks (tests/test_vm_cycle.py, test_vm_recovery.py) check the same rules end to end."""
 
@@ -10,8 +10,7 @@ from collections.abc import Iterator
 from unittest import mock
 
 import pytest
-from gcs_emulator import gcs_emulator  # noqa: F401 (a fixture)
-from test_vm_cycle import Env, local_env, world  # noqa: F401 (fixtures)
+from vm_world import Env
 
 from mtpipe.cloud import vm
 from mtpipe.cloud.lifecycle import VmLifecycle
@@ -21,7 +20,7 @@ KEY = ("proj-1", "us-east5-b", "mt-test")
 
 
 @pytest.fixture
-def here(world: Env, monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:  # noqa: F811
+def here(world: Env, monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
     """The world's environment in this process, in its repo."""
     monkeypatch.chdir(world.repo)
     with mock.patch.dict(os.environ, world.env, clear=True):

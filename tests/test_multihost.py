@@ -27,9 +27,9 @@ import psutil
 import pytest
 import yaml
 from conftest import restore
-from gcs_emulator import GcsEmulator, gcs_emulator  # noqa: F401 (a fixture)
+from fakes.gcs_emulator import GcsEmulator
 from pipeline import HOLD_LINE, csv_rows, dvc, env, export_logit_diff, md5_tree
-from test_work_bucket import bucket_env, emulator_fs
+from work_bucket import bucket_env, emulator_fs
 
 from mtpipe.maxtext.checkpoints import COMMIT_MARKER
 
@@ -86,7 +86,7 @@ def jax_process(dvc_proc: subprocess.Popen, index: int, timeout: float = 600) ->
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(pipeline_repo: Path, gcs_emulator: GcsEmulator) -> dict:  # noqa: F811
+def uninterrupted(pipeline_repo: Path, gcs_emulator: GcsEmulator) -> dict:
     """The 2-process run without interruption, its run directory in the bucket (the emulator): what
     its processes logged, its params (md5 per file) and its loss curve."""
     bucket, fs = bucket_env(gcs_emulator, prefix="multihost"), emulator_fs(gcs_emulator)
@@ -104,7 +104,7 @@ def uninterrupted(pipeline_repo: Path, gcs_emulator: GcsEmulator) -> dict:  # no
         restore(pipeline_repo)
 
 
-def test_two_processes_write_one_checkpoint_into_the_bucket(uninterrupted: dict, gcs_emulator: GcsEmulator) -> None:  # noqa: F811
+def test_two_processes_write_one_checkpoint_into_the_bucket(uninterrupted: dict, gcs_emulator: GcsEmulator) -> None:
     """With MTPIPE_WORK_BUCKET both processes write the checkpoint into gs:// (the emulator) and the
     stage takes the final params from there, as a multi-host run on GKE does."""
     log0, log1 = uninterrupted["logs"]

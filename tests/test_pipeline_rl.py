@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from pipeline import export_logit_diff, ran_stages
+from pipeline import export_logit_diff, orbax_arrays, ran_stages
 
 pytestmark = pytest.mark.slow
 
@@ -35,10 +35,8 @@ def test_grpo_logged_rewards_kl_and_eval_before_and_after(pipeline_repo):
 
 def test_grpo_changed_the_warm_started_params(pipeline_repo):
     """GRPO's output differs from its starting point (the warm-up), not just from the source model."""
-    from test_train_rl_cpu import _orbax_arrays
-
-    warm = _orbax_arrays(pipeline_repo / "artifacts/rl/warmup/model_params", "", "['value']")  # SFT layout
-    grpo = _orbax_arrays(pipeline_repo / "artifacts/rl/trained/model_params", "['base']", "['value']")
+    warm = orbax_arrays(pipeline_repo / "artifacts/rl/warmup/model_params", "", "['value']")  # SFT layout
+    grpo = orbax_arrays(pipeline_repo / "artifacts/rl/trained/model_params", "['base']", "['value']")
     assert warm and set(warm) == set(grpo)
     changed = [k for k in warm if not np.array_equal(warm[k], grpo[k])]
     assert len(changed) >= len(warm) // 4, f"GRPO changed only {len(changed)} of {len(warm)} tensors"  # measured: 12 of 24

@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import restore
-from gcs_emulator import GcsEmulator, gcs_emulator  # noqa: F401 (a fixture)
+from fakes.gcs_emulator import GcsEmulator
 from pipeline import ROOT, csv_rows, dvc, env, group_alive, kill_group, md5_tree, start_held
-from test_work_bucket import bucket_env, committed, emulator_fs
+from work_bucket import bucket_env, committed, emulator_fs
 
 pytestmark = pytest.mark.resume_exact
 
@@ -40,7 +40,7 @@ def reference(repo: Path, out: str, plot: str) -> tuple[dict[str, str], list[dic
 
 @pytest.mark.slow
 def test_sigterm_saves_the_step_reached_and_the_resumed_run_is_the_uninterrupted_one(
-        pipeline_repo: Path, gcs_emulator: GcsEmulator) -> None:  # noqa: F811
+        pipeline_repo: Path, gcs_emulator: GcsEmulator) -> None:
     """SIGTERM to the whole process group (as a VM's shutdown sends it) during train_sft@sft with a
     work bucket: MaxText finishes its step, saves a checkpoint at it and writes its loss row, the
     stage flushes the mirror and everything has exited within MTPIPE_STOP_TIMEOUT_S; the bucket holds

@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pipeline import orbax_arrays
+
 REPO = Path(__file__).resolve().parent.parent
 MODEL_NAME = "llama3.1-8b-Instruct"
 
@@ -66,20 +68,6 @@ def test_maxtext_reward_functions_on_hand_written_completions(tmp_path):
 
 
 # ----------------------------------------------------------------------------- the real run
-
-
-def _orbax_arrays(path: Path, strip: str, add: str) -> dict[str, np.ndarray]:
-    """Leaves of an orbax pytree checkpoint as numpy, keyed by path with `strip` -> '' and `add` appended."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    ckptr = ocp.PyTreeCheckpointer()
-    meta = ckptr.metadata(path).item_metadata.tree
-    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
-    tree = ckptr.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
-    leaves = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
-    return {k.replace(strip, "").removesuffix(add): v for k, v in leaves.items() if k.startswith(strip)}
-
 
 REWARDS_PY = '''
 """MaxText's three GSM8K rewards plus one that always separates a group, so GRPO has a signal."""
@@ -132,8 +120,8 @@ def test_train_rl_runs_two_grpo_steps_on_cpu(tmp_path):
 
     params = tmp_path / "out" / "rl" / "checkpoints" / "actor" / "2" / "model_params"
     assert params.is_dir()
-    before = _orbax_arrays(tmp_path / "conv" / "0" / "items", "['params']['params']", "")
-    after = _orbax_arrays(params, "['base']", "['value']")
+    before = orbax_arrays(tmp_path / "conv" / "0" / "items", "['params']['params']", "")
+    after = orbax_arrays(params, "['base']", "['value']")
     assert before.keys() <= after.keys() and len(before) >= 10
     changed = [k for k in before if not np.array_equal(before[k], after[k])]
     assert all(before[k].shape == after[k].shape for k in before)

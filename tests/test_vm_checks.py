@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 from doit.doit_cmd import DoitMain
-from fake_compute import FakeCompute, Reservation, running_fake
-from gcs_emulator import GCS_TEST_ENV, GcsEmulator, gcs_emulator  # noqa: F401 (a fixture)
-from hf_server import HubServer
+from fakes.fake_compute import FakeCompute, Reservation, running_fake
+from fakes.gcs_emulator import GCS_TEST_ENV, GcsEmulator
+from fakes.hf_server import HubServer
 
 from mtpipe.cloud import gcp, vm, vm_checks
 
@@ -75,7 +75,7 @@ def _git(repo: Path, *args: str) -> None:
 
 
 @pytest.fixture
-def world(tmp_path: Path, gcs_emulator: GcsEmulator,  # noqa: F811
+def world(tmp_path: Path, gcs_emulator: GcsEmulator,
           monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
     """A committed project skeleton (params.yaml, the v6e-8 hardware preset, a DVC remote on the
     emulator) and the environment doit sees."""

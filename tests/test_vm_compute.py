@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from doit.doit_cmd import DoitMain
-from fake_compute import FakeCompute, running_fake
+from fakes.fake_compute import FakeCompute, running_fake
 
 from mtpipe.cloud import gcp, vm
 

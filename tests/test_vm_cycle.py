@@ -16,201 +16,23 @@ that is not to loopback fails instead of leaving the machine.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import json
 import os
-import secrets
-import shutil
 import signal
 import struct
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import yaml
-from doit.doit_cmd import DoitMain
-from fake_compute import FakeCompute, running_fake
-from gcs_emulator import (  # noqa: F401 (gcs_emulator is a fixture)
-    GCS_TEST_ENV,
-    GcsEmulator,
-    add_dvc_remote,
-    gcs_emulator,
-    local_remote,
-    missing_git_outputs,
-)
 from pipeline import md5_tree, ran_stages
-from sshd import LoopbackSshd
+from vm_world import ROOT, TOKEN, Env, assert_deleted, experiments, sh
 
-ROOT = Path(__file__).resolve().parents[1]
-TOKEN = "hf_" + secrets.token_hex(16)   # made at run time: the shipped sources cannot contain it
-TARGET = {"PROJECT": "proj-1", "ZONE": "us-east5-b", "RESERVATION": "v6e-res", "NAME": "mt-test"}
-
-# Run on the "VM" before the pipeline: what the pipeline's environment holds (HF_TOKEN only hashed).
-PROBE = ("import hashlib, json, os; print(json.dumps({'token_sha256': hashlib.sha256("
-         "os.environ.get('HF_TOKEN', '').encode()).hexdigest(), 'tpu': os.environ.get("
-         "'TPU_ACCELERATOR_TYPE'), 'tpu_name': os.environ.get('TPU_NAME')}))")
 SFT_DTYPE = "sft.to_huggingface.weight_dtype"
-
-
-@dataclass
-class Env:
-    """One test's world: the fake API, the fake VM, the local repo and the doit environment."""
-
-    fake: FakeCompute
-    sshd: LoopbackSshd
-    repo: Path
-    env: dict[str, str]
-    config: Path
-
-    def doit(self, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
-        """Run doit in this process (importing google-cloud-compute once saves seconds a call)."""
-        out, err, cwd = io.StringIO(), io.StringIO(), os.getcwd()
-        report = self.repo.parent / "doit-report.txt"
-        with mock.patch.dict(os.environ, self.env, clear=True), \
-                contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                rc = DoitMain().run(["-f", str(ROOT / "dodo.py"), "-d", str(self.repo),
-                                     "--output-file", str(report), *args])
-            finally:
-                os.chdir(cwd)
-        proc = subprocess.CompletedProcess(args, rc, out.getvalue() + report.read_text(),
-                                           err.getvalue())
-        assert (rc == 0) == ok, f"doit {' '.join(args)} rc={rc}:\n{proc.stdout}{proc.stderr}"
-        return proc
-
-    def configure(self, **overrides: object) -> None:
-        """Rewrite the test's vm config overlay (MTPIPE_VM_CONFIG) with deep overrides."""
-        cfg = yaml.safe_load(self.config.read_text())
-        for dotted, value in overrides.items():
-            node = cfg
-            *parents, leaf = dotted.split("__")
-            for p in parents:
-                node = node.setdefault(p, {})
-            node[leaf] = value
-        self.config.write_text(yaml.safe_dump(cfg))
-
-    def instance(self) -> dict | None:
-        return self.fake.instances.get(("proj-1", "us-east5-b", "mt-test"))
-
-
-def _sh(cmd: list[str], cwd: Path, env: dict[str, str]) -> str:
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout}{proc.stderr}"
-    return proc.stdout
-
-
-def make_repo(repo: Path, emulator: GcsEmulator, env: dict[str, str]) -> None:
-    """A DVC repo without stages, committed, whose default remote is gs:// on the emulator."""
-    repo.mkdir()
-    (repo / "conf" / "hardware").mkdir(parents=True)
-    shutil.copy(ROOT / "conf" / "hardware" / "v6e-8.yaml", repo / "conf" / "hardware")
-    shutil.copy(ROOT / "params.yaml", repo)   # the checks before spending compose it
-    _sh(["git", "init", "-q", "-b", "main"], repo, env)
-    _sh([sys.executable, "-m", "dvc", "init", "-q"], repo, env)
-    with (repo / ".dvc" / "config").open("w") as config:   # what `add_dvc_remote` writes, faster
-        config.write(f"[core]\n    remote = gcs\n    analytics = false\n['remote \"gcs\"']\n"
-                     f"    url = gs://{emulator.bucket}/{repo.parent.name}\n"
-                     f"    endpointurl = {emulator.endpoint}\n    allow_anonymous_login = true\n")
-    _sh(["git", "add", "-A"], repo, env)
-    _sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"], repo, env)
-
-
-def clone_project(pipeline_repo: Path, repo: Path, emulator: GcsEmulator, env: dict[str, str]) -> None:
-    """A clone of the pipeline's repo with a committed remote on the emulator holding its artifacts.
-
-    The artifacts are pushed from `pipeline_repo` (through a `.dvc/config.local` removed afterwards),
-    like a user who ran the pipeline and pushed before starting a VM.
-    """
-    prefix = repo.parent.name
-    _sh(["git", "clone", "-q", str(pipeline_repo), str(repo)], repo.parent, env)
-    assert not missing_git_outputs(repo), "outputs with `cache: false` must be committed to git"
-    add_dvc_remote(repo, emulator, env, prefix=prefix, local=False)
-    _sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "remote"], repo, env)
-    with local_remote(pipeline_repo, emulator, env, prefix=prefix):
-        _sh([sys.executable, "-m", "dvc", "push", "-q"], pipeline_repo, env)
-
-
-@pytest.fixture
-def local_env(tmp_path: Path) -> dict[str, str]:
-    """The laptop's environment for git/DVC: emulator settings, DVC's own dirs under tmp_path."""
-    environ = {k: v for k, v in os.environ.items()
-               if k not in ("GOOGLE_APPLICATION_CREDENTIALS", "STORAGE_EMULATOR_HOST")}
-    environ.update(GCS_TEST_ENV, DVC_GLOBAL_CONFIG_DIR=str(tmp_path / "dvc-global"),
-                   DVC_SITE_CACHE_DIR=str(tmp_path / "dvc-site"))
-    return environ
-
-
-@contextlib.contextmanager
-def loopback_world(tmp_path: Path, repo: Path, local_env: dict[str, str]) -> Iterator[Env]:
-    """The fake Compute API and the fake VM around `repo`, and doit's environment."""
-    with running_fake() as fake:
-
-        def authorized() -> list[str]:   # the VM admits exactly the keys in its ssh-keys metadata
-            return [item["value"] for inst in fake.instances.values()
-                    for item in inst.get("metadata", {}).get("items", []) if item["key"] == "ssh-keys"]
-
-        # PYTHONPATH: most repos here are stand-ins, not the project, yet `{dvc}` runs the project's
-        # mtpipe.cloud.exp_run; in the project's own repo (project_world) its checkout comes first
-        sshd = LoopbackSshd(tmp_path / "vm-home", authorized,
-                            env=dict(GCS_TEST_ENV, DVC_SITE_CACHE_DIR=str(tmp_path / "vm-dvc-site"),
-                                     PYTHONPATH=str(ROOT))).start()
-        config = tmp_path / "vm-test.yaml"
-        config.write_text(yaml.safe_dump({
-            "ssh": {"port": sshd.port, "key_file": str(tmp_path / "keys" / "id"), "ready_timeout_s": 10,
-                    "connect_timeout_s": 5},
-            # the VM keeps its XLA compile cache in work/ across runs; here it is the checkout's, warm
-            "setup": {"files": [], "commands": [f'ln -sfn {ROOT / ".venv"} "$HOME/venv"',
-                                   'mkdir -p "$HOME/mtpipe/work"',
-                                   f'ln -sfn {ROOT / "work" / "jax_cache"} "$HOME/mtpipe/work/jax_cache"',
-                                   'echo ran >> "$HOME/setup-count"']},
-            # a sampler records the argv of every process of the remote session while the pipeline runs
-            "run": {"command": 'SID=$(ps -o sid= -p $$ | tr -d " "); '
-                               '( while :; do ps -o args= -s "$SID" >> "$HOME/argv.txt"; sleep 0.2; done ) & '
-                               'trap "kill $! 2>/dev/null" EXIT; '
-                               'source "$HOME/venv/bin/activate" && '
-                               f'python -c "{PROBE}" > "$HOME/probe.json" && '
-                               'dvc pull --allow-missing && {dvc} && dvc push',
-                    "env": dict(GCS_TEST_ENV)},
-        }))
-        env = dict(local_env, **TARGET, MTPIPE_COMPUTE_ENDPOINT=fake.url, MTPIPE_VM_CONFIG=str(config),
-                   HF_TOKEN=TOKEN, HTTP_PROXY="http://127.0.0.1:9", HTTPS_PROXY="http://127.0.0.1:9",
-                   NO_PROXY="127.0.0.1,localhost")
-        try:
-            yield Env(fake, sshd, repo, env, config)
-        finally:
-            sshd.stop()
-
-
-@pytest.fixture
-def world(tmp_path: Path, gcs_emulator: GcsEmulator,  # noqa: F811
-          local_env: dict[str, str]) -> Iterator[Env]:
-    """Around a minimal DVC repo: for the failure paths, which never get to run a stage."""
-    repo = tmp_path / "repo"
-    make_repo(repo, gcs_emulator, local_env)
-    with loopback_world(tmp_path, repo, local_env) as w:
-        yield w
-
-
-@pytest.fixture
-def project_world(tmp_path: Path, gcs_emulator: GcsEmulator, local_env: dict[str, str],  # noqa: F811
-                  pipeline_repo: Path) -> Iterator[Env]:
-    """Around a clone of the real project, its artifacts on the emulator."""
-    repo = tmp_path / "repo"
-    clone_project(pipeline_repo, repo, gcs_emulator, local_env)
-    with loopback_world(tmp_path, repo, local_env) as w:
-        yield w
-
-
-def assert_deleted(w: Env) -> None:
-    assert w.instance() is None and not w.fake.firewalls
-    assert w.fake.calls("DELETE", "/instances/mt-test") and not (w.repo / ".vm_state.json").exists()
 
 
 def assert_loopback_only(w: Env, outputs: str) -> None:
@@ -234,7 +56,7 @@ def language_model_dtypes(directory: Path) -> set[str]:
 
 
 def dvc_json(w: Env, *args: str) -> dict:
-    out = _sh([sys.executable, "-m", "dvc", *args, "--json"], w.repo, w.env).strip()
+    out = sh([sys.executable, "-m", "dvc", *args, "--json"], w.repo, w.env).strip()
     return json.loads(out) if out else {}
 
 
@@ -249,22 +71,10 @@ def workspace(repo: Path) -> dict[str, str]:
              and f.relative_to(repo).parts[0] not in (".git", ".doit.db.json")
              and f.relative_to(repo).parts[:2] != (".dvc", "tmp")}
     env = dict(os.environ)
-    refs = _sh(["git", "for-each-ref", "--format=%(refname) %(objectname)"], repo, env).splitlines()
-    head = _sh(["git", "rev-parse", "HEAD"], repo, env).strip()
+    refs = sh(["git", "for-each-ref", "--format=%(refname) %(objectname)"], repo, env).splitlines()
+    head = sh(["git", "rev-parse", "HEAD"], repo, env).strip()
     return files | {"HEAD": head} | {r.split()[0]: r.split()[1] for r in refs
                                      if not r.startswith("refs/exps/")}
-
-
-def experiments(w: Env) -> dict[str, dict]:
-    """`dvc exp show --json`: experiment name -> {rev, metrics (file -> data)} for HEAD's experiments."""
-    found = {}
-    for baseline in json.loads(_sh([sys.executable, "-m", "dvc", "exp", "show", "--json"], w.repo, w.env)):
-        for exp in baseline.get("experiments") or []:
-            for rev in exp["revs"]:
-                data = rev.get("data") or {}
-                found[rev["name"]] = {"rev": rev["rev"], "metrics": {
-                    path: m["data"] for path, m in (data.get("metrics") or {}).items()}}
-    return found
 
 
 def apply_and_pull(w: Env, name: str) -> None:
@@ -278,7 +88,7 @@ def apply_and_pull(w: Env, name: str) -> None:
     applied = subprocess.run([*dvc, "exp", "apply", name], cwd=w.repo, env=w.env, capture_output=True,
                              text=True)
     assert applied.returncode == 0 or "Is your cache up to date?" in applied.stderr, applied.stderr
-    _sh([*dvc, "pull"], w.repo, w.env)
+    sh([*dvc, "pull"], w.repo, w.env)
     assert dvc_json(w, "status") == {}
 
 
@@ -337,7 +147,7 @@ def test_full_cycle(project_world: Env, pipeline_repo: Path) -> None:
 
     # Two tutorial-like runs, each a DVC experiment on the VM; the laptop's workspace stays as it is.
     vm_repo = w.sshd.home / "mtpipe"
-    head = _sh(["git", "rev-parse", "HEAD"], w.repo, w.env).strip()
+    head = sh(["git", "rev-parse", "HEAD"], w.repo, w.env).strip()
     before = workspace(w.repo)
     outputs.append(w.doit("vm_run", f"--set={SFT_DTYPE}=bfloat16", "--target=to_huggingface@sft",
                           "--exp-name=sft-bf16").stdout)
@@ -360,7 +170,7 @@ def test_full_cycle(project_world: Env, pipeline_repo: Path) -> None:
     assert workspace(w.repo) == before
     assert len(w.fake.inserts()) == 1                   # both runs used the VM vm_up made
 
-    refs = _sh(["git", "for-each-ref", "--format=%(refname)", "refs/exps/"], w.repo, w.env).split()
+    refs = sh(["git", "for-each-ref", "--format=%(refname)", "refs/exps/"], w.repo, w.env).split()
     assert sorted(refs) == [f"refs/exps/{head[:2]}/{head[2:]}/{n}" for n in ("grpo-short", "sft-bf16")]
     shown = experiments(w)
     assert shown["sft-bf16"]["metrics"]["metrics/sft/to_huggingface.json"] == sft_metrics
@@ -474,10 +284,10 @@ def test_vm_run_brings_back_an_experiment(world: Env) -> None:
     w = world
     stage = ('python -c "import json, yaml; s = yaml.safe_load(open(\'params.yaml\'))[\'steps\']; '
              'json.dump({\'steps\': s}, open(\'count.json\', \'w\')); open(\'out.txt\', \'w\').write(str(s))"')
-    _sh([sys.executable, "-m", "dvc", "stage", "add", "-q", "-n", "count", "-p", "steps",
+    sh([sys.executable, "-m", "dvc", "stage", "add", "-q", "-n", "count", "-p", "steps",
          "-M", "count.json", "-o", "out.txt", stage], w.repo, w.env)
-    _sh(["git", "add", "-A"], w.repo, w.env)
-    _sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "stage"], w.repo, w.env)
+    sh(["git", "add", "-A"], w.repo, w.env)
+    sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "stage"], w.repo, w.env)
     w.doit("vm_up")                                      # .vm_state.json: the VM, not the work
     before = workspace(w.repo)
     out = w.doit("vm_run", "--set=steps=7", "--exp-name=seven").stdout
@@ -489,7 +299,7 @@ def test_vm_run_brings_back_an_experiment(world: Env) -> None:
     # again, even though the VM still has the old ref.
     proc = w.doit("vm_run", "--set=steps=8", "--exp-name=seven", ok=False)
     assert "--exp-name: HEAD already has an experiment 'seven'" in proc.stdout
-    _sh([sys.executable, "-m", "dvc", "exp", "remove", "seven"], w.repo, w.env)
+    sh([sys.executable, "-m", "dvc", "exp", "remove", "seven"], w.repo, w.env)
     w.doit("vm_run", "--set=steps=8", "--exp-name=seven")
     assert experiments(w)["seven"]["metrics"] == {"count.json": {"steps": 8}}
     w.doit("vm_down")

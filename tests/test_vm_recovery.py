@@ -1,6 +1,6 @@
 """Spot VMs with recovery: vm_run replaces a VM that is lost during the run.
 
-The loopback world of test_vm_cycle.py (fake Compute API, SSH server as the VM, GCS emulator as the
+The loopback world of tests/vm_world.py (fake Compute API, SSH server as the VM, GCS emulator as the
 DVC remote) around a one-stage DVC repo. The run command is a cheap stand-in for a training that
 resumes from a bucket: it counts steps 1..STEPS, keeping the last finished step in a directory named
 by MTPIPE_WORK_BUCKET (passed with `run.env`, as a real run would pass its bucket), then runs the
@@ -24,18 +24,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 import yaml
-from gcs_emulator import GcsEmulator, gcs_emulator  # noqa: F401 (a fixture)
+from fakes.gcs_emulator import GcsEmulator
 from pipeline import md5_tree
-from test_vm_cycle import (  # noqa: F401 (local_env and project_world are fixtures)
-    Env,
-    _sh,
-    assert_deleted,
-    experiments,
-    local_env,
-    loopback_world,
-    make_repo,
-    project_world,
-)
+from vm_world import Env, assert_deleted, experiments, loopback_world, make_repo, sh
 
 from mtpipe.pipeline.stage import STAMP
 
@@ -58,18 +49,18 @@ RESUMABLE = (
 
 
 @pytest.fixture
-def spot(tmp_path: Path, gcs_emulator: GcsEmulator,  # noqa: F811
-         local_env: dict[str, str]) -> Iterator[Env]:  # noqa: F811
+def spot(tmp_path: Path, gcs_emulator: GcsEmulator,
+         local_env: dict[str, str]) -> Iterator[Env]:
     """A one-stage repo (`count` writes params.yaml's steps to count.json) on a Spot VM, admitted
     over SSH only while its instance is RUNNING, with the stand-in training as run.command."""
     repo = tmp_path / "repo"
     make_repo(repo, gcs_emulator, local_env)
     stage = ('python -c "import json, yaml; s = yaml.safe_load(open(\'params.yaml\'))[\'steps\']; '
              'json.dump({\'steps\': s}, open(\'count.json\', \'w\'))"')
-    _sh([sys.executable, "-m", "dvc", "stage", "add", "-q", "-n", "count", "-p", "steps",
+    sh([sys.executable, "-m", "dvc", "stage", "add", "-q", "-n", "count", "-p", "steps",
          "-M", "count.json", stage], repo, local_env)
-    _sh(["git", "add", "-A"], repo, local_env)
-    _sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "stage"], repo, local_env)
+    sh(["git", "add", "-A"], repo, local_env)
+    sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "stage"], repo, local_env)
     with loopback_world(tmp_path, repo, local_env) as w:
         bucket(w).mkdir()
         admitted = w.sshd.authorized
@@ -257,7 +248,7 @@ def remote_manifest(fs: gcsfs.GCSFileSystem, remote: str, dir_md5: str) -> dict[
 
 @pytest.mark.slow
 @pytest.mark.resume_exact
-def test_real_training_on_spot_survives_two_preemptions(project_world: Env, gcs_emulator: GcsEmulator,  # noqa: F811
+def test_real_training_on_spot_survives_two_preemptions(project_world: Env, gcs_emulator: GcsEmulator,
                                                        pipeline_repo: Path) -> None:
     """The embedded SFT branch (real MaxText) up to its export on a loopback Spot VM, the training's
     run directory in the work bucket (the emulator). MaxText holds after step 50
@@ -269,9 +260,9 @@ def test_real_training_on_spot_survives_two_preemptions(project_world: Env, gcs_
     metrics are the uninterrupted run's (the pipeline's: checkpoints every 25 steps instead of 50
     make train_sft rerun and change only the stamps' digests, and the metrics record the resume);
     no VM or firewall rule is left."""
-    # imported here: with test_work_bucket (gcsfs) imported at collection, the remote probes of the
+    # imported here: with work_bucket (gcsfs) imported at collection, the remote probes of the
     # other tests in this file time out when the file runs alone
-    from test_work_bucket import bucket_env, checkpoint_to_resume, committed, emulator_fs
+    from work_bucket import bucket_env, checkpoint_to_resume, committed, emulator_fs
 
     w, hold = project_world, 50
     fs, runs = emulator_fs(gcs_emulator), f"{gcs_emulator.bucket}/spot-work/train_sft"
@@ -332,7 +323,7 @@ def test_real_training_on_spot_survives_two_preemptions(project_world: Env, gcs_
     rev = experiments(w)["spot"]["rev"]
     metrics = experiments(w)["spot"]["metrics"]["metrics/sft/train_sft.json"]
     assert metrics["resumed_from_step"] == hold
-    lock, head = (yaml.safe_load(_sh(["git", "show", f"{r}:dvc.lock"], w.repo, w.env)) for r in (rev, "HEAD"))
+    lock, head = (yaml.safe_load(sh(["git", "show", f"{r}:dvc.lock"], w.repo, w.env)) for r in (rev, "HEAD"))
     for stage, directory in (("train_sft@sft", "artifacts/sft/trained"), ("to_huggingface@sft", "artifacts/sft/hf")):
         # every file but the stamp, whose digest covers the config (checkpoint_period: 25, not 50)
         out = next(o for o in lock["stages"][stage]["outs"] if o["path"] == directory)
@@ -341,7 +332,7 @@ def test_real_training_on_spot_survives_two_preemptions(project_world: Env, gcs_
         assert files.pop(STAMP) != reference.pop(STAMP) and files == reference, f"{stage}: {directory} differs"
     reference = json.loads((pipeline_repo / "metrics" / "sft" / "train_sft.json").read_text())
     assert metrics == reference | {"resumed_from_step": hold}, "the metrics differ from the uninterrupted run's"
-    curve, reference = (_sh(["git", "show", f"{r}:plots/sft/train_sft.csv"], w.repo, w.env) for r in (rev, "HEAD"))
+    curve, reference = (sh(["git", "show", f"{r}:plots/sft/train_sft.csv"], w.repo, w.env) for r in (rev, "HEAD"))
     assert curve == reference, "the loss curve differs from the uninterrupted run's"
     assert "the loss curve has no rows" not in out
     fs.invalidate_cache()

@@ -18,16 +18,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from gcs_emulator import GcsEmulator, add_dvc_remote, gcs_emulator  # noqa: F401 (a fixture)
+from fakes.gcs_emulator import GcsEmulator, add_dvc_remote
 from omegaconf import OmegaConf
 from pipeline import copy_project
-from test_vm_cycle import (  # noqa: F401 (local_env is a fixture)
-    _sh,
-    assert_deleted,
-    experiments,
-    local_env,
-    loopback_world,
-)
+from vm_world import assert_deleted, experiments, loopback_world, sh
 
 from mtpipe.cloud import vm
 from mtpipe.errors import ConfigError
@@ -59,14 +53,14 @@ def test_each_experiment_starts_from_the_shipped_commit() -> None:
 
 
 @pytest.mark.slow
-def test_sweep_on_one_vm(tmp_path: Path, gcs_emulator: GcsEmulator,  # noqa: F811
-                         local_env: dict[str, str]) -> None:  # noqa: F811
+def test_sweep_on_one_vm(tmp_path: Path, gcs_emulator: GcsEmulator,
+                         local_env: dict[str, str]) -> None:
     """Three `steps` values of the embedded SFT branch: one VM, one conversion, three trainings,
     three experiments in `dvc exp show`, nothing left after --down. (With the export too, as
     measured for docs/tpu-vm.md: add to_huggingface@sft as the target.)"""
     repo = copy_project(tmp_path / "repo")
     add_dvc_remote(repo, gcs_emulator, local_env, prefix=tmp_path.name, local=False)
-    _sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "remote"], repo, local_env)
+    sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "remote"], repo, local_env)
     with loopback_world(tmp_path, repo, local_env) as w:
         w.configure(run__command='source "$HOME/venv/bin/activate" && '
                                  'dvc pull --allow-missing && {dvc} && dvc push')

@@ -1,7 +1,7 @@
 """Training state in a work bucket (mtpipe/maxtext/run_dir.py): a killed training stage resumes on
 another machine from the bucket's latest complete checkpoint.
 
-The patched GCS emulator (tests/gcs_emulator.py) is the bucket for every client a stage has:
+The patched GCS emulator (tests/fakes/gcs_emulator.py) is the bucket for every client a stage has:
 gcsfs and google-cloud-storage read STORAGE_EMULATOR_HOST, tensorstore (Orbax's storage)
 TENSORSTORE_GCS_HTTP_URL with GOOGLE_AUTH_TOKEN_FOR_TESTING. A fresh `git clone` of the session's
 pipeline repo is the new machine.
@@ -18,28 +18,18 @@ import sys
 import time
 from pathlib import Path
 
-import gcsfs
 import pytest
 import yaml
 from omegaconf import OmegaConf
-from gcs_emulator import GcsEmulator, gcs_emulator  # noqa: F401 (gcs_emulator is a fixture)
 
 from conftest import restore
 from mtpipe.pipeline import config
 from mtpipe.maxtext import run_dir as rd
 from mtpipe.errors import ConfigError
 from pipeline import ROOT, csv_rows, dvc, env, git, kill_group, md5_tree, start_held
+from work_bucket import PERIOD, bucket_env, checkpoint_to_resume, committed, emulator_fs
 
 pytestmark = pytest.mark.preemption
-
-def bucket_env(emulator: GcsEmulator, prefix: str = "work") -> dict[str, str]:
-    """A stage's environment for a work bucket on the emulator."""
-    return {rd.WORK_BUCKET_ENV: f"gs://{emulator.bucket}/{prefix}", "STORAGE_EMULATOR_HOST": emulator.endpoint,
-            "TENSORSTORE_GCS_HTTP_URL": emulator.endpoint, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "anon"}
-
-
-def emulator_fs(emulator: GcsEmulator) -> gcsfs.GCSFileSystem:
-    return gcsfs.GCSFileSystem(endpoint_url=emulator.endpoint, token="anon", skip_instance_cache=True)
 
 
 # ------------------------------------------- what a preemption loses on the TPU presets
@@ -152,32 +142,8 @@ def test_a_bad_work_bucket_stops_the_stage_before_maxtext(pipeline_repo):
 
 # ------------------------------------------------------------- killed here, resumed elsewhere
 
-PERIOD = 50  # the embedded preset's checkpoint_period: the pipeline's own run is the uninterrupted reference
-
-
 def completed_steps(log: str) -> list[int]:
     return [int(n) for n in re.findall(r"completed step: (\d+),", log)]
-
-
-def committed(fs: gcsfs.GCSFileSystem, runs: str) -> dict[int, str]:
-    """step -> run directory, for each complete checkpoint under ``runs``."""
-    fs.invalidate_cache()
-    markers = fs.glob(f"{runs}/*/checkpoints/*/{rd.COMMIT_MARKER}")
-    return {int(m.split("/")[-2]): m.split("/checkpoints/")[0] for m in markers if m.split("/")[-2].isdigit()}
-
-
-def checkpoint_to_resume(fs: gcsfs.GCSFileSystem, runs: str, at_least: int = PERIOD) -> str | None:
-    """The run directory once it holds a complete checkpoint of step >= ``at_least`` and the mirrored
-    metrics file has reached that step. Earlier, the bucket may lack the loss row of the checkpoint's
-    step, which a resume from it never logs again."""
-    steps = committed(fs, runs)
-    step = max((s for s in steps if s >= at_least), default=None)
-    metrics = f"{steps[step]}/metrics.jsonl" if step is not None else None
-    if metrics and fs.exists(metrics):
-        logged = [json.loads(line)["step"] for line in fs.cat(metrics).splitlines() if line.strip()]
-        if logged and max(logged) >= step:
-            return steps[step]
-    return None
 
 
 def wait_for(condition, what: str, timeout: float = 120.0):

@@ -5,7 +5,7 @@
   MaxText module and arguments inside `--command` are the stage's own command (what the local
   runner would run for the same config) except the documented mapping of local paths and, for
   Pathways, MaxText's Pathways flags.
-* The lifecycle against tests/fake_xpk.py (a stand-in `xpk` and `docker` on PATH) and the GCS
+* The lifecycle against tests/fakes/fake_xpk.py (a stand-in `xpk` and `docker` on PATH) and the GCS
   emulator as the work bucket: completed, failed, restarted, out of restarts, a leftover workload
   of the same name; errors that stop the stage before any xpk or docker call; a canary HF_TOKEN
   that must appear in no xpk command line, environment, log or console line.
@@ -27,7 +27,7 @@ import gcsfs
 import pytest
 from omegaconf import OmegaConf
 
-from gcs_emulator import GCS_TEST_ENV, gcs_emulator  # noqa: F401 (gcs_emulator is a fixture)
+from fakes.gcs_emulator import GCS_TEST_ENV
 from mtpipe.cloud import image, xpk
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import commands
@@ -35,7 +35,7 @@ from mtpipe.pipeline import config, schema
 
 pytestmark = pytest.mark.multihost
 
-FAKE = Path(__file__).with_name("fake_xpk.py")
+FAKE = Path(__file__).parent / "fakes" / "fake_xpk.py"
 BUCKET = "gs://bkt/work"
 SFT_RUN, RL_RUN = "train_sft-sft-0123456789ab", "train_rl-0123456789ab"
 FILLED = {"cluster": "mtpipe-c", "project": "my-project", "zone": "us-east5-b",
@@ -215,7 +215,7 @@ def test_backend_xpk_needs_its_section_and_one_process_per_host():
 # ---- the lifecycle against the fake xpk ----------------------------------------------------------
 
 class Fake:
-    """tests/fake_xpk.py as `xpk` and `docker` on PATH, and its records."""
+    """tests/fakes/fake_xpk.py as `xpk` and `docker` on PATH, and its records."""
 
     def __init__(self, root: Path) -> None:
         self.dir, bin_dir = root / "fake", root / "bin"
@@ -251,7 +251,7 @@ def fake(tmp_path, monkeypatch) -> Fake:
 
 
 @pytest.fixture
-def bucket(gcs_emulator, monkeypatch, request) -> str:  # noqa: F811 (the fixture above)
+def bucket(gcs_emulator, monkeypatch, request) -> str:
     """A fresh prefix of the emulator's bucket as MTPIPE_WORK_BUCKET."""
     for key, value in GCS_TEST_ENV.items():
         monkeypatch.setenv(key, value)

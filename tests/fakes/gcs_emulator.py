@@ -1,10 +1,10 @@
 """A real GCS endpoint on 127.0.0.1 for tests: `gcp-storage-emulator`, patched (a bug, headers, speed).
 
-Run as a module (`python tests/gcs_emulator.py --data-dir D --bucket B`) it is the launcher: it
-patches the emulator, binds 127.0.0.1 on a free port and prints ``PORT <n>``. Imported, it gives
-`running_emulator()` (a context manager starting that launcher), the `gcs_emulator` pytest fixture,
-`dvc_env()`, `add_dvc_remote()`, `local_remote()`, and `pipeline_stages()` /
-`missing_git_outputs()` (what a clone of a pipeline's repo needs).
+Run as a script (`python tests/fakes/gcs_emulator.py --data-dir D --bucket B`) it is the launcher:
+it patches the emulator, binds 127.0.0.1 on a free port and prints ``PORT <n>``. Imported, it gives
+`running_emulator()` (a context manager starting that launcher; the `gcs_emulator` pytest fixture
+of tests/conftest.py uses it), `dvc_env()`, `add_dvc_remote()`, `local_remote()`, and
+`pipeline_stages()` / `missing_git_outputs()` (what a clone of a pipeline's repo needs).
 
 The bug: the emulator parses a `multipart/related` upload with `email.parser`, which strips the
 line break before each boundary as "CRLF or LF". gcsfs (uploads under 5 MiB) separates parts with a
@@ -41,8 +41,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-
-import pytest
 
 # gcsfs otherwise tries a gRPC bucket lookup the emulator cannot answer (about 60 s per call), and
 # google-auth probes the GCE metadata address. DVC must not send usage analytics anywhere.
@@ -342,13 +340,6 @@ def missing_git_outputs(clone: Path) -> list[str]:
     """
     return sorted(path for outs in pipeline_stages(clone).values() for path, cached in outs.items()
                   if not cached and not (clone / path).exists())
-
-
-@pytest.fixture(scope="module")
-def gcs_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GcsEmulator]:
-    """One patched emulator per test module, storing objects under a temporary directory."""
-    with running_emulator(tmp_path_factory.mktemp("gcs-data")) as emulator:
-        yield emulator
 
 
 def _serve(data_dir: str, bucket: str) -> None:
