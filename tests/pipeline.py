@@ -98,7 +98,7 @@ def export_logit_diff(repo: Path, branch: str, maxtext_name: str, tiny: str, n_t
     forward of the trained params it was exported from (docs/logit-check.md)."""
     import maxtext_forward
     import numpy as np
-    import numpy_forward
+    from mtpipe.evaluation import numpy_forward
 
     from mtpipe.data import embedded
 

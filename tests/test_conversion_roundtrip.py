@@ -18,7 +18,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import maxtext_forward
-import numpy_forward
+from mtpipe.evaluation import numpy_forward
 from mtpipe.data import embedded
 
 from mtpipe.maxtext import maxtext_adapter

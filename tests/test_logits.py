@@ -1,4 +1,4 @@
-"""Logit checks: the independent numpy forward (tests/numpy_forward.py) against itself and MaxText.
+"""Logit checks: the independent numpy forward (mtpipe/evaluation/numpy_forward.py) against itself and MaxText.
 
 Fast tests check properties of the numpy forward that do not need MaxText (causality, GQA grouping,
 the sliding-window receptive field). The slow tests take each tiny twin from mtpipe.data.embedded through
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-import numpy_forward
+from mtpipe.evaluation import numpy_forward
 from mtpipe.data import embedded
 
 SEQ_LEN = 100  # > the tiny Gemma 3's sliding window (64), so local layers really are local

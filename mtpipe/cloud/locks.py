@@ -55,7 +55,7 @@ PLATFORM = "x86_64-manylinux_2_35"   # the VM image: Ubuntu 22.04 (glibc 2.35), 
 PYTHON = "3.12"
 MAXTEXT_EXTRA = "tpu-post-train"     # the VM's (the tutorials')
 LAPTOP_MAXTEXT_EXTRA = "tpu"         # the laptop takes this extra's package names at the VM's versions
-VM_PACKAGES = ("dvc", "dvc-gs", "doit", "omegaconf")  # from pyproject.toml, besides MaxText
+VM_PACKAGES = ("dvc", "dvc-gs", "doit", "omegaconf", "lm-eval")  # from pyproject.toml, besides MaxText
 UV_TOOL_DIR = ROOT / "work" / f"uv-{UV_VERSION}"
 
 

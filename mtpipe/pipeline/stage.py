@@ -87,9 +87,11 @@ def write_stamp(out: Path, stage: str, digest_hex: str, **extra: Any) -> None:
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write a metrics file (created with its directory)."""
+    """Write a metrics file (created with its directory) atomically: no half-written file is left."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    tmp = path.with_suffix(path.suffix + ".partial")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
 
 
 class Timer:

@@ -7,6 +7,11 @@ transformers, and `*.safetensors` with the numpy backend. The math re-implements
 and llama:<class>) in float64, so it serves as the ground truth an exported directory is checked against.
 
     logits(hf_dir, token_ids) -> np.ndarray of shape (len(token_ids), vocab_size)
+    Model(hf_dir).generate(prompt_ids, max_new_tokens, stop_ids)  # greedy, with a KV cache
+
+The tests use it as the ground truth; the evaluate stage serves exported models with it on the CPU
+(mtpipe/evaluation/server.py). The KV cache changes no number: a cached step computes exactly what the
+full forward computes for that position (tests/test_eval_cpu.py compares them).
 
 `match_maxtext=True` adds the one deliberate rounding MaxText applies and transformers does not (see
 `_output_table`), so MaxText's float32 forward can be compared with a tight tolerance.
@@ -38,6 +43,7 @@ class Weights:
     """Lazy float64 view of every tensor in a directory's `*.safetensors` files (one layer at a time)."""
 
     def __init__(self, hf_dir: Path) -> None:
+        self._loaded: dict[str, np.ndarray] = {}
         files = sorted(hf_dir.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors in {hf_dir}: export the model weights first")
@@ -60,7 +66,9 @@ class Weights:
             return h.get_tensor(name)
 
     def __getitem__(self, name: str) -> np.ndarray:
-        return self.raw(name).astype(np.float64)
+        if name not in self._loaded:  # tiny models only: the float64 copy stays in memory
+            self._loaded[name] = self.raw(name).astype(np.float64)
+        return self._loaded[name]
 
 
 # ----------------------------------------------------------------------------- building blocks
@@ -111,9 +119,9 @@ def inv_freq(rope: dict[str, Any], head_dim: int) -> np.ndarray:
     raise ValueError(f"rope_type {kind!r} (config key rope_parameters) is not implemented here")
 
 
-def apply_rope(x: np.ndarray, freq: np.ndarray) -> np.ndarray:
-    """apply_rotary_pos_emb with rotate_half on x of shape (heads, seq, head_dim), positions 0..seq-1."""
-    angles = np.arange(x.shape[1], dtype=np.float64)[:, None] * freq[None, :]
+def apply_rope(x: np.ndarray, freq: np.ndarray, start: int = 0) -> np.ndarray:
+    """apply_rotary_pos_emb with rotate_half on x of shape (heads, seq, head_dim), positions start.. ."""
+    angles = np.arange(start, start + x.shape[1], dtype=np.float64)[:, None] * freq[None, :]
     cos = np.concatenate([np.cos(angles)] * 2, axis=-1)
     sin = np.concatenate([np.sin(angles)] * 2, axis=-1)
     half = x.shape[-1] // 2
@@ -131,16 +139,17 @@ def attention(
 ) -> np.ndarray:
     """eager_attention_forward with a causal (optionally sliding-window) mask; GQA without copying kv.
 
-    q: (heads, seq, d); k, v: (kv_heads, seq, d). Query head h reads kv head h // (heads // kv_heads),
-    which is what repeat_kv's expand+reshape produces. Returns (seq, heads * d).
+    q: (heads, seq, d), the last ``seq`` positions of k, v: (kv_heads, seq_kv, d) (a KV cache holds
+    the earlier ones). Query head h reads kv head h // (heads // kv_heads), which is what repeat_kv's
+    expand+reshape produces. Returns (seq, heads * d).
     """
     heads, seq, d = q.shape
-    kv_heads = k.shape[0]
+    kv_heads, seq_kv = k.shape[0], k.shape[1]
     groups = q.reshape(kv_heads, heads // kv_heads, seq, d)
     scores = np.einsum("gnqd,gkd->gnqk", groups, k) * scaling
     if softcap is not None:
         scores = np.tanh(scores / softcap) * softcap
-    qi, ki = np.arange(seq)[:, None], np.arange(seq)[None, :]
+    qi, ki = np.arange(seq_kv - seq, seq_kv)[:, None], np.arange(seq_kv)[None, :]
     allowed = ki <= qi
     if sliding_window is not None:  # masking_utils.sliding_window_overlay: kv_idx > q_idx - sliding_window
         allowed &= ki > qi - sliding_window
@@ -194,7 +203,19 @@ def _model_dtype(cfg: Any, stored: np.ndarray) -> str:
 # ----------------------------------------------------------------------------- models
 
 
-def _gemma3(cfg: Any, w: Weights, ids: np.ndarray, match_maxtext: bool) -> np.ndarray:
+def _cached(cache: list | None, i: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Layer ``i``'s keys and values so far, with ``k``, ``v`` appended (no cache: just ``k``, ``v``)."""
+    if cache is None:
+        return k, v
+    if len(cache) <= i:
+        cache.append((k, v))
+    else:
+        cache[i] = (np.concatenate([cache[i][0], k], axis=1), np.concatenate([cache[i][1], v], axis=1))
+    return cache[i]
+
+
+def _gemma3(cfg: Any, w: Weights, ids: np.ndarray, match_maxtext: bool, cache: list | None = None,
+            start: int = 0) -> np.ndarray:
     text = cfg.text_config if cfg.model_type == "gemma3" else cfg
     if text.use_bidirectional_attention:
         raise ValueError("text_config.use_bidirectional_attention=true is not implemented here")
@@ -218,7 +239,8 @@ def _gemma3(cfg: Any, w: Weights, ids: np.ndarray, match_maxtext: bool) -> np.nd
         q = gemma_rmsnorm(_heads(_linear(x, w, f"{p}self_attn.q_proj"), d), w[f"{p}self_attn.q_norm.weight"], eps)
         k = gemma_rmsnorm(_heads(_linear(x, w, f"{p}self_attn.k_proj"), d), w[f"{p}self_attn.k_norm.weight"], eps)
         v = _heads(_linear(x, w, f"{p}self_attn.v_proj"), d)
-        q, k = apply_rope(q, freqs[layer_type]), apply_rope(k, freqs[layer_type])
+        q, k = apply_rope(q, freqs[layer_type], start), apply_rope(k, freqs[layer_type], start)
+        k, v = _cached(cache, i, k, v)
         window = text.sliding_window if layer_type == "sliding_attention" else None
         a = attention(q, k, v, text.query_pre_attn_scalar**-0.5, window, text.attn_logit_softcapping)
         # gemma3:Gemma3DecoderLayer: sandwich norms around attention and MLP
@@ -252,7 +274,7 @@ def _output_table(embed: np.ndarray, scale: float, hidden: int) -> np.ndarray:
     return _round(embed * scale, "bfloat16") / math.sqrt(hidden)
 
 
-def _llama(cfg: Any, w: Weights, ids: np.ndarray) -> np.ndarray:
+def _llama(cfg: Any, w: Weights, ids: np.ndarray, cache: list | None = None, start: int = 0) -> np.ndarray:
     eps = cfg.rms_norm_eps
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads  # llama:LlamaAttention
     freq = inv_freq(cfg.rope_parameters, d)  # llama:LlamaRotaryEmbedding (attention_scaling is 1 for llama3)
@@ -261,9 +283,9 @@ def _llama(cfg: Any, w: Weights, ids: np.ndarray) -> np.ndarray:
         p = f"model.layers.{i}."
         # llama:LlamaDecoderLayer: pre-norm attention and MLP with residuals
         x = llama_rmsnorm(h, w[f"{p}input_layernorm.weight"], eps)
-        q = apply_rope(_heads(_linear(x, w, f"{p}self_attn.q_proj"), d), freq)
-        k = apply_rope(_heads(_linear(x, w, f"{p}self_attn.k_proj"), d), freq)
-        v = _heads(_linear(x, w, f"{p}self_attn.v_proj"), d)
+        q = apply_rope(_heads(_linear(x, w, f"{p}self_attn.q_proj"), d), freq, start)
+        k = apply_rope(_heads(_linear(x, w, f"{p}self_attn.k_proj"), d), freq, start)
+        k, v = _cached(cache, i, k, _heads(_linear(x, w, f"{p}self_attn.v_proj"), d))
         h = h + _linear(attention(q, k, v, d**-0.5), w, f"{p}self_attn.o_proj")
         h = h + _mlp(llama_rmsnorm(h, w[f"{p}post_attention_layernorm.weight"], eps), w, f"{p}mlp.", cfg.hidden_act)
     h = llama_rmsnorm(h, w["model.norm.weight"], eps)
@@ -271,19 +293,47 @@ def _llama(cfg: Any, w: Weights, ids: np.ndarray) -> np.ndarray:
     return h @ w["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"].T
 
 
+class Model:
+    """A Gemma 3 or Llama 3.1 Hugging Face directory, loaded once: logits and greedy generation."""
+
+    def __init__(self, hf_dir: str | Path, *, match_maxtext: bool = False) -> None:
+        hf_dir = Path(hf_dir)
+        self.model_type = json.loads((hf_dir / "config.json").read_text()).get("model_type")
+        if self.model_type not in ("gemma3", "gemma3_text", "llama"):
+            raise ValueError(f"{hf_dir}/config.json model_type={self.model_type!r}: only gemma3, gemma3_text and "
+                             "llama are supported")
+        self.cfg, self.weights, self.match_maxtext = _config(hf_dir), Weights(hf_dir), match_maxtext
+
+    def forward(self, ids: np.ndarray, cache: list | None = None, start: int = 0) -> np.ndarray:
+        """Logits of positions start.. for ``ids``; ``cache`` (a list, filled here) holds earlier positions."""
+        if self.model_type == "llama":
+            return _llama(self.cfg, self.weights, ids, cache, start)
+        return _gemma3(self.cfg, self.weights, ids, self.match_maxtext, cache, start)
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """float64 logits, shape (len(token_ids), vocab), for one sequence."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError("token_ids must be a non-empty 1-D sequence of ints")
+        return self.forward(ids)
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[int]:
+        """Greedy continuation of ``prompt_ids`` (at most ``max_new_tokens``, ending at a stop id)."""
+        cache: list = []
+        out: list[int] = []
+        last = self.forward(np.asarray(prompt_ids, dtype=np.int64), cache)[-1]
+        for step in range(max_new_tokens):
+            token = int(np.argmax(last))
+            out.append(token)
+            if token in stop_ids:
+                break
+            last = self.forward(np.asarray([token]), cache, start=len(prompt_ids) + step)[-1]
+        return out
+
+
 def logits(hf_dir: str | Path, token_ids: Sequence[int], *, match_maxtext: bool = False) -> np.ndarray:
     """float64 logits, shape (len(token_ids), vocab), of the HF model in `hf_dir` for one sequence.
 
     match_maxtext: for a tied Gemma 3, use the output table as MaxText rounds it (`_output_table`).
     """
-    hf_dir = Path(hf_dir)
-    model_type = json.loads((hf_dir / "config.json").read_text()).get("model_type")
-    ids = np.asarray(token_ids, dtype=np.int64)
-    if ids.ndim != 1 or ids.size == 0:
-        raise ValueError("token_ids must be a non-empty 1-D sequence of ints")
-    if model_type not in ("gemma3", "gemma3_text", "llama"):
-        raise ValueError(f"{hf_dir}/config.json model_type={model_type!r}: only gemma3, gemma3_text and llama are supported")
-    cfg, w = _config(hf_dir), Weights(hf_dir)
-    if model_type == "llama":
-        return _llama(cfg, w, ids)
-    return _gemma3(cfg, w, ids, match_maxtext)
+    return Model(hf_dir, match_maxtext=match_maxtext).logits(token_ids)

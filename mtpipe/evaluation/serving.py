@@ -1,0 +1,80 @@
+"""The model server an evaluation talks to: its command line, and the process while it serves.
+
+One path on both machines: the evaluate stage starts an OpenAI-compatible completions server for the
+model directory, waits for ``GET /health``, scores the model through it (lm-eval for GSM8K, echoed
+log-probabilities for the held-out loss) and stops it. Only the server differs:
+
+* ``cpu``: ``python -m mtpipe.evaluation.server`` (the numpy forward of the export; the laptop, CI);
+* ``vllm``: vLLM's OpenAI server (``vllm.entrypoints.openai.api_server``), the one the TPU VM installs
+  with MaxText's post-training extras, over the same Hugging Face directory.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+SERVED_NAME = "mtpipe"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(backend: str, model_dir: Path, port: int, evaluate: Any) -> list[str]:
+    """The server process for ``backend`` (cpu or vllm), serving ``model_dir`` on 127.0.0.1:``port``."""
+    if backend == "cpu":
+        return [sys.executable, "-m", "mtpipe.evaluation.server", str(model_dir), "--port", str(port)]
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
+            "--tensor-parallel-size", str(evaluate.tensor_parallel_size), "--max-model-len", str(evaluate.max_length), "--seed", "0"]
+
+
+@contextmanager
+def serving(command: list[str], port: int, log: Path, timeout_s: float) -> Iterator[str]:
+    """Run ``command`` until the block ends; yields the completions URL once ``/health`` answers 200.
+
+    Fails, naming the log, when the server exits or is not up within ``timeout_s``. The server gets no
+    Hub token: the model is a local directory."""
+    env = {k: v for k, v in os.environ.items() if k != "HF_TOKEN"}
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not _healthy(port):
+            if proc.poll() is not None:
+                raise RuntimeError(f"the model server exited with {proc.returncode} before serving: see {log}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the model server did not answer /health within {timeout_s:.0f} s: see {log}")
+            time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}/v1/completions"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False

@@ -1,0 +1,26 @@
+"""Stage evaluate_base@<branch>: the untrained base model's score, once, cached like any stage.
+
+Serves the downloaded model (artifacts/<branch>/model/files) and scores it as evaluate@<branch>
+scores the trained one (mtpipe.evaluation.scoring): GSM8K through lm-eval for rl, held-out loss for
+sft. Writes metrics/<branch>/evaluate_base.json; reruns only when the base model, the test data or
+the evaluation settings change, not when training does.
+Run: dvc repro evaluate_base@rl   (or: python -m stages.evaluate_base rl)
+"""
+
+import sys
+
+from mtpipe.evaluation.scoring import score
+from mtpipe.pipeline.config import load_stage
+from mtpipe.pipeline.stage import ROOT, WORK, Timer, artifact, log_path, run_stage, write_json
+
+
+def main(branch: str) -> None:
+    cfg, timer = load_stage(branch, "evaluate_base"), Timer()
+    base = score(cfg, artifact(branch, "model") / "files", artifact(branch, "dataset"),
+                 WORK / "evaluate" / f"{branch}-base", log_path(branch, "evaluate_base"))
+    write_json(ROOT / "metrics" / branch / "evaluate_base.json", {"base": base})
+    timer.record(branch, "evaluate_base")
+
+
+if __name__ == "__main__":
+    run_stage(main, sys.argv[1])

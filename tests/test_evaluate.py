@@ -1,0 +1,147 @@
+"""The evaluate stages' parts on the CPU: the model server (as lm-eval and vLLM clients see it), GSM8K
+through the real lm-eval on the pinned local files, held-out loss, the intervals, and the TPU commands.
+
+The tiny twins come from mtpipe.data.embedded (random weights), so scores here are about mechanics:
+the same numbers through every path, not what a trained model reaches (the pipeline tests score the
+trained exports)."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from mtpipe.data import embedded
+from mtpipe.evaluation import gsm8k, heldout, numpy_forward, serving
+
+pytestmark = pytest.mark.evaluate_publish
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict[str, Path]:
+    """The tiny Llama and Gemma twins and the embedded GSM8K and UltraChat files."""
+    root = tmp_path_factory.mktemp("evaluate")
+    embedded.write_llama31_tiny(root / "llama")
+    embedded.write_gemma3_tiny(root / "gemma")
+    embedded.write_gsm8k_tiny(root / "gsm8k", n_train=10, n_test=12)
+    embedded.write_ultrachat_tiny(root / "ultrachat", n_train=10, n_test=12)
+    return {"llama": root / "llama", "gemma": root / "gemma", "gsm8k": root / "gsm8k", "ultrachat": root / "ultrachat"}
+
+
+@pytest.fixture(scope="module")
+def llama_server(data):
+    port = serving.free_port()
+    command = serving.server_command("cpu", data["llama"], port, None)
+    with serving.serving(command, port, data["llama"].parent / "server.log", timeout_s=120) as url:
+        yield url
+
+
+def post(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            return resp.status, json.load(resp)
+    except urllib.error.HTTPError as err:
+        return err.code, json.load(err)
+
+
+def test_cached_decoding_is_greedy_decoding_of_the_full_forward(data):
+    """The KV cache: each generated token is the argmax of the full forward over everything before it."""
+    model = numpy_forward.Model(data["gemma"])  # sliding-window layers: the cache must respect the window
+    prompt = list(np.random.default_rng(0).integers(3, embedded.TINY_VOCAB, 70))
+    generated = model.generate(prompt, 8)
+    for i, token in enumerate(generated):
+        assert token == int(np.argmax(numpy_forward.logits(data["gemma"], prompt + generated[:i])[-1])), i
+
+
+def test_the_server_answers_like_an_openai_completions_endpoint(data, llama_server):
+    ids = [5, 9, 17, 33]
+    status, body = post(llama_server, {"model": "m", "prompt": [ids, ids], "max_tokens": 5, "temperature": 0})
+    assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1]
+    assert body["choices"][0]["text"] == body["choices"][1]["text"]
+    assert body["choices"][0]["finish_reason"] in ("stop", "length")
+    # echo + logprobs: each prompt token's log-probability, the numpy forward's
+    status, body = post(llama_server, {"prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 0})
+    got = body["choices"][0]["logprobs"]["token_logprobs"]
+    logits = numpy_forward.logits(data["llama"], ids)
+    expected = [float(logits[i, ids[i + 1]] - np.log(np.exp(logits[i]).sum())) for i in range(len(ids) - 1)]
+    assert got[0] is None and np.allclose(got[1:], expected, atol=1e-9)
+
+
+@pytest.mark.parametrize("body", [{"prompt": [1, 2], "temperature": 0.7}, {"prompt": [1, 2], "n": 3},
+                                  {"prompt": [1, 2], "echo": True, "max_tokens": 5}])
+def test_what_the_server_does_not_do_is_refused(llama_server, body):
+    status, answer = post(llama_server, body)
+    assert status == 400 and answer["error"]["message"]
+
+
+def test_a_server_that_dies_is_reported_with_its_log(tmp_path):
+    port = serving.free_port()
+    command = serving.server_command("cpu", tmp_path / "no-model", port, None)
+    with pytest.raises(RuntimeError, match=r"exited with 1 before serving: see .*server.log"):
+        with serving.serving(command, port, tmp_path / "server.log", timeout_s=60):
+            pass
+
+
+def test_gsm8k_through_lm_eval_on_the_pinned_files(data, llama_server, tmp_path):
+    """The real lm-eval (gsm8k_cot_llama, chat template) against the server: its task reads the local
+    test split (12 problems, offline), and the scores are lm-eval's exact-match with their intervals."""
+    files = sorted((data["gsm8k"] / "main").glob("test-*.parquet"))
+    result = gsm8k.evaluate(llama_server, data["llama"], files, tmp_path, num_problems=None, num_fewshot=0,
+                            max_new_tokens=8)
+    assert result["problems"] == 12
+    for name in gsm8k.FILTERS:
+        assert 0 <= result[f"{name}_accuracy"] <= 100
+        p = result[f"{name}_accuracy"] / 100
+        assert result[f"{name}_ci95"] == pytest.approx(100 * gsm8k.Z95 * (p * (1 - p) / 11) ** 0.5, abs=0.01)
+
+
+def test_gain_and_its_interval():
+    base = {"problems": 100, "flexible_accuracy": 40.0, "flexible_stderr": 0.03, "strict_accuracy": 10.0,
+            "strict_stderr": 0.04}
+    trained = base | {"flexible_accuracy": 55.0, "flexible_stderr": 0.04}
+    out = gsm8k.gain(base, trained)
+    assert out["flexible_gain"] == 15.0 and out["flexible_gain_ci95"] == pytest.approx(100 * 1.959964 * 0.05, abs=0.01)
+    assert out["strict_gain"] == 0.0
+    with pytest.raises(ValueError, match="same evaluate.num_problems"):
+        gsm8k.gain(base, trained | {"problems": 50})
+
+
+def test_heldout_loss_is_the_mean_token_nll_of_each_conversation(data, tmp_path):
+    files = sorted((data["ultrachat"] / "data").glob("test_sft-*.parquet"))
+    port = serving.free_port()
+    with serving.serving(serving.server_command("cpu", data["gemma"], port, None), port, tmp_path / "log", 120) as url:
+        result = heldout.evaluate(url, data["gemma"], files, column="messages", count=5, max_length=48)
+    from transformers import AutoTokenizer
+
+    tokenizer, model = AutoTokenizer.from_pretrained(data["gemma"]), numpy_forward.Model(data["gemma"])
+    losses = []
+    for messages in heldout.conversations(files, "messages", 5):
+        ids = list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))[:48]
+        logits = model.logits(ids)[:-1]
+        log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+        losses.append(float(np.mean(log_z - logits[np.arange(len(ids) - 1), ids[1:]])))
+    assert result["conversations"] == 5 and result["loss"] == pytest.approx(np.mean(losses), abs=1e-5)
+    # random weights over a 512-token vocabulary: about log(512) per token
+    assert abs(result["loss"] - np.log(embedded.TINY_VOCAB)) < 0.5
+
+
+def test_the_tpu_server_is_vllms_openai_server_for_the_grpo_tutorial():
+    """Golden: the GRPO tutorial preset's evaluate stage serves the export with vLLM on the v6e-8's 8
+    chips and scores all 1,319 GSM8K test problems, 8-shot, through the same lm-eval call."""
+    from mtpipe.pipeline.config import compose, load_params
+
+    params = load_params()
+    params.rl.preset = "llama3.1-8b-gsm8k-v6e8"
+    e = compose("rl", params).evaluate
+    command = serving.server_command(e.backend, Path("artifacts/rl/hf"), 8123, e)
+    assert command[1:] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "artifacts/rl/hf",
+                           "--served-model-name", "mtpipe", "--host", "127.0.0.1", "--port", "8123",
+                           "--tensor-parallel-size", "8", "--max-model-len", "4096", "--seed", "0"]
+    assert (e.num_problems, e.num_fewshot, e.max_new_tokens) == (None, 8, 512)
+    assert OmegaConf.to_container(compose("rl", params).dataset)["eval_files"] == "main/test-*.parquet"
