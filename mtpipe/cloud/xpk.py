@@ -43,13 +43,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
 
 from mtpipe.cloud import image
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import runner
 from mtpipe.maxtext.commands import TRAIN_RL, MaxTextCommand
 from mtpipe.maxtext.run_dir import WORK_BUCKET_ENV, RunDir, gcs, work_bucket
+from mtpipe.pipeline.config import View
 from mtpipe.pipeline.schema import Xpk
 
 XPK_ENV = "MTPIPE_XPK"
@@ -88,11 +88,11 @@ PLACEHOLDERS = {
 }
 
 
-def target(cfg: DictConfig) -> Xpk:
+def target(cfg: View) -> Xpk:
     """The hardware's xpk section, its placeholders filled in: one still null is named with the file
     to fill it in."""
     hardware, file = cfg.hardware, f"conf/hardware/{cfg.hardware.name}.yaml"
-    section = hardware.get("xpk")
+    section = hardware.xpk
     if section is None:
         raise ConfigError("hardware.xpk", "is missing, but backend: xpk needs the cluster and image",
                           f"add an xpk: section to {file} (conf/hardware/v6e-32.yaml has one)")
@@ -100,10 +100,10 @@ def target(cfg: DictConfig) -> Xpk:
     if section.provisioning == "reservation":
         needed["reservation"] = "the name of the capacity reservation the workload runs in"
     for key, what in needed.items():
-        if not section.get(key):
+        if not getattr(section, key):
             raise ConfigError(f"hardware.xpk.{key}", "is not set",
                               f"set {key}: <{what}> in the xpk: section of {file} (docs/multihost.md, \"Once\")")
-    return Xpk.model_validate(OmegaConf.to_container(section))
+    return section
 
 
 def require_work_bucket() -> str:
@@ -426,7 +426,7 @@ class Workload:
                 log.write(runner.redact(fs.cat_file(path).decode(errors="replace")))
 
 
-def run(cfg: DictConfig, cmd: MaxTextCommand, log_path: Path, total_steps: int | None) -> None:
+def run(cfg: View, cmd: MaxTextCommand, log_path: Path, total_steps: int | None) -> None:
     """Run ``cmd`` as an xpk workload and wait for it; raise WorkloadFailed if it does not complete."""
     t = target(cfg)
     bucket = require_work_bucket()
