@@ -280,9 +280,15 @@ def validate[M: BaseModel](model: type[M], value: Any, key: str, fix: Fix) -> M:
 
 
 def _first(errors: list[dict]) -> dict:
-    """The error to report: pydantic's first, unless a section on its way has an unknown key (that first)."""
+    """The error to report: pydantic's first, unless a section on its way to that key has an unknown
+    key; then the outermost such unknown key (a misspelt key is fixed before the values under it)."""
     first = errors[0]
-    unknown = [e for e in errors if e["type"] == "extra_forbidden" and first["loc"][:len(e["loc"]) - 1] == e["loc"][:-1]]
+
+    def on_the_way(error: dict) -> bool:
+        section = error["loc"][:-1]
+        return first["loc"][:len(section)] == section
+
+    unknown = [e for e in errors if e["type"] == "extra_forbidden" and on_the_way(e)]
     return min(unknown, key=lambda e: len(e["loc"]), default=first)
 
 
