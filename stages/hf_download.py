@@ -21,7 +21,7 @@ from mtpipe.pipeline.stage import artifact, atomic_dir, digest, run_stage, write
 
 def check_rows(cfg, files) -> int:
     """Validate every row of the training files against the dataset's schema."""
-    if cfg.dataset.schema == "chat":
+    if cfg.dataset.row_schema == "chat":
         return datasets_check.check_chat_rows(files, column=cfg.dataset.columns[0])
     return datasets_check.check_gsm8k_rows(files)
 
@@ -29,7 +29,7 @@ def check_rows(cfg, files) -> int:
 def main(branch: str) -> None:
     cfg = load_stage(branch, "hf_download")
     with atomic_dir(artifact(branch, "dataset"), resume=True) as out:
-        manifest = hub.fetch_dataset(cfg.dataset.source, out / "files")
+        manifest = hub.fetch_dataset(cfg.dataset.source.model_dump(), out / "files")
         files = sorted((out / "files").glob(cfg.dataset.train_files))
         if not files:
             raise ConfigError("dataset.train_files", f"no downloaded file matches {cfg.dataset.train_files!r}",
@@ -38,7 +38,7 @@ def main(branch: str) -> None:
         text = json.dumps(manifest, sort_keys=True)
         write_stamp(out, "hf_download", digest(cfg.dataset, content=text), manifest=manifest, rows=rows)
     with atomic_dir(artifact(branch, "model"), resume=True) as out:
-        manifest = hub.fetch_model(cfg.model.source, out / "files")
+        manifest = hub.fetch_model(cfg.model.source.model_dump(), out / "files")
         text = json.dumps(manifest, sort_keys=True)
         write_stamp(out, "hf_download", digest(cfg.model, content=text), manifest=manifest)
     print(f"  model: {len(manifest['files'])} files; dataset: {rows} training rows checked")

@@ -40,9 +40,9 @@ def check_prompt_budget(cfg, files: Path, tokenizer_dir: Path) -> None:
     if budget is None:
         return
     for split in ("train_files", "eval_files"):
-        lengths = gsm8k_chat.prompt_lengths(sorted(files.glob(cfg.dataset[split])), tokenizer_dir)
+        lengths = gsm8k_chat.prompt_lengths(sorted(files.glob(getattr(cfg.dataset, split))), tokenizer_dir)
         if not lengths:
-            raise ConfigError(f"rl.dataset.{split}", f"no rows in files matching {cfg.dataset[split]!r}",
+            raise ConfigError(f"rl.dataset.{split}", f"no rows in files matching {getattr(cfg.dataset, split)!r}",
                               f"fix conf/dataset/{cfg.dataset.name}.yaml")
         dropped = sum(n > budget for n in lengths)
         print(f"  {split}: {len(lengths) - dropped} of {len(lengths)} prompts fit max_prefill_predict_length="

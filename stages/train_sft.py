@@ -31,8 +31,8 @@ OUTPUT = {"sft": "trained", "rl": "warmup"}  # the SFT branch's final model; the
 def chat_files(cfg, dataset: Path, run_dir: Path) -> tuple[str, str | None, list[str]]:
     """(train glob, eval glob or None, columns) of chat data MaxText's SFT trainer reads."""
     d, files = cfg.dataset, dataset / "files"
-    eval_glob = str(files / d.eval_files) if d.get("eval_files") and list(files.glob(d.eval_files)) else None
-    if d.schema == "chat":
+    eval_glob = str(files / d.eval_files) if d.eval_files and list(files.glob(d.eval_files)) else None
+    if d.row_schema == "chat":
         return str(files / d.train_files), eval_glob, list(d.columns)
     train = run_dir / "chat" / "train.parquet"
     gsm8k_chat.write_chat_parquet(sorted(files.glob(d.train_files)), train)

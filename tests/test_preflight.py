@@ -17,7 +17,7 @@ from mtpipe.maxtext import commands, preflight
 
 from mtpipe.pipeline import overrides
 from mtpipe.pipeline.toolchain import lock_pins
-from mtpipe.pipeline.config import ROOT, compose
+from mtpipe.pipeline.config import ROOT, View, compose, stage_view
 from mtpipe.errors import ConfigError
 
 pytestmark = pytest.mark.preflight
@@ -27,6 +27,11 @@ REPORT_KEYS = {"hbm_gib_per_chip", "hbm_gib_available", "fits", "flops_per_step"
 
 
 PARAMS = (ROOT / "params.yaml").read_bytes()
+
+
+def sft_view(params) -> View:
+    """The sft branch's training view, what preflight compiles."""
+    return stage_view(compose("sft", params), "train_sft")
 
 
 @pytest.fixture()
@@ -46,18 +51,18 @@ def test_set_overrides_params_like_dvc_exp_run_s() -> None:
 
 def test_an_xpk_preset_is_compiled_for_its_slice_and_priced_per_chip() -> None:
     """GKE presets name their TPU in hardware.xpk.tpu_type (no TPU_ACCELERATOR_TYPE: GKE sets it)."""
-    cfg = compose("sft", overrides.apply_sets(PARAMS, ["sft.preset=gemma3-4b-ultrachat-v6e32"]))
+    cfg = sft_view(overrides.apply_sets(PARAMS, ["sft.preset=gemma3-4b-ultrachat-v6e32"]))
     assert preflight.topology(cfg) == "v6e-32"
     assert "compile_topology=v6e-32" in preflight.compile_args(preflight.stage_command(cfg), preflight.topology(cfg))
     assert preflight.chip_of("v6e-32", "sft", "v6e-32")[1] == 32
     vm_price = 21.60  # conf/vm.yaml on demand: a v6e-8 VM
     assert preflight.usd_per_hour(8, vm_price) == pytest.approx(21.60)
     assert preflight.usd_per_hour(32, vm_price) == pytest.approx(86.40)
-    assert preflight.topology(compose("sft", overrides.apply_sets(PARAMS, []))) is None  # the CPU default
+    assert preflight.topology(sft_view(overrides.apply_sets(PARAMS, []))) is None  # the CPU default
 
 
 def test_compile_args_are_the_stage_args_without_paths() -> None:
-    cfg = compose("sft", overrides.apply_sets(PARAMS, ["sft.preset=gemma3-4b-ultrachat-v6e8"]))
+    cfg = sft_view(overrides.apply_sets(PARAMS, ["sft.preset=gemma3-4b-ultrachat-v6e8"]))
     cmd = preflight.stage_command(cfg)
     args = preflight.compile_args(cmd, preflight.topology(cfg))
     assert cmd.module == commands.TRAIN_SFT
@@ -66,7 +71,7 @@ def test_compile_args_are_the_stage_args_without_paths() -> None:
     assert not any(preflight.PLACEHOLDER in a or a.startswith(("load_parameters_path=", "tokenizer_path="))
                    for a in args)
     # a --set the stage would see changes the compile, so the cache digest changes too
-    bigger = compose("sft", overrides.apply_sets(PARAMS, ["sft.preset=gemma3-4b-ultrachat-v6e8",
+    bigger = sft_view(overrides.apply_sets(PARAMS, ["sft.preset=gemma3-4b-ultrachat-v6e8",
                                                                   "sft.train_sft.per_device_batch_size=2"]))
     bigger_args = preflight.compile_args(preflight.stage_command(bigger), "v6e-8")
     assert "per_device_batch_size=2" in bigger_args
@@ -88,7 +93,7 @@ def _compiled(argument_gib: float, temp_gib: float) -> dict:
 
 
 def test_a_step_too_large_for_hbm_names_the_keys_to_change() -> None:
-    cfg = compose("sft", overrides.apply_sets(PARAMS, ["sft.preset=gemma3-4b-ultrachat-v6e8"]))
+    cfg = sft_view(overrides.apply_sets(PARAMS, ["sft.preset=gemma3-4b-ultrachat-v6e8"]))
     chip, chips = preflight.chip_of("v6e-8", "sft", "v6e-8")
     fits = preflight.report(cfg, "p", _compiled(5.4, 4.5), chip, chips, usd_per_hour=21.6)
     preflight.check_fits(fits)

@@ -54,6 +54,10 @@ CASES = {
                                      "'xplane'"),
     "sft.train_sft/combination-scan": ({"sft": {"train_sft": {"extra_args": {"scan_layers": False}}}},
                                        "sft.to_maxtext.scan_layers", "train_sft runs with scan_layers=False"),
+    "sft.train_sft/maxtext-type": ({"sft": {"train_sft": {"extra_args": {"remat_policy": 5}}}},
+                                   "sft.train_sft.extra_args.remat_policy", "MaxText's MaxTextConfig refuses"),
+    "rl.train_rl/maxtext-type": ({"rl": {"train_rl": {"extra_args": {"hardware": "abacus"}}}},
+                                  "rl.train_rl.extra_args.hardware", "MaxText's RLConfig refuses for hardware"),
     "sft.train_sft/unknown-key": ({"sft": {"train_sft": {"learnig_rate": 1e-3}}}, "sft.train_sft.learnig_rate",
                                   "not a key"),
     # sft.to_maxtext and sft.hf_download

@@ -386,12 +386,12 @@ def test_errors_stop_the_stage_before_any_xpk_or_docker_call(case, fake, bucket,
 
 
 def test_provisioning_and_environment_become_xpk_flags():
-    t = xpk.Target(**{**FILLED, "tpu_type": "v6e-16", "num_slices": 2, "max_restarts": 0, "priority": "low",
+    t = schema.Xpk(**{**FILLED, "tpu_type": "v6e-16", "num_slices": 2, "max_restarts": 0, "priority": "low",
                       "provisioning": "reservation", "reservation": "r1", "pathways": False})
     args = xpk.create_args(t, "w", "img:t", "cmd", {"A": "1"}, False, BUCKET)
     assert args[args.index("--num-slices"):] == ["--num-slices", "2", "--max-restarts", "0", "--priority", "low",
                                                  "--reservation", "r1", "--env", "A=1", "--command", "cmd"]
-    spot = xpk.create_args(xpk.Target(**{**t.__dict__, "provisioning": "spot"}), "w", "i", "c", {}, False, BUCKET)
+    spot = xpk.create_args(t.model_copy(update={"provisioning": "spot"}), "w", "i", "c", {}, False, BUCKET)
     assert "--spot" in spot and "--reservation" not in spot
 
 

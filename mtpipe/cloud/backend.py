@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import DictConfig
-
 from mtpipe.maxtext import runner
 from mtpipe.maxtext.commands import MaxTextCommand
+from mtpipe.pipeline.config import View
 
 
-def run_training(cfg: DictConfig, cmd: MaxTextCommand, log_path: Path, total_steps: int | None) -> None:
+def run_training(cfg: View, cmd: MaxTextCommand, log_path: Path, total_steps: int | None) -> None:
     """Run a training command where ``cfg.hardware`` says; raise if it fails."""
     hardware = cfg.hardware
     if hardware.backend == "xpk":

@@ -23,15 +23,19 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Optional
 
 import asyncssh
+from annotated_types import Ge, Gt, Le
 from omegaconf import DictConfig, OmegaConf
+from pydantic import model_validator
 
 from mtpipe.errors import ConfigError
+from mtpipe.pipeline.schema import KEEP_INT, PositiveInt, Section, validate
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_ENV = "MTPIPE_VM_CONFIG"
@@ -55,13 +59,96 @@ class VmLost(VmError):
 
 # ---------------------------------------------------------------- configuration and state
 
+Seconds = Annotated[float, Gt(0), KEEP_INT]
+
+
+class Firewall(Section):
+    name: Optional[str]                    # null = <name>-ssh
+    source_ranges: list[str]
+
+
+class Ssh(Section):
+    user: str
+    key_file: str
+    port: Annotated[int, Ge(1), Le(65535)]
+    proxy_command: Optional[str]           # null = the VM's external IP
+    connect_timeout_s: Seconds
+    keepalive_s: Seconds
+    ready_timeout_s: Seconds
+
+
+class Setup(Section):
+    files: list[str]
+    commands: list[str]
+    marker: str
+
+
+class Run(Section):
+    remote_dir: str
+    command: str
+    hardware: Optional[str]                # conf/hardware/<this>.yaml
+    env: dict[str, str]
+    secrets: list[str]
+
+
+class VmConfig(Section):
+    """conf/vm.yaml as :func:`load_config` assembles it (the file's comments say what each key does).
+
+    ``project``, ``zone`` and ``reservation`` may stay null until a task needs them (:func:`require`)."""
+
+    project: Optional[str]
+    zone: Optional[str]
+    provisioning: str                      # one of PROVISIONING, checked below with the flag to pass
+    reservation: Optional[str]
+    name: str
+    network: str
+    machine_type: str
+    image_project: str
+    image_family: str
+    boot_disk_gb: PositiveInt
+    service_account: str
+    scopes: list[str]
+    max_run_duration_s: int                # 0 disables it
+    labels: dict[str, str]
+    price_per_hour_usd: dict[str, Any]     # provisioning -> USD per hour, checked below
+    max_recoveries: int
+    operation_timeout_s: Seconds
+    recreate: bool
+    remote_probe_timeout_s: Seconds
+    firewall: Firewall
+    ssh: Ssh
+    setup: Setup
+    run: Run
+
+    @model_validator(mode="after")
+    def check_values(self) -> VmConfig:
+        if self.provisioning not in PROVISIONING:
+            raise ConfigError("vm.provisioning", f"{self.provisioning!r} is not one of "
+                              f"{', '.join(PROVISIONING)}",
+                              "pass --provisioning=spot (or reservation, on-demand), or set "
+                              "provisioning: in conf/vm.yaml")
+        if not NAME_RE.match(self.name):
+            raise ConfigError("vm.name", f"{self.name!r} is not a valid VM name",
+                              "use lowercase letters, digits and dashes, starting with a letter (NAME)")
+        value = _price(self.price_per_hour_usd, self.provisioning)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise ConfigError(f"vm.price_per_hour_usd.{self.provisioning}", f"is {value!r}, not a price",
+                              "set price_per_hour_usd: {reservation: ..., spot: ..., on-demand: ...} "
+                              "(USD per hour of one VM) in conf/vm.yaml")
+        if self.max_run_duration_s < 0:
+            raise ConfigError("vm.max_run_duration_s", "is negative", "use seconds, or 0 to disable")
+        if self.max_recoveries < 0:
+            raise ConfigError("vm.max_recoveries", "is negative", "use 0 (never recreate a lost VM) or more")
+        return self
+
 
 def load_config(params: dict[str, Any] | None = None, state: dict | None = None) -> DictConfig:
     """conf/vm.yaml < $MTPIPE_VM_CONFIG < env PROJECT/ZONE/RESERVATION/NAME < doit params.
 
     Keys still unset after that are filled from the state file (the VM vm_up created), then
     `name` defaults to mtpipe-<user>. `provisioning` is the recorded VM's unless a doit param sets
-    it, so that reusing or replacing that VM keeps its kind (and its price).
+    it, so that reusing or replacing that VM keeps its kind (and its price). The result is checked
+    against :class:`VmConfig`.
     """
     cfg = OmegaConf.load(ROOT / "conf" / "vm.yaml")
     if os.environ.get(CONFIG_ENV):
@@ -81,6 +168,8 @@ def load_config(params: dict[str, Any] | None = None, state: dict | None = None)
         cfg.provisioning = state.get("provisioning", cfg.provisioning)   # the recorded VM's kind
     if not cfg.firewall.name:
         cfg.firewall.name = f"{cfg.name}-ssh"
+    validate(VmConfig, OmegaConf.to_container(cfg), "vm",
+             lambda key, requirement: f"set {key.removeprefix('vm.')} {requirement} in conf/vm.yaml")
     return cfg
 
 
@@ -96,38 +185,22 @@ def require(cfg: DictConfig, *keys: str) -> None:
             var = ENV_KEYS[key]
             raise ConfigError(f"vm.{key}", "is not set",
                               f"export {var}=... or pass `--{key} ...` (or set {key}: in conf/vm.yaml)")
-    if "name" in keys and not NAME_RE.match(cfg.name):
-        raise ConfigError("vm.name", f"{cfg.name!r} is not a valid VM name",
-                          "use lowercase letters, digits and dashes, starting with a letter (NAME)")
 
 
 def check_create(cfg: DictConfig) -> None:
     """The settings vm_up needs, before any request (vm_checks asks Compute about the rest)."""
-    if cfg.provisioning not in PROVISIONING:
-        raise ConfigError("vm.provisioning", f"{cfg.provisioning!r} is not one of "
-                          f"{', '.join(PROVISIONING)}",
-                          "pass --provisioning=spot (or reservation, on-demand), or set "
-                          "provisioning: in conf/vm.yaml")
     reservation = ["reservation"] if cfg.provisioning == "reservation" else []
     require(cfg, "project", "zone", *reservation, "name")
-    price_per_hour(cfg)
-    if int(cfg.max_run_duration_s) < 0:
-        raise ConfigError("vm.max_run_duration_s", "is negative", "use seconds, or 0 to disable")
-    if int(cfg.max_recoveries) < 0:
-        raise ConfigError("vm.max_recoveries", "is negative", "use 0 (never recreate a lost VM) or more")
+
+
+def _price(prices: Mapping[str, Any], provisioning: str) -> Any:
+    value = prices.get(provisioning)
+    return prices.get("on-demand") if value is None and provisioning == "reservation" else value
 
 
 def price_per_hour(cfg: DictConfig) -> float:
     """USD per hour of one VM in `cfg.provisioning` mode (reservation: on-demand unless set)."""
-    prices = cfg.price_per_hour_usd
-    value = prices.get(cfg.provisioning) if isinstance(prices, DictConfig) else None
-    if value is None and cfg.provisioning == "reservation" and isinstance(prices, DictConfig):
-        value = prices.get("on-demand")
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise ConfigError(f"vm.price_per_hour_usd.{cfg.provisioning}", f"is {value!r}, not a price",
-                          "set price_per_hour_usd: {reservation: ..., spot: ..., on-demand: ...} "
-                          "(USD per hour of one VM) in conf/vm.yaml")
-    return float(value)
+    return float(_price(cfg.price_per_hour_usd, cfg.provisioning))
 
 
 def read_state(root: Path) -> dict:

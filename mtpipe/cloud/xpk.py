@@ -40,16 +40,17 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import DictConfig
 
 from mtpipe.cloud import image
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import runner
 from mtpipe.maxtext.commands import TRAIN_RL, MaxTextCommand
 from mtpipe.maxtext.run_dir import WORK_BUCKET_ENV, RunDir, gcs, work_bucket
+from mtpipe.pipeline.config import View
+from mtpipe.pipeline.schema import Xpk
 
 XPK_ENV = "MTPIPE_XPK"
 INSTALL_FIX = ("install xpk in its own virtual environment (`python3 -m venv ~/xpk && ~/xpk/bin/pip install xpk`; "
@@ -79,23 +80,6 @@ class WorkloadFailed(runner.MaxTextFailed):
 
 # ---- the checks before anything is submitted -------------------------------------------------------
 
-@dataclass(frozen=True)
-class Target:
-    """The filled-in ``hardware.xpk`` section (mtpipe.pipeline.schema.Xpk)."""
-
-    cluster: str
-    project: str
-    zone: str
-    docker_image: str
-    tpu_type: str
-    num_slices: int
-    max_restarts: int
-    priority: str
-    provisioning: str | None
-    reservation: str | None
-    pathways: bool
-
-
 PLACEHOLDERS = {
     "cluster": "the name of the cluster `xpk cluster create-pathways --cluster NAME ...` made",
     "project": "its Google Cloud project",
@@ -104,10 +88,11 @@ PLACEHOLDERS = {
 }
 
 
-def target(cfg: DictConfig) -> Target:
-    """The hardware's xpk section; a placeholder still null is named with the file to fill it in."""
+def target(cfg: View) -> Xpk:
+    """The hardware's xpk section, its placeholders filled in: one still null is named with the file
+    to fill it in."""
     hardware, file = cfg.hardware, f"conf/hardware/{cfg.hardware.name}.yaml"
-    section = hardware.get("xpk")
+    section = hardware.xpk
     if section is None:
         raise ConfigError("hardware.xpk", "is missing, but backend: xpk needs the cluster and image",
                           f"add an xpk: section to {file} (conf/hardware/v6e-32.yaml has one)")
@@ -115,10 +100,10 @@ def target(cfg: DictConfig) -> Target:
     if section.provisioning == "reservation":
         needed["reservation"] = "the name of the capacity reservation the workload runs in"
     for key, what in needed.items():
-        if not section.get(key):
+        if not getattr(section, key):
             raise ConfigError(f"hardware.xpk.{key}", "is not set",
                               f"set {key}: <{what}> in the xpk: section of {file} (docs/multihost.md, \"Once\")")
-    return Target(**{f.name: section[f.name] for f in fields(Target)})
+    return section
 
 
 def require_work_bucket() -> str:
@@ -263,7 +248,7 @@ def workload_command(cmd: MaxTextCommand, p: Plan, run_url: str, pathways: bool)
     return " ".join([*(PATHWAYS_ENV if pathways else ()), shlex.join([*pod, "--", *main])])
 
 
-def create_args(t: Target, name: str, image_ref: str, command: str, env: dict[str, str], pathways: bool,
+def create_args(t: Xpk, name: str, image_ref: str, command: str, env: dict[str, str], pathways: bool,
                 bucket: str) -> list[str]:
     """The ``xpk workload create[-pathways]`` arguments (after the binary)."""
     args = ["workload", "create-pathways" if pathways else "create", *location(t), "--workload", name,
@@ -280,7 +265,7 @@ def create_args(t: Target, name: str, image_ref: str, command: str, env: dict[st
     return [*args, "--command", command]
 
 
-def location(t: Target) -> list[str]:
+def location(t: Xpk) -> list[str]:
     return ["--cluster", t.cluster, "--project", t.project, "--zone", t.zone]
 
 
@@ -334,7 +319,7 @@ def parse_list(output: str, name: str) -> Status | None:
 class Workload:
     """One xpk workload: submitted, watched and deleted through the xpk CLI; its log read from the bucket."""
 
-    def __init__(self, binary: str, t: Target, name: str, run_url: str, log_path: Path) -> None:
+    def __init__(self, binary: str, t: Xpk, name: str, run_url: str, log_path: Path) -> None:
         self.binary, self.target, self.name, self.run_url, self.log_path = binary, t, name, run_url, log_path
         self.attempts: dict[str, int] = {}  # log object of each attempt -> bytes of it already shown
         self.first_step: tuple[int, float] | None = None  # (step, when) of the first step line shown
@@ -441,7 +426,7 @@ class Workload:
                 log.write(runner.redact(fs.cat_file(path).decode(errors="replace")))
 
 
-def run(cfg: DictConfig, cmd: MaxTextCommand, log_path: Path, total_steps: int | None) -> None:
+def run(cfg: View, cmd: MaxTextCommand, log_path: Path, total_steps: int | None) -> None:
     """Run ``cmd`` as an xpk workload and wait for it; raise WorkloadFailed if it does not complete."""
     t = target(cfg)
     bucket = require_work_bucket()

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from mtpipe.pipeline.config import View
+from mtpipe.pipeline.schema import TrainSft
 
 TO_MAXTEXT = "maxtext.checkpoint_conversion.to_maxtext"
 TO_HUGGINGFACE = "maxtext.checkpoint_conversion.to_huggingface"
@@ -52,8 +53,7 @@ def fmt(value: Any) -> str:
 
 def kv(mapping: Mapping[str, Any]) -> list[str]:
     """``key=value`` for every non-null entry, in order."""
-    plain = OmegaConf.to_container(mapping) if isinstance(mapping, DictConfig) else dict(mapping)
-    return [f"{k}={fmt(v)}" for k, v in plain.items() if v is not None]
+    return [f"{k}={fmt(v)}" for k, v in mapping.items() if v is not None]
 
 
 def _storage_flags(storage: str) -> list[str]:
@@ -67,7 +67,7 @@ def _storage_flags(storage: str) -> list[str]:
 TRAINED_STORAGE = _storage_flags("plain")
 
 
-def to_maxtext(cfg: DictConfig, hf_dir: Path, out_dir: Path) -> MaxTextCommand:
+def to_maxtext(cfg: View, hf_dir: Path, out_dir: Path) -> MaxTextCommand:
     """HF -> MaxText conversion of the downloaded checkpoint (runs on the host CPU, as in the tutorial)."""
     opts = cfg.to_maxtext
     args = [
@@ -86,7 +86,7 @@ def to_maxtext(cfg: DictConfig, hf_dir: Path, out_dir: Path) -> MaxTextCommand:
 
 
 def train_sft(
-    cfg: DictConfig, *, ckpt: Path, train_files: str, eval_files: str | None, columns: list[str],
+    cfg: View, *, ckpt: Path, train_files: str, eval_files: str | None, columns: list[str],
     tokenizer_dir: Path, base_output: Path | str, run_name: str, metrics_file: Path, jax_cache_dir: Path,
 ) -> MaxTextCommand:
     """Supervised fine-tuning on local chat data (parquet files from hf_download, never the Hub)."""
@@ -121,8 +121,8 @@ def train_sft(
     return MaxTextCommand(TRAIN_SFT, args, env=dict(cfg.hardware.env))
 
 
-def _eval_args(t: DictConfig, eval_files: str | None, columns: list[str]) -> list[str]:
-    if not t.get("eval_interval") or not eval_files:
+def _eval_args(t: TrainSft, eval_files: str | None, columns: list[str]) -> list[str]:
+    if not t.eval_interval or not eval_files:
         return []
     return [
         f"hf_eval_files={eval_files}",
@@ -134,7 +134,7 @@ def _eval_args(t: DictConfig, eval_files: str | None, columns: list[str]) -> lis
 
 
 def train_rl(
-    cfg: DictConfig, *, ckpt: Path, train_files: str, eval_files: str, tokenizer_dir: Path, base_output: Path | str,
+    cfg: View, *, ckpt: Path, train_files: str, eval_files: str, tokenizer_dir: Path, base_output: Path | str,
     run_name: str, jax_cache_dir: Path,
 ) -> MaxTextCommand:
     """GRPO on local GSM8K-format parquet files; the rollout backend is chosen by ``rollout_backend``."""
@@ -172,7 +172,7 @@ def train_rl(
     return MaxTextCommand(TRAIN_RL, args, env=dict(cfg.hardware.env), launcher=launcher)
 
 
-def to_huggingface(cfg: DictConfig, *, params: Path, hf_src_dir: Path, out_dir: Path) -> MaxTextCommand:
+def to_huggingface(cfg: View, *, params: Path, hf_src_dir: Path, out_dir: Path) -> MaxTextCommand:
     """MaxText -> HF export of trained params, with the source's tokenizer files."""
     opts = cfg.to_huggingface
     args = [

@@ -34,13 +34,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import commands
 from mtpipe.maxtext.runner import child_env
 from mtpipe.pipeline import overrides, toolchain
-from mtpipe.pipeline.config import BRANCH_STAGES, ROOT, compose
+from mtpipe.pipeline.config import BRANCH_STAGES, ROOT, View, compose, stage_view
 
 
 @dataclass(frozen=True)
@@ -66,6 +64,7 @@ VM_SETUP_S = 900.0             # VM creation, boot and `doit vm_setup` (apt, uv,
 VM_CHIPS = 8                   # the chips of conf/vm.yaml's VM (ct6e-standard-8t, a v6e-8), which its price is for
 
 # A stage argument whose value starts with this is a file path; the compile does not read files.
+TRAINING_STAGE = {"sft": "train_sft", "rl": "train_rl"}  # the stage preflight compiles, per branch
 PLACEHOLDER = "/mtpipe-preflight-path"
 # Keys the compile sets itself (hardware=cpu in a CPU preset's extra_args would fight the topology).
 # jax_cache_dir is empty: a compile-only TPU executable cannot be loaded back from JAX's disk cache.
@@ -84,10 +83,10 @@ GIB = 2**30
 # ---------------------------------------------------------------- parent: config -> compile args
 
 
-def topology(cfg: DictConfig) -> str | None:
+def topology(cfg: View) -> str | None:
     """The TPU topology a branch's hardware preset targets: its TPU_ACCELERATOR_TYPE on a TPU VM, its
     `xpk.tpu_type` on GKE (backend xpk), or None (CPU)."""
-    if cfg.hardware.get("backend") == "xpk":
+    if cfg.hardware.backend == "xpk":
         return cfg.hardware.xpk.tpu_type
     return cfg.hardware.env.get("TPU_ACCELERATOR_TYPE")
 
@@ -107,7 +106,7 @@ def chip_of(topo: str, branch: str, hardware: str) -> tuple[Chip, int]:
     return CHIPS[generation], int(count)
 
 
-def stage_command(cfg: DictConfig) -> commands.MaxTextCommand:
+def stage_command(cfg: View) -> commands.MaxTextCommand:
     """The training command the branch's main stage runs, with placeholder paths."""
     p = Path(PLACEHOLDER)
     if cfg.branch == "sft":
@@ -177,10 +176,10 @@ def compile_step(module: str, args: list[str], work: Path, log: Path) -> dict[st
 # ---------------------------------------------------------------- parent: the report
 
 
-def report(cfg: DictConfig, preset: str, compiled: dict[str, Any], chip: Chip, chips: int,
+def report(cfg: View, preset: str, compiled: dict[str, Any], chip: Chip, chips: int,
            usd_per_hour: float) -> dict[str, Any]:
     """HBM per chip, fit, FLOPs, time and cost of one branch from its compile result."""
-    stage = "train_sft" if cfg.branch == "sft" else "train_rl"
+    stage = TRAINING_STAGE[cfg.branch]
     mem, c = compiled["memory"], compiled["config"]
     hbm = {"train_state": mem["argument_size_in_bytes"] / GIB, "step_temporaries": mem["temp_size_in_bytes"] / GIB,
            "code": mem["generated_code_size_in_bytes"] / GIB}
@@ -220,7 +219,7 @@ def report(cfg: DictConfig, preset: str, compiled: dict[str, Any], chip: Chip, c
     }
 
 
-def _grpo_estimate(cfg: DictConfig, compiled: dict[str, Any], chip: Chip, chips: int, hbm: dict[str, float],
+def _grpo_estimate(cfg: View, compiled: dict[str, Any], chip: Chip, chips: int, hbm: dict[str, float],
                    train_step_s: float) -> tuple[str, float, float]:
     """Add GRPO's estimated parts to ``hbm``; return (note, HBM needed per chip, seconds per GRPO step).
 
@@ -305,9 +304,10 @@ def check(sets: list[str], vm_usd_per_hour: float, root: Path = ROOT,
     params_yaml = overrides.committed_params(root) if committed else (root / "params.yaml").read_bytes()
     params = overrides.apply_sets(params_yaml, sets)
     composed = {branch: compose(branch, params) for branch in branches}  # all config errors first
+    views = {branch: stage_view(cfg, TRAINING_STAGE[branch]) for branch, cfg in composed.items()}
     work = root / "work" / "preflight"
     rows = []
-    for branch, cfg in composed.items():
+    for branch, cfg in views.items():
         topo = topology(cfg)
         preset = params[branch].preset
         if topo is None:

@@ -10,10 +10,13 @@ that stage reads, nothing more, plus the fingerprints of the code it runs (``cod
 :mod:`mtpipe.pipeline.fingerprint`) and the versions of the tools it runs (``tools:``,
 :mod:`mtpipe.pipeline.toolchain`). Each pipeline stage depends on its own file, so DVC reruns a
 stage when, and only when, a value it reads, the behaviour of its code or a tool's version changes.
+A stage loads its file with :func:`load_stage` as a typed, read-only view (:func:`view_model`: the
+schema's models of its sections), so ``cfg.train_sft.steps`` is an int the schema checked.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from pathlib import Path
@@ -21,6 +24,7 @@ from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
+from pydantic import create_model
 
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline import fingerprint, schema, toolchain
@@ -130,9 +134,28 @@ def load_params(path: Path = ROOT / "params.yaml") -> DictConfig:
     return load_yaml(path)
 
 
-def stage_view(cfg: DictConfig, stage: str) -> DictConfig:
-    """The part of a branch config that one stage reads."""
+View = schema.Section  # what a stage reads: an instance of view_model(branch, stage)
+
+
+@functools.cache
+def view_model(branch: str, stage: str) -> type[View]:
+    """The typed view of ``stage`` in ``branch``: the sections it reads, typed as the branch's model types
+    them, the branch's name, ``code``, the fingerprints of its code, and ``tools``, the versions of its tools
+    (a code-only view holds just those two)."""
+    fields: dict[str, Any] = {"code": (dict[str, str], {}), "tools": (dict[str, str], {})}
+    if (branch, stage) not in CODE_ONLY_VIEWS:
+        sections = schema.BRANCHES[branch].model_fields
+        fields |= {"branch": (str, ...)} | {s: (sections[s].annotation, ...) for s in STAGE_SECTIONS[stage]}
+    return create_model(f"View_{branch}_{stage}", __base__=View, **fields)
+
+
+def _view_tree(cfg: DictConfig, stage: str) -> DictConfig:
     return OmegaConf.create({s: cfg[s] for s in STAGE_SECTIONS[stage] if s in cfg} | {"branch": cfg.branch})
+
+
+def stage_view(cfg: DictConfig, stage: str) -> View:
+    """The part of a composed branch that one stage reads, typed (without ``code``)."""
+    return view_model(cfg.branch, stage).model_validate(OmegaConf.to_container(_view_tree(cfg, stage)))
 
 
 def resolved_path(branch: str, stage: str, root: Path = ROOT) -> Path:
@@ -145,7 +168,7 @@ def write_resolved(params: DictConfig, root: Path = ROOT) -> list[Path]:
 
     A view whose text is unchanged is left as it is (its bytes and mtime), so DVC reruns nothing."""
     composed = {branch: compose(branch, params) for branch in BRANCH_STAGES}
-    views = {(branch, stage): stage_view(cfg, stage) for branch, cfg in composed.items()
+    views = {(branch, stage): _view_tree(cfg, stage) for branch, cfg in composed.items()
              for stage in BRANCH_STAGES[branch]}
     views |= {view: OmegaConf.create({}) for view in CODE_ONLY_VIEWS}
     written = []
@@ -163,23 +186,24 @@ def write_resolved(params: DictConfig, root: Path = ROOT) -> list[Path]:
     return written
 
 
-def load_stage(branch: str, stage: str, root: Path = ROOT) -> DictConfig:
-    """Load the resolved view a stage reads (written by the ``configure`` stage).
+def load_stage(branch: str, stage: str, root: Path = ROOT) -> View:
+    """Load the resolved view a stage reads (written by the ``configure`` stage), typed and read-only.
 
     Fails when the view's code fingerprints are not those of the code about to run (``configure``
     did not run after an edit), or its tool versions not those installed (an environment other than
     the lock's), so no output is recorded under another code's or another toolchain's address."""
     path = resolved_path(branch, stage, root)
+    name = str(path.relative_to(root))
     if not path.is_file():
-        raise ConfigError(str(path.relative_to(root)), "not found", "run `dvc repro configure` first")
-    cfg = load_yaml(path)
-    recorded, running = OmegaConf.to_container(cfg.get("code") or {}), fingerprint.stage_code(stage)
+        raise ConfigError(name, "not found", "run `dvc repro configure` first")
+    cfg = schema.validate(view_model(branch, stage), OmegaConf.to_container(load_yaml(path)), name,
+                          lambda key, requirement: "run `dvc repro configure` (it rewrites the file)")
+    recorded, running = cfg.code, fingerprint.stage_code(stage)
     if recorded != running:
         moved = sorted(m for m in recorded.keys() | running.keys() if recorded.get(m) != running.get(m))
-        raise ConfigError(str(path.relative_to(root)), f"was written for other code (changed: {', '.join(moved)})",
+        raise ConfigError(name, f"was written for other code (changed: {', '.join(moved)})",
                           "run `dvc repro` (it reruns configure first), or `dvc repro configure`")
-    if moved := toolchain.installed_mismatches(OmegaConf.to_container(cfg.get("tools") or {})):
-        raise ConfigError(str(path.relative_to(root)), f"records other tool versions than installed ({'; '.join(moved)})",
+    if moved := toolchain.installed_mismatches(cfg.tools):
+        raise ConfigError(name, f"records other tool versions than installed ({'; '.join(moved)})",
                           "install the lock (`make`), or `dvc repro configure` after `make lock`")
-    OmegaConf.set_readonly(cfg, True)
     return cfg

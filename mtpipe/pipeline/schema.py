@@ -1,84 +1,73 @@
 """The typed schema of the configuration: every key, its type, its range, and what cannot go together.
 
-One dataclass per section of a composed branch (``model``, ``dataset``, ``hardware`` from conf/, one
-per stage from the preset and params.yaml). A field's type says what a value may be; an
-``Annotated[..., Check(...)]`` adds its range, and ``Optional`` means ``null`` is allowed (null: the
-key is not passed, MaxText uses its own default). A field without a default must be present; one with
-a default (only in ``Source``, whose keys depend on ``kind``) may be left out.
+One pydantic model per section of a composed branch (``model``, ``dataset``, ``hardware`` from conf/,
+one per stage from the preset and params.yaml). A field's type says what a value may be; annotated_types
+constraints in ``Annotated[...]`` (``Ge(1)``, ``Gt(0), Le(1)``) give its range, :class:`Words` how an
+error describes it, and ``Optional`` means ``null`` is allowed (null: the key is not passed, MaxText uses
+its own default). A field without a default must be present; one with a default (only in ``Source``,
+whose keys depend on ``kind``) may be left out.
 
-:func:`check` walks a value against a dataclass, strictly: a string is never taken for a number, a
-bool never for an int, unknown keys are errors. :func:`check_branch` then applies the rules that
-involve several keys (:func:`combination_errors`). Every error is a :class:`ConfigError` naming the
-key as params.yaml or the conf/ file spells it, with a fix. Ranges follow what MaxText 0.2.5
-(``configs/types.py``, ``base.yml``, ``post_train/rl.yml``) and Tunix's GRPO accept; docs/decisions.md
-("Config schema") gives the reasons.
+Every model is strict (a string is never taken for a number, a bool never for an int) and forbids
+unknown keys. The rules that involve several keys (:func:`combination_errors`) are the branch models'
+validator. :func:`validate` is the one place where pydantic's ``ValidationError`` becomes a
+:class:`ConfigError` naming the key as params.yaml or the conf/ file spells it, with a fix. Ranges
+follow what MaxText 0.2.5 (``configs/types.py``, ``base.yml``, ``post_train/rl.yml``) and Tunix's GRPO
+accept; docs/decisions.md ("Config schema") gives the reasons.
+
+Keys checked against MaxText's own pydantic types as well (:func:`maxtext_errors`, MaxText's
+``MaxTextConfig``, ``RLConfig`` for train_rl): ``to_maxtext`` and ``to_huggingface``'s ``scan_layers``,
+``use_multimodal`` (and ``weight_dtype``); every ``train_sft`` and ``train_rl`` key passed to MaxText
+under its own name (:data:`MAXTEXT_KEYS`); and every key of the free-form ``model.maxtext_overrides``,
+``hardware.maxtext_args`` and ``extra_args`` that MaxText declares.
 """
 
-from __future__ import annotations
-
+import functools
 import math
-import re
-import types
 from collections.abc import Callable
-from dataclasses import MISSING, dataclass, fields, is_dataclass
-from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
+
+from annotated_types import Ge, Gt, Le, Lt
+from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError,
+                      WrapValidator, create_model, model_validator)
 
 from mtpipe.errors import ConfigError
 
 
 @dataclass(frozen=True)
-class Check:
-    """A range for a number (``ge``/``gt``/``le``/``lt``) or a pattern for a string.
+class Words:
+    """How errors describe a key: ``means`` replaces the generated description ("a positive integer"),
+    ``why`` is added to the problem, ``fix`` replaces the generated fix, ``key`` the key's name."""
 
-    ``means`` replaces the generated description ("a positive integer"), ``why`` is added to the
-    problem, ``fix`` replaces the generated fix, ``key`` replaces the key's name in errors.
-    """
-
-    ge: float | None = None
-    gt: float | None = None
-    le: float | None = None
-    lt: float | None = None
-    pattern: str | None = None
     means: str | None = None
     why: str | None = None
     fix: str | None = None
     key: str | None = None
 
-    def admits(self, value: Any) -> bool:
-        """Whether ``value`` (already of the right type) is in range."""
-        if self.pattern is not None:
-            return re.fullmatch(self.pattern, value) is not None
-        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
-                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
 
-    def bounds(self) -> str:
-        """The range in symbols: ``>= 1``, ``in (0, 1]``."""
-        low = (self.ge, "[") if self.ge is not None else (self.gt, "(")
-        high = (self.le, "]") if self.le is not None else (self.lt, ")")
-        if low[0] is not None and high[0] is not None:
-            return f"in {low[1]}{_num(low[0])}, {_num(high[0])}{high[1]}"
-        if low[0] is not None:
-            return f"{'>=' if self.ge is not None else '>'} {_num(low[0])}"
-        if high[0] is not None:
-            return f"{'<=' if self.le is not None else '<'} {_num(high[0])}"
-        return ""
+def _keep_int(value: Any, handler: Callable[[Any], Any]) -> Any:
+    handler(value)  # checks it is a number in range; an int stays an int, as YAML wrote it
+    return value
 
 
-def _num(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else str(x)
-
+KEEP_INT = WrapValidator(_keep_int)
 
 # Shorthands for the ranges used below.
-PositiveInt = Annotated[int, Check(ge=1)]
-LearningRate = Annotated[float, Check(gt=0, le=1, why="0 learns nothing")]
-CommitSha = Annotated[str, Check(pattern=r"[0-9a-f]{40}", means="a 40-hex commit sha",
-                                 fix="pin the commit shown on the Hub's 'Files and versions' page")]
+PositiveInt = Annotated[int, Ge(1)]
+LearningRate = Annotated[float, Gt(0), Le(1), KEEP_INT, Words(why="0 learns nothing")]
+CommitSha = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{40}$"), Words(
+    means="a 40-hex commit sha", fix="pin the commit shown on the Hub's 'Files and versions' page")]
+
+
+class Section(BaseModel):
+    """A section of the configuration: strict types, no unknown keys, read-only once built."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
 
 # ---- conf/model, conf/dataset, conf/hardware ------------------------------------------------------
 
-@dataclass
-class Source:
+class Source(Section):
     """Where hf_download gets a model or dataset: a Hub repo at a commit, or a local directory."""
 
     kind: Literal["hub", "local"]
@@ -90,8 +79,7 @@ class Source:
     subset: Optional[str] = None
 
 
-@dataclass
-class Model:
+class Model(Section):
     name: str                              # the preset's file name (set by compose)
     maxtext_name: str                      # MaxText model_name for conversion and training
     export_name: str                       # model_name for to_huggingface
@@ -99,11 +87,10 @@ class Model:
     maxtext_overrides: dict[str, Any]      # free-form MaxText keys (a tiny model's dims)
 
 
-@dataclass
-class Dataset:
+class Dataset(Section):
     name: str
     source: Source
-    schema: Literal["chat", "gsm8k"]       # what hf_download checks each row against
+    row_schema: Literal["chat", "gsm8k"] = Field(alias="schema")  # what hf_download checks each row against
     hf_name: str                           # the Hub name MaxText sees (GSM8K answer extraction keys on it)
     train_files: str                       # glob inside the download
     eval_files: Optional[str]              # null: no held-out data
@@ -111,12 +98,11 @@ class Dataset:
     columns: list[str]
 
 
-K8sName = Annotated[str, Check(pattern=r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?",
-                                means="a lowercase name of at most 40 letters, digits and dashes (what xpk accepts)")]
+K8sName = Annotated[str, StringConstraints(pattern=r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$"), Words(
+    means="a lowercase name of at most 40 letters, digits and dashes (what xpk accepts)")]
 
 
-@dataclass
-class Xpk:
+class Xpk(Section):
     """Where and how an xpk workload runs (``hardware.backend: xpk``, mtpipe/cloud/xpk.py).
 
     ``null`` in cluster, project, zone, docker_image (and reservation, with provisioning: reservation)
@@ -128,18 +114,17 @@ class Xpk:
     docker_image: Optional[str]            # repository without tag, e.g. us-docker.pkg.dev/P/REPO/mtpipe
     tpu_type: str                          # xpk --tpu-type, e.g. v6e-32
     num_slices: PositiveInt
-    max_restarts: Annotated[int, Check(ge=0, le=100, why="JobSet restarts after a failure or preemption")]
+    max_restarts: Annotated[int, Ge(0), Le(100), Words(why="JobSet restarts after a failure or preemption")]
     priority: Literal["very-low", "low", "medium", "high", "very-high"]
     provisioning: Optional[Literal["reservation", "spot", "on-demand"]]  # null: the cluster's node pools decide
     reservation: Optional[str]             # provisioning: reservation
     pathways: bool                         # create-pathways also for SFT (GRPO always runs on Pathways)
 
 
-@dataclass
-class Hardware:
+class Hardware(Section):
     name: str
     backend: Literal["local", "xpk"]       # local: MaxText runs here; xpk: a GKE workload (docs/multihost.md)
-    processes: Annotated[int, Check(ge=1, le=16, why="JAX processes started on this machine")]
+    processes: Annotated[int, Ge(1), Le(16), Words(why="JAX processes started on this machine")]
     env: dict[str, str]                    # exported for MaxText; environment values are strings
     maxtext_args: dict[str, Any]           # free-form MaxText keys
     xpk: Optional[Xpk] = None              # backend: xpk only
@@ -147,66 +132,60 @@ class Hardware:
 
 # ---- the per-stage sections of a preset (params.yaml overrides them) ------------------------------
 
-@dataclass
-class HfDownload:
+class HfDownload(Section):
     """No options: what to fetch is the model's and dataset's ``source``."""
 
 
-@dataclass
-class ToMaxtext:
+class ToMaxtext(Section):
     scan_layers: bool
     use_multimodal: bool
     lazy_load_tensors: bool
     checkpoint_storage: Literal["ocdbt", "plain"]  # plain: byte-reproducible; ocdbt: the tutorial's (random file names)
 
 
-@dataclass
-class TrainSft:
+class TrainSft(Section):
     """SFT of the sft branch. ``steps`` is top level in params.yaml (``dvc exp run -S steps=N``)."""
 
-    steps: Annotated[int, Check(ge=1, key="steps", fix="set e.g. `dvc exp run -S steps=200`")]
+    steps: Annotated[int, Ge(1), Words(key="steps", fix="set e.g. `dvc exp run -S steps=200`")]
     per_device_batch_size: PositiveInt
-    max_target_length: Optional[Annotated[int, Check(ge=16, why="room for a chat template and an answer")]]
+    max_target_length: Optional[Annotated[int, Ge(16), Words(why="room for a chat template and an answer")]]
     learning_rate: Optional[LearningRate]
     num_epoch: Optional[PositiveInt]
     checkpoint_period: PositiveInt         # a killed run resumes from the last multiple of this
-    eval_interval: Optional[Annotated[int, Check(ge=0, why="0 or null: no evaluation")]]
-    eval_steps: Optional[Annotated[int, Check(ge=-1, why="-1: the whole eval split")]]
+    eval_interval: Optional[Annotated[int, Ge(0), Words(why="0 or null: no evaluation")]]
+    eval_steps: Optional[Annotated[int, Ge(-1), Words(why="-1: the whole eval split")]]
     profiler: Literal["", "xplane", "nsys"]
     extra_args: dict[str, Any]             # free-form MaxText keys
 
 
-@dataclass
 class WarmupTrainSft(TrainSft):
     """The rl branch's SFT warm-up: 0 steps skips it, and then its other keys may be null."""
 
-    steps: Annotated[int, Check(ge=0, fix="0 starts GRPO from the converted model, "
-                                          "N > 0 warms it up with N SFT steps")]
+    steps: Annotated[int, Ge(0), Words(fix="0 starts GRPO from the converted model, "
+                                           "N > 0 warms it up with N SFT steps")]
     per_device_batch_size: Optional[PositiveInt]
     checkpoint_period: Optional[PositiveInt]
 
 
-@dataclass
-class TrainRl:
+class TrainRl(Section):
     rollout_backend: Literal["cpu_jax", "vllm"]  # vllm: MaxText's (TPU); cpu_jax: mtpipe.maxtext.rollout_cpu
     chips_per_vm: PositiveInt
     num_batches: PositiveInt
     num_test_batches: PositiveInt
     batch_size: Optional[PositiveInt]
-    num_generations: Optional[Annotated[int, Check(
-        ge=2, why="GRPO's advantage compares each completion with the others of its prompt")]]
-    rollout_data_parallelism: Annotated[int, Check(ge=-1, why="-1: as many as fit")]
-    rollout_tensor_parallelism: Annotated[int, Check(ge=-1, why="-1: as many as fit")]
-    grpo_beta: Optional[Annotated[float, Check(ge=0, why="the weight of a KL penalty")]]
-    grpo_epsilon: Optional[Annotated[float, Check(gt=0, lt=1, why="the ratio is clipped to [1-e, 1+e]")]]
+    num_generations: Optional[Annotated[int, Ge(2), Words(
+        why="GRPO's advantage compares each completion with the others of its prompt")]]
+    rollout_data_parallelism: Annotated[int, Ge(-1), Words(why="-1: as many as fit")]
+    rollout_tensor_parallelism: Annotated[int, Ge(-1), Words(why="-1: as many as fit")]
+    grpo_beta: Optional[Annotated[float, Ge(0), KEEP_INT, Words(why="the weight of a KL penalty")]]
+    grpo_epsilon: Optional[Annotated[float, Gt(0), Lt(1), KEEP_INT, Words(why="the ratio is clipped to [1-e, 1+e]")]]
     learning_rate: Optional[LearningRate]
     max_prefill_predict_length: Optional[PositiveInt]
     max_target_length: Optional[PositiveInt]
     extra_args: dict[str, Any]
 
 
-@dataclass
-class ToHuggingface:
+class ToHuggingface(Section):
     scan_layers: bool
     use_multimodal: bool
     weight_dtype: Literal["float32", "bfloat16"]
@@ -214,22 +193,19 @@ class ToHuggingface:
 
 # ---- a whole branch, and params.yaml ---------------------------------------------------------------
 
-@dataclass
-class SftStages:
+class SftStages(Section):
     hf_download: HfDownload
     to_maxtext: ToMaxtext
     train_sft: TrainSft
     to_huggingface: ToHuggingface
 
 
-@dataclass
 class RlStages(SftStages):
     train_sft: WarmupTrainSft
     train_rl: TrainRl
 
 
-@dataclass
-class Parts:
+class Parts(Section):
     """A branch's model, dataset and hardware, as composed from conf/<group>/<name>.yaml."""
 
     model: Model
@@ -237,8 +213,7 @@ class Parts:
     hardware: Hardware
 
 
-@dataclass
-class PartNames:
+class PartNames(Section):
     """How params.yaml picks a branch's preset and, optionally, other parts than the preset's."""
 
     preset: str
@@ -247,31 +222,34 @@ class PartNames:
     hardware: Optional[str]
 
 
-@dataclass
 class SftBranch(SftStages, Parts):
     branch: str
 
+    @model_validator(mode="after")
+    def check_combinations(self) -> "SftBranch":
+        return _first_combination_error(self)
 
-@dataclass
+
 class RlBranch(RlStages, Parts):
     branch: str
 
+    @model_validator(mode="after")
+    def check_combinations(self) -> "RlBranch":
+        return _first_combination_error(self)
 
-@dataclass
+
 class SftParams(SftStages, PartNames):
     pass
 
 
-@dataclass
 class RlParams(RlStages, PartNames):
     pass
 
 
-@dataclass
-class Params:
-    """params.yaml: every key may be null (keep the preset's value) or left out."""
+class Params(Section):
+    """params.yaml; :func:`check_params` checks it with every key optional (null: keep the preset's value)."""
 
-    steps: Optional[Annotated[int, Check(ge=1, fix="set e.g. `dvc exp run -S steps=200`")]]
+    steps: Optional[Annotated[int, Ge(1), Words(fix="set e.g. `dvc exp run -S steps=200`")]]
     sft: SftParams
     rl: RlParams
 
@@ -286,98 +264,120 @@ MAXTEXT_RL_DEFAULTS = {"max_prefill_predict_length": 256, "max_target_length": 1
 MAXTEXT_SCAN_LAYERS_DEFAULT = True  # base.yml: what the trainers use unless told otherwise
 
 
-# ---- the walker ------------------------------------------------------------------------------------
+# ---- pydantic's errors as ConfigErrors -------------------------------------------------------------
 
 Fix = Callable[[str, str], str]  # (key as shown, requirement) -> the fix sentence
 
 
-def check(schema: type, value: Any, key: str, fix: Fix, partial: bool = False) -> Any:
-    """Check ``value`` (plain dicts and lists) against dataclass ``schema``; return the dataclass.
+def validate[M: BaseModel](model: type[M], value: Any, key: str, fix: Fix) -> M:
+    """``model`` built from ``value`` (plain dicts and lists); the first error as a ConfigError.
 
-    ``partial`` is for params.yaml overrides: keys may be missing and null means "keep the preset's".
-    Then nothing is built and None is returned.
-    """
-    if not isinstance(value, dict):
-        raise ConfigError(key, f"is a section, got {value!r}", f"set its keys, e.g. {key}.<key>: ...")
-    hints = get_type_hints(schema, include_extras=True)
-    known = [f.name for f in fields(schema)]
-    for name in value:
-        if name not in known:
-            raise ConfigError(_join(key, name), f"is not a key of {key or 'params.yaml'}",
-                              f"use one of {known}, or fix the spelling" if known else "remove it")
-    built = {}
-    for f in fields(schema):
-        sub = _join(key, f.name)
-        if f.name not in value:
-            if partial or f.default is not MISSING:
-                built[f.name] = None if f.default is MISSING else f.default
-                continue
-            raise ConfigError(sub, "is missing", fix(sub, "to a value (null: MaxText's default, where allowed)"))
-        built[f.name] = _check_value(hints[f.name], value[f.name], sub, fix, partial)
-    return None if partial else schema(**built)
+    ``key`` is the section's name as params.yaml spells it ('' for params.yaml itself)."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as err:
+        raise _config_error(_first(err.errors()), model, value, key, fix) from None
+
+
+def _first(errors: list[dict]) -> dict:
+    """The error to report: pydantic's first, unless a section on its way to that key has an unknown
+    key; then the outermost such unknown key (a misspelt key is fixed before the values under it)."""
+    first = errors[0]
+
+    def on_the_way(error: dict) -> bool:
+        section = error["loc"][:-1]
+        return first["loc"][:len(section)] == section
+
+    unknown = [e for e in errors if e["type"] == "extra_forbidden" and on_the_way(e)]
+    return min(unknown, key=lambda e: len(e["loc"]), default=first)
+
+
+def _config_error(error: dict, model: type[BaseModel], value: Any, key: str, fix: Fix) -> ConfigError:
+    """One pydantic error (its ``loc`` a path of keys) as the ConfigError for the key it is about."""
+    if error["type"] == "value_error" and isinstance(error["ctx"]["error"], ConfigError):
+        return error["ctx"]["error"]  # a combination rule's own error
+    hint: Any = model
+    for name in error["loc"]:  # down the sections; a field's type may add more (a union arm, a list index)
+        section = _section(hint)
+        if section is None or name not in _fields(section):
+            break
+        hint, key = _fields(section)[name], _join(key, name)
+        value = value.get(name) if isinstance(value, dict) else None
+    section = _section(hint)
+    if error["type"] == "extra_forbidden":
+        known = list(_fields(section))
+        return ConfigError(_join(key, error["loc"][-1]), f"is not a key of {key or 'params.yaml'}",
+                           f"use one of {known}, or fix the spelling" if known else "remove it")
+    if error["type"] == "missing":
+        return ConfigError(key, "is missing", fix(key, "to a value (null: MaxText's default, where allowed)"))
+    if section is not None:
+        return ConfigError(key, f"is a section, got {value!r}", f"set its keys, e.g. {key}.<key>: ...")
+    base, meta = _split(hint)
+    words = next((m for m in meta if isinstance(m, Words)), Words())
+    key = words.key or key
+    why = f" ({words.why})" if words.why else ""
+    bounds = _bounds(meta)
+    wanted = words.means or _describe(base, bounds)
+    return ConfigError(key, f"must be {wanted}{why}, got {value!r}",
+                       words.fix or fix(key, bounds or f"to {wanted}"))
+
+
+@functools.cache
+def _fields(model: type[BaseModel]) -> dict[str, Any]:
+    """A model's keys as the YAML spells them (aliases), each with its full type hint."""
+    return {f.alias or name: Annotated[f.annotation, *f.metadata] if f.metadata else f.annotation
+            for name, f in model.model_fields.items()}
 
 
 def _join(key: str, name: str) -> str:
     return f"{key}.{name}" if key else name
 
 
-def _check_value(hint: Any, value: Any, key: str, fix: Fix, partial: bool) -> Any:
-    if value is None and (partial or _allows_none(hint)):
-        return None
-    hint = _strip_none(hint)
-    rule = Check()
-    if get_origin(hint) is Annotated:
-        hint, rule = get_args(hint)
-    key = rule.key or key
-    if is_dataclass(hint):
-        return check(hint, value, key, fix, partial)
-    if not _is_a(hint, value) or not rule.admits(value):
-        wanted = rule.means or _describe(hint, rule)
-        why = f" ({rule.why})" if rule.why else ""
-        raise ConfigError(key, f"must be {wanted}{why}, got {value!r}",
-                          rule.fix or fix(key, _requirement(hint, rule)))
-    return value
-
-
-def _allows_none(hint: Any) -> bool:
-    return _is_union(hint) and type(None) in get_args(hint)
+def _is_union(hint: Any) -> bool:
+    return get_origin(hint) in (Union, type(int | str))
 
 
 def _strip_none(hint: Any) -> Any:
-    if not _allows_none(hint):
+    if not (_is_union(hint) and type(None) in get_args(hint)):
         return hint
     rest = [a for a in get_args(hint) if a is not type(None)]
     return rest[0] if len(rest) == 1 else Union[tuple(rest)]
 
 
-def _is_union(hint: Any) -> bool:
-    return get_origin(hint) in (Union, types.UnionType)
+def _split(hint: Any) -> tuple[Any, tuple]:
+    """(type, metadata) of a hint, ``Optional`` left out."""
+    hint = _strip_none(hint)
+    if get_origin(hint) is Annotated:
+        base, *meta = get_args(hint)
+        return base, tuple(meta)
+    return hint, ()
 
 
-def _is_a(hint: Any, value: Any) -> bool:
-    """Strict type test: no coercion, bool is not a number, int is a float."""
-    if hint is Any:
-        return True
-    if _is_union(hint):
-        return any(_is_a(arm, value) for arm in get_args(hint))
-    if get_origin(hint) is Literal:
-        return any(value == a and type(value) is type(a) for a in get_args(hint))
-    if get_origin(hint) is list:
-        (item,) = get_args(hint)
-        return isinstance(value, list) and all(_is_a(item, v) for v in value)
-    if get_origin(hint) is dict:
-        _, item = get_args(hint)
-        return isinstance(value, dict) and all(isinstance(k, str) and _is_a(item, v) for k, v in value.items())
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, hint)
+def _section(hint: Any) -> type[BaseModel] | None:
+    base = _split(hint)[0]
+    return base if isinstance(base, type) and issubclass(base, BaseModel) else None
 
 
-def _describe(hint: Any, rule: Check) -> str:
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def _bounds(meta: tuple) -> str:
+    """The range in symbols: ``>= 1``, ``in (0, 1]``; '' for none."""
+    c = {name: getattr(m, name) for m in meta if isinstance(m, (Ge, Gt, Le, Lt))
+         for name in ("ge", "gt", "le", "lt") if hasattr(m, name)}
+    low = (c["ge"], "[", ">=") if "ge" in c else (c["gt"], "(", ">") if "gt" in c else None
+    high = (c["le"], "]", "<=") if "le" in c else (c["lt"], ")", "<") if "lt" in c else None
+    if low and high:
+        return f"in {low[1]}{_num(low[0])}, {_num(high[0])}{high[1]}"
+    if low or high:
+        bound = low or high
+        return f"{bound[2]} {_num(bound[0])}"
+    return ""
+
+
+def _describe(hint: Any, bounds: str = "") -> str:
     """In words: "a positive integer", "a number in (0, 1]", "one of 'a', 'b'"."""
-    bounds = rule.bounds()
     if hint is int:
         return "a positive integer" if bounds == ">= 1" else f"an integer {bounds}".rstrip()
     if hint is float:
@@ -388,18 +388,23 @@ def _describe(hint: Any, rule: Check) -> str:
     if hint in words:
         return words[hint]
     if _is_union(hint):
-        return " or ".join(_describe(arm, Check()) for arm in get_args(hint))
+        return " or ".join(_describe(_split(arm)[0]) for arm in get_args(hint))
     if get_origin(hint) is list:
-        return f"a list of {_describe(get_args(hint)[0], Check()).removeprefix('a ')}s"
+        return f"a list of {_describe(_split(get_args(hint)[0])[0]).removeprefix('a ')}s"
     if get_origin(hint) is dict:
-        return f"a mapping of names to {_describe(get_args(hint)[1], Check()).removeprefix('a ')}s"
+        return f"a mapping of names to {_describe(_split(get_args(hint)[1])[0]).removeprefix('a ')}s"
     return hint.__name__
 
 
-def _requirement(hint: Any, rule: Check) -> str:
-    """What to set, as the fix says it: ``>= 1``, ``to one of 'a', 'b'``."""
-    bounds = rule.bounds()
-    return bounds if bounds else f"to {rule.means or _describe(hint, rule)}"
+@functools.cache
+def partial(model: type[Section]) -> type[Section]:
+    """``model`` with every key optional and null allowed, in its sections too: params.yaml's overrides."""
+    def loose(hint: Any) -> Any:
+        section = _section(hint)
+        return Optional[partial(section) if section else hint]
+    return create_model(f"Partial{model.__name__}", __base__=Section, **{
+        name: (loose(_fields(model)[f.alias or name]), Field(None, alias=f.alias))
+        for name, f in model.model_fields.items()})
 
 
 # ---- rules that involve several keys ---------------------------------------------------------------
@@ -425,7 +430,7 @@ def combination_errors(cfg: SftBranch) -> list[ConfigError]:
                 f"pin the commit shown on the Hub's 'Files and versions' page in {file}")
         if src.kind == "local" and not src.path:
             add(f"{key}.path", "is missing for a kind: local source", f"set source.path: <directory> in {file}")
-    if cfg.dataset.schema == "chat" and len(cfg.dataset.columns) != 1:
+    if cfg.dataset.row_schema == "chat" and len(cfg.dataset.columns) != 1:
         add(f"{b}.dataset.columns", f"is {cfg.dataset.columns}, but a chat dataset is one column of messages",
             f"set columns: [messages] in {data_file}")
 
@@ -482,8 +487,8 @@ def combination_errors(cfg: SftBranch) -> list[ConfigError]:
 
     if isinstance(cfg, RlBranch):
         rl = cfg.train_rl
-        if cfg.dataset.schema != "gsm8k":
-            add("rl.dataset", f"{cfg.dataset.name} has schema {cfg.dataset.schema!r}, but train_rl reads "
+        if cfg.dataset.row_schema != "gsm8k":
+            add("rl.dataset", f"{cfg.dataset.name} has schema {cfg.dataset.row_schema!r}, but train_rl reads "
                 "question/answer rows and rewards the number after `####`",
                 "set rl.dataset to a gsm8k-schema dataset (gsm8k, gsm8k-tiny)")
         elif cfg.dataset.hf_name != "openai/gsm8k":
@@ -531,8 +536,79 @@ def _rollout_parallelism_errors(rl: TrainRl) -> list[ConfigError]:
     return []
 
 
+# ---- values passed to MaxText, against MaxText's own types ------------------------------------------
+
+# The MaxText config class (maxtext/configs/types.py) each stage's command line is read into, and the
+# stage's keys passed to MaxText under their own names (commands.py; lazy_load_tensors and
+# checkpoint_storage become other flags).
+MAXTEXT_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "to_maxtext": ("MaxTextConfig", ("scan_layers", "use_multimodal")),
+    "train_sft": ("MaxTextConfig", ("steps", "per_device_batch_size", "max_target_length", "learning_rate",
+                                    "num_epoch", "checkpoint_period", "eval_interval", "eval_steps", "profiler")),
+    "train_rl": ("RLConfig", ("chips_per_vm", "num_batches", "num_test_batches", "batch_size", "num_generations",
+                              "rollout_data_parallelism", "rollout_tensor_parallelism", "grpo_beta",
+                              "grpo_epsilon", "learning_rate", "max_prefill_predict_length", "max_target_length")),
+    "to_huggingface": ("MaxTextConfig", ("scan_layers", "use_multimodal", "weight_dtype")),
+}
+# The free-form MaxText mappings each stage passes on, every key as it is.
+MAXTEXT_MAPPINGS: dict[str, tuple[str, ...]] = {
+    "to_maxtext": ("model.maxtext_overrides",),
+    "train_sft": ("hardware.maxtext_args", "model.maxtext_overrides", "train_sft.extra_args"),
+    "train_rl": ("hardware.maxtext_args", "model.maxtext_overrides", "train_rl.extra_args"),
+    "to_huggingface": ("model.maxtext_overrides",),
+}
+
+
+@functools.cache
+def maxtext_types(config: str) -> dict[str, list[TypeAdapter]]:
+    """The type (with its constraints) of every key MaxText's ``config`` class declares, by the flat key
+    its command line takes: RLConfig routes ``num_generations`` into ``rl.num_generations``, so a key
+    may have several. Importing MaxText's types imports JAX (seconds): only ``configure`` does."""
+    from maxtext.configs import types
+
+    found: dict[str, list[TypeAdapter]] = {}
+    for name, f in getattr(types, config).model_fields.items():
+        nested = f.annotation if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel) else None
+        for key, field in (nested.model_fields if nested else {name: f}).items():
+            hint = Annotated[field.annotation, *field.metadata] if field.metadata else field.annotation
+            found.setdefault(key, []).append(TypeAdapter(hint))
+    return found
+
+
+def maxtext_errors(cfg: SftBranch, fix: Fix) -> list[ConfigError]:
+    """Values passed to MaxText that MaxText's own types refuse: the keys of :data:`MAXTEXT_KEYS` and
+    every key of :data:`MAXTEXT_MAPPINGS` that MaxText declares, each as MaxText reads it (not strictly:
+    its command line is text). The schema's own ranges are as strict or stricter; this catches the
+    free-form keys and a MaxText whose types became stricter."""
+    errors = []
+    for stage, (config, keys) in MAXTEXT_KEYS.items():
+        section = getattr(cfg, stage, None)
+        if section is None or (stage == "train_sft" and section.steps == 0):  # a skipped warm-up passes nothing
+            continue
+        given = {f"{cfg.branch}.{stage}.{k}": (k, getattr(section, k)) for k in keys}
+        for mapping in MAXTEXT_MAPPINGS[stage]:
+            group, name = mapping.split(".")
+            given |= {f"{cfg.branch}.{mapping}.{k}": (k, v) for k, v in getattr(getattr(cfg, group), name).items()}
+        for key, (name, value) in given.items():
+            for adapter in maxtext_types(config).get(name, []) if value is not None else []:
+                try:
+                    adapter.validate_python(value)
+                except ValidationError as err:
+                    errors.append(ConfigError(key, f"is {value!r}, which MaxText's {config} refuses for {name} "
+                                              f"({err.errors()[0]['msg']})", fix(key, "to a value MaxText accepts")))
+    return errors
+
+
+def _first_combination_error[B: SftBranch](cfg: B) -> B:
+    errors = combination_errors(cfg)
+    if errors:
+        raise errors[0]
+    return cfg
+
+
 def check_branch(composed: dict, preset: str) -> SftBranch:
-    """Check a composed branch (plain dicts): every section's keys, types and ranges, then the combinations.
+    """Check a composed branch (plain dicts): every section's keys, types and ranges, the combinations,
+    then the values passed to MaxText against MaxText's own types (:func:`maxtext_errors`).
 
     Keys are named ``<branch>.<section>.<key>``; the fix says where to set them (params.yaml, or the
     conf/ file a model, dataset or hardware section comes from).
@@ -544,8 +620,8 @@ def check_branch(composed: dict, preset: str) -> SftBranch:
         return f"set {key} {requirement} in params.yaml (or in conf/preset/{preset}.yaml)"
 
     branch = composed["branch"]
-    cfg = check(BRANCHES[branch], composed, branch, fix_for)
-    errors = combination_errors(cfg)
+    cfg = validate(BRANCHES[branch], composed, branch, fix_for)
+    errors = maxtext_errors(cfg, fix_for)
     if errors:
         raise errors[0]
     return cfg
@@ -553,5 +629,5 @@ def check_branch(composed: dict, preset: str) -> SftBranch:
 
 def check_params(params: dict) -> None:
     """Check params.yaml's overrides by themselves, before they are merged into a preset."""
-    check(Params, params, "", lambda key, req: f"set {key} {req} in params.yaml (null keeps the preset's value)",
-          partial=True)
+    validate(partial(Params), params, "", lambda key, req: f"set {key} {req} in params.yaml "
+             "(null keeps the preset's value)")

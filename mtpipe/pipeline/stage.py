@@ -20,7 +20,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
+from pydantic import BaseModel
 
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline.config import ROOT
@@ -64,9 +65,11 @@ def atomic_dir(out: Path, resume: bool = False) -> Iterator[Path]:
     os.replace(partial, out)
 
 
-def digest(cfg: DictConfig, *inputs: Path, content: str = "") -> str:
-    """sha256 of a resolved config, the digests stamped in its input directories, and ``content``."""
-    h = hashlib.sha256(OmegaConf.to_yaml(cfg, sort_keys=True).encode())
+def digest(cfg: BaseModel, *inputs: Path, content: str = "") -> str:
+    """sha256 of a resolved config (a view or a section of one, as its YAML reads), the digests stamped
+    in its input directories, and ``content``."""
+    tree = cfg.model_dump(by_alias=True, exclude_unset=True)  # exactly the keys the view file has
+    h = hashlib.sha256(OmegaConf.to_yaml(OmegaConf.create(tree), sort_keys=True).encode())
     for path in inputs:
         h.update(read_stamp(path)["digest"].encode())
     h.update(content.encode())
