@@ -1,16 +1,21 @@
 """Stage configure: compose params.yaml with conf/ presets, validate, write config/<branch>/<stage>.yaml.
 
 Every later stage reads only its own resolved file (and DVC hashes it), so a value reruns exactly
-the stages that read it. Bad values stop here, before any download, conversion or VM.
+the stages that read it. Bad values stop here, before any download, conversion or VM: the schema's
+checks, then the values passed to MaxText against MaxText's own types (mtpipe.pipeline.maxtext_check).
 Run: dvc repro configure   (or: python -m stages.configure)
 """
 
-from mtpipe.pipeline.config import load_params, write_resolved
+from mtpipe.pipeline.config import BRANCH_STAGES, load_params, write_resolved
+from mtpipe.pipeline.maxtext_check import compose_checked
 from mtpipe.pipeline.stage import run_stage
 
 
 def main() -> None:
-    for path in write_resolved(load_params()):
+    params = load_params()
+    for branch in BRANCH_STAGES:
+        compose_checked(branch, params)
+    for path in write_resolved(params):
         print(f"  {path.relative_to(path.parents[2])}")
 
 

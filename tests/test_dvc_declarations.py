@@ -61,13 +61,15 @@ def test_code_is_fingerprinted_not_declared(name):
 @pytest.mark.parametrize("script_name", sorted({n.split("@")[0] for n in STAGES}))
 def test_fingerprinted_modules_are_exactly_the_imported_ones(script_name):
     """The modules in a stage's fingerprints are what Python's ModuleFinder says the stage script
-    imports, plus the child processes it starts (`python -m mtpipe.maxtext.launch`, and for train_rl
-    on CPU `python -m mtpipe.maxtext.rollout_cpu`)."""
+    imports, plus the child processes it starts (`python -m mtpipe.maxtext.launch`, for train_rl
+    on CPU `python -m mtpipe.maxtext.rollout_cpu`, for the evaluations `python -m mtpipe.evaluation.server`)."""
     expected = {f"stages/{script_name}.py"} | project_modules(ROOT / "stages" / f"{script_name}.py")
     if script_name in MAXTEXT_STAGES:
         expected |= project_modules(ROOT / "mtpipe" / "maxtext" / "launch.py") | {"mtpipe/maxtext/launch.py"}
     if script_name == "train_rl":
         expected |= project_modules(ROOT / "mtpipe" / "maxtext" / "rollout_cpu.py") | {"mtpipe/maxtext/rollout_cpu.py"}
+    if script_name in ("evaluate_base", "evaluate"):  # the CPU model server, `python -m mtpipe.evaluation.server`
+        expected |= project_modules(ROOT / "mtpipe" / "evaluation" / "server.py") | {"mtpipe/evaluation/server.py"}
     found = set(fingerprint.stage_modules(script_name))
     assert found == expected, f"missing: {expected - found}, not used: {found - expected}"
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from mtpipe.pipeline import config, schema
+from mtpipe.pipeline import config, maxtext_check, schema
 from mtpipe.errors import ConfigError
 
 pytestmark = pytest.mark.vm_experiments
@@ -19,7 +19,7 @@ TUTORIAL_RL = {"preset": "llama3.1-8b-gsm8k-v6e8"}
 
 def compose(branch: str, overrides: dict):
     """Compose ``branch`` from params.yaml with ``overrides`` merged in (as a user would edit it)."""
-    return config.compose(branch, OmegaConf.merge(config.load_params(), overrides))
+    return maxtext_check.compose_checked(branch, OmegaConf.merge(config.load_params(), overrides))
 
 
 def rejected(branch: str, overrides: dict) -> ConfigError:
@@ -143,7 +143,7 @@ def test_both_tutorial_presets_resolve_together(tmp_path):
     params = OmegaConf.merge(config.load_params(), {"sft": {"preset": "gemma3-4b-ultrachat-v6e8"}, "rl": TUTORIAL_RL})
     written = config.write_resolved(params, tmp_path)
     assert yaml.safe_load((tmp_path / "config" / "rl" / "train_rl.yaml").read_text())["train_rl"]["chips_per_vm"] == 8
-    assert len(written) == 10  # 9 stage views and make_embedded's code-only view
+    assert len(written) == 14  # 13 stage views and make_embedded's code-only view
 
 
 def test_dvc_set_values_keep_their_types(tmp_path):

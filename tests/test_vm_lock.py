@@ -29,7 +29,6 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
 
 from mtpipe.cloud import locks, vm
 from mtpipe.pipeline.toolchain import lock_pins

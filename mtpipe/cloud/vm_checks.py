@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 from mtpipe.cloud.gcp import Compute
 from mtpipe.data import hub
 from mtpipe.errors import ConfigError
-from mtpipe.pipeline import config, overrides
+from mtpipe.pipeline import config, maxtext_check, overrides
 
 
 def before_spending(cfg: DictConfig, compute: Compute, root: Path,
@@ -76,7 +76,7 @@ def check_project(cfg: DictConfig, root: Path, experiments: list[list[str]]) -> 
 def composed_branches(root: Path, sets: list[str]) -> dict[str, DictConfig]:
     """Every branch composed from HEAD's params.yaml with `sets` applied as `dvc exp run -S` does."""
     params = overrides.apply_sets(overrides.committed_params(root), sets)
-    return {branch: config.compose(branch, params) for branch in config.BRANCH_STAGES}
+    return {branch: maxtext_check.compose_checked(branch, params) for branch in config.BRANCH_STAGES}
 
 
 def check_hub_tokens(branches: Iterable[DictConfig]) -> None:

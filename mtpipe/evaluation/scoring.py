@@ -42,7 +42,7 @@ def score(cfg: Any, model_dir: Path, dataset_dir: Path, work: Path, log: Path) -
     port = serving.free_port()
     command = serving.server_command(e.backend, model_dir, port, e)
     with serving.serving(command, port, log, e.server_timeout_s) as url:
-        if cfg.dataset.schema == "gsm8k":
+        if cfg.dataset.row_schema == "gsm8k":
             return gsm8k.evaluate(url, model_dir, files, work, num_problems=e.num_problems,
                                   num_fewshot=e.num_fewshot, max_new_tokens=e.max_new_tokens)
         return heldout.evaluate(url, model_dir, files, column=cfg.dataset.columns[0], count=e.num_problems,
@@ -51,4 +51,4 @@ def score(cfg: Any, model_dir: Path, dataset_dir: Path, work: Path, log: Path) -
 
 def gain(cfg: Any, base: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
     """trained vs base, with its 95% interval (accuracy points for GSM8K, loss for held-out text)."""
-    return gsm8k.gain(base, trained) if cfg.dataset.schema == "gsm8k" else heldout.gain(base, trained)
+    return gsm8k.gain(base, trained) if cfg.dataset.row_schema == "gsm8k" else heldout.gain(base, trained)

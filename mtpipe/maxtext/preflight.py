@@ -38,7 +38,8 @@ from mtpipe.errors import ConfigError
 from mtpipe.maxtext import commands
 from mtpipe.maxtext.runner import child_env
 from mtpipe.pipeline import overrides, toolchain
-from mtpipe.pipeline.config import BRANCH_STAGES, ROOT, View, compose, stage_view
+from mtpipe.pipeline.config import BRANCH_STAGES, ROOT, View, stage_view
+from mtpipe.pipeline.maxtext_check import compose_checked
 
 
 @dataclass(frozen=True)
@@ -303,7 +304,7 @@ def check(sets: list[str], vm_usd_per_hour: float, root: Path = ROOT,
     """
     params_yaml = overrides.committed_params(root) if committed else (root / "params.yaml").read_bytes()
     params = overrides.apply_sets(params_yaml, sets)
-    composed = {branch: compose(branch, params) for branch in branches}  # all config errors first
+    composed = {branch: compose_checked(branch, params) for branch in branches}  # all config errors first
     views = {branch: stage_view(cfg, TRAINING_STAGE[branch]) for branch, cfg in composed.items()}
     work = root / "work" / "preflight"
     rows = []

@@ -40,10 +40,12 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "train_sft": ("model", "dataset", "hardware", "train_sft"),
     "train_rl": ("model", "dataset", "hardware", "train_rl"),
     "to_huggingface": ("model", "to_huggingface"),
+    "evaluate_base": ("dataset", "evaluate"),
+    "evaluate": ("dataset", "evaluate"),
 }
 BRANCH_STAGES: dict[str, tuple[str, ...]] = {
-    "sft": ("hf_download", "to_maxtext", "train_sft", "to_huggingface"),
-    "rl": ("hf_download", "to_maxtext", "train_sft", "train_rl", "to_huggingface"),
+    "sft": ("hf_download", "to_maxtext", "train_sft", "to_huggingface", "evaluate_base", "evaluate"),
+    "rl": ("hf_download", "to_maxtext", "train_sft", "train_rl", "to_huggingface", "evaluate_base", "evaluate"),
 }
 # Stages that read no config: their view holds only the fingerprints of their code.
 CODE_ONLY_VIEWS = (("embedded", "make_embedded"),)

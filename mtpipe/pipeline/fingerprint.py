@@ -25,12 +25,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("mtpipe", "stages")  # the project's own top-level packages; every other import is a tool
 # The child processes a stage starts (`python -m <module>`), beyond what its script imports:
-# mtpipe.maxtext.commands.MaxTextCommand.launcher.
+# mtpipe.maxtext.commands.MaxTextCommand.launcher, the evaluation's model server.
 CHILD_ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "to_maxtext": ("mtpipe/maxtext/launch.py",),
     "train_sft": ("mtpipe/maxtext/launch.py",),
     "train_rl": ("mtpipe/maxtext/launch.py", "mtpipe/maxtext/rollout_cpu.py"),
     "to_huggingface": ("mtpipe/maxtext/launch.py",),
+    "evaluate_base": ("mtpipe/evaluation/server.py",),  # mtpipe.evaluation.serving.server_command (cpu)
+    "evaluate": ("mtpipe/evaluation/server.py",),
 }
 MESSAGE = ast.Constant("<message>")
 

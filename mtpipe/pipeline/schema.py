@@ -14,7 +14,7 @@ validator. :func:`validate` is the one place where pydantic's ``ValidationError`
 follow what MaxText 0.2.5 (``configs/types.py``, ``base.yml``, ``post_train/rl.yml``) and Tunix's GRPO
 accept; docs/decisions.md ("Config schema") gives the reasons.
 
-Keys checked against MaxText's own pydantic types as well (:func:`maxtext_errors`, MaxText's
+Keys checked against MaxText's own pydantic types as well (:mod:`mtpipe.pipeline.maxtext_check`, MaxText's
 ``MaxTextConfig``, ``RLConfig`` for train_rl): ``to_maxtext`` and ``to_huggingface``'s ``scan_layers``,
 ``use_multimodal`` (and ``weight_dtype``); every ``train_sft`` and ``train_rl`` key passed to MaxText
 under its own name (:data:`MAXTEXT_KEYS`); and every key of the free-form ``model.maxtext_overrides``,
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
 from annotated_types import Ge, Gt, Le, Lt
-from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError,
+from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError,
                       WrapValidator, create_model, model_validator)
 
 from mtpipe.errors import ConfigError
@@ -191,6 +191,18 @@ class ToHuggingface(Section):
     weight_dtype: Literal["float32", "bfloat16"]
 
 
+class Evaluate(Section):
+    """The evaluate stages (mtpipe/evaluation): GSM8K through lm-eval (rl), held-out loss (sft)."""
+
+    backend: Literal["cpu", "vllm"]        # the model server: ours (numpy, the CPU) | vLLM's (a TPU VM)
+    num_problems: Optional[PositiveInt]    # the first N test problems / conversations; null: all of them
+    num_fewshot: Annotated[int, Ge(0)]     # rl: few-shot examples as chat turns (gsm8k_cot_llama: 8)
+    max_new_tokens: PositiveInt            # rl: the longest answer generated
+    max_length: Annotated[int, Ge(16)]     # vLLM's --max-model-len; sft: conversations are cut to it
+    tensor_parallel_size: PositiveInt      # vllm: chips per model replica
+    server_timeout_s: Annotated[float, Gt(0), KEEP_INT]  # how long the server may take to load the model
+
+
 # ---- a whole branch, and params.yaml ---------------------------------------------------------------
 
 class SftStages(Section):
@@ -198,6 +210,7 @@ class SftStages(Section):
     to_maxtext: ToMaxtext
     train_sft: TrainSft
     to_huggingface: ToHuggingface
+    evaluate: Evaluate
 
 
 class RlStages(SftStages):
@@ -536,69 +549,6 @@ def _rollout_parallelism_errors(rl: TrainRl) -> list[ConfigError]:
     return []
 
 
-# ---- values passed to MaxText, against MaxText's own types ------------------------------------------
-
-# The MaxText config class (maxtext/configs/types.py) each stage's command line is read into, and the
-# stage's keys passed to MaxText under their own names (commands.py; lazy_load_tensors and
-# checkpoint_storage become other flags).
-MAXTEXT_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "to_maxtext": ("MaxTextConfig", ("scan_layers", "use_multimodal")),
-    "train_sft": ("MaxTextConfig", ("steps", "per_device_batch_size", "max_target_length", "learning_rate",
-                                    "num_epoch", "checkpoint_period", "eval_interval", "eval_steps", "profiler")),
-    "train_rl": ("RLConfig", ("chips_per_vm", "num_batches", "num_test_batches", "batch_size", "num_generations",
-                              "rollout_data_parallelism", "rollout_tensor_parallelism", "grpo_beta",
-                              "grpo_epsilon", "learning_rate", "max_prefill_predict_length", "max_target_length")),
-    "to_huggingface": ("MaxTextConfig", ("scan_layers", "use_multimodal", "weight_dtype")),
-}
-# The free-form MaxText mappings each stage passes on, every key as it is.
-MAXTEXT_MAPPINGS: dict[str, tuple[str, ...]] = {
-    "to_maxtext": ("model.maxtext_overrides",),
-    "train_sft": ("hardware.maxtext_args", "model.maxtext_overrides", "train_sft.extra_args"),
-    "train_rl": ("hardware.maxtext_args", "model.maxtext_overrides", "train_rl.extra_args"),
-    "to_huggingface": ("model.maxtext_overrides",),
-}
-
-
-@functools.cache
-def maxtext_types(config: str) -> dict[str, list[TypeAdapter]]:
-    """The type (with its constraints) of every key MaxText's ``config`` class declares, by the flat key
-    its command line takes: RLConfig routes ``num_generations`` into ``rl.num_generations``, so a key
-    may have several. Importing MaxText's types imports JAX (seconds): only ``configure`` does."""
-    from maxtext.configs import types
-
-    found: dict[str, list[TypeAdapter]] = {}
-    for name, f in getattr(types, config).model_fields.items():
-        nested = f.annotation if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel) else None
-        for key, field in (nested.model_fields if nested else {name: f}).items():
-            hint = Annotated[field.annotation, *field.metadata] if field.metadata else field.annotation
-            found.setdefault(key, []).append(TypeAdapter(hint))
-    return found
-
-
-def maxtext_errors(cfg: SftBranch, fix: Fix) -> list[ConfigError]:
-    """Values passed to MaxText that MaxText's own types refuse: the keys of :data:`MAXTEXT_KEYS` and
-    every key of :data:`MAXTEXT_MAPPINGS` that MaxText declares, each as MaxText reads it (not strictly:
-    its command line is text). The schema's own ranges are as strict or stricter; this catches the
-    free-form keys and a MaxText whose types became stricter."""
-    errors = []
-    for stage, (config, keys) in MAXTEXT_KEYS.items():
-        section = getattr(cfg, stage, None)
-        if section is None or (stage == "train_sft" and section.steps == 0):  # a skipped warm-up passes nothing
-            continue
-        given = {f"{cfg.branch}.{stage}.{k}": (k, getattr(section, k)) for k in keys}
-        for mapping in MAXTEXT_MAPPINGS[stage]:
-            group, name = mapping.split(".")
-            given |= {f"{cfg.branch}.{mapping}.{k}": (k, v) for k, v in getattr(getattr(cfg, group), name).items()}
-        for key, (name, value) in given.items():
-            for adapter in maxtext_types(config).get(name, []) if value is not None else []:
-                try:
-                    adapter.validate_python(value)
-                except ValidationError as err:
-                    errors.append(ConfigError(key, f"is {value!r}, which MaxText's {config} refuses for {name} "
-                                              f"({err.errors()[0]['msg']})", fix(key, "to a value MaxText accepts")))
-    return errors
-
-
 def _first_combination_error[B: SftBranch](cfg: B) -> B:
     errors = combination_errors(cfg)
     if errors:
@@ -606,25 +556,24 @@ def _first_combination_error[B: SftBranch](cfg: B) -> B:
     return cfg
 
 
-def check_branch(composed: dict, preset: str) -> SftBranch:
-    """Check a composed branch (plain dicts): every section's keys, types and ranges, the combinations,
-    then the values passed to MaxText against MaxText's own types (:func:`maxtext_errors`).
-
-    Keys are named ``<branch>.<section>.<key>``; the fix says where to set them (params.yaml, or the
-    conf/ file a model, dataset or hardware section comes from).
-    """
-    def fix_for(key: str, requirement: str) -> str:
+def fix_for(composed: dict, preset: str) -> Fix:
+    """Where to set a key of the composed branch: params.yaml, or the conf/ file its section comes from."""
+    def fix(key: str, requirement: str) -> str:
         parts = key.split(".")
         if len(parts) > 2 and parts[1] in GROUPS:
             return f"set {'.'.join(parts[2:])} {requirement} in conf/{parts[1]}/{composed[parts[1]]['name']}.yaml"
         return f"set {key} {requirement} in params.yaml (or in conf/preset/{preset}.yaml)"
+    return fix
 
-    branch = composed["branch"]
-    cfg = validate(BRANCHES[branch], composed, branch, fix_for)
-    errors = maxtext_errors(cfg, fix_for)
-    if errors:
-        raise errors[0]
-    return cfg
+
+def check_branch(composed: dict, preset: str) -> SftBranch:
+    """Check a composed branch (plain dicts): every section's keys, types and ranges, then the combinations.
+
+    Keys are named ``<branch>.<section>.<key>``; the fix says where to set them (:func:`fix_for`). The
+    values passed to MaxText are checked against MaxText's own types by :mod:`mtpipe.pipeline.maxtext_check`
+    (``configure``, preflight and the VM checks run it; a stage, which only loads its view, does not).
+    """
+    return validate(BRANCHES[composed["branch"]], composed, composed["branch"], fix_for(composed, preset))
 
 
 def check_params(params: dict) -> None:

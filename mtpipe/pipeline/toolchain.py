@@ -35,7 +35,7 @@ LAPTOP_LOCK = ROOT / "requirements.lock"
 TOOLCHAIN = frozenset({
     "maxtext", "jax", "jaxlib", "libtpu", "orbax-checkpoint", "tensorstore", "flax", "optax", "qwix",
     "google-tunix", "grain", "datasets", "pyarrow", "transformers", "tokenizers", "sentencepiece",
-    "safetensors", "huggingface-hub", "numpy", "ml-dtypes",
+    "safetensors", "huggingface-hub", "numpy", "ml-dtypes", "scipy", "lm-eval",
 })
 EXTRAS = {"maxtext": "tpu"}  # the extra whose requirements count (mtpipe.cloud.locks.LAPTOP_MAXTEXT_EXTRA)
 PIN = re.compile(r"^([A-Za-z0-9_.\-]+)==([^\s;\\]+)", re.M)
