@@ -277,3 +277,58 @@ def test_spot_needs_no_reservation(fake: FakeCompute, repo: Path,
     assert fake.calls("GET", "/machineTypes/ct6e-standard-8t")
     assert not [r for r in fake.requests if "/reservations/" in r.path]
     assert fake.inserts() == [] and not fake.firewalls
+
+
+QUOTA_MESSAGE = "Quota 'TPUS_V6E_PER_PROJECT_PER_ZONE' exceeded. Limit: 0.0 in region us-east5."
+
+
+@pytest.mark.cloud_contract
+@pytest.mark.parametrize("failure", [("http", 403, "quotaExceeded", QUOTA_MESSAGE),
+                                     ("operation", "QUOTA_EXCEEDED", QUOTA_MESSAGE)], ids=["403", "operation"])
+def test_quota_is_told_apart_from_permission(fake: FakeCompute, failure: tuple) -> None:
+    """Compute answers quota exhaustion with 403 (or a QUOTA_EXCEEDED operation) as it answers a missing
+    role: the error names the quota and where to raise it, not IAM roles."""
+    cfg = vm.load_config()
+    compute = gcp.Compute(cfg.project, cfg.zone)
+    fake.insert_failures.append(failure)
+    with pytest.raises(gcp.GcpError) as err:
+        compute.create_instance(gcp.instance_body(cfg, cfg.name, KEY, {}))
+    assert "quota exceeded" in str(err.value) and "TPUS_V6E_PER_PROJECT_PER_ZONE" in str(err.value)
+    assert "iam-admin/quotas?project=proj-1" in str(err.value) and "roles/" not in str(err.value)
+    fake.insert_failures.append(("http", 403, "forbidden", "Required 'compute.instances.create' permission"))
+    with pytest.raises(gcp.GcpError, match="permission denied.*roles/compute.admin"):
+        compute.create_instance(gcp.instance_body(cfg, cfg.name, KEY, {}))
+
+
+STOCKOUT = ("operation", "ZONE_RESOURCE_POOL_EXHAUSTED",
+            "The zone 'projects/proj-1/zones/us-east5-b' does not have enough resources available to fulfill "
+            "the request. Try a different zone, or try again later.")
+
+
+@pytest.mark.cloud_contract
+def test_a_stockout_is_retried_then_the_vm_is_created(fake: FakeCompute, capsys: pytest.CaptureFixture) -> None:
+    from mtpipe.cloud.lifecycle import VmLifecycle
+
+    cfg = vm.load_config()
+    cfg.stockout.first_wait_s = 0.05
+    fake.insert_failures += [STOCKOUT, STOCKOUT]
+    instance = VmLifecycle(cfg, Path(".")).create_vm(KEY, {})
+    assert instance.status == "RUNNING" and len(fake.inserts()) == 3
+    assert capsys.readouterr().out.count("(stockout); trying again in") == 2
+
+
+@pytest.mark.cloud_contract
+def test_a_stockout_that_lasts_names_the_other_zones(fake: FakeCompute) -> None:
+    """After stockout.retry_for_s the error says which zones offer the machine type (the API's
+    machineTypes.aggregatedList), and no VM exists."""
+    from mtpipe.cloud.lifecycle import VmLifecycle
+
+    cfg = vm.load_config()
+    cfg.stockout.retry_for_s, cfg.stockout.first_wait_s = 0.2, 0.05
+    fake.insert_failures += [STOCKOUT] * 20
+    with pytest.raises(gcp.CapacityError, match=r"no capacity in us-east5-b.*Zones that offer ct6e-standard-8t: "
+                                                 r"europe-west4-a \(--zone=ZONE"):
+        VmLifecycle(cfg, Path(".")).create_vm(KEY, {})
+    assert len(fake.inserts()) >= 2 and not fake.instances
+    (listing,) = fake.calls("GET", "/projects/proj-1/aggregated/machineTypes")
+    assert "name+%3D+ct6e-standard-8t" in listing.path or "name%20%3D%20ct6e-standard-8t" in listing.path

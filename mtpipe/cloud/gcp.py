@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -33,8 +34,33 @@ class GcpError(RuntimeError):
     """A Compute Engine failure, worded for the user (what failed and how to fix it)."""
 
 
+QUOTA_NAME = re.compile(r"Quota '([^']+)' exceeded")
+QUOTA_REASONS = {"quotaExceeded", "rateLimitExceeded", "QUOTA_EXCEEDED"}
+STOCKOUT_CODES = {"ZONE_RESOURCE_POOL_EXHAUSTED", "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS"}
+
+
+class CapacityError(GcpError):
+    """The zone has no free machine of this type now (a stockout): the same request may work later."""
+
+
+def quota_problem(action: str, message: str, project: str | None) -> GcpError:
+    """A quota error that names the quota and where to raise it (Compute answers 403, or an operation
+    error QUOTA_EXCEEDED, for quota as well as for permissions)."""
+    found = QUOTA_NAME.search(message)
+    name = found.group(1) if found else "the quota in the message"
+    where = f"https://console.cloud.google.com/iam-admin/quotas?project={project}" if project else \
+        "the Cloud console's IAM & Admin > Quotas page"
+    return GcpError(f"{action}: quota exceeded ({message}); request more {name} at {where} (filter by "
+                    f"{name}), or use another region or a reservation")
+
+
+def _is_quota(error: gexc.GoogleAPICallError) -> bool:
+    reasons = {e.get("reason") for e in error.errors or [] if isinstance(e, dict)} | {error.reason}
+    return bool(reasons & QUOTA_REASONS) or QUOTA_NAME.search(error.message or "") is not None
+
+
 @contextlib.contextmanager
-def explained(action: str) -> Iterator[None]:
+def explained(action: str, project: str | None = None) -> Iterator[None]:
     """Turn google.auth / google.api_core errors raised while doing `action` into GcpError."""
     try:
         yield
@@ -47,6 +73,8 @@ def explained(action: str) -> Iterator[None]:
         raise GcpError(f"{action}: Google rejected the credentials ({e.message}); "
                        f"{CREDENTIALS_FIX}") from e
     except gexc.Forbidden as e:
+        if _is_quota(e):
+            raise quota_problem(action, e.message, project) from e
         raise GcpError(
             f"{action}: permission denied ({e.message}); grant roles/compute.admin (or "
             "roles/compute.editor) and roles/iam.serviceAccountUser on the project") from e
@@ -157,6 +185,14 @@ class Compute:
             except gexc.NotFound:
                 return None
 
+    def zones_offering(self, name: str) -> list[str]:
+        """Every zone of the project that offers machine type ``name`` (machineTypes.aggregatedList)."""
+        with explained(f"listing the zones that offer {name}", self.project):
+            pages = self.machine_types.aggregated_list(request=compute_v1.AggregatedListMachineTypesRequest(
+                project=self.project, filter=f"name = {name}"))
+            return sorted(scope.removeprefix("zones/") for scope, listed in pages
+                          if any(t.name == name for t in listed.machine_types))
+
     def get_reservation(self, name: str) -> compute_v1.Reservation | None:
         with explained(f"reading reservation {name} in {self.zone}"):
             try:
@@ -174,7 +210,7 @@ class Compute:
     def create_instance(self, body: dict) -> compute_v1.Instance:
         """Insert the VM and wait until the operation is DONE; return the instance."""
         name = body["name"]
-        with explained(f"creating VM {name}"):
+        with explained(f"creating VM {name}", self.project):
             op = self.instances.insert(project=self.project, zone=self.zone,
                                        instance_resource=compute_v1.Instance(body))
             self._wait(op.name, f"creating VM {name}", zonal=True)
@@ -254,7 +290,12 @@ class Compute:
             if time.monotonic() > deadline:
                 raise GcpError(f"{what}: operation {operation} not DONE after {self.timeout_s} s; "
                                "check the Cloud console, then rerun")
+        codes = {e.code for e in op.error.errors}
         errors = [f"{e.code}: {e.message}" for e in op.error.errors]
+        if codes & STOCKOUT_CODES:
+            raise CapacityError(f"{what}: no capacity in {self.zone} now ({'; '.join(errors)})")
+        if codes & QUOTA_REASONS:
+            raise quota_problem(what, "; ".join(errors), self.project)
         if errors:
             raise GcpError(f"{what} failed: {'; '.join(errors)}")
 

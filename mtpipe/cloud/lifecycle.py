@@ -21,14 +21,17 @@ from typing import Any, Protocol
 from omegaconf import DictConfig, OmegaConf
 
 from mtpipe.cloud import vm, vm_checks
-from mtpipe.cloud.gcp import Compute
+from mtpipe.cloud.gcp import CapacityError, Compute
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import preflight as preflight_checks
+
+STOCKOUT_MAX_WAIT_S = 300  # the longest wait between two inserts during a stockout
 
 
 class Provider(Protocol):
     """What the lifecycle needs from a cloud. Instances have ``status`` (``RUNNING`` while usable)
-    and ``creation_timestamp`` (ISO 8601); each call waits until the cloud has done it."""
+    and ``creation_timestamp`` (ISO 8601); each call waits until the cloud has done it. ``create_vm``
+    raises :class:`mtpipe.cloud.gcp.CapacityError` when the zone has no such machine free now."""
 
     def get_instance(self, name: str) -> Any | None: ...
     def create_vm(self, cfg: DictConfig, public_key: str, labels: dict[str, str]) -> Any: ...
@@ -38,6 +41,7 @@ class Provider(Protocol):
     def delete_firewall(self, name: str) -> bool: ...
     def address(self, instance: Any) -> str | None: ...
     def describe(self, instance: Any) -> tuple[str, str, int]: ...
+    def zones_offering(self, machine_type: str) -> list[str]: ...
 
 
 def compute_engine(cfg: DictConfig) -> Provider:
@@ -146,12 +150,33 @@ class VmLifecycle:
                 "NO time limit (max_run_duration_s: 0): `doit vm_down` when done."))
         cloud.open_ssh(cfg)
         try:
-            instance = cloud.create_vm(cfg, public_key, labels)
+            instance = self.create_vm(public_key, labels)
         except BaseException:
             cloud.delete_firewall(cfg.firewall.name)
             raise
         vm.vm_started(state, cfg, instance.creation_timestamp)
         return instance
+
+    def create_vm(self, public_key: str, labels: dict[str, str]) -> Any:
+        """Create the VM; on a stockout, retry with doubling waits for ``stockout.retry_for_s``, then fail
+        naming the other zones that offer the machine type (SkyPilot's managed jobs do the same)."""
+        cfg, cloud = self.cfg, self.cloud
+        deadline, wait = time.monotonic() + cfg.stockout.retry_for_s, cfg.stockout.first_wait_s
+        while True:
+            try:
+                return cloud.create_vm(cfg, public_key, labels)
+            except CapacityError as err:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    others = [z for z in cloud.zones_offering(cfg.machine_type) if z != cfg.zone]
+                    raise CapacityError(
+                        f"{err}; retried for {cfg.stockout.retry_for_s:g} s. Zones that offer {cfg.machine_type}: "
+                        f"{', '.join(others) or 'none besides this one'} (--zone=ZONE; a reservation there, or "
+                        "provisioning: spot, or raise stockout.retry_for_s in conf/vm.yaml)") from None
+                _say(f"no {cfg.machine_type} free in {cfg.zone} now (stockout); trying again in "
+                     f"{min(wait, left):.0f} s (for {left:.0f} s more: stockout.retry_for_s)")
+                time.sleep(min(wait, left))
+                wait = min(wait * 2, STOCKOUT_MAX_WAIT_S)
 
     def _connect(self, state: dict, instance: Any, created: bool) -> vm.Remote:
         """Record the VM in the state file, wait until its sshd takes our key (pinning its host key)."""

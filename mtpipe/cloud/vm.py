@@ -91,6 +91,11 @@ class Run(Section):
     secrets: list[str]
 
 
+class Stockout(Section):
+    retry_for_s: Annotated[float, Ge(0), KEEP_INT]   # how long to retry the insert; 0: fail at once
+    first_wait_s: Annotated[float, Gt(0), KEEP_INT]  # the first wait, doubled each time (at most 300 s)
+
+
 class VmConfig(Section):
     """conf/vm.yaml as :func:`load_config` assembles it (the file's comments say what each key does).
 
@@ -112,6 +117,7 @@ class VmConfig(Section):
     labels: dict[str, str]
     price_per_hour_usd: dict[str, Any]     # provisioning -> USD per hour, checked below
     max_recoveries: int
+    stockout: Stockout
     operation_timeout_s: Seconds
     recreate: bool
     remote_probe_timeout_s: Seconds

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 PREFIX = "/compute/v1/projects/"
 
@@ -57,6 +57,9 @@ class FakeCompute:
     machine_types: dict[str, set[str]] = field(default_factory=lambda: {
         zone: {"ct6e-standard-8t", "n2-standard-8"} for zone in ("us-east5-b", "europe-west4-a")})
     nat_ip: str = "127.0.0.1"
+    # What the next inserts answer instead of creating the VM, first one first: ("http", status,
+    # reason, message) for a refused request, ("operation", code, message) for an operation that fails.
+    insert_failures: list[tuple] = field(default_factory=list)
     url: str = ""
     requests: list[Recorded] = field(default_factory=list)
     instances: dict[tuple[str, str, str], dict] = field(default_factory=dict)
@@ -100,7 +103,8 @@ class FakeCompute:
 
     # --------------------------------------------------------- request handling
 
-    def handle(self, method: str, path: str, body: dict) -> tuple[int, dict]:
+    def handle(self, method: str, url: str, body: dict) -> tuple[int, dict]:
+        path = urlsplit(url).path
         parts = path[len(PREFIX):].split("/") if path.startswith(PREFIX) else []
         with self.lock:
             match parts:
@@ -108,6 +112,8 @@ class FakeCompute:
                     return self._insert_instance(project, zone, body)
                 case [project, "zones", zone, "instances", name]:
                     return self._instance(method, project, zone, name)
+                case [project, "aggregated", "machineTypes"] if method == "GET":
+                    return 200, self._aggregated_machine_types(url)
                 case [project, "zones", zone, "machineTypes", name] if method == "GET":
                     if name not in self.machine_types.get(zone, set()):
                         return _error(404, f"The resource 'projects/{project}/zones/{zone}/"
@@ -125,7 +131,23 @@ class FakeCompute:
                     return 200, self._advance(op)
         return _error(404, f"unknown path {path}")
 
+    def _aggregated_machine_types(self, url: str) -> dict:
+        """machineTypes.aggregatedList with a ``name = X`` filter: the zones offering X."""
+        wanted = parse_qs(urlsplit(url).query).get("filter", [""])[0].removeprefix("name = ").strip()
+        return {"kind": "compute#machineTypeAggregatedList", "items": {
+            f"zones/{zone}": {"machineTypes": [{"name": wanted, "zone": zone}]} if wanted in types else
+            {"warning": {"code": "NO_RESULTS_ON_PAGE", "message": "no results"}}
+            for zone, types in sorted(self.machine_types.items())}}
+
     def _insert_instance(self, project: str, zone: str, body: dict) -> tuple[int, dict]:
+        if self.insert_failures:
+            kind, *what = self.insert_failures.pop(0)
+            if kind == "http":
+                status, reason, message = what
+                return status, {"error": {"code": status, "message": message,
+                                          "errors": [{"message": message, "domain": "global", "reason": reason}]}}
+            code, message = what
+            return 200, self._operation(project, zone, error=message, code=code)
         key = (project, zone, body["name"])
         if key in self.instances:
             return _error(409, f"The resource 'projects/{project}/zones/{zone}/instances/"
@@ -201,14 +223,15 @@ class FakeCompute:
             return 200, self._operation(project, None, done=lambda: self.firewalls.pop(key, None))
         return 200, self.firewalls[key]
 
-    def _operation(self, project: str, zone: str | None, done=None, error: str = "") -> dict:
+    def _operation(self, project: str, zone: str | None, done=None, error: str = "",
+                   code: str = "RESOURCE_NOT_FOUND") -> dict:
         name = f"operation-{next(self._ids)}"
         where = f"zones/{zone}" if zone else "global"
         op = {"kind": "compute#operation", "name": name, "status": "PENDING",
               "selfLink": f"{self.url}{PREFIX}{project}/{where}/operations/{name}"}
         if zone:
             op["zone"] = zone
-        self.operations[name] = {"op": op, "done": done, "error": error}
+        self.operations[name] = {"op": op, "done": done, "error": error, "code": code}
         return dict(op)
 
     def _advance(self, name: str) -> dict:
@@ -220,8 +243,8 @@ class FakeCompute:
         elif op["status"] == "RUNNING":
             op["status"] = "DONE"
             if entry["error"]:
-                op["error"] = {"errors": [{"code": "RESOURCE_NOT_FOUND", "message": entry["error"]}]}
-                op["httpErrorStatusCode"] = 404
+                op["error"] = {"errors": [{"code": entry["code"], "message": entry["error"]}]}
+                op["httpErrorStatusCode"] = 404 if entry["code"] == "RESOURCE_NOT_FOUND" else 503
             elif entry["done"]:
                 entry["done"]()
         return dict(op)
@@ -245,7 +268,7 @@ def _handler(fake: FakeCompute) -> type[BaseHTTPRequestHandler]:
                 code, out = 400, {"error": "invalid_grant",
                                   "error_description": "Token has been expired or revoked."}
             else:
-                code, out = fake.handle(self.command, path, json.loads(raw) if raw else {})
+                code, out = fake.handle(self.command, self.path, json.loads(raw) if raw else {})
             data = json.dumps(out).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json; charset=UTF-8")
