@@ -5,6 +5,7 @@
     doit vm_run [--set=steps=2000 ...] [--exp-name NAME] [--target STAGE] [--keep] [--down] [--recreate]
                 [--queue --set=steps=500 --set=steps=1000 ...] [--provisioning spot]
     doit vm_setup        doit vm_status       doit vm_shell        doit vm_down
+    doit publish --exp NAME --repo ORG/NAME [--branch rl|sft] [--public]   (HF_TOKEN: a write token)
 
 vm_run creates and sets up the VM itself when needed; each run is a DVC experiment (`dvc exp show`);
 a VM lost during the run (Spot preemption) is replaced up to `max_recoveries` times.
@@ -16,6 +17,7 @@ This file only declares the tasks and their options; the VM's life is mtpipe/clo
 from __future__ import annotations
 
 import functools
+import os
 import subprocess
 import sys
 import tempfile
@@ -29,6 +31,7 @@ from doit.exceptions import TaskFailed
 from mtpipe.cloud import vm
 from mtpipe.cloud.gcp import GcpError
 from mtpipe.cloud.lifecycle import VmLifecycle, spend_line
+from mtpipe.data import publish as hub_publish
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import preflight as preflight_checks
 
@@ -205,5 +208,32 @@ def task_preflight() -> dict:
         "actions": [preflight],
         "params": [{"name": "set", "long": "set", "type": list, "default": [],
                     "help": "params override as `dvc exp run -S`: --set=sft.preset=NAME (repeatable)"}],
+        "verbosity": 2,
+    }
+
+
+# ---------------------------------------------------------------- publish
+
+
+@_task_action
+def publish(exp: str | None, repo: str | None, branch: str, public: bool) -> None:
+    """An experiment's export to the Hugging Face Hub with its model card (mtpipe/data/publish.py)."""
+    if not exp or not repo:
+        raise ConfigError("--exp/--repo", "both are needed", "doit publish --exp NAME --repo ORG/NAME")
+    print(hub_publish.publish(vm.repo_root(), exp, repo, branch, private=not public,
+                              endpoint=os.environ.get("HF_ENDPOINT")))
+
+
+def task_publish() -> dict:
+    """Upload an experiment's exported model to the Hub (private), with its lineage and scores."""
+    return {
+        "actions": [publish],
+        "params": [
+            {"name": "exp", "long": "exp", "type": str, "default": None, "help": "the experiment (dvc exp show)"},
+            {"name": "repo", "long": "repo", "type": str, "default": None, "help": "the Hub repo, ORG/NAME"},
+            {"name": "branch", "long": "branch", "type": str, "default": "rl", "help": "rl or sft"},
+            {"name": "public", "long": "public", "type": bool, "default": False,
+             "help": "a public repo (default: private)"},
+        ],
         "verbosity": 2,
     }
