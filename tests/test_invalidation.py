@@ -47,7 +47,8 @@ def test_noop_repro_runs_no_stage(pipeline_repo):
         (lambda p: p.update(steps=7), {"train_sft@sft"}),
         (lambda p: p["sft"]["train_sft"].update(learning_rate=5e-4), {"train_sft@sft"}),
         (lambda p: p["sft"]["to_huggingface"].update(weight_dtype="bfloat16"), {"to_huggingface@sft"}),
-        (lambda p: p["sft"].update(dataset="ultrachat-200k"), {"hf_download@sft", "train_sft@sft"}),
+        (lambda p: p["sft"].update(dataset="ultrachat-200k"),
+         {"hf_download@sft", "train_sft@sft", "evaluate_base@sft", "evaluate@sft"}),  # the test split moves too
         (lambda p: p["sft"].update(to_maxtext={"checkpoint_storage": "ocdbt"}), {"to_maxtext@sft"}),
         (lambda p: p["rl"]["train_rl"].update(num_batches=9), {"train_rl"}),
     ],
@@ -130,11 +131,12 @@ def test_a_code_change_reruns_the_stages_that_run_it(pipeline_repo, path, old, n
 
 
 
-def test_exp_run_steps_as_typed_reruns_only_training_and_export(pipeline_repo):
+def test_exp_run_steps_as_typed_reruns_only_training_export_and_evaluation(pipeline_repo):
+    """The base model's score (evaluate_base@sft) is not computed again: only the trained one's."""
     base_steps = json.loads((pipeline_repo / "metrics/sft/train_sft.json").read_text())["steps"]
     try:
         out = dvc(pipeline_repo, "exp", "run", "-S", f"steps={base_steps + 10}").stdout
-        assert reproduced_stages(out) == {"configure", "train_sft@sft", "to_huggingface@sft"}, out
+        assert reproduced_stages(out) == {"configure", "train_sft@sft", "to_huggingface@sft", "evaluate@sft"}, out
         metrics = json.loads((pipeline_repo / "metrics/sft/train_sft.json").read_text())
         assert metrics["steps"] == base_steps + 10
         shown = dvc(pipeline_repo, "exp", "show", "--json").stdout
