@@ -149,9 +149,9 @@ def test_full_cycle(project_world: Env, pipeline_repo: Path) -> None:
     vm_repo = w.sshd.home / "mtpipe"
     head = sh(["git", "rev-parse", "HEAD"], w.repo, w.env).strip()
     before = workspace(w.repo)
-    outputs.append(w.doit("vm_run", f"--set={SFT_DTYPE}=bfloat16", "--target=to_huggingface@sft",
+    outputs.append(w.doit("vm_run", f"--set={SFT_DTYPE}=bfloat16", "--target=evaluate@sft",
                           "--exp-name=sft-bf16").stdout)
-    assert ran_stages(outputs[-1]) == {"configure", "to_huggingface@sft"}, outputs[-1]
+    assert ran_stages(outputs[-1]) == {"configure", "to_huggingface@sft", "evaluate@sft"}, outputs[-1]
     assert "experiment sft-bf16" in outputs[-1] and "dvc exp apply" in outputs[-1]
     sft_metrics = json.loads((vm_repo / "metrics/sft/to_huggingface.json").read_text())
     assert workspace(w.repo) == before
