@@ -88,9 +88,11 @@ def test_a_server_that_dies_is_reported_with_its_log(tmp_path):
             pass
 
 
-def test_gsm8k_through_lm_eval_on_the_pinned_files(data, llama_server, tmp_path):
+def test_gsm8k_through_lm_eval_on_the_pinned_files(data, llama_server, tmp_path, monkeypatch):
     """The real lm-eval (gsm8k_cot_llama, chat template) against the server: its task reads the local
     test split (12 problems, offline), and the scores are lm-eval's exact-match with their intervals."""
+    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_DATASETS_CACHE", "TOKENIZERS_PARALLELISM"):
+        monkeypatch.setenv(key, "")  # gsm8k.evaluate sets them for its (stage) process: restored after the test
     files = sorted((data["gsm8k"] / "main").glob("test-*.parquet"))
     result = gsm8k.evaluate(llama_server, data["llama"], files, tmp_path, num_problems=None, num_fewshot=0,
                             max_new_tokens=8)

@@ -76,7 +76,8 @@ def project(tmp_path_factory) -> Path:
 
 def doit_publish(repo: Path, hub: HubServer, *args: str, token: str | None = TOKEN) -> subprocess.CompletedProcess:
     run_env = {**env(), "HF_ENDPOINT": hub.url, "PYTHONPATH": str(ROOT)}
-    run_env.pop("HF_TOKEN", None)
+    for key in ("HF_TOKEN", "HF_HUB_OFFLINE"):
+        run_env.pop(key, None)
     if token:
         run_env["HF_TOKEN"] = token
     return subprocess.run([sys.executable, "-m", "doit", "-f", str(ROOT / "dodo.py"), "-d", str(repo), "publish",
