@@ -8,6 +8,7 @@ trained exports)."""
 from __future__ import annotations
 
 import json
+import os
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -88,14 +89,16 @@ def test_a_server_that_dies_is_reported_with_its_log(tmp_path):
             pass
 
 
-def test_gsm8k_through_lm_eval_on_the_pinned_files(data, llama_server, tmp_path, monkeypatch):
+def test_gsm8k_through_lm_eval_on_the_pinned_files(data, llama_server, tmp_path):
     """The real lm-eval (gsm8k_cot_llama, chat template) against the server: its task reads the local
     test split (12 problems, offline), and the scores are lm-eval's exact-match with their intervals."""
-    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_DATASETS_CACHE", "TOKENIZERS_PARALLELISM"):
-        monkeypatch.setenv(key, "")  # gsm8k.evaluate sets them for its (stage) process: restored after the test
     files = sorted((data["gsm8k"] / "main").glob("test-*.parquet"))
+    keys = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_DATASETS_CACHE", "TOKENIZERS_PARALLELISM")
+    before = {key: os.environ.get(key) for key in keys}
     result = gsm8k.evaluate(llama_server, data["llama"], files, tmp_path, num_problems=None, num_fewshot=0,
                             max_new_tokens=8)
+    # lm-eval's own imports set other variables (hf_transfer); ours are back as they were
+    assert {key: os.environ.get(key) for key in keys} == before, "the offline settings leaked out"
     assert result["problems"] == 12
     for name in gsm8k.FILTERS:
         assert 0 <= result[f"{name}_accuracy"] <= 100

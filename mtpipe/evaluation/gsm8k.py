@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +27,22 @@ FILTERS = {"flexible": "flexible-extract", "strict": "strict-match"}
 Z95 = 1.959964  # two-sided 95% normal quantile
 
 
-def _offline(cache: Path) -> None:
-    """No network, and the datasets cache under the stage's work dir (lm-eval loads the parquet files)."""
-    os.environ.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(cache),
-                       "TOKENIZERS_PARALLELISM": "false"})
+@contextmanager
+def _offline(cache: Path) -> Iterator[None]:
+    """While the block runs: no network, and the datasets cache under the stage's work dir (lm-eval
+    loads the parquet files); the environment as it was afterwards."""
+    settings = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(cache),
+                "TOKENIZERS_PARALLELISM": "false"}
+    saved = {key: os.environ.get(key) for key in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def write_task(test_files: list[Path], task_dir: Path) -> None:
@@ -46,20 +60,20 @@ def write_task(test_files: list[Path], task_dir: Path) -> None:
 def evaluate(base_url: str, tokenizer_dir: Path, test_files: list[Path], work: Path, *, num_problems: int | None,
              num_fewshot: int, max_new_tokens: int) -> dict[str, Any]:
     """Score the model served at ``base_url`` on the first ``num_problems`` test problems (None: all)."""
-    _offline(work / "datasets")
-    write_task(test_files, work / "tasks")
-    from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
+    with _offline(work / "datasets"):
+        write_task(test_files, work / "tasks")
+        from lm_eval import simple_evaluate
+        from lm_eval.tasks import TaskManager
 
-    results = simple_evaluate(
-        model="local-completions",
-        model_args=f"model=mtpipe,base_url={base_url},tokenizer_backend=huggingface,tokenizer={tokenizer_dir},"
-                   "num_concurrent=1,max_retries=1",
-        tasks=[LOCAL_TASK], task_manager=TaskManager(include_path=str(work / "tasks")),
-        num_fewshot=num_fewshot, limit=num_problems, apply_chat_template=True,
-        fewshot_as_multiturn=num_fewshot > 0, gen_kwargs=f"max_gen_toks={max_new_tokens}",
-        log_samples=False, random_seed=0, numpy_random_seed=0, fewshot_random_seed=0,
-    )
+        results = simple_evaluate(
+            model="local-completions",
+            model_args=f"model=mtpipe,base_url={base_url},tokenizer_backend=huggingface,tokenizer={tokenizer_dir},"
+                       "num_concurrent=1,max_retries=1",
+            tasks=[LOCAL_TASK], task_manager=TaskManager(include_path=str(work / "tasks")),
+            num_fewshot=num_fewshot, limit=num_problems, apply_chat_template=True,
+            fewshot_as_multiturn=num_fewshot > 0, gen_kwargs=f"max_gen_toks={max_new_tokens}",
+            log_samples=False, random_seed=0, numpy_random_seed=0, fewshot_random_seed=0,
+        )
     return scores(results["results"][LOCAL_TASK], results["n-samples"][LOCAL_TASK]["effective"])
 
 
