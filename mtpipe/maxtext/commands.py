@@ -80,6 +80,7 @@ def to_maxtext(cfg: View, hf_dir: Path, out_dir: Path) -> MaxTextCommand:
         *_storage_flags(opts.checkpoint_storage),
         f"--lazy_load_tensors={opts.lazy_load_tensors}",
         f"--hf_model_path={hf_dir}",
+        *([f"--simulated_cpu_devices_count={opts.shards}"] if opts.shards else []),
         *kv(cfg.model.maxtext_overrides),
     ]
     return MaxTextCommand(TO_MAXTEXT, args, env={"JAX_PLATFORMS": "cpu"})

@@ -141,6 +141,7 @@ class ToMaxtext(Section):
     use_multimodal: bool
     lazy_load_tensors: bool
     checkpoint_storage: Literal["ocdbt", "plain"]  # plain: byte-reproducible; ocdbt: the tutorial's (random file names)
+    shards: Optional[PositiveInt]          # chunks per tensor (MaxText --simulated_cpu_devices_count; null: its 16)
 
 
 class TrainSft(Section):
