@@ -5,6 +5,9 @@
   MaxText module and arguments inside `--command` are the stage's own command (what the local
   runner would run for the same config) except the documented mapping of local paths and, for
   Pathways, MaxText's Pathways flags.
+* The same lines, the `workload list` / `workload delete` calls and the documented `xpk cluster`
+  commands read by xpk's own argument parser (the pinned release, in a side environment:
+  tests/xpk_parser.py).
 * The lifecycle against tests/fakes/fake_xpk.py (a stand-in `xpk` and `docker` on PATH) and the GCS
   emulator as the work bucket: completed, failed, restarted, out of restarts, a leftover workload
   of the same name; errors that stop the stage before any xpk or docker call; a canary HF_TOKEN
@@ -20,6 +23,7 @@ import json
 import os
 import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -27,6 +31,7 @@ import gcsfs
 import pytest
 from omegaconf import OmegaConf
 
+import xpk_parser
 from fakes.gcs_emulator import GCS_TEST_ENV
 from mtpipe.cloud import image, xpk
 from mtpipe.errors import ConfigError
@@ -35,6 +40,7 @@ from mtpipe.pipeline import config, schema
 
 pytestmark = pytest.mark.multihost
 
+ROOT = Path(__file__).resolve().parents[1]
 FAKE = Path(__file__).parent / "fakes" / "fake_xpk.py"
 BUCKET = "gs://bkt/work"
 SFT_RUN, RL_RUN = "train_sft-sft-0123456789ab", "train_rl-0123456789ab"
@@ -210,6 +216,93 @@ def test_backend_xpk_needs_its_section_and_one_process_per_host():
         schema.check_branch({**composed, "hardware": {**composed["hardware"], "xpk": None}}, "p")
     with pytest.raises(ConfigError, match=r"^sft.hardware.processes: is 2.*Fix: set processes: 1"):
         schema.check_branch({**composed, "hardware": {**composed["hardware"], "processes": 2}}, "p")
+
+
+# ---- the command lines as xpk's own parser reads them ---------------------------------------------
+
+@pytest.fixture(scope="session")
+def xpk_python() -> Path:
+    """The side environment with the pinned xpk, made once (about 10 s) and kept in work/xpk_env."""
+    return xpk_parser.side_env()
+
+
+def parsed_by_xpk(python: Path, lines: list[list[str]], home: Path) -> list[dict]:
+    """Each line's parsed arguments (plus the xpk function it runs); every line must parse."""
+    results = xpk_parser.parse(python, lines, home)
+    refused = [f"xpk {shlex.join(line)}\n{r['error'][-800:]}" for line, r in zip(lines, results) if not r["ok"]]
+    assert not refused, "xpk's own parser refuses:\n" + "\n\n".join(refused)
+    return [{**r["args"], "function": r["function"]} for r in results]
+
+
+@pytest.mark.cloud_contract
+def test_the_golden_command_lines_parse_with_xpks_own_parser(xpk_python, tmp_path, monkeypatch):
+    paths = make_inputs(tmp_path)
+    sft_cfg, rl_cfg = resolved("sft", "gemma3-4b-ultrachat-v6e32", "train_sft"), resolved(
+        "rl", "llama3.1-8b-gsm8k-v6e32", "train_rl")
+    sft, rl = golden(sft_cfg, sft_command(sft_cfg, paths), False), golden(rl_cfg, rl_command(rl_cfg, paths), True)
+    t = schema.Xpk(**{**FILLED, "tpu_type": "v6e-16", "num_slices": 2, "max_restarts": 0, "priority": "low",
+                      "provisioning": "reservation", "reservation": "r1", "pathways": False})
+    variants = [xpk.create_args(t, "w", "img:t", "cmd", {"A": "1"}, False, BUCKET),
+                *(xpk.create_args(t.model_copy(update={"provisioning": mode}), "w", "img:t", "cmd", {}, pathways,
+                                  BUCKET) for mode, pathways in (("spot", True), ("on-demand", False)))]
+    polls = []   # the list and delete calls the lifecycle makes, as it makes them
+    workload = xpk.Workload("xpk", t, "w", f"{BUCKET}/run", tmp_path / "log")
+    monkeypatch.setattr(workload, "xpk", lambda *args, **_: polls.append(list(args)) or
+                        subprocess.CompletedProcess(args, 0, "", ""))
+    workload.status()
+    workload.delete()
+    got = parsed_by_xpk(xpk_python, [sft, rl, *variants, *polls], tmp_path)
+
+    expected = {"cluster": "mtpipe-c", "project": "my-project", "zone": "us-east5-b", "num_slices": 1,
+                "docker_image": "REPO:sha-0123456789ab", "tpu_type": "v6e-32", "max_restarts": "3",
+                "priority": "medium"}
+    assert got[0] | expected == got[0] and got[1] | expected == got[1]
+    assert (got[0]["function"], got[0]["workload"], got[0]["command"]) == ("workload_create", "train-sft-sft-4db9e0d0",
+                                                                         sft[-1])
+    assert (got[1]["function"], got[1]["workload"], got[1]["command"]) == ("workload_create_pathways",
+                                                                         "train-rl-0123456789ab", rl[-1])
+    assert got[1]["pathways_gcs_location"] == f"{BUCKET}/pathways"
+    reservation, spot, on_demand, listing, delete = got[2:]
+    assert (reservation["reservation"], reservation["env"], reservation["num_slices"]) == ("r1", ["A=1"], 2)
+    assert spot["spot"] and spot["function"] == "workload_create_pathways" and not spot["reservation"]
+    assert on_demand["on_demand"] and on_demand["function"] == "workload_create"
+    assert (listing["function"], listing["filter_by_job"]) == ("workload_list", "w")
+    assert (delete["function"], delete["workload"], delete["cluster"]) == ("workload_delete", "w", "mtpipe-c")
+
+
+# The docs' placeholders as values xpk accepts (a cluster name is lowercase, like a Kubernetes name).
+DOC_VALUES = {"C": "mtpipe-c", "P": "my-project", "Z": "us-east5-b", "R": "my-reservation"}
+
+
+def documented_cluster_commands() -> list[tuple[str, list[str]]]:
+    """(file, argv after `xpk`) of each `xpk cluster ...` command in README.md and docs/: inline code
+    with flags, not a mention of the subcommand nor a synopsis with `...`."""
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for span in re.findall(r"`(xpk cluster [^`]+)`", path.read_text()):
+            if " --" in span and "..." not in span:
+                found.append((path.name, [DOC_VALUES.get(w, w) for w in shlex.split(span)[1:]]))
+    return found
+
+
+@pytest.mark.cloud_contract
+def test_the_documented_cluster_commands_parse_with_xpks_own_parser(xpk_python, tmp_path):
+    """The cluster a reader makes from the docs takes both workloads: `create-pathways` (GRPO's
+    `workload create-pathways` needs its CPU node pool), with the capacity flags the docs name."""
+    documented = documented_cluster_commands()
+    creates = [(name, argv) for name, argv in documented if argv[:2] == ["cluster", "create-pathways"]]
+    assert {name for name, _ in creates} >= {"README.md", "multihost.md"}, documented
+    capacity = [["--reservation", "my-reservation"], ["--spot"], ["--on-demand"]]
+    base = next(argv for name, argv in creates if name == "multihost.md")   # "with one of" the capacity flags
+    lines = [argv for _, argv in documented] + [base + flags for flags in capacity]
+    got = parsed_by_xpk(xpk_python, lines, tmp_path)
+    for (name, argv), args in zip(documented, got):
+        assert args["cluster"] == "mtpipe-c", (name, argv)
+        if argv[:2] == ["cluster", "create-pathways"]:
+            assert (args["function"], args["tpu_type"]) == ("cluster_create_pathways", "v6e-32"), (name, args)
+    assert [(a["reservation"], a["spot"], a["on_demand"]) for a in got[-3:]] == [
+        ("my-reservation", False, False), (None, True, False), (None, False, True)]
+    assert f"xpk=={xpk_parser.XPK_VERSION}" in (ROOT / "docs" / "multihost.md").read_text()
 
 
 # ---- the lifecycle against the fake xpk ----------------------------------------------------------

@@ -108,7 +108,7 @@ class Xpk(Section):
     ``null`` in cluster, project, zone, docker_image (and reservation, with provisioning: reservation)
     is a placeholder: the training stage names it with the fix before it submits anything."""
 
-    cluster: Optional[K8sName]             # the GKE cluster `xpk cluster create` made
+    cluster: Optional[K8sName]             # the GKE cluster `xpk cluster create-pathways` made
     project: Optional[str]
     zone: Optional[str]
     docker_image: Optional[str]            # repository without tag, e.g. us-docker.pkg.dev/P/REPO/mtpipe

@@ -11,6 +11,11 @@ migrates, a RESERVATION_BOUND VM without a specific reservation. :meth:`FakeComp
 what a Spot preemption does: the instance is TERMINATED, or deleted (termination action DELETE).
 `POST /token` answers like an OAuth server refusing an expired refresh token. Every request is
 recorded (method, path, Host header, headers, body) so tests can check what was sent and to whom.
+
+Every request under /compute/v1/ is first checked against Google's discovery document and every
+answer after (tests/fakes/discovery.py, ``FakeCompute.contract``): a request Compute would refuse
+gets Compute's 400 (or 404) without reaching the fake, an answer Compute would never give becomes a
+500, and :func:`running_fake` fails the test that left either behind.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
+from fakes.discovery import Contract
+
 PREFIX = "/compute/v1/projects/"
 
 
@@ -35,6 +42,7 @@ class Recorded:
     host: str
     headers: dict[str, str]
     body: str
+    api_method: str = ""   # the discovery method it resolved to, e.g. compute.instances.insert
 
     def json(self) -> dict:
         return json.loads(self.body)
@@ -65,6 +73,7 @@ class FakeCompute:
     instances: dict[tuple[str, str, str], dict] = field(default_factory=dict)
     firewalls: dict[tuple[str, str], dict] = field(default_factory=dict)
     operations: dict[str, dict] = field(default_factory=dict)
+    contract: Contract = field(default_factory=Contract)
     lock: threading.Lock = field(default_factory=threading.Lock)
     _ids: Iterator[int] = field(default_factory=lambda: itertools.count(1000))
 
@@ -154,11 +163,15 @@ class FakeCompute:
                                f"{body['name']}' already exists")
         scheduling, affinity = body.get("scheduling") or {}, body.get("reservationAffinity") or {}
         model = scheduling.get("provisioningModel", "STANDARD")
+        # Spot VMs neither restart nor migrate (Compute Engine docs, "Create and use Spot VMs":
+        # https://cloud.google.com/compute/docs/instances/create-use-spot)
         if model == "SPOT" and (scheduling.get("automaticRestart", True)
                                 or scheduling.get("onHostMaintenance") != "TERMINATE"):
             return _error(400, "Invalid value for field 'resource.scheduling': Spot VMs require "
                                "automaticRestart false and onHostMaintenance TERMINATE")
         specific = affinity.get("consumeReservationType") == "SPECIFIC_RESERVATION"
+        # A RESERVATION_BOUND VM runs in the specific reservation it names (Compute Engine docs, "About
+        # reservation-bound VMs"); the converse, STANDARD refused with a specific reservation, is this fake's
         if (model == "RESERVATION_BOUND") != specific:
             return _error(400, "Invalid value for field 'resource.scheduling.provisioningModel': "
                                f"{model} with reservation affinity {affinity or 'none'}")
@@ -261,14 +274,20 @@ def _handler(fake: FakeCompute) -> type[BaseHTTPRequestHandler]:
         def _serve(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(length).decode() if length else ""
-            fake.requests.append(Recorded(self.command, self.path, self.headers.get("Host", ""),
-                                          dict(self.headers), raw))
+            recorded = Recorded(self.command, self.path, self.headers.get("Host", ""), dict(self.headers), raw)
+            fake.requests.append(recorded)
             path = urlsplit(self.path).path
             if path == "/token":   # an OAuth token endpoint refusing an expired refresh token
                 code, out = 400, {"error": "invalid_grant",
                                   "error_description": "Token has been expired or revoked."}
             else:
-                code, out = fake.handle(self.command, self.path, json.loads(raw) if raw else {})
+                method, refusal = fake.contract.request(self.command, self.path, raw)
+                if method is None:
+                    code, out = refusal
+                else:
+                    recorded.api_method = method.id
+                    code, out = fake.contract.answer(
+                        method, *fake.handle(self.command, self.path, json.loads(raw) if raw else {}))
             data = json.dumps(out).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json; charset=UTF-8")
@@ -294,6 +313,7 @@ def running_fake(fake: FakeCompute | None = None) -> Iterator[FakeCompute]:
     thread.start()
     try:
         yield fake
+        fake.contract.check()   # on leaving the with-block normally (a fixture's teardown included)
     finally:
         server.shutdown()
         server.server_close()
