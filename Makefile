@@ -24,7 +24,16 @@ $(VENV)/.installed: requirements.lock pyproject.toml
 	$(BIN)/python -m pip check
 	@touch $@
 
+# configure and make_embedded first, then the two branches side by side, one per core (--downstream:
+# each checks its own stages only, so neither locks the shared ones); DVC lets go of its repo lock
+# while a stage's command runs (--wait-for-lock: while the other branch records a stage). The last
+# `dvc repro` checks that nothing is left to run.
 demo: $(VENV)/.installed
+	dvc repro make_embedded
+	set -o pipefail; \
+	  (dvc --wait-for-lock repro --downstream hf_download@sft 2>&1 | sed -u 's/^/[sft] /') & sft=$$!; \
+	  (dvc --wait-for-lock repro --downstream hf_download@rl 2>&1 | sed -u 's/^/[rl]  /'); rl=$$?; \
+	  wait $$sft && test $$rl = 0
 	dvc repro
 	dvc metrics show
 	dvc plots show --out dvc_plots >/dev/null && echo "loss curves: dvc_plots/index.html"

@@ -58,7 +58,10 @@ def evaluate(base_url: str, tokenizer_dir: Path, test_files: list[Path], *, colu
         raise ValueError(f"no test conversation of {test_files} has two tokens: check the dataset's {column!r} column")
     mean, sd = float(np.mean(losses)), float(np.std(losses, ddof=1)) if len(losses) > 1 else 0.0
     se = sd / math.sqrt(len(losses))
-    return {"conversations": len(losses), "loss": round(mean, 5), "loss_ci95": round(Z95 * se, 5), "loss_stderr": se}
+    # rounded like the rest: the float64 forward's last bits follow the CPU's BLAS kernels, and the
+    # base model's score should be the same bytes on every machine
+    return {"conversations": len(losses), "loss": round(mean, 5), "loss_ci95": round(Z95 * se, 5),
+            "loss_stderr": round(se, 8)}
 
 
 def gain(base: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
