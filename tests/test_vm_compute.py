@@ -5,7 +5,8 @@
 * operations are waited on until DONE; 404 and 409 are "already gone" / "already there";
 * bad input (missing keys, missing or expired credentials, an unknown reservation) fails with the
   key and the fix, before anything is created (more checks before spending: test_vm_checks.py);
-* the provisioning modes (reservation, spot, on-demand): their scheduling fields and prices.
+* the provisioning modes (reservation, spot, on-demand): their scheduling fields and prices
+  (conf/prices.yaml).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import pytest
 from doit.doit_cmd import DoitMain
 from fakes.fake_compute import FakeCompute, running_fake
 
-from mtpipe.cloud import gcp, vm
+from mtpipe.cloud import gcp, prices, vm
+from mtpipe.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = {"PROJECT": "proj-1", "ZONE": "us-east5-b", "RESERVATION": "v6e-res", "NAME": "mt-test"}
@@ -237,7 +239,9 @@ def test_scheduling_per_provisioning_mode(fake: FakeCompute, mode: str,
             if k not in ("scheduling", "reservationAffinity", "labels")}
     assert instance.status == "RUNNING" and instance.scheduling.provisioning_model == scheduling[
         "provisioningModel"]
-    assert vm.price_per_hour(cfg) == {"reservation": 21.6, "spot": 4.32, "on-demand": 21.6}[mode]
+    rate = prices.vm_rate(cfg)   # 8 chips at conf/prices.yaml's v6e price; a reservation: on demand
+    assert rate.usd_per_hour == pytest.approx({"reservation": 21.6, "spot": 4.32, "on-demand": 21.6}[mode])
+    assert rate.reservation == ("v6e-res" if mode == "reservation" else None)
 
 
 @pytest.mark.preemption
@@ -253,8 +257,6 @@ def test_on_demand_without_time_limit_has_no_termination_action(fake: FakeComput
     (["--provisioning=spotty"], "",
      "vm.provisioning: 'spotty' is not one of reservation, spot, on-demand. Fix: pass "
      "--provisioning=spot"),
-    (["--provisioning=spot"], "price_per_hour_usd: {spot: cheap}\n",
-     "vm.price_per_hour_usd.spot: is 'cheap', not a price"),
     ([], "max_recoveries: -1\n", "vm.max_recoveries: is negative"),
 ])
 def test_bad_provisioning_settings_fail_before_any_request(
@@ -264,6 +266,23 @@ def test_bad_provisioning_settings_fail_before_any_request(
     rc, out = doit(repo, "vm_up", *args)
     assert rc != 0 and message in out, out
     assert fake.requests == []
+
+
+@pytest.mark.cloud_contract
+def test_the_price_table_is_checked_and_dated(tmp_path: Path) -> None:
+    """conf/prices.yaml: per-chip prices with their date and source; a bad value names its key."""
+    v6e = prices.load().tpu.v6e
+    on_demand, spot = v6e.per_chip_hour.on_demand, v6e.per_chip_hour.spot
+    assert v6e.machine_family == "ct6e" and (on_demand.usd, spot.usd) == (2.70, 0.54)
+    assert all(p.as_of and p.source.startswith("https://cloud.google.com/") for p in (on_demand, spot))
+    assert prices.tpu_chips("ct6e-standard-8t") == ("ct6e", 8)
+    bad = tmp_path / "prices.yaml"
+    bad.write_text(prices.PRICES.read_text().replace("usd: 0.54", "usd: cheap"))
+    with pytest.raises(ConfigError, match=r"^prices.tpu.v6e.per_chip_hour.spot.usd: "):
+        prices.load(bad)
+    bad.write_text(prices.PRICES.read_text().replace("      spot:", "      reservation:"))
+    with pytest.raises(ConfigError, match=r"^prices.tpu.v6e.per_chip_hour.reservation: is not a key"):
+        prices.load(bad)
 
 
 @pytest.mark.preemption

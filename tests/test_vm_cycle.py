@@ -110,7 +110,8 @@ def test_full_cycle(project_world: Env, pipeline_repo: Path) -> None:
     w = project_world
     outputs = []
     outputs.append(w.doit("vm_up").stdout)
-    assert "21.60 USD per hour" in outputs[0] and "after 4 h" in outputs[0]
+    assert "paid by reservation v6e-res's commitment (on-demand equivalent 21.60 USD/h)" in outputs[0]
+    assert "Compute deletes it after 4 h" in outputs[0]
     inst = w.instance()
     assert inst and inst["status"] == "RUNNING"
     state = json.loads((w.repo / ".vm_state.json").read_text())

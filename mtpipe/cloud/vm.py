@@ -23,8 +23,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -34,6 +33,7 @@ from annotated_types import Ge, Gt, Le
 from omegaconf import DictConfig, OmegaConf
 from pydantic import model_validator
 
+from mtpipe.cloud import prices
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline.schema import KEEP_INT, PositiveInt, Section, validate
 
@@ -116,7 +116,6 @@ class VmConfig(Section):
     scopes: list[str]
     max_run_duration_s: int                # 0 disables it
     labels: dict[str, str]
-    price_per_hour_usd: dict[str, Any]     # provisioning -> USD per hour, checked below
     max_recoveries: int
     stockout: Stockout
     operation_timeout_s: Seconds
@@ -137,11 +136,6 @@ class VmConfig(Section):
         if not NAME_RE.match(self.name):
             raise ConfigError("vm.name", f"{self.name!r} is not a valid VM name",
                               "use lowercase letters, digits and dashes, starting with a letter (NAME)")
-        value = _price(self.price_per_hour_usd, self.provisioning)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-            raise ConfigError(f"vm.price_per_hour_usd.{self.provisioning}", f"is {value!r}, not a price",
-                              "set price_per_hour_usd: {reservation: ..., spot: ..., on-demand: ...} "
-                              "(USD per hour of one VM) in conf/vm.yaml")
         if self.max_run_duration_s < 0:
             raise ConfigError("vm.max_run_duration_s", "is negative", "use seconds, or 0 to disable")
         if self.max_recoveries < 0:
@@ -177,6 +171,7 @@ def load_config(params: dict[str, Any] | None = None, state: dict | None = None)
         cfg.firewall.name = f"{cfg.name}-ssh"
     validate(VmConfig, OmegaConf.to_container(cfg), "vm",
              lambda key, requirement: f"set {key.removeprefix('vm.')} {requirement} in conf/vm.yaml")
+    prices.vm_rate(cfg)   # conf/prices.yaml prices this machine type in this mode
     return cfg
 
 
@@ -200,16 +195,6 @@ def check_create(cfg: DictConfig) -> None:
     require(cfg, "project", "zone", *reservation, "name")
 
 
-def _price(prices: Mapping[str, Any], provisioning: str) -> Any:
-    value = prices.get(provisioning)
-    return prices.get("on-demand") if value is None and provisioning == "reservation" else value
-
-
-def price_per_hour(cfg: DictConfig) -> float:
-    """USD per hour of one VM in `cfg.provisioning` mode (reservation: on-demand unless set)."""
-    return float(_price(cfg.price_per_hour_usd, cfg.provisioning))
-
-
 def read_state(root: Path) -> dict:
     path = root / STATE_FILE
     return json.loads(path.read_text()) if path.exists() else {}
@@ -227,10 +212,12 @@ def clear_state(root: Path) -> None:
 
 
 def vm_started(state: dict, cfg: DictConfig, created: str) -> None:
-    """Add a VM of this run to the state's ledger (`vms`): name, mode, price, creation time."""
+    """Add a VM of this run to the state's ledger (`vms`): name, mode, rate (a reservation's VM: the
+    on-demand equivalent, and the reservation that pays it), creation time."""
+    rate = prices.vm_rate(cfg)
     state.setdefault("vms", []).append({
-        "name": cfg.name, "provisioning": cfg.provisioning, "usd_per_hour": price_per_hour(cfg),
-        "created": created, "ended": None, "why": None})
+        "name": cfg.name, "provisioning": cfg.provisioning, "usd_per_hour": rate.usd_per_hour,
+        "reservation": rate.reservation, "created": created, "ended": None, "why": None})
 
 
 def vm_ended(state: dict, why: str) -> None:
@@ -240,15 +227,35 @@ def vm_ended(state: dict, why: str) -> None:
                                 why=why)
 
 
-def spend(state: dict) -> tuple[int, float, float]:
-    """VMs of this run, hours they existed (the current one until now) and their cost in USD."""
-    now = datetime.now(timezone.utc)
-    hours = usd = 0.0
+@dataclass
+class Spend:
+    """What the VMs of a run cost: ``usd`` billed for them, and the number, hours and on-demand
+    equivalent of those a reservation's commitment paid (``reservations`` names them)."""
+
+    count: int = 0
+    hours: float = 0.0
+    usd: float = 0.0
+    reserved_count: int = 0
+    reserved_hours: float = 0.0
+    reserved_usd: float = 0.0
+    reservations: set[str] = field(default_factory=set)
+
+
+def spend(state: dict) -> Spend:
+    """The run's VMs, the hours they existed (the current one until now) and their cost."""
+    now, total = datetime.now(timezone.utc), Spend()
     for entry in state.get("vms", []):
         end = datetime.fromisoformat(entry["ended"]) if entry["ended"] else now
         h = max(0.0, (end - datetime.fromisoformat(entry["created"])).total_seconds() / 3600)
-        hours, usd = hours + h, usd + h * entry["usd_per_hour"]
-    return len(state.get("vms", [])), hours, usd
+        total.count, total.hours = total.count + 1, total.hours + h
+        if entry.get("reservation"):
+            total.reserved_count += 1
+            total.reserved_hours += h
+            total.reserved_usd += h * entry["usd_per_hour"]
+            total.reservations.add(entry["reservation"])
+        else:
+            total.usd += h * entry["usd_per_hour"]
+    return total
 
 
 def repo_root() -> Path:
