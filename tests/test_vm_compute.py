@@ -6,7 +6,7 @@
 * bad input (missing keys, missing or expired credentials, an unknown reservation) fails with the
   key and the fix, before anything is created (more checks before spending: test_vm_checks.py);
 * the provisioning modes (reservation, spot, on-demand): their scheduling fields and prices
-  (conf/prices.yaml).
+  (conf/prices.yaml); each kind of reservation through vm_up: test_vm_reservations.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from doit.doit_cmd import DoitMain
-from fakes.fake_compute import FakeCompute, running_fake
+from fakes.fake_compute import FakeCompute, Reservation, running_fake
 
 from mtpipe.cloud import gcp, prices, vm
 from mtpipe.errors import ConfigError
@@ -35,6 +35,7 @@ KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE2fTTNpubliconly mtpipe"
 #   --image-family=ubuntu-accel-2204-amd64-tpu-v5e-v5p-v6e --boot-disk-size=200GB
 #   --maintenance-policy=TERMINATE --instance-termination-action=DELETE
 #   --provisioning-model=RESERVATION_BOUND --reservation-affinity=specific --reservation=v6e-res
+# (the tutorials' reservation is one a future reservation in calendar mode created)
 # plus (docs/tpu-vm.md): maxRunDuration, labels, the cloud-platform scope, our SSH public key.
 GOLDEN_INSTANCE = {
     "name": "mt-test",
@@ -113,12 +114,14 @@ def repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_insert_bodies_match_the_tutorial(fake: FakeCompute) -> None:
+    fake.reservations["v6e-res"] = Reservation(delivered_by="CALENDAR")
     cfg = vm.load_config()
     vm.check_create(cfg)
     compute = gcp.Compute(cfg.project, cfg.zone)
     assert compute.create_firewall(gcp.firewall_body(cfg, cfg.name, cfg.firewall.name))
     labels = {**cfg.labels, "mtpipe-run": "20261129-120000"}
-    instance = compute.create_instance(gcp.instance_body(cfg, cfg.name, KEY, labels))
+    instance = compute.create_instance(gcp.instance_body(cfg, cfg.name, KEY, labels,
+                                                         compute.provisioning_model(cfg)))
 
     (insert,) = fake.calls("POST", "/projects/proj-1/zones/us-east5-b/instances")
     assert drop_empty(insert.json()) == GOLDEN_INSTANCE
@@ -207,7 +210,9 @@ def test_doit_list_documents_every_task(repo: Path) -> None:
 # ---------------------------------------------------------------- provisioning modes
 
 GOLDEN_SCHEDULING = {   # the scheduling fields and reservation affinity each mode sends
-    "reservation": (GOLDEN_INSTANCE["scheduling"], GOLDEN_INSTANCE["reservationAffinity"]),
+    # an ordinary reservation (the fake's default; calendar mode is the tutorial's, above)
+    "reservation": ({**GOLDEN_INSTANCE["scheduling"], "provisioningModel": "STANDARD"},
+                    GOLDEN_INSTANCE["reservationAffinity"]),
     # gcloud ... --provisioning-model=SPOT --instance-termination-action=DELETE
     #   --maintenance-policy=TERMINATE --no-restart-on-failure
     "spot": ({"provisioningModel": "SPOT", "instanceTerminationAction": "DELETE",
@@ -225,11 +230,12 @@ def test_scheduling_per_provisioning_mode(fake: FakeCompute, mode: str,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Each mode's insert body, as sent; the fake accepts it (it refuses what Compute refuses)."""
     if mode != "reservation":
-        monkeypatch.delenv("RESERVATION")      # only a reservation-bound VM needs one
+        monkeypatch.delenv("RESERVATION")      # only a reservation's VM needs one
     cfg = vm.load_config({"provisioning": mode})
     vm.check_create(cfg)
-    instance = gcp.Compute(cfg.project, cfg.zone).create_instance(
-        gcp.instance_body(cfg, cfg.name, KEY, {"app": "mtpipe"}))
+    compute = gcp.Compute(cfg.project, cfg.zone)
+    instance = compute.create_instance(
+        gcp.instance_body(cfg, cfg.name, KEY, {"app": "mtpipe"}, compute.provisioning_model(cfg)))
     (insert,) = fake.inserts()
     body = drop_empty(insert.json())
     scheduling, affinity = GOLDEN_SCHEDULING[mode]
@@ -247,7 +253,7 @@ def test_scheduling_per_provisioning_mode(fake: FakeCompute, mode: str,
 @pytest.mark.preemption
 def test_on_demand_without_time_limit_has_no_termination_action(fake: FakeCompute) -> None:
     cfg = vm.load_config({"provisioning": "on-demand", "max_run_duration_s": 0})
-    fields, affinity = gcp.scheduling(cfg)
+    fields, affinity = gcp.scheduling(cfg, "STANDARD")
     assert fields == {"provisioning_model": "STANDARD", "on_host_maintenance": "TERMINATE",
                       "automatic_restart": False} and affinity is None
 
@@ -257,6 +263,10 @@ def test_on_demand_without_time_limit_has_no_termination_action(fake: FakeComput
     (["--provisioning=spotty"], "",
      "vm.provisioning: 'spotty' is not one of reservation, spot, on-demand. Fix: pass "
      "--provisioning=spot"),
+    ([], "reservation_model: maybe\n",
+     "vm.reservation_model: 'maybe' is not one of auto, bound, standard"),
+    (["--reservation=other/v6e-res"], "",
+     "vm.reservation: 'other/v6e-res' is neither a reservation name nor projects/PROJECT/reservations/NAME"),
     ([], "max_recoveries: -1\n", "vm.max_recoveries: is negative"),
 ])
 def test_bad_provisioning_settings_fail_before_any_request(
@@ -311,12 +321,12 @@ def test_quota_is_told_apart_from_permission(fake: FakeCompute, failure: tuple) 
     compute = gcp.Compute(cfg.project, cfg.zone)
     fake.insert_failures.append(failure)
     with pytest.raises(gcp.GcpError) as err:
-        compute.create_instance(gcp.instance_body(cfg, cfg.name, KEY, {}))
+        compute.create_instance(gcp.instance_body(cfg, cfg.name, KEY, {}, "STANDARD"))
     assert "quota exceeded" in str(err.value) and "TPUS_V6E_PER_PROJECT_PER_ZONE" in str(err.value)
     assert "iam-admin/quotas?project=proj-1" in str(err.value) and "roles/" not in str(err.value)
     fake.insert_failures.append(("http", 403, "forbidden", "Required 'compute.instances.create' permission"))
     with pytest.raises(gcp.GcpError, match="permission denied.*roles/compute.admin"):
-        compute.create_instance(gcp.instance_body(cfg, cfg.name, KEY, {}))
+        compute.create_instance(gcp.instance_body(cfg, cfg.name, KEY, {}, "STANDARD"))
 
 
 STOCKOUT = ("operation", "ZONE_RESOURCE_POOL_EXHAUSTED",

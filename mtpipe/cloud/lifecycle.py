@@ -35,6 +35,7 @@ class Provider(Protocol):
 
     def get_instance(self, name: str) -> Any | None: ...
     def create_vm(self, cfg: DictConfig, public_key: str, labels: dict[str, str]) -> Any: ...
+    def provisioning_model(self, cfg: DictConfig) -> str: ...
     def delete_instance(self, name: str) -> bool: ...
     def open_ssh(self, cfg: DictConfig) -> bool: ...
     def get_firewall(self, name: str) -> Any | None: ...
@@ -63,12 +64,16 @@ def spend_line(state: dict) -> str:
     return f"{line}: about {spent.usd:.2f} USD, and {spent.reserved_hours:.2f} h {paid}"
 
 
-def creation_line(cfg: DictConfig) -> str:
+def creation_line(cfg: DictConfig, model: str) -> str:
     """What vm_up says before creating the VM: its kind, what it costs, when Compute deletes it."""
     rate, hours = prices.vm_rate(cfg), int(cfg.max_run_duration_s) / 3600
-    kind = f"reservation {cfg.reservation}" if rate.reservation else cfg.provisioning
+    kind = f"reservation {cfg.reservation}, {model}" if rate.reservation else cfg.provisioning
     if not hours:
         limit = "NO time limit (max_run_duration_s: 0): `doit vm_down` when done."
+    elif model == "RESERVATION_BOUND":
+        limit = (f"maxRunDuration {hours:g} h is sent, but it is not known to be honoured for "
+                 "reservation-bound VMs: delete the VM with `doit vm_down` (Compute deletes it when the "
+                 "reservation ends).")
     else:
         most = "" if rate.reservation else f" (at most {hours * rate.usd_per_hour:.2f} USD)"
         limit = f"Compute deletes it after {hours:g} h{most}."
@@ -163,7 +168,7 @@ class VmLifecycle:
         public_key = vm.ssh_public_key(cfg)
         run_id = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
         labels = {**cfg.labels, "mtpipe-run": run_id, "created-by": vm.label_value(getpass.getuser())}
-        _say(creation_line(cfg))
+        _say(creation_line(cfg, cloud.provisioning_model(cfg)))
         cloud.open_ssh(cfg)
         try:
             instance = self.create_vm(public_key, labels)

@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from pydantic import model_validator
 
 from mtpipe.cloud import prices
+from mtpipe.cloud.gcp import SHARED_RESERVATION
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline.schema import KEEP_INT, PositiveInt, Section, validate
 
@@ -42,6 +43,7 @@ CONFIG_ENV = "MTPIPE_VM_CONFIG"
 ENV_KEYS = {"project": "PROJECT", "zone": "ZONE", "reservation": "RESERVATION", "name": "NAME"}
 STATE_FILE = ".vm_state.json"
 PROVISIONING = ("reservation", "spot", "on-demand")   # how the VM is paid for (conf/vm.yaml)
+RESERVATION_MODELS = ("auto", "bound", "standard")    # how a reservation's VMs are provisioned
 NAME_RE = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
@@ -105,7 +107,8 @@ class VmConfig(Section):
     project: Optional[str]
     zone: Optional[str]
     provisioning: str                      # one of PROVISIONING, checked below with the flag to pass
-    reservation: Optional[str]
+    reservation: Optional[str]             # NAME, or projects/OTHER/reservations/NAME (shared)
+    reservation_model: str                 # one of RESERVATION_MODELS, checked below
     name: str
     network: str
     machine_type: str
@@ -136,6 +139,17 @@ class VmConfig(Section):
         if not NAME_RE.match(self.name):
             raise ConfigError("vm.name", f"{self.name!r} is not a valid VM name",
                               "use lowercase letters, digits and dashes, starting with a letter (NAME)")
+        if self.reservation_model not in RESERVATION_MODELS:
+            raise ConfigError("vm.reservation_model", f"{self.reservation_model!r} is not one of "
+                              f"{', '.join(RESERVATION_MODELS)}",
+                              "set reservation_model: auto (decided from the reservation), bound or standard "
+                              "in conf/vm.yaml")
+        if self.reservation and not (NAME_RE.match(self.reservation)
+                                     or SHARED_RESERVATION.fullmatch(self.reservation)):
+            raise ConfigError("vm.reservation", f"{self.reservation!r} is neither a reservation name nor "
+                              "projects/PROJECT/reservations/NAME",
+                              "pass the name of a reservation of this project, or that form for one "
+                              "another project shares with it (RESERVATION / --reservation)")
         if self.max_run_duration_s < 0:
             raise ConfigError("vm.max_run_duration_s", "is negative", "use seconds, or 0 to disable")
         if self.max_recoveries < 0:
