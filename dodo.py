@@ -28,7 +28,7 @@ from typing import Any
 from doit import doit_cmd
 from doit.exceptions import TaskFailed
 
-from mtpipe.cloud import vm
+from mtpipe.cloud import prices, vm
 from mtpipe.cloud.gcp import GcpError
 from mtpipe.cloud.lifecycle import VmLifecycle, spend_line
 from mtpipe.data import publish as hub_publish
@@ -199,7 +199,8 @@ def task_vm_down() -> dict:
 @_task_action
 def preflight(set: list[str]) -> None:
     """AOT-compile each TPU branch's training step on this CPU; fail when one does not fit."""
-    preflight_checks.run(set, vm.price_per_hour(vm.load_config()), vm.repo_root())
+    rate = prices.vm_rate(vm.load_config())
+    preflight_checks.run(set, rate.price.usd, vm.repo_root(), price_basis=rate.per_chip())
 
 
 def task_preflight() -> dict:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mtpipe.cloud import vm  # noqa: E402
+from mtpipe.cloud import prices, vm  # noqa: E402
 from mtpipe.maxtext import preflight  # noqa: E402
 
 TUTORIALS = {"sft": "sft.preset=gemma3-4b-ultrachat-v6e8", "rl": "rl.preset=llama3.1-8b-gsm8k-v6e8"}
@@ -29,11 +29,12 @@ def main() -> int:
                         help="only this branch (repeatable; default: sft, then rl)")
     parser.add_argument("--set", action="append", default=[], help="more params overrides, KEY=VALUE")
     args = parser.parse_args()
-    rows, vm_price = [], vm.price_per_hour(vm.load_config())
+    rows, rate = [], prices.vm_rate(vm.load_config())
     for branch in args.branch or ["sft", "rl"]:
         start = time.monotonic()
         # check reports, it never raises on a misfit
-        rows += preflight.check([TUTORIALS[branch], *args.set], vm_price, branches=(branch,))
+        rows += preflight.check([TUTORIALS[branch], *args.set], rate.price.usd, branches=(branch,),
+                                price_basis=rate.per_chip())
         print(f"{branch}: preflight took {time.monotonic() - start:.0f} s", flush=True)
     print("\nfull-size tutorial presets, AOT-compiled for v6e-8 on this CPU:")
     print(preflight.table(rows))

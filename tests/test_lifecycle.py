@@ -13,7 +13,7 @@ import pytest
 from vm_world import Env
 
 from mtpipe.cloud import vm
-from mtpipe.cloud.lifecycle import VmLifecycle
+from mtpipe.cloud.lifecycle import VmLifecycle, spend_line
 
 pytestmark = pytest.mark.architecture
 KEY = ("proj-1", "us-east5-b", "mt-test")
@@ -92,3 +92,18 @@ def test_a_kept_vm_survives_a_failure(here: Env) -> None:
         life.guarded(fail)
     assert w.instance() is not None and vm.read_state(w.repo)["name"] == "mt-test"
     life.delete()
+
+
+def test_the_spend_counts_what_a_reservation_pays_apart() -> None:
+    def entry(provisioning: str, usd: float, reservation: str | None, start: int, end: int) -> dict:
+        return {"name": "mt-test", "provisioning": provisioning, "usd_per_hour": usd, "reservation": reservation,
+                "created": f"2026-12-01T0{start}:00:00+00:00", "ended": f"2026-12-01T0{end}:00:00+00:00",
+                "why": "deleted"}
+
+    reserved = entry("reservation", 21.6, "v6e-res", 0, 1)
+    assert spend_line({"vms": [reserved]}) == (
+        "this run's VMs: 1; 1.00 h in all, paid by reservation v6e-res's commitment (on-demand equivalent "
+        "21.60 USD)")
+    assert spend_line({"vms": [reserved, entry("spot", 4.32, None, 1, 3)]}) == (
+        "this run's VMs: 2, 1 of them replaced after being lost; 3.00 h in all: about 8.64 USD, and 1.00 h "
+        "paid by reservation v6e-res's commitment (on-demand equivalent 21.60 USD)")

@@ -55,9 +55,9 @@ def test_an_xpk_preset_is_compiled_for_its_slice_and_priced_per_chip() -> None:
     assert preflight.topology(cfg) == "v6e-32"
     assert "compile_topology=v6e-32" in preflight.compile_args(preflight.stage_command(cfg), preflight.topology(cfg))
     assert preflight.chip_of("v6e-32", "sft", "v6e-32")[1] == 32
-    vm_price = 21.60  # conf/vm.yaml on demand: a v6e-8 VM
-    assert preflight.usd_per_hour(8, vm_price) == pytest.approx(21.60)
-    assert preflight.usd_per_hour(32, vm_price) == pytest.approx(86.40)
+    chip_price = 2.70  # conf/prices.yaml: v6e on demand, per chip-hour
+    assert preflight.usd_per_hour(8, chip_price) == pytest.approx(21.60)   # a v6e-8 VM
+    assert preflight.usd_per_hour(32, chip_price) == pytest.approx(86.40)
     assert preflight.topology(sft_view(overrides.apply_sets(PARAMS, []))) is None  # the CPU default
 
 
@@ -79,7 +79,7 @@ def test_compile_args_are_the_stage_args_without_paths() -> None:
 
 
 def test_cpu_presets_have_nothing_to_check(root: Path, capsys: pytest.CaptureFixture) -> None:
-    assert preflight.run([], 21.60, root) == []
+    assert preflight.run([], 2.70, root) == []
     assert "no TPU to check" in capsys.readouterr().out
     assert not (root / "work" / "preflight").exists()
 
@@ -114,7 +114,7 @@ def test_a_step_too_large_for_hbm_names_the_keys_to_change() -> None:
 @pytest.mark.slow
 @pytest.mark.environment
 def test_tiny_presets_compile_for_v6e8_and_the_second_run_is_cached(root: Path, capsys: pytest.CaptureFixture) -> None:
-    rows = preflight.run(ON_V6E, 21.60, root)
+    rows = preflight.run(ON_V6E, 2.70, root)
     assert [r["branch"] for r in rows] == ["sft", "rl"]
     out = capsys.readouterr().out
     assert "HBM GiB/chip" in out and "embedded-sft" in out and "embedded-rl" in out
@@ -138,6 +138,6 @@ def test_tiny_presets_compile_for_v6e8_and_the_second_run_is_cached(root: Path, 
     assert rl["maxtext_config"]["global_batch_size_to_train_on"] == 4 * 8  # batch_size x num_generations
     assert set(rl["hbm_parts_gib"]) >= {"reference_weights", "rollout_kv_cache_min"}
     start = time.monotonic()
-    again = preflight.run(ON_V6E, 21.60, root)
+    again = preflight.run(ON_V6E, 2.70, root)
     assert time.monotonic() - start < 20 and all(r["compile_cached"] for r in again)
     assert [r["hbm_gib_per_chip"] for r in again] == [r["hbm_gib_per_chip"] for r in rows]

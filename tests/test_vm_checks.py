@@ -128,7 +128,7 @@ def test_unknown_reservation(world: World, monkeypatch: pytest.MonkeyPatch) -> N
 def test_full_reservation(world: World) -> None:
     world.fake.reservations["v6e-res"] = Reservation(count=1, in_use=1)
     out = world.doit("vm_up")
-    assert "vm.reservation: v6e-res has no free VM (1 of 1 in use)" in out
+    assert "vm.reservation: v6e-res has no free VM (1 of 1 VMs in use)" in out
     world.nothing_created()
 
 

@@ -5,7 +5,8 @@
 * operations are waited on until DONE; 404 and 409 are "already gone" / "already there";
 * bad input (missing keys, missing or expired credentials, an unknown reservation) fails with the
   key and the fix, before anything is created (more checks before spending: test_vm_checks.py);
-* the provisioning modes (reservation, spot, on-demand): their scheduling fields and prices.
+* the provisioning modes (reservation, spot, on-demand): their scheduling fields and prices
+  (conf/prices.yaml); each kind of reservation through vm_up: test_vm_reservations.py.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from pathlib import Path
 
 import pytest
 from doit.doit_cmd import DoitMain
-from fakes.fake_compute import FakeCompute, running_fake
+from fakes.fake_compute import FakeCompute, Reservation, running_fake
 
-from mtpipe.cloud import gcp, vm
+from mtpipe.cloud import gcp, prices, vm
+from mtpipe.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = {"PROJECT": "proj-1", "ZONE": "us-east5-b", "RESERVATION": "v6e-res", "NAME": "mt-test"}
@@ -33,6 +35,7 @@ KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE2fTTNpubliconly mtpipe"
 #   --image-family=ubuntu-accel-2204-amd64-tpu-v5e-v5p-v6e --boot-disk-size=200GB
 #   --maintenance-policy=TERMINATE --instance-termination-action=DELETE
 #   --provisioning-model=RESERVATION_BOUND --reservation-affinity=specific --reservation=v6e-res
+# (the tutorials' reservation is one a future reservation in calendar mode created)
 # plus (docs/tpu-vm.md): maxRunDuration, labels, the cloud-platform scope, our SSH public key.
 GOLDEN_INSTANCE = {
     "name": "mt-test",
@@ -111,12 +114,14 @@ def repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_insert_bodies_match_the_tutorial(fake: FakeCompute) -> None:
+    fake.reservations["v6e-res"] = Reservation(delivered_by="CALENDAR")
     cfg = vm.load_config()
     vm.check_create(cfg)
     compute = gcp.Compute(cfg.project, cfg.zone)
     assert compute.create_firewall(gcp.firewall_body(cfg, cfg.name, cfg.firewall.name))
     labels = {**cfg.labels, "mtpipe-run": "20261129-120000"}
-    instance = compute.create_instance(gcp.instance_body(cfg, cfg.name, KEY, labels))
+    instance = compute.create_instance(gcp.instance_body(cfg, cfg.name, KEY, labels,
+                                                         compute.provisioning_model(cfg)))
 
     (insert,) = fake.calls("POST", "/projects/proj-1/zones/us-east5-b/instances")
     assert drop_empty(insert.json()) == GOLDEN_INSTANCE
@@ -205,7 +210,9 @@ def test_doit_list_documents_every_task(repo: Path) -> None:
 # ---------------------------------------------------------------- provisioning modes
 
 GOLDEN_SCHEDULING = {   # the scheduling fields and reservation affinity each mode sends
-    "reservation": (GOLDEN_INSTANCE["scheduling"], GOLDEN_INSTANCE["reservationAffinity"]),
+    # an ordinary reservation (the fake's default; calendar mode is the tutorial's, above)
+    "reservation": ({**GOLDEN_INSTANCE["scheduling"], "provisioningModel": "STANDARD"},
+                    GOLDEN_INSTANCE["reservationAffinity"]),
     # gcloud ... --provisioning-model=SPOT --instance-termination-action=DELETE
     #   --maintenance-policy=TERMINATE --no-restart-on-failure
     "spot": ({"provisioningModel": "SPOT", "instanceTerminationAction": "DELETE",
@@ -223,11 +230,12 @@ def test_scheduling_per_provisioning_mode(fake: FakeCompute, mode: str,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Each mode's insert body, as sent; the fake accepts it (it refuses what Compute refuses)."""
     if mode != "reservation":
-        monkeypatch.delenv("RESERVATION")      # only a reservation-bound VM needs one
+        monkeypatch.delenv("RESERVATION")      # only a reservation's VM needs one
     cfg = vm.load_config({"provisioning": mode})
     vm.check_create(cfg)
-    instance = gcp.Compute(cfg.project, cfg.zone).create_instance(
-        gcp.instance_body(cfg, cfg.name, KEY, {"app": "mtpipe"}))
+    compute = gcp.Compute(cfg.project, cfg.zone)
+    instance = compute.create_instance(
+        gcp.instance_body(cfg, cfg.name, KEY, {"app": "mtpipe"}, compute.provisioning_model(cfg)))
     (insert,) = fake.inserts()
     body = drop_empty(insert.json())
     scheduling, affinity = GOLDEN_SCHEDULING[mode]
@@ -237,13 +245,15 @@ def test_scheduling_per_provisioning_mode(fake: FakeCompute, mode: str,
             if k not in ("scheduling", "reservationAffinity", "labels")}
     assert instance.status == "RUNNING" and instance.scheduling.provisioning_model == scheduling[
         "provisioningModel"]
-    assert vm.price_per_hour(cfg) == {"reservation": 21.6, "spot": 4.32, "on-demand": 21.6}[mode]
+    rate = prices.vm_rate(cfg)   # 8 chips at conf/prices.yaml's v6e price; a reservation: on demand
+    assert rate.usd_per_hour == pytest.approx({"reservation": 21.6, "spot": 4.32, "on-demand": 21.6}[mode])
+    assert rate.reservation == ("v6e-res" if mode == "reservation" else None)
 
 
 @pytest.mark.preemption
 def test_on_demand_without_time_limit_has_no_termination_action(fake: FakeCompute) -> None:
     cfg = vm.load_config({"provisioning": "on-demand", "max_run_duration_s": 0})
-    fields, affinity = gcp.scheduling(cfg)
+    fields, affinity = gcp.scheduling(cfg, "STANDARD")
     assert fields == {"provisioning_model": "STANDARD", "on_host_maintenance": "TERMINATE",
                       "automatic_restart": False} and affinity is None
 
@@ -253,8 +263,10 @@ def test_on_demand_without_time_limit_has_no_termination_action(fake: FakeComput
     (["--provisioning=spotty"], "",
      "vm.provisioning: 'spotty' is not one of reservation, spot, on-demand. Fix: pass "
      "--provisioning=spot"),
-    (["--provisioning=spot"], "price_per_hour_usd: {spot: cheap}\n",
-     "vm.price_per_hour_usd.spot: is 'cheap', not a price"),
+    ([], "reservation_model: maybe\n",
+     "vm.reservation_model: 'maybe' is not one of auto, bound, standard"),
+    (["--reservation=other/v6e-res"], "",
+     "vm.reservation: 'other/v6e-res' is neither a reservation name nor projects/PROJECT/reservations/NAME"),
     ([], "max_recoveries: -1\n", "vm.max_recoveries: is negative"),
 ])
 def test_bad_provisioning_settings_fail_before_any_request(
@@ -264,6 +276,23 @@ def test_bad_provisioning_settings_fail_before_any_request(
     rc, out = doit(repo, "vm_up", *args)
     assert rc != 0 and message in out, out
     assert fake.requests == []
+
+
+@pytest.mark.cloud_contract
+def test_the_price_table_is_checked_and_dated(tmp_path: Path) -> None:
+    """conf/prices.yaml: per-chip prices with their date and source; a bad value names its key."""
+    v6e = prices.load().tpu.v6e
+    on_demand, spot = v6e.per_chip_hour.on_demand, v6e.per_chip_hour.spot
+    assert v6e.machine_family == "ct6e" and (on_demand.usd, spot.usd) == (2.70, 0.54)
+    assert all(p.as_of and p.source.startswith("https://cloud.google.com/") for p in (on_demand, spot))
+    assert prices.tpu_chips("ct6e-standard-8t") == ("ct6e", 8)
+    bad = tmp_path / "prices.yaml"
+    bad.write_text(prices.PRICES.read_text().replace("usd: 0.54", "usd: cheap"))
+    with pytest.raises(ConfigError, match=r"^prices.tpu.v6e.per_chip_hour.spot.usd: "):
+        prices.load(bad)
+    bad.write_text(prices.PRICES.read_text().replace("      spot:", "      reservation:"))
+    with pytest.raises(ConfigError, match=r"^prices.tpu.v6e.per_chip_hour.reservation: is not a key"):
+        prices.load(bad)
 
 
 @pytest.mark.preemption
@@ -292,12 +321,12 @@ def test_quota_is_told_apart_from_permission(fake: FakeCompute, failure: tuple) 
     compute = gcp.Compute(cfg.project, cfg.zone)
     fake.insert_failures.append(failure)
     with pytest.raises(gcp.GcpError) as err:
-        compute.create_instance(gcp.instance_body(cfg, cfg.name, KEY, {}))
+        compute.create_instance(gcp.instance_body(cfg, cfg.name, KEY, {}, "STANDARD"))
     assert "quota exceeded" in str(err.value) and "TPUS_V6E_PER_PROJECT_PER_ZONE" in str(err.value)
     assert "iam-admin/quotas?project=proj-1" in str(err.value) and "roles/" not in str(err.value)
     fake.insert_failures.append(("http", 403, "forbidden", "Required 'compute.instances.create' permission"))
     with pytest.raises(gcp.GcpError, match="permission denied.*roles/compute.admin"):
-        compute.create_instance(gcp.instance_body(cfg, cfg.name, KEY, {}))
+        compute.create_instance(gcp.instance_body(cfg, cfg.name, KEY, {}, "STANDARD"))
 
 
 STOCKOUT = ("operation", "ZONE_RESOURCE_POOL_EXHAUSTED",

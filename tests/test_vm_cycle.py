@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fakes import fake_apt
 from pipeline import md5_tree, ran_stages
 from vm_world import ROOT, TOKEN, Env, assert_deleted, experiments, sh
 
@@ -109,7 +110,8 @@ def test_full_cycle(project_world: Env, pipeline_repo: Path) -> None:
     w = project_world
     outputs = []
     outputs.append(w.doit("vm_up").stdout)
-    assert "21.60 USD per hour" in outputs[0] and "after 4 h" in outputs[0]
+    assert "paid by reservation v6e-res's commitment (on-demand equivalent 21.60 USD/h)" in outputs[0]
+    assert "Compute deletes it after 4 h" in outputs[0]
     inst = w.instance()
     assert inst and inst["status"] == "RUNNING"
     state = json.loads((w.repo / ".vm_state.json").read_text())
@@ -276,6 +278,57 @@ def test_setup_failure_in_vm_run(world: Env, keep: bool) -> None:
         assert world.instance() is not None and (world.repo / ".vm_state.json").exists()
         world.doit("vm_down")
     assert_deleted(world)
+
+
+def apt_on_the_vm(w: Env, apt_root: Path, timeout_s: int, commands: list[str]) -> None:
+    """Setup commands that run `apt_get` against the apt-get stand-in (tests/fakes/fake_apt.py):
+    `sudo` runs its command as this user, the stand-in is first on PATH."""
+    bin_dir = w.sshd.home / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    (bin_dir / "apt-get").write_text(f'#!/bin/sh\nFAKE_APT_ROOT={apt_root} exec {sys.executable} '
+                                     f'{fake_apt.__file__} apt-get "$@"\n')
+    (bin_dir / "apt-get").chmod(0o755)
+    w.configure(setup__apt_lock_timeout_s=timeout_s,
+                setup__commands=['sudo() { env "$@"; }', 'export PATH="$HOME/bin:$PATH"', *commands])
+
+
+@pytest.mark.cloud_contract
+def test_setup_waits_for_the_package_lock(world: Env, tmp_path: Path) -> None:
+    """A fresh Ubuntu VM's apt-daily jobs hold apt's locks (lists, then dpkg) and apt exits 100:
+    apt_get retries `update` itself and passes DPkg::Lock::Timeout, so apt waits for the dpkg lock."""
+    w, apt_root = world, tmp_path / "apt"
+    apt_on_the_vm(w, apt_root, 30, ["apt_get update", "apt_get install -y git"])
+    w.doit("vm_up")
+    holder = fake_apt.hold(apt_root, lists_s=1, dpkg_s=7)
+    try:
+        out = w.doit("vm_setup").stdout
+    finally:
+        holder.kill()
+        holder.wait()
+    assert f"mtpipe: apt-get update: waiting for the package lock (held by process {holder.pid} (" in out
+    assert f"Waiting for cache lock: Could not get lock {apt_root}/var/lib/dpkg/lock-frontend" in out
+    assert "fake apt-get install: done" in out and "mtpipe: VM set up" in out
+    calls = [line.split() for line in (apt_root / "calls.log").read_text().splitlines()]
+    assert [c[2:] for c in calls] == [["update"], ["update"], ["install", "-y", "git"]]
+    assert all(c[0] == "-o" and 0 < int(c[1].removeprefix("DPkg::Lock::Timeout=")) <= 30 for c in calls)
+    w.doit("vm_down")
+
+
+@pytest.mark.cloud_contract
+def test_setup_stops_when_the_package_lock_stays_held(world: Env, tmp_path: Path) -> None:
+    w, apt_root = world, tmp_path / "apt"
+    apt_on_the_vm(w, apt_root, 2, ["apt_get install -y git", "touch \"$HOME/after-apt\""])
+    w.doit("vm_up")
+    holder = fake_apt.hold(apt_root, lists_s=60, dpkg_s=60)
+    try:
+        proc = w.doit("vm_setup", ok=False)
+    finally:
+        holder.kill()
+        holder.wait()
+    out = proc.stdout + proc.stderr
+    assert "still held the package lock after 2 s; raise setup.apt_lock_timeout_s in conf/vm.yaml" in out
+    assert "E: Could not get lock" in out and not (w.sshd.home / "after-apt").exists()
+    assert_deleted(w)   # a failed setup deletes the VM (no --keep)
 
 
 @pytest.mark.vm_experiments

@@ -171,9 +171,9 @@ def test_the_setup_commands_install_the_lock_into_a_fresh_venv(tmp_path):
     venv = home / "maxtext_venv"
     python = venv / "bin" / "python"
     assert (home / "extra_deps.log").read_text().strip() == str(venv)
-    sudo = [re.sub(r"^DEBIAN_FRONTEND=noninteractive ", "", line).split()[:2]
-            for line in (home / "sudo.log").read_text().splitlines()]
-    assert sudo == [["apt-get", "update"], ["apt-get", "upgrade"], ["apt-get", "install"]]
+    sudo = [re.fullmatch(r"DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=\d+ (\w+)( .*)?", line)
+            for line in (home / "sudo.log").read_text().splitlines()]   # apt_get: apt waits for the lock
+    assert [m and m[1] for m in sudo] == ["update", "upgrade", "install"]
 
     version = subprocess.run([python, "-c", "import sys; print(*sys.version_info[:2])"], capture_output=True,
                              text=True, check=True).stdout.split()

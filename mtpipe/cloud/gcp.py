@@ -96,21 +96,36 @@ def client_kwargs() -> dict[str, Any]:
     return kwargs
 
 
-def scheduling(cfg: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """The `scheduling` and `reservation_affinity` fields for `cfg.provisioning`.
+PROVISIONING_MODELS = {"spot": "SPOT", "on-demand": "STANDARD"}   # reservation: decided per reservation
+# A reservation named as reservationAffinity.values names a shared one: another project's.
+SHARED_RESERVATION = re.compile(r"projects/(?P<project>[^/]+)/reservations/(?P<name>[^/]+)")
 
-    reservation: the tutorial's RESERVATION_BOUND VM in the named reservation; spot: a Spot VM
-    (`--provisioning-model=SPOT`), which Compute deletes when it preempts it (a preempted Spot VM
-    cannot be restarted, only deleted and recreated); on-demand: a STANDARD VM. Every mode
-    terminates on host maintenance and never restarts by itself; `maxRunDuration` deletes the VM.
+
+def reservation_path(reservation: str, project: str) -> tuple[str, str]:
+    """(owner project, name) of a reservation as ``reservationAffinity.values`` names it: NAME, in
+    ``project``, or ``projects/OTHER/reservations/NAME``, a reservation OTHER shares with ``project``."""
+    found = SHARED_RESERVATION.fullmatch(reservation)
+    return (found["project"], found["name"]) if found else (project, reservation)
+
+
+def scheduling(cfg: Any, model: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The `scheduling` and `reservation_affinity` fields of a VM whose provisioningModel is `model`
+    (:meth:`Compute.provisioning_model`).
+
+    reservation: the VM consumes the named reservation (SPECIFIC_RESERVATION; a shared one keeps the
+    projects/OTHER/reservations/NAME form), as a RESERVATION_BOUND VM when the reservation is in
+    calendar mode, else as a STANDARD one; spot: a Spot VM (`--provisioning-model=SPOT`), which Compute
+    deletes when it preempts it (a preempted Spot VM cannot be restarted, only deleted and recreated);
+    on-demand: a STANDARD VM. Every mode terminates on host maintenance and never restarts by itself;
+    `maxRunDuration` deletes the VM (sent for RESERVATION_BOUND too, where Compute's docs do not say
+    whether it is honoured: docs/tpu-vm.md).
     """
-    model = {"reservation": "RESERVATION_BOUND", "spot": "SPOT", "on-demand": "STANDARD"}
     fields: dict[str, Any] = {
-        "provisioning_model": model[cfg.provisioning],   # --provisioning-model
+        "provisioning_model": model,                     # --provisioning-model
         "on_host_maintenance": "TERMINATE",              # --maintenance-policy
         "automatic_restart": False,
     }
-    if cfg.provisioning != "on-demand" or cfg.max_run_duration_s:
+    if model != "STANDARD" or cfg.max_run_duration_s:
         fields["instance_termination_action"] = "DELETE"  # --instance-termination-action
     if cfg.max_run_duration_s:
         fields["max_run_duration"] = {"seconds": int(cfg.max_run_duration_s)}
@@ -121,9 +136,10 @@ def scheduling(cfg: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
     return fields, affinity
 
 
-def instance_body(cfg: Any, name: str, ssh_public_key: str, labels: dict[str, str]) -> dict:
-    """The instances.insert body: the tutorial's `gcloud compute instances create` flags + safety."""
-    fields, affinity = scheduling(cfg)
+def instance_body(cfg: Any, name: str, ssh_public_key: str, labels: dict[str, str], model: str) -> dict:
+    """The instances.insert body: the tutorial's `gcloud compute instances create` flags + safety;
+    `model` is the VM's provisioningModel (:meth:`Compute.provisioning_model`)."""
+    fields, affinity = scheduling(cfg, model)
     body = {
         "name": name,
         "machine_type": f"zones/{cfg.zone}/machineTypes/{cfg.machine_type}",
@@ -174,8 +190,10 @@ class Compute:
         self.firewalls = compute_v1.FirewallsClient(**kw)
         self.machine_types = compute_v1.MachineTypesClient(**kw)
         self.reservations = compute_v1.ReservationsClient(**kw)
+        self.future_reservations = compute_v1.FutureReservationsClient(**kw)
         self.zone_ops = compute_v1.ZoneOperationsClient(**kw)
         self.global_ops = compute_v1.GlobalOperationsClient(**kw)
+        self._calendar: dict[str, bool] = {}   # reservation -> in calendar mode (asked once)
 
     def get_machine_type(self, name: str) -> compute_v1.MachineType | None:
         """The machine type in this zone; None when the zone does not offer it."""
@@ -193,12 +211,49 @@ class Compute:
             return sorted(scope.removeprefix("zones/") for scope, listed in pages
                           if any(t.name == name for t in listed.machine_types))
 
-    def get_reservation(self, name: str) -> compute_v1.Reservation | None:
-        with explained(f"reading reservation {name} in {self.zone}"):
+    def get_reservation(self, reservation: str) -> compute_v1.Reservation | None:
+        """``reservation`` in this zone: NAME, or ``projects/OTHER/reservations/NAME`` (a shared one:
+        the client's path template refuses that form, so it is read with project=OTHER); None when
+        it does not exist."""
+        project, name = reservation_path(reservation, self.project)
+        with explained(f"reading reservation {name} of {project} in {self.zone}"):
             try:
-                return self.reservations.get(project=self.project, zone=self.zone, reservation=name)
+                return self.reservations.get(project=project, zone=self.zone, reservation=name)
             except gexc.NotFound:
                 return None
+
+    def calendar_mode(self, reservation: str) -> bool:
+        """Whether a future reservation in calendar mode delivered ``reservation``: one of its owner
+        project's future reservations in this zone has reservationMode CALENDAR and names it
+        (``reservationName``, or among ``status.autoCreatedReservations``). The Reservation resource
+        does not say (compute v1 has reservationMode on FutureReservation only); asked once."""
+        if reservation not in self._calendar:
+            project, name = reservation_path(reservation, self.project)
+            try:
+                with explained(f"listing the future reservations of {project} in {self.zone} (to tell "
+                               f"whether reservation {name} is in calendar mode)", project):
+                    listed = list(self.future_reservations.list(project=project, zone=self.zone))
+            except GcpError as err:
+                raise GcpError(f"{err}; or set reservation_model in conf/vm.yaml (bound: the reservation "
+                               "came from a future reservation in calendar mode; standard: any other), "
+                               "which needs no lookup") from err
+            self._calendar[reservation] = any(
+                future.reservation_mode == "CALENDAR"
+                and (future.reservation_name == name
+                     or any(url.rsplit("/", 1)[-1] == name for url in future.status.auto_created_reservations))
+                for future in listed)
+        return self._calendar[reservation]
+
+    def provisioning_model(self, cfg: Any) -> str:
+        """The provisioningModel of the VM ``cfg`` describes. A reservation's VMs are RESERVATION_BOUND
+        when the reservation is in calendar mode (reservation_model ``bound``, or ``auto`` and
+        :meth:`calendar_mode`), else STANDARD; Compute's docs name calendar-mode (and AI
+        Hypercomputer) reservations as the ones reservation-bound VMs consume (docs/tpu-vm.md)."""
+        if cfg.provisioning != "reservation":
+            return PROVISIONING_MODELS[cfg.provisioning]
+        bound = cfg.reservation_model == "bound" or (
+            cfg.reservation_model == "auto" and self.calendar_mode(cfg.reservation))
+        return "RESERVATION_BOUND" if bound else "STANDARD"
 
     def get_instance(self, name: str) -> compute_v1.Instance | None:
         with explained(f"reading VM {name}"):
@@ -261,7 +316,8 @@ class Compute:
 
     def create_vm(self, cfg: Any, public_key: str, labels: dict[str, str]) -> compute_v1.Instance:
         """Create the VM ``cfg.name`` describes, admitting ``public_key`` over SSH."""
-        return self.create_instance(instance_body(cfg, cfg.name, public_key, labels))
+        return self.create_instance(instance_body(cfg, cfg.name, public_key, labels,
+                                                  self.provisioning_model(cfg)))
 
     def open_ssh(self, cfg: Any) -> bool:
         """Create the firewall rule that lets SSH reach the VM; False when it already existed."""

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from omegaconf import DictConfig, OmegaConf
 
-from mtpipe.cloud import vm, vm_checks
+from mtpipe.cloud import prices, vm, vm_checks
 from mtpipe.cloud.gcp import CapacityError, Compute
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import preflight as preflight_checks
@@ -35,6 +35,7 @@ class Provider(Protocol):
 
     def get_instance(self, name: str) -> Any | None: ...
     def create_vm(self, cfg: DictConfig, public_key: str, labels: dict[str, str]) -> Any: ...
+    def provisioning_model(self, cfg: DictConfig) -> str: ...
     def delete_instance(self, name: str) -> bool: ...
     def open_ssh(self, cfg: DictConfig) -> bool: ...
     def get_firewall(self, name: str) -> Any | None: ...
@@ -52,9 +53,32 @@ def compute_engine(cfg: DictConfig) -> Provider:
 
 def spend_line(state: dict) -> str:
     """What the VMs of this run (the one recorded, and those it replaced) cost so far."""
-    count, hours, usd = vm.spend(state)
-    replaced = f", {count - 1} of them replaced after being lost" if count > 1 else ""
-    return f"this run's VMs: {count}{replaced}; {hours:.2f} h in all, about {usd:.2f} USD"
+    spent = vm.spend(state)
+    replaced = f", {spent.count - 1} of them replaced after being lost" if spent.count > 1 else ""
+    line = f"this run's VMs: {spent.count}{replaced}; {spent.hours:.2f} h in all"
+    if not spent.reservations:
+        return f"{line}, about {spent.usd:.2f} USD"
+    paid = prices.paid_by(", ".join(sorted(spent.reservations)), f"{spent.reserved_usd:.2f} USD")
+    if spent.reserved_count == spent.count:
+        return f"{line}, {paid}"
+    return f"{line}: about {spent.usd:.2f} USD, and {spent.reserved_hours:.2f} h {paid}"
+
+
+def creation_line(cfg: DictConfig, model: str) -> str:
+    """What vm_up says before creating the VM: its kind, what it costs, when Compute deletes it."""
+    rate, hours = prices.vm_rate(cfg), int(cfg.max_run_duration_s) / 3600
+    kind = f"reservation {cfg.reservation}, {model}" if rate.reservation else cfg.provisioning
+    if not hours:
+        limit = "NO time limit (max_run_duration_s: 0): `doit vm_down` when done."
+    elif model == "RESERVATION_BOUND":
+        limit = (f"maxRunDuration {hours:g} h is sent, but it is not known to be honoured for "
+                 "reservation-bound VMs: delete the VM with `doit vm_down` (Compute deletes it when the "
+                 "reservation ends).")
+    else:
+        most = "" if rate.reservation else f" (at most {hours * rate.usd_per_hour:.2f} USD)"
+        limit = f"Compute deletes it after {hours:g} h{most}."
+    billed = "" if rate.reservation else " while it exists"
+    return f"creating {cfg.machine_type} VM {cfg.name} ({kind}) in {cfg.zone}: {rate.describe()}{billed}; {limit}"
 
 
 def _say(line: str) -> None:
@@ -127,11 +151,12 @@ class VmLifecycle:
                     f"VM {cfg.name}, recorded in {vm.STATE_FILE} (created {state.get('created')}), no "
                     f"longer exists in {cfg.project}/{cfg.zone}: Compute deleted it after "
                     "max_run_duration_s, or someone else did. Rerun with --recreate to create a new one "
-                    f"(about {vm.price_per_hour(cfg):.2f} USD per hour), or `doit vm_down` to forget it")
+                    f"({prices.vm_rate(cfg).describe()}), or `doit vm_down` to forget it")
             vm_checks.before_spending(cfg, cloud, root, experiments)
         if preflight:
+            rate = prices.vm_rate(cfg)
             for sets in experiments:
-                preflight_checks.run(sets, vm.price_per_hour(cfg), root, committed=True)
+                preflight_checks.run(sets, rate.price.usd, root, committed=True, price_basis=rate.per_chip())
         if created:
             state = {}
             instance = self._create(state)
@@ -143,11 +168,7 @@ class VmLifecycle:
         public_key = vm.ssh_public_key(cfg)
         run_id = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
         labels = {**cfg.labels, "mtpipe-run": run_id, "created-by": vm.label_value(getpass.getuser())}
-        usd, hours = vm.price_per_hour(cfg), int(cfg.max_run_duration_s) / 3600
-        _say(f"creating {cfg.machine_type} VM {cfg.name} ({cfg.provisioning}) in {cfg.zone}: "
-             f"about {usd:.2f} USD per hour while it exists; "
-             + (f"Compute deletes it after {hours:g} h (at most {hours * usd:.2f} USD)." if hours else
-                "NO time limit (max_run_duration_s: 0): `doit vm_down` when done."))
+        _say(creation_line(cfg, cloud.provisioning_model(cfg)))
         cloud.open_ssh(cfg)
         try:
             instance = self.create_vm(public_key, labels)
@@ -343,12 +364,15 @@ class VmLifecycle:
         else:
             since = datetime.fromisoformat(instance.creation_timestamp)
             hours = (datetime.now(timezone.utc) - since).total_seconds() / 3600
-            usd = recorded["vms"][-1]["usd_per_hour"] if recorded.get("vms") else vm.price_per_hour(cfg)
+            entry, rate = recorded["vms"][-1] if recorded.get("vms") else {}, prices.vm_rate(cfg)
+            usd = entry.get("usd_per_hour", rate.usd_per_hour)
+            reservation = entry.get("reservation") if entry else rate.reservation
+            so_far = f"{hours * usd:.2f} USD so far at {usd:.2f} USD/h"
+            cost = prices.paid_by(reservation, so_far) if reservation else f"about {so_far}"
             machine, model, limit = cloud.describe(instance)
             lines += [f"VM {cfg.name} in {cfg.project}/{cfg.zone}: {instance.status}, {machine}, {model}, "
                       f"external IP {cloud.address(instance)}",
-                      f"  since {since.isoformat()} ({hours:.2f} h): about {hours * usd:.2f} USD so far at "
-                      f"{usd:.2f} USD/h"]
+                      f"  since {since.isoformat()} ({hours:.2f} h): {cost}"]
             if limit:
                 lines.append("  Compute deletes it at "
                              f"{time.strftime('%Y-%m-%d %H:%M %Z', time.localtime(since.timestamp() + limit))}")

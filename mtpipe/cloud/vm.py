@@ -23,8 +23,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -34,6 +33,8 @@ from annotated_types import Ge, Gt, Le
 from omegaconf import DictConfig, OmegaConf
 from pydantic import model_validator
 
+from mtpipe.cloud import prices
+from mtpipe.cloud.gcp import SHARED_RESERVATION
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline.schema import KEEP_INT, PositiveInt, Section, validate
 
@@ -42,6 +43,7 @@ CONFIG_ENV = "MTPIPE_VM_CONFIG"
 ENV_KEYS = {"project": "PROJECT", "zone": "ZONE", "reservation": "RESERVATION", "name": "NAME"}
 STATE_FILE = ".vm_state.json"
 PROVISIONING = ("reservation", "spot", "on-demand")   # how the VM is paid for (conf/vm.yaml)
+RESERVATION_MODELS = ("auto", "bound", "standard")    # how a reservation's VMs are provisioned
 NAME_RE = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
@@ -81,6 +83,7 @@ class Setup(Section):
     files: list[str]
     commands: list[str]
     marker: str
+    apt_lock_timeout_s: Annotated[float, Ge(0), KEEP_INT]   # how long apt_get waits for the package lock
 
 
 class Run(Section):
@@ -104,7 +107,8 @@ class VmConfig(Section):
     project: Optional[str]
     zone: Optional[str]
     provisioning: str                      # one of PROVISIONING, checked below with the flag to pass
-    reservation: Optional[str]
+    reservation: Optional[str]             # NAME, or projects/OTHER/reservations/NAME (shared)
+    reservation_model: str                 # one of RESERVATION_MODELS, checked below
     name: str
     network: str
     machine_type: str
@@ -115,7 +119,6 @@ class VmConfig(Section):
     scopes: list[str]
     max_run_duration_s: int                # 0 disables it
     labels: dict[str, str]
-    price_per_hour_usd: dict[str, Any]     # provisioning -> USD per hour, checked below
     max_recoveries: int
     stockout: Stockout
     operation_timeout_s: Seconds
@@ -136,11 +139,17 @@ class VmConfig(Section):
         if not NAME_RE.match(self.name):
             raise ConfigError("vm.name", f"{self.name!r} is not a valid VM name",
                               "use lowercase letters, digits and dashes, starting with a letter (NAME)")
-        value = _price(self.price_per_hour_usd, self.provisioning)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-            raise ConfigError(f"vm.price_per_hour_usd.{self.provisioning}", f"is {value!r}, not a price",
-                              "set price_per_hour_usd: {reservation: ..., spot: ..., on-demand: ...} "
-                              "(USD per hour of one VM) in conf/vm.yaml")
+        if self.reservation_model not in RESERVATION_MODELS:
+            raise ConfigError("vm.reservation_model", f"{self.reservation_model!r} is not one of "
+                              f"{', '.join(RESERVATION_MODELS)}",
+                              "set reservation_model: auto (decided from the reservation), bound or standard "
+                              "in conf/vm.yaml")
+        if self.reservation and not (NAME_RE.match(self.reservation)
+                                     or SHARED_RESERVATION.fullmatch(self.reservation)):
+            raise ConfigError("vm.reservation", f"{self.reservation!r} is neither a reservation name nor "
+                              "projects/PROJECT/reservations/NAME",
+                              "pass the name of a reservation of this project, or that form for one "
+                              "another project shares with it (RESERVATION / --reservation)")
         if self.max_run_duration_s < 0:
             raise ConfigError("vm.max_run_duration_s", "is negative", "use seconds, or 0 to disable")
         if self.max_recoveries < 0:
@@ -176,6 +185,7 @@ def load_config(params: dict[str, Any] | None = None, state: dict | None = None)
         cfg.firewall.name = f"{cfg.name}-ssh"
     validate(VmConfig, OmegaConf.to_container(cfg), "vm",
              lambda key, requirement: f"set {key.removeprefix('vm.')} {requirement} in conf/vm.yaml")
+    prices.vm_rate(cfg)   # conf/prices.yaml prices this machine type in this mode
     return cfg
 
 
@@ -199,16 +209,6 @@ def check_create(cfg: DictConfig) -> None:
     require(cfg, "project", "zone", *reservation, "name")
 
 
-def _price(prices: Mapping[str, Any], provisioning: str) -> Any:
-    value = prices.get(provisioning)
-    return prices.get("on-demand") if value is None and provisioning == "reservation" else value
-
-
-def price_per_hour(cfg: DictConfig) -> float:
-    """USD per hour of one VM in `cfg.provisioning` mode (reservation: on-demand unless set)."""
-    return float(_price(cfg.price_per_hour_usd, cfg.provisioning))
-
-
 def read_state(root: Path) -> dict:
     path = root / STATE_FILE
     return json.loads(path.read_text()) if path.exists() else {}
@@ -226,10 +226,12 @@ def clear_state(root: Path) -> None:
 
 
 def vm_started(state: dict, cfg: DictConfig, created: str) -> None:
-    """Add a VM of this run to the state's ledger (`vms`): name, mode, price, creation time."""
+    """Add a VM of this run to the state's ledger (`vms`): name, mode, rate (a reservation's VM: the
+    on-demand equivalent, and the reservation that pays it), creation time."""
+    rate = prices.vm_rate(cfg)
     state.setdefault("vms", []).append({
-        "name": cfg.name, "provisioning": cfg.provisioning, "usd_per_hour": price_per_hour(cfg),
-        "created": created, "ended": None, "why": None})
+        "name": cfg.name, "provisioning": cfg.provisioning, "usd_per_hour": rate.usd_per_hour,
+        "reservation": rate.reservation, "created": created, "ended": None, "why": None})
 
 
 def vm_ended(state: dict, why: str) -> None:
@@ -239,15 +241,35 @@ def vm_ended(state: dict, why: str) -> None:
                                 why=why)
 
 
-def spend(state: dict) -> tuple[int, float, float]:
-    """VMs of this run, hours they existed (the current one until now) and their cost in USD."""
-    now = datetime.now(timezone.utc)
-    hours = usd = 0.0
+@dataclass
+class Spend:
+    """What the VMs of a run cost: ``usd`` billed for them, and the number, hours and on-demand
+    equivalent of those a reservation's commitment paid (``reservations`` names them)."""
+
+    count: int = 0
+    hours: float = 0.0
+    usd: float = 0.0
+    reserved_count: int = 0
+    reserved_hours: float = 0.0
+    reserved_usd: float = 0.0
+    reservations: set[str] = field(default_factory=set)
+
+
+def spend(state: dict) -> Spend:
+    """The run's VMs, the hours they existed (the current one until now) and their cost."""
+    now, total = datetime.now(timezone.utc), Spend()
     for entry in state.get("vms", []):
         end = datetime.fromisoformat(entry["ended"]) if entry["ended"] else now
         h = max(0.0, (end - datetime.fromisoformat(entry["created"])).total_seconds() / 3600)
-        hours, usd = hours + h, usd + h * entry["usd_per_hour"]
-    return len(state.get("vms", [])), hours, usd
+        total.count, total.hours = total.count + 1, total.hours + h
+        if entry.get("reservation"):
+            total.reserved_count += 1
+            total.reserved_hours += h
+            total.reserved_usd += h * entry["usd_per_hour"]
+            total.reservations.add(entry["reservation"])
+        else:
+            total.usd += h * entry["usd_per_hour"]
+    return total
 
 
 def repo_root() -> Path:
@@ -342,10 +364,14 @@ def run(remote: Remote, script: str, stdin: bytes = b"", stream: bool = True) ->
     return asyncio.run(_run(remote, "bash -c " + shlex.quote(script), stdin, stream))
 
 
+def failed(what: str, rc: int) -> str:
+    return f"{what} failed on the VM (exit {rc}); see the output above"
+
+
 def check(remote: Remote, script: str, what: str, stdin: bytes = b"", stream: bool = True) -> bytes:
     rc, out = run(remote, script, stdin, stream)
     if rc != 0:
-        raise VmError(f"{what} failed on the VM (exit {rc}); see the output above")
+        raise VmError(failed(what, rc))
     return out
 
 
@@ -412,20 +438,52 @@ def setup_files(cfg: DictConfig, root: Path) -> bytes:
     return buf.getvalue()
 
 
+APT_LOCK_EXIT = 75   # setup's exit status when apt_get ran out of setup.apt_lock_timeout_s
+
+# `apt_get ARGS` in setup.commands: `sudo apt-get ARGS`, waiting while another apt or dpkg holds the
+# package lock (on a fresh Ubuntu VM unattended-upgrades does, and apt exits 100). apt >= 1.9.11 waits
+# for the dpkg lock itself with DPkg::Lock::Timeout (Ubuntu 22.04 has apt 2.4); `apt-get update`'s
+# lists lock it does not wait for, so a lock failure is retried until the same deadline.
+APT_GET = r"""apt_get() {
+  local end=$((SECONDS + @TIMEOUT@)) err rc left
+  err=$(mktemp)
+  while :; do
+    left=$((end > SECONDS ? end - SECONDS : 0))
+    rc=0
+    sudo DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=$left "$@" 2>"$err" || rc=$?
+    if [ $rc -eq 0 ] || ! grep -q 'Could not get lock' "$err"; then
+      cat "$err" >&2; rm -f "$err"; return $rc
+    fi
+    if [ $SECONDS -ge $end ]; then
+      cat "$err" >&2; rm -f "$err"
+      echo "mtpipe: apt-get $1: the package lock was still held after @TIMEOUT@ s (setup.apt_lock_timeout_s)" >&2
+      return @EXIT@
+    fi
+    echo "mtpipe: apt-get $1: waiting for the package lock ($(grep -o 'held by process [0-9]* ([^)]*)' "$err" | head -n 1 || true)), up to $((end - SECONDS)) s more (setup.apt_lock_timeout_s)"
+    sleep $((end - SECONDS < 5 ? (end - SECONDS > 1 ? end - SECONDS : 1) : 5))
+  done
+}"""
+
+
 def setup_script(cfg: DictConfig, files: bytes = b"") -> str:
     """The setup commands, skipped when the marker holds their hash and the files' (rerun = no-op).
 
     `files` (from :func:`setup_files`) arrive on stdin and are unpacked into ~/.mtpipe/setup first.
+    The commands may call `apt_get` (:data:`APT_GET`), which waits up to `setup.apt_lock_timeout_s`
+    for the package lock and then exits the setup with :data:`APT_LOCK_EXIT`.
     """
     commands = list(cfg.setup.commands)
     digest = hashlib.sha256("\n".join(commands).encode() + files).hexdigest()
     marker = f'"$HOME"/{shlex.quote(cfg.setup.marker)}'
     unpack = [f'mkdir -p "$HOME"/{SETUP_FILES_DIR} && tar -xf - -C "$HOME"/{SETUP_FILES_DIR}'] if files else []
+    apt_get = APT_GET.replace("@TIMEOUT@", str(int(cfg.setup.apt_lock_timeout_s))).replace(
+        "@EXIT@", str(APT_LOCK_EXIT))
     return "\n".join([
         f'if [ "$(cat {marker} 2>/dev/null)" = {digest} ]; then',
         f'  echo "mtpipe: VM already set up ({digest[:12]}), nothing to do"; exit 0',
         "fi",
         "set -eo pipefail",
+        apt_get,
         *unpack,
         *commands,
         f"mkdir -p \"$(dirname {marker})\" && echo {digest} > {marker}",
@@ -436,7 +494,13 @@ def setup_script(cfg: DictConfig, files: bytes = b"") -> str:
 def setup(remote: Remote, cfg: DictConfig, root: Path) -> None:
     """Run `setup.commands` on the VM with `setup.files` (a no-op when both are unchanged)."""
     files = setup_files(cfg, root)
-    check(remote, setup_script(cfg, files), "vm_setup", stdin=files)
+    rc, _ = run(remote, setup_script(cfg, files), stdin=files)
+    if rc == APT_LOCK_EXIT:
+        raise VmError(f"vm_setup: another apt or dpkg (on a fresh VM: unattended-upgrades) still held the "
+                      f"package lock after {cfg.setup.apt_lock_timeout_s:g} s; raise setup.apt_lock_timeout_s "
+                      "in conf/vm.yaml, or rerun `doit vm_setup` in a few minutes")
+    if rc != 0:
+        raise VmError(failed("vm_setup", rc))
 
 
 def hardware_env(root: Path, hardware: str | None) -> dict[str, str]:

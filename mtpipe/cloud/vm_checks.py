@@ -5,8 +5,9 @@
 runs. Each failure is a ConfigError naming the key and the fix:
 
 * Compute: the credentials work (the first call is authenticated), the zone offers the machine type
-  (TPU v6e), and with `provisioning: reservation` the reservation exists, reserves that machine type
-  and has a free VM;
+  (TPU v6e), and with `provisioning: reservation` the reservation exists (another project's: shared
+  with this one), is READY, reserves that machine type (or its TPU chips) and has room for one VM,
+  and how its VMs are provisioned is decided (RESERVATION_BOUND or STANDARD);
 * the project as the VM will run it (HEAD's params.yaml with each experiment's `--set` values
   applied): every branch composes (what the `configure` stage checks), HF_TOKEN is set when a Hub
   model or dataset of a composed preset is gated, and the default DVC remote accepts a write.
@@ -20,9 +21,11 @@ import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
+from google.cloud import compute_v1
 from omegaconf import DictConfig
 
-from mtpipe.cloud.gcp import Compute
+from mtpipe.cloud import prices
+from mtpipe.cloud.gcp import Compute, reservation_path
 from mtpipe.data import hub
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline import config, maxtext_check, overrides
@@ -45,24 +48,74 @@ def check_compute(cfg: DictConfig, compute: Compute) -> None:
         check_reservation(cfg, compute)
 
 
+FULL_FIX = ("delete a VM that uses it (`gcloud compute instances list --filter=labels.app=mtpipe`), wait "
+            "for one to end, or use another reservation")
+
+
 def check_reservation(cfg: DictConfig, compute: Compute) -> None:
-    """The reservation exists, reserves the machine type and has a free VM."""
+    """The reservation exists (another project's: shared with this one), is READY, reserves the
+    machine type and has room for one VM: a free VM of a specific reservation, the VM's chips of an
+    aggregate (TPU) one. Then the provisioning model of its VMs is decided, so that a lookup Compute
+    refuses stops the run here (gcp.Compute.provisioning_model)."""
+    owner, name = reservation_path(cfg.reservation, cfg.project)
     reservation = compute.get_reservation(cfg.reservation)
     if reservation is None:
-        raise ConfigError("vm.reservation",
-                          f"no reservation {cfg.reservation!r} in {cfg.project}/{cfg.zone}",
-                          f"`gcloud compute reservations list --project {cfg.project}` shows their "
-                          "names and zones; pass the name as RESERVATION / --reservation")
-    specific = reservation.specific_reservation
+        raise ConfigError("vm.reservation", f"no reservation {name!r} in {owner}/{cfg.zone}",
+                          f"`gcloud compute reservations list --project {owner}` shows their "
+                          "names and zones; pass the name as RESERVATION / --reservation (another "
+                          "project's as projects/PROJECT/reservations/NAME)")
+    if owner != cfg.project:
+        share = reservation.share_settings
+        if not (share.share_type == "ORGANIZATION"
+                or (share.share_type == "SPECIFIC_PROJECTS" and cfg.project in share.project_map)):
+            raise ConfigError("vm.reservation", f"{cfg.reservation} is not shared with {cfg.project} "
+                              f"(shareSettings.shareType {share.share_type or 'LOCAL'})",
+                              f"ask the owner of {owner} to share it: `gcloud compute reservations update "
+                              f"{name} --project={owner} --zone={cfg.zone} --add-share-with={cfg.project}`")
+    if reservation.status not in ("", "READY"):
+        raise ConfigError("vm.reservation", f"{cfg.reservation} is {reservation.status}, not READY",
+                          "wait until `gcloud compute reservations describe` says READY (a reservation "
+                          "from a future reservation is usable from its start time), or use another one")
+    if "aggregate_reservation" in reservation:
+        _check_chips(cfg, reservation.aggregate_reservation)
+    elif "specific_reservation" in reservation:
+        _check_vms(cfg, reservation.specific_reservation)
+    else:
+        raise ConfigError("vm.reservation", f"{cfg.reservation} reserves neither VMs "
+                          "(specificReservation) nor TPU chips (aggregateReservation)",
+                          "use a reservation of v6e-8 VMs (ct6e-standard-8t) or of TPU v6e chips")
+    compute.provisioning_model(cfg)   # decided (and kept for the insert) before anything exists
+
+
+def _check_vms(cfg: DictConfig, specific: compute_v1.AllocationSpecificSKUReservation) -> None:
+    """A specific reservation: VMs of one machine type, ``count`` of them, ``inUseCount`` taken."""
     reserved = specific.instance_properties.machine_type.rsplit("/", 1)[-1]
     if reserved and reserved != cfg.machine_type:
         raise ConfigError("vm.reservation", f"{cfg.reservation} reserves {reserved}, not "
                           f"{cfg.machine_type}", "use a reservation of v6e-8 VMs (ct6e-standard-8t)")
     if specific.count - specific.in_use_count < 1:
         raise ConfigError("vm.reservation", f"{cfg.reservation} has no free VM ({specific.in_use_count}"
-                          f" of {specific.count} in use)",
-                          "delete a VM that uses it (`gcloud compute instances list "
-                          "--filter=labels.app=mtpipe`), wait for one to end, or use another reservation")
+                          f" of {specific.count} VMs in use)", FULL_FIX)
+
+
+def _check_chips(cfg: DictConfig, aggregate: compute_v1.AllocationAggregateReservation) -> None:
+    """An aggregate (TPU) reservation: chips of one VM family (vmFamily ..._CT6E for v6e), counted in
+    ``reservedResources`` and ``inUseResources``; a VM takes its machine type's chips (8 for a v6e-8)."""
+    family, chips = prices.tpu_chips(cfg.machine_type)
+    reserved_family = aggregate.vm_family.rsplit("_", 1)[-1].lower()
+    if reserved_family != family:
+        raise ConfigError("vm.reservation", f"{cfg.reservation} reserves {aggregate.vm_family} chips, "
+                          f"not {family} ones ({cfg.machine_type})",
+                          "use a reservation of TPU v6e chips (VM_FAMILY_CLOUD_TPU_LITE_POD_SLICE_CT6E)")
+
+    def count(resources: Iterable[compute_v1.AllocationAggregateReservationReservedResourceInfo]) -> int:
+        return sum(r.accelerator.accelerator_count for r in resources
+                   if r.accelerator.accelerator_type.rsplit("/", 1)[-1] == family)
+
+    total, used = count(aggregate.reserved_resources), count(aggregate.in_use_resources)
+    if total - used < chips:
+        raise ConfigError("vm.reservation", f"{cfg.reservation} has no free VM ({used} of {total} chips "
+                          f"in use; a {cfg.machine_type} takes {chips})", FULL_FIX)
 
 
 def check_project(cfg: DictConfig, root: Path, experiments: list[list[str]]) -> None:

@@ -62,7 +62,6 @@ CONVERT_S_PER_BPARAM = 70.0    # to_maxtext: the tutorials' ~5 min for Gemma 3 4
 EXPORT_S_PER_BPARAM = 70.0     # to_huggingface: assumed like the conversion
 TRAIN_STARTUP_S = 180.0        # loading the checkpoint + compiling the step on the TPU VM
 VM_SETUP_S = 900.0             # VM creation, boot and `doit vm_setup` (apt, uv, MaxText install)
-VM_CHIPS = 8                   # the chips of conf/vm.yaml's VM (ct6e-standard-8t, a v6e-8), which its price is for
 
 # A stage argument whose value starts with this is a file path; the compile does not read files.
 TRAINING_STAGE = {"sft": "train_sft", "rl": "train_rl"}  # the stage preflight compiles, per branch
@@ -92,10 +91,9 @@ def topology(cfg: View) -> str | None:
     return cfg.hardware.env.get("TPU_ACCELERATOR_TYPE")
 
 
-def usd_per_hour(chips: int, vm_usd_per_hour: float) -> float:
-    """What `chips` chips cost per hour: the VM's price (a v6e-8, 8 chips) per chip, times `chips`
-    (list prices are per chip-hour, so a v6e-32 slice costs 4 VMs)."""
-    return vm_usd_per_hour / VM_CHIPS * chips
+def usd_per_hour(chips: int, usd_per_chip_hour: float) -> float:
+    """What `chips` chips cost per hour (TPU prices are per chip-hour: a v6e-32 slice costs 4 v6e-8s)."""
+    return usd_per_chip_hour * chips
 
 
 def chip_of(topo: str, branch: str, hardware: str) -> tuple[Chip, int]:
@@ -284,21 +282,24 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(line, widths)).rstrip() for line in lines)
 
 
-def run(sets: list[str], vm_usd_per_hour: float, root: Path = ROOT,
-        branches: tuple[str, ...] = tuple(BRANCH_STAGES), committed: bool = False) -> list[dict[str, Any]]:
+def run(sets: list[str], usd_per_chip_hour: float, root: Path = ROOT,
+        branches: tuple[str, ...] = tuple(BRANCH_STAGES), committed: bool = False,
+        price_basis: str = "") -> list[dict[str, Any]]:
     """:func:`check`, then raise ConfigError (naming the keys to change) if a branch does not fit."""
-    rows = check(sets, vm_usd_per_hour, root, branches, committed)
+    rows = check(sets, usd_per_chip_hour, root, branches, committed, price_basis)
     for row in rows:
         check_fits(row)
     return rows
 
 
-def check(sets: list[str], vm_usd_per_hour: float, root: Path = ROOT,
-          branches: tuple[str, ...] = tuple(BRANCH_STAGES), committed: bool = False) -> list[dict[str, Any]]:
+def check(sets: list[str], usd_per_chip_hour: float, root: Path = ROOT,
+          branches: tuple[str, ...] = tuple(BRANCH_STAGES), committed: bool = False,
+          price_basis: str = "") -> list[dict[str, Any]]:
     """Preflight the branches of params.yaml (+ ``--set`` overrides, as ``dvc exp run -S``) that target a TPU.
 
-    ``vm_usd_per_hour``: what the VM of conf/vm.yaml costs (mtpipe.cloud.vm.price_per_hour), the
-    price the cost column scales per chip.
+    ``usd_per_chip_hour``: the chip price of conf/vm.yaml's mode (mtpipe.cloud.prices), which the cost
+    column multiplies by the topology's chips; ``price_basis`` says where it comes from (and, for a
+    reservation, that its commitment pays).
     ``committed``: HEAD's params.yaml (what vm_run ships) instead of the workspace's. Prints a table,
     writes ``work/preflight/<branch>-<preset>.json`` per branch and returns the rows.
     """
@@ -322,12 +323,13 @@ def check(sets: list[str], vm_usd_per_hour: float, root: Path = ROOT,
               + ("compile result cached" if cached else f"compiling the training step for {topo} on the CPU "
                  "(minutes for a full-size model)"), flush=True)
         compiled = compile_step(cmd.module, args, work, work / f"{branch}-{preset}.log")
-        row = report(cfg, preset, compiled, chip, chips, usd_per_hour(chips, vm_usd_per_hour))
+        row = report(cfg, preset, compiled, chip, chips, usd_per_hour(chips, usd_per_chip_hour))
         (work / f"{branch}-{preset}.json").write_text(json.dumps(row, indent=1) + "\n")
         rows.append(row)
     if rows:
         print(table(rows))
-        print(f"assumptions: MFU {MFU:.0%}, {rows[0]['usd_per_hour']:.2f} USD/h; "
+        basis = f" ({price_basis})" if price_basis else ""
+        print(f"assumptions: MFU {MFU:.0%}, {usd_per_chip_hour:.2f} USD per chip-hour{basis}; "
               f"reports in {work}/<branch>-<preset>.json")
         print(versions_line())
     return rows

@@ -4,11 +4,19 @@ It behaves like the real one where mtpipe depends on it: instances and firewalls
 deleted by operations that go PENDING -> RUNNING -> DONE, one step per `get`/`wait` call; a missing
 resource is a 404 and a duplicate a 409 with Google's error body; an insert naming an unknown
 reservation ends in an operation error; a RUNNING instance has an external (NAT) IP that points at
-127.0.0.1. Zones list their machine types, and a reservation counts the VMs using it (`inUseCount`)
-until they are deleted, by a DELETE or by :meth:`FakeCompute.expire` (maxRunDuration running out).
-An insert is refused (400) where Compute documents a refusal: a Spot VM that restarts itself or
-migrates, a RESERVATION_BOUND VM without a specific reservation. :meth:`FakeCompute.preempt` does
-what a Spot preemption does: the instance is TERMINATED, or deleted (termination action DELETE).
+127.0.0.1. Zones list their machine types. Reservations come in the kinds Compute documents (see
+:class:`Reservation`): specific (VMs of one machine type, `count` / `inUseCount`), aggregate (TPU
+chips of a VM family, `reservedResources` / `inUseResources`), auto-created by a future reservation
+(calendar mode, listed by futureReservations.list), and shared: owned by another project, read as
+projects/OWNER/zones/Z/reservations/NAME, consumed as projects/OWNER/reservations/NAME by the
+projects its shareSettings list. A reservation counts what the VMs consuming it use until they are
+deleted, by a DELETE or by :meth:`FakeCompute.expire` (maxRunDuration running out).
+An insert is refused where Compute documents a refusal: (400) a Spot VM that restarts itself or
+migrates, a RESERVATION_BOUND VM without a specific reservation or consuming one that no future
+reservation in calendar mode created; (operation error) a reservation that does not exist or is not
+shared with the project, whose VMs or chips do not match the VM, or that has no room left.
+:meth:`FakeCompute.preempt` does what a Spot preemption does: the instance is TERMINATED, or deleted
+(termination action DELETE).
 `POST /token` answers like an OAuth server refusing an expired refresh token. Every request is
 recorded (method, path, Host header, headers, body) so tests can check what was sent and to whom.
 
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -48,13 +57,58 @@ class Recorded:
         return json.loads(self.body)
 
 
+# Compute's TPU machine types hold <N> chips of their family: ct6e-standard-8t, 8 chips of ct6e.
+TPU_MACHINE = re.compile(r"(?P<family>[a-z][a-z0-9]*)-[a-z]+-(?P<chips>[0-9]+)t")
+VM_FAMILIES = {"ct6e": "VM_FAMILY_CLOUD_TPU_LITE_POD_SLICE_CT6E", "ct5lp": "VM_FAMILY_CLOUD_TPU_LITE_POD_SLICE_CT5LP"}
+
+
 @dataclass
 class Reservation:
-    """A specific reservation: `count` VMs of `machine_type`, `in_use` of them taken."""
+    """A zonal reservation of `project` (the owner).
+
+    specific (`accelerator` None): `count` VMs of `machine_type`, `in_use` of them taken;
+    aggregate (`accelerator`, e.g. "ct6e"): `count` chips of that TPU family, `in_use` taken (a VM takes
+    its machine type's chips); `delivered_by`: the reservationMode (CALENDAR or DEFAULT) of the future
+    reservation that auto-created it, None for one created directly; `shared_with`: the consumer
+    projects of its shareSettings (SPECIFIC_PROJECTS), empty for LOCAL; `status` as Compute reports it.
+    """
 
     count: int = 1
     in_use: int = 0
     machine_type: str = "ct6e-standard-8t"
+    accelerator: str | None = None
+    delivered_by: str | None = None
+    project: str = "proj-1"
+    zone: str = "us-east5-b"
+    shared_with: tuple[str, ...] = ()
+    status: str = "READY"
+
+    def takes(self, machine_type: str) -> int | None:
+        """What one VM of `machine_type` takes from this reservation, None when it cannot consume it."""
+        if self.accelerator is None:
+            return 1 if machine_type == self.machine_type else None
+        found = TPU_MACHINE.fullmatch(machine_type)
+        return int(found["chips"]) if found and found["family"] == self.accelerator else None
+
+    def resource(self, base: str, name: str) -> dict:
+        """The reservations.get answer (compute.v1.json's Reservation)."""
+        link = f"{base}{PREFIX}{self.project}/zones/{self.zone}/reservations/{name}"
+        body = {"kind": "compute#reservation", "name": name, "selfLink": link, "status": self.status,
+                "zone": f"{base}{PREFIX}{self.project}/zones/{self.zone}", "specificReservationRequired": True,
+                "shareSettings": {"shareType": "SPECIFIC_PROJECTS", "projectMap": {
+                    p: {"projectId": p} for p in self.shared_with}} if self.shared_with else {"shareType": "LOCAL"}}
+        if self.accelerator is None:
+            body["specificReservation"] = {"count": str(self.count), "inUseCount": str(self.in_use),
+                                           "instanceProperties": {"machineType": self.machine_type}}
+        else:
+            accelerator_type = f"projects/{self.project}/zones/{self.zone}/acceleratorTypes/{self.accelerator}"
+            body["aggregateReservation"] = {
+                "vmFamily": VM_FAMILIES[self.accelerator], "workloadType": "BATCH",
+                "reservedResources": [{"accelerator": {"acceleratorCount": self.count,
+                                                       "acceleratorType": accelerator_type}}],
+                "inUseResources": [{"accelerator": {"acceleratorCount": self.in_use,
+                                                    "acceleratorType": accelerator_type}}] if self.in_use else []}
+        return body
 
 
 @dataclass
@@ -68,6 +122,8 @@ class FakeCompute:
     # What the next inserts answer instead of creating the VM, first one first: ("http", status,
     # reason, message) for a refused request, ("operation", code, message) for an operation that fails.
     insert_failures: list[tuple] = field(default_factory=list)
+    # Projects whose futureReservations.list answers 403 (the caller may not read them).
+    unreadable_projects: set[str] = field(default_factory=set)
     url: str = ""
     requests: list[Recorded] = field(default_factory=list)
     instances: dict[tuple[str, str, str], dict] = field(default_factory=dict)
@@ -130,6 +186,8 @@ class FakeCompute:
                     return 200, {"kind": "compute#machineType", "name": name, "zone": zone}
                 case [project, "zones", zone, "reservations", name] if method == "GET":
                     return self._reservation(project, zone, name)
+                case [project, "zones", zone, "futureReservations"] if method == "GET":
+                    return self._future_reservations(project, zone)
                 case [project, "global", "firewalls"] if method == "POST":
                     return self._insert_firewall(project, body)
                 case [project, "global", "firewalls", name]:
@@ -171,17 +229,15 @@ class FakeCompute:
                                "automaticRestart false and onHostMaintenance TERMINATE")
         specific = affinity.get("consumeReservationType") == "SPECIFIC_RESERVATION"
         # A RESERVATION_BOUND VM runs in the specific reservation it names (Compute Engine docs, "About
-        # reservation-bound VMs"); the converse, STANDARD refused with a specific reservation, is this fake's
-        if (model == "RESERVATION_BOUND") != specific:
+        # reservation-bound VMs"); STANDARD may consume a specific reservation too
+        if model == "RESERVATION_BOUND" and not specific:
             return _error(400, "Invalid value for field 'resource.scheduling.provisioningModel': "
-                               f"{model} with reservation affinity {affinity or 'none'}")
+                               f"RESERVATION_BOUND with reservation affinity {affinity or 'none'}")
         if specific:
-            reservation = affinity.get("values", [""])[0]
-            if reservation not in self.reservations:
-                msg = (f"The resource 'projects/{project}/zones/{zone}/reservations/{reservation}' "
-                       "was not found")
-                return 200, self._operation(project, zone, error=msg)
-            self.reservations[reservation].in_use += 1
+            refused = self._consume(project, zone, model, affinity.get("values", [""])[0],
+                                    body.get("machineType", "").rsplit("/", 1)[-1])
+            if refused:
+                return refused
         now = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
         instance = {**body, "id": str(next(self._ids)), "status": "PROVISIONING",
                     "creationTimestamp": now, "zone": f"{self.url}{PREFIX}{project}/zones/{zone}"}
@@ -191,6 +247,31 @@ class FakeCompute:
                 ac["natIP"] = self.nat_ip
         self.instances[key] = instance
         return 200, self._operation(project, zone, done=lambda: instance.update(status="RUNNING"))
+
+    def _consume(self, project: str, zone: str, model: str, named: str,
+                 machine_type: str) -> tuple[int, dict] | None:
+        """Take what a VM of `machine_type` uses from the reservation `named`; Compute's refusal if any."""
+        owner, name = self._owner(named, project)
+        reservation = self.reservations.get(name)
+        if reservation is None or (reservation.project, reservation.zone) != (owner, zone):
+            msg = f"The resource 'projects/{owner}/zones/{zone}/reservations/{name}' was not found"
+            return 200, self._operation(project, zone, error=msg)
+        if owner != project and project not in reservation.shared_with:
+            return 200, self._operation(project, zone, code="INVALID_USAGE", error=(
+                f"Reservation '{named}' is not shared with project '{project}'"))
+        if model == "RESERVATION_BOUND" and reservation.delivered_by != "CALENDAR":
+            return _error(400, "Invalid value for field 'resource.scheduling.provisioningModel': "
+                               "RESERVATION_BOUND VMs consume reservations of future reservations in "
+                               f"calendar mode; '{named}' is not one")
+        takes = reservation.takes(machine_type)
+        if takes is None:
+            return 200, self._operation(project, zone, code="INVALID_USAGE", error=(
+                f"Reservation '{named}' does not match the instance's properties ({machine_type})"))
+        if reservation.count - reservation.in_use < takes:
+            return 200, self._operation(project, zone, code="INVALID_USAGE", error=(
+                f"Reservation '{named}' does not have enough free resources for {machine_type}"))
+        reservation.in_use += takes
+        return None
 
     def _instance(self, method: str, project: str, zone: str, name: str) -> tuple[int, dict]:
         key = (project, zone, name)
@@ -203,21 +284,40 @@ class FakeCompute:
                                         done=lambda: self._release(self.instances.pop(key, {})))
         return 200, self.instances[key]
 
+    @staticmethod
+    def _owner(named: str, project: str) -> tuple[str, str]:
+        """(owner project, name) of a reservation as reservationAffinity.values names it."""
+        parts = named.split("/")
+        return (parts[1], parts[3]) if len(parts) == 4 and parts[0::2] == ["projects", "reservations"] \
+            else (project, named)
+
     def _release(self, instance: dict) -> None:
-        """The reservation a deleted instance used has one more free VM."""
-        for name in (instance.get("reservationAffinity") or {}).get("values", []):
-            if name in self.reservations:
-                self.reservations[name].in_use -= 1
+        """The reservation a deleted instance used gets back what the instance took."""
+        for named in (instance.get("reservationAffinity") or {}).get("values", []):
+            project = instance["zone"].rsplit("/projects/", 1)[-1].split("/")[0]
+            reservation = self.reservations.get(self._owner(named, project)[1])
+            if reservation is not None:
+                reservation.in_use -= reservation.takes(instance["machineType"].rsplit("/", 1)[-1]) or 0
 
     def _reservation(self, project: str, zone: str, name: str) -> tuple[int, dict]:
-        if name not in self.reservations:
+        reservation = self.reservations.get(name)
+        if reservation is None or (reservation.project, reservation.zone) != (project, zone):
             return _error(404, f"The resource 'projects/{project}/zones/{zone}/reservations/{name}' "
                                "was not found")
-        r = self.reservations[name]
-        return 200, {"kind": "compute#reservation", "name": name, "zone": zone, "status": "READY",
-                     "specificReservationRequired": True,
-                     "specificReservation": {"count": str(r.count), "inUseCount": str(r.in_use),
-                                             "instanceProperties": {"machineType": r.machine_type}}}
+        return 200, reservation.resource(self.url, name)
+
+    def _future_reservations(self, project: str, zone: str) -> tuple[int, dict]:
+        """futureReservations.list: the future reservations that auto-created this project's reservations."""
+        if project in self.unreadable_projects:
+            return _error(403, f"Required 'compute.futureReservations.list' permission for 'projects/{project}'")
+        items = [{"kind": "compute#futureReservation", "name": f"{name}-request", "namePrefix": name,
+                  "zone": f"{self.url}{PREFIX}{project}/zones/{zone}", "reservationMode": r.delivered_by,
+                  "status": {"procurementStatus": "FULFILLED", "autoCreatedReservations": [
+                      f"{self.url}{PREFIX}{project}/zones/{zone}/reservations/{name}"]}}
+                 for name, r in sorted(self.reservations.items())
+                 if r.delivered_by and (r.project, r.zone) == (project, zone)]
+        return 200, {"kind": "compute#futureReservationsListResponse", "items": items,
+                     "selfLink": f"{self.url}{PREFIX}{project}/zones/{zone}/futureReservations"}
 
     def _insert_firewall(self, project: str, body: dict) -> tuple[int, dict]:
         key = (project, body["name"])
@@ -257,14 +357,14 @@ class FakeCompute:
             op["status"] = "DONE"
             if entry["error"]:
                 op["error"] = {"errors": [{"code": entry["code"], "message": entry["error"]}]}
-                op["httpErrorStatusCode"] = 404 if entry["code"] == "RESOURCE_NOT_FOUND" else 503
+                op["httpErrorStatusCode"] = {"RESOURCE_NOT_FOUND": 404, "INVALID_USAGE": 400}.get(entry["code"], 503)
             elif entry["done"]:
                 entry["done"]()
         return dict(op)
 
 
 def _error(code: int, message: str) -> tuple[int, dict]:
-    reason = {404: "notFound", 409: "alreadyExists"}.get(code, "invalid")
+    reason = {403: "forbidden", 404: "notFound", 409: "alreadyExists"}.get(code, "invalid")
     return code, {"error": {"code": code, "message": message,
                             "errors": [{"message": message, "domain": "global", "reason": reason}]}}
 
