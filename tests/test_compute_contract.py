@@ -52,7 +52,8 @@ def sent_body(fake: FakeCompute, mode: str = "reservation") -> dict:
     """The instances.insert body google-cloud-compute sends for mtpipe's VM (then deleted again)."""
     cfg = vm.load_config({"provisioning": mode})
     compute_api = gcp.Compute(cfg.project, cfg.zone)
-    compute_api.create_instance(gcp.instance_body(cfg, cfg.name, KEY, {"app": "mtpipe"}))
+    model = compute_api.provisioning_model(cfg)
+    compute_api.create_instance(gcp.instance_body(cfg, cfg.name, KEY, {"app": "mtpipe"}, model))
     compute_api.delete_instance(cfg.name)
     return fake.inserts()[-1].json()
 
@@ -76,7 +77,7 @@ def test_mtpipes_instance_body_passes_for_each_provisioning_mode(fake: FakeCompu
     if mode != "reservation":
         monkeypatch.delenv("RESERVATION")
     body = sent_body(fake, mode)
-    assert body["scheduling"]["provisioningModel"] == {"reservation": "RESERVATION_BOUND", "spot": "SPOT",
+    assert body["scheduling"]["provisioningModel"] == {"reservation": "STANDARD", "spot": "SPOT",
                                                        "on-demand": "STANDARD"}[mode]
     insert = fake.inserts()[-1]
     assert insert.api_method == "compute.instances.insert" and not fake.contract.rejected
@@ -99,7 +100,7 @@ def test_an_unknown_field_is_refused(fake: FakeCompute) -> None:
 
 def test_a_wrong_enum_value_is_refused_through_the_real_client(fake: FakeCompute) -> None:
     cfg = vm.load_config()
-    body = gcp.instance_body(cfg, cfg.name, KEY, {})
+    body = gcp.instance_body(cfg, cfg.name, KEY, {}, "STANDARD")
     body["scheduling"]["provisioning_model"] = "CHEAP"
     with pytest.raises(gcp.GcpError, match=r"creating VM mt-test: 400 POST \S+/instances: Invalid value for field "
                                            r"'resource.scheduling.provisioningModel': 'CHEAP'. Must be one of "
@@ -156,13 +157,14 @@ def test_every_request_of_a_vm_lifecycle_is_checked(fake: FakeCompute) -> None:
     compute_api = gcp.Compute(cfg.project, cfg.zone)
     compute_api.get_machine_type(cfg.machine_type)
     compute_api.get_reservation(cfg.reservation)
+    model = compute_api.provisioning_model(cfg)
     compute_api.create_firewall(gcp.firewall_body(cfg, cfg.name, cfg.firewall.name))
-    compute_api.create_instance(gcp.instance_body(cfg, cfg.name, KEY, {}))
+    compute_api.create_instance(gcp.instance_body(cfg, cfg.name, KEY, {}, model))
     compute_api.delete_instance(cfg.name)
     compute_api.delete_firewall(cfg.firewall.name)
     compute_api.zones_offering(cfg.machine_type)
     assert [r.api_method for r in fake.requests] == [
-        "compute.machineTypes.get", "compute.reservations.get",
+        "compute.machineTypes.get", "compute.reservations.get", "compute.futureReservations.list",
         "compute.firewalls.insert", *["compute.globalOperations.wait"] * 2,
         "compute.instances.insert", *["compute.zoneOperations.wait"] * 2, "compute.instances.get",
         "compute.instances.delete", *["compute.zoneOperations.wait"] * 2,
@@ -176,7 +178,7 @@ def test_every_request_of_a_vm_lifecycle_is_checked(fake: FakeCompute) -> None:
 def test_an_answer_compute_never_gives_fails_loudly(fake: FakeCompute) -> None:
     cfg = vm.load_config()
     compute_api = gcp.Compute(cfg.project, cfg.zone)
-    compute_api.create_instance(gcp.instance_body(cfg, cfg.name, KEY, {}))
+    compute_api.create_instance(gcp.instance_body(cfg, cfg.name, KEY, {}, "STANDARD"))
     fake.instances["proj-1", "us-east5-b", "mt-test"]["status"] = "SLEEPING"   # no such instance status
     with pytest.raises(gcp.GcpError, match=r"reading VM mt-test: 500 GET \S+: the fake answered what Compute "
                                            r"never would \(compute.instances.get\): Invalid value for field "
