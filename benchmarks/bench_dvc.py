@@ -1,7 +1,8 @@
 """How much DVC costs around the pipeline: prints one table, every ratio measured in this run.
 
 Rows:
-* no-op `dvc repro` of a pipeline repo vs bare DVC on as many trivial stages (median of --runs);
+* no-op `dvc repro` of a pipeline repo vs bare DVC on as many trivial stages (median of --runs),
+  and vs the same trivial stages written with foreach as the project's branches are;
 * `dvc add` of a synthetic orbax-like checkpoint (--size): first (hash + cache) vs second (state db);
 * disk used by workspace + cache for that checkpoint, per cache type, as a multiple of its size;
 * each stage's wall time vs the MaxText command it wraps (needs the stage's `--print-command`;
@@ -113,6 +114,20 @@ def synthetic_pipeline(repo: Path, stages: int, realistic: bool) -> None:
     (repo / "dvc.yaml").write_text("\n".join(lines) + "\n")
 
 
+def foreach_pipeline(repo: Path, stages: int) -> None:
+    """`stages` trivial stages like :func:`synthetic_pipeline`'s, written as the project writes its
+    branches: one stage, then chains of `foreach: [x, y]` stages (DVC's templating has a cost of its
+    own, an import of its parser, that a pipeline without `${...}` does not pay)."""
+    lines = ["stages:", "  s0:", "    cmd: echo 0 > out0.txt", "    outs: [out0.txt]"]
+    previous = "out0.txt"
+    for i in range((stages - 1) // 2):
+        out = f"t{i}-${{item}}.txt"
+        lines += [f"  t{i}:", "    foreach: [x, y]", "    do:", f"      cmd: echo ${{item}} > {out}",
+                  f'      deps: ["{previous}"]', f'      outs: ["{out}"]']
+        previous = out
+    (repo / "dvc.yaml").write_text("\n".join(lines) + "\n")
+
+
 def make_repo(repo: Path, env: dict[str, str], cache_type: str | None = None) -> None:
     repo.mkdir(parents=True)
     run(dvc("init", "-q", "--no-scm"), repo, env)
@@ -120,7 +135,7 @@ def make_repo(repo: Path, env: dict[str, str], cache_type: str | None = None) ->
         run(dvc("config", "cache.type", cache_type), repo, env)
 
 
-def noop_row(repo: Path, fall_back: bool, scratch: Path, runs: int) -> Row:
+def noop_row(repo: Path, fall_back: bool, scratch: Path, runs: int) -> list[Row]:
     """The no-op repro row for `repo`; the synthetic pipeline if the default repo is not ready."""
     ready = (repo / "dvc.yaml").exists() and subprocess.run(
         dvc("status", "--quiet"), cwd=repo, env=dvc_env(None), capture_output=True).returncode == 0
@@ -128,8 +143,8 @@ def noop_row(repo: Path, fall_back: bool, scratch: Path, runs: int) -> Row:
         return noop_repro_row(repo, scratch, runs)
     if fall_back:
         return noop_repro_row(None, scratch, runs, f", {repo} not reproduced yet")
-    return Row(f"no-op dvc repro ({repo})", "skipped: pipeline not up to date, run `dvc repro` first",
-               "", None, "<= 1.2")
+    return [Row(f"no-op dvc repro ({repo})", "skipped: pipeline not up to date, run `dvc repro` first",
+                "", None, "<= 1.2")]
 
 
 def noop_repro_seconds(repo: Path, env: dict[str, str]) -> float:
@@ -146,8 +161,9 @@ def stage_count(repo: Path, env: dict[str, str]) -> int:
     return len(run(dvc("stage", "list", "--name-only"), repo, env).stdout.split())
 
 
-def noop_repro_row(target: Path | None, scratch: Path, runs: int, why_synthetic: str = "") -> Row:
-    """Median no-op `dvc repro` of `target` (None: a synthetic 9-stage pipeline) vs trivial stages."""
+def noop_repro_row(target: Path | None, scratch: Path, runs: int, why_synthetic: str = "") -> list[Row]:
+    """Median no-op `dvc repro` of `target` (None: a synthetic 9-stage pipeline) vs as many trivial
+    stages, plain and written with foreach; the three are timed in turn, run after run."""
     env = dvc_env(scratch)
     if target is None:
         target = scratch / "synthetic"
@@ -162,14 +178,21 @@ def noop_repro_row(target: Path | None, scratch: Path, runs: int, why_synthetic:
     make_repo(bare, env)
     synthetic_pipeline(bare, stages, realistic=False)
     run(dvc("repro", "-q"), bare, env)
+    templated = scratch / "bare-foreach"
+    make_repo(templated, env)
+    foreach_pipeline(templated, stages)
+    run(dvc("repro", "-q"), templated, env)
     progress(f"no-op repro: {label} ({stages} stages) vs {stages} trivial stages, {runs} runs each")
-    ours, theirs = [], []
+    ours, plain, foreach = [], [], []
     for _ in range(runs):
         ours.append(noop_repro_seconds(target, target_env))
-        theirs.append(noop_repro_seconds(bare, env))
-    a, b = statistics.median(ours), statistics.median(theirs)
-    return Row(f"no-op dvc repro, {stages} stages ({label}) vs {stages} trivial", f"{a:.2f} s",
-               f"{b:.2f} s", a / b, "<= 1.2")
+        plain.append(noop_repro_seconds(bare, env))
+        foreach.append(noop_repro_seconds(templated, env))
+    a, b, c = (statistics.median(times) for times in (ours, plain, foreach))
+    return [Row(f"no-op dvc repro, {stages} stages ({label}) vs {stages} trivial", f"{a:.2f} s",
+                f"{b:.2f} s", a / b, "<= 1.2"),
+            Row(f"no-op dvc repro, {stages} stages ({label}) vs {stages} trivial with foreach", f"{a:.2f} s",
+                f"{c:.2f} s", a / c)]
 
 
 # --------------------------------------------------------------------- checkpoint hashing / disk
@@ -380,7 +403,7 @@ def main() -> None:
     repo = args.repo.resolve()
     with tempfile.TemporaryDirectory(prefix="bench_dvc_", dir=args.workdir) as tmp:
         scratch = Path(tmp)
-        rows = [noop_row(repo, repo == PROJECT, scratch, args.runs)]
+        rows = noop_row(repo, repo == PROJECT, scratch, args.runs)
         rows += checkpoint_rows(scratch, args.size, args.cache_types.split(";"))
         rows += stage_overhead_rows(repo, scratch, args.stage_overhead,
                                     args.stages.split(",") if args.stages else None)
