@@ -180,10 +180,11 @@ def test_killed_training_resumes_from_its_checkpoint(pipeline_repo):
 
 
 def test_queued_sweep_runs_and_exp_show_lists_final_losses(pipeline_repo):
-    """`dvc exp run --queue -S ...` twice, `dvc queue start`, then `dvc exp show` has each final loss."""
+    """`dvc exp run --queue -S ... train_sft@sft` twice, `dvc queue start`, then `dvc exp show` has
+    each final loss (the training is the target: the export and its score add nothing to a queue)."""
     try:
         for steps in (20, 30):
-            dvc(pipeline_repo, "exp", "run", "--queue", "-S", f"steps={steps}")
+            dvc(pipeline_repo, "exp", "run", "--queue", "-S", f"steps={steps}", "train_sft@sft")
         dvc(pipeline_repo, "queue", "start", "--jobs", "1")
         deadline = time.monotonic() + 1200
         while time.monotonic() < deadline:
