@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import threading
 from collections.abc import Iterator
 from types import FrameType
 
@@ -29,7 +30,11 @@ def _interrupt(signum: int, _frame: FrameType | None) -> None:
 
 @contextlib.contextmanager
 def _handlers(handler: object, signals: tuple[int, ...] = TERMINAL) -> Iterator[None]:
-    """``handler`` for each of ``signals`` that is not ignored, the previous handlers afterwards."""
+    """``handler`` for each of ``signals`` that is not ignored, the previous handlers afterwards;
+    nothing in a thread other than the main one (signals never reach it, nor can it set handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     previous = {s: signal.getsignal(s) for s in signals}
     previous = {s: signal.signal(s, handler) for s, old in previous.items() if old != signal.SIG_IGN}
     try:
