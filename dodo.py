@@ -117,7 +117,13 @@ def vm_run(keep: bool, down: bool, recreate: bool, target: str | None, set: list
 
 @_task_action
 def vm_down(**params: Any) -> None:
-    _target(params).delete()
+    """The VM .vm_state.json records, or the one --name / NAME names; with neither (a fresh clone,
+    another laptop), this user's VMs that Compute lists in the zone by their labels."""
+    life = _target(params)
+    if vm.read_state(life.root) or params.get("name") or os.environ.get(vm.ENV_KEYS["name"]):
+        life.delete()
+    else:
+        life.delete_labelled()
 
 
 @_task_action
@@ -189,7 +195,8 @@ def task_vm_shell() -> dict:
 
 
 def task_vm_down() -> dict:
-    """Delete the VM and its firewall rule (fine when already gone)."""
+    """Delete the VM and its firewall rule (fine when already gone); without .vm_state.json or a name,
+    your VMs labelled app=mtpipe in the zone."""
     return {"actions": [vm_down], "params": TARGET_PARAMS}
 
 

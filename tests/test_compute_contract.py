@@ -158,7 +158,7 @@ def test_every_request_of_a_vm_lifecycle_is_checked(fake: FakeCompute) -> None:
     compute_api.get_machine_type(cfg.machine_type)
     compute_api.get_reservation(cfg.reservation)
     model = compute_api.provisioning_model(cfg)
-    compute_api.create_firewall(gcp.firewall_body(cfg, cfg.name, cfg.firewall.name))
+    compute_api.create_firewall(gcp.firewall_body(cfg, cfg.name, cfg.firewall.name, dict(cfg.labels)))
     compute_api.create_instance(gcp.instance_body(cfg, cfg.name, KEY, {}, model))
     compute_api.delete_instance(cfg.name)
     compute_api.delete_firewall(cfg.firewall.name)

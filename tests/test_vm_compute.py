@@ -16,12 +16,14 @@ import io
 import json
 import os
 import subprocess
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from doit.doit_cmd import DoitMain
 from fakes.fake_compute import FakeCompute, Reservation, running_fake
+from google.cloud import compute_v1
 
 from mtpipe.cloud import gcp, prices, vm
 from mtpipe.errors import ConfigError
@@ -55,13 +57,15 @@ GOLDEN_INSTANCE = {
                             "values": ["v6e-res"]},
     "serviceAccounts": [{"email": "default",
                          "scopes": ["https://www.googleapis.com/auth/cloud-platform"]}],
-    "labels": {"app": "mtpipe", "mtpipe-run": "20261129-120000"},
+    "labels": {"app": "mtpipe", "mtpipe-run": "1a2b3c4d"},
     "metadata": {"items": [{"key": "ssh-keys", "value": f"mtpipe:{KEY}"}]},
 }
 GOLDEN_FIREWALL = {
     "name": "mt-test-ssh", "network": "global/networks/default", "direction": "INGRESS",
     "allowed": [{"IPProtocol": "tcp", "ports": ["22"]}], "sourceRanges": ["35.235.240.0/20"],
-    "targetTags": ["mt-test"], "description": "SSH to the mtpipe VM mt-test",
+    "targetTags": ["mt-test"],
+    # firewall rules have no labels field (compute.v1.json's Firewall): the description carries them
+    "description": "SSH to the mtpipe VM mt-test (labels: app=mtpipe mtpipe-run=1a2b3c4d)",
 }
 
 
@@ -118,8 +122,8 @@ def test_insert_bodies_match_the_tutorial(fake: FakeCompute) -> None:
     cfg = vm.load_config()
     vm.check_create(cfg)
     compute = gcp.Compute(cfg.project, cfg.zone)
-    assert compute.create_firewall(gcp.firewall_body(cfg, cfg.name, cfg.firewall.name))
-    labels = {**cfg.labels, "mtpipe-run": "20261129-120000"}
+    labels = {**cfg.labels, "mtpipe-run": "1a2b3c4d"}
+    assert compute.create_firewall(gcp.firewall_body(cfg, cfg.name, cfg.firewall.name, labels))
     instance = compute.create_instance(gcp.instance_body(cfg, cfg.name, KEY, labels,
                                                          compute.provisioning_model(cfg)))
 
@@ -133,10 +137,31 @@ def test_insert_bodies_match_the_tutorial(fake: FakeCompute) -> None:
     assert {r.host for r in fake.requests} == {fake.url.removeprefix("http://")}
 
 
+@pytest.mark.cloud_contract
+def test_vms_are_listed_by_label(fake: FakeCompute) -> None:
+    """instances.list with a label filter in Compute's syntax, through the real client: the zone's
+    VMs that carry the labels and no others."""
+    cfg = vm.load_config({"provisioning": "on-demand"})
+    compute = gcp.Compute(cfg.project, cfg.zone)
+    for name, labels in [("vm-a", {"app": "mtpipe", "mtpipe-run": "1"}),
+                         ("vm-b", {"app": "mtpipe", "mtpipe-run": "2"}), ("vm-c", {"app": "other"})]:
+        compute.create_instance(gcp.instance_body(cfg, name, KEY, labels, "STANDARD"))
+    assert [i.name for i in compute.list_instances({"app": "mtpipe"})] == ["vm-a", "vm-b"]
+    assert [i.name for i in compute.list_instances({"app": "mtpipe", "mtpipe-run": "2"})] == ["vm-b"]
+    assert compute.list_instances({"app": "none"}) == []
+    for written in ("labels.app=mtpipe", "labels.app = mtpipe", '(labels.app = "mtpipe") AND (name != vm-a)'):
+        listed = compute.instances.list(request=compute_v1.ListInstancesRequest(
+            project=cfg.project, zone=cfg.zone, filter=written))
+        assert [i.name for i in listed] == (["vm-b"] if "vm-a" in written else ["vm-a", "vm-b"]), written
+    (request,) = [r for r in fake.calls("GET", "/zones/us-east5-b/instances")
+                  if "mtpipe-run" in r.path]
+    assert '(labels.app = "mtpipe") (labels.mtpipe-run = "2")' in urllib.parse.unquote_plus(request.path)
+
+
 def test_not_found_and_conflict_are_not_errors(fake: FakeCompute) -> None:
     cfg = vm.load_config()
     compute = gcp.Compute(cfg.project, cfg.zone)
-    body = gcp.firewall_body(cfg, cfg.name, cfg.firewall.name)
+    body = gcp.firewall_body(cfg, cfg.name, cfg.firewall.name, dict(cfg.labels))
     assert compute.create_firewall(body) and not compute.create_firewall(body)   # 409
     assert compute.delete_firewall(body["name"]) and not compute.delete_firewall(body["name"])
     assert compute.get_instance("mt-test") is None and not compute.delete_instance("mt-test")

@@ -22,6 +22,8 @@ from google.auth import exceptions as auth_exc
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1
 
+from mtpipe.cloud import interrupts
+
 ENDPOINT_ENV = "MTPIPE_COMPUTE_ENDPOINT"
 SCOPE = "https://www.googleapis.com/auth/cloud-platform"
 CREDENTIALS_FIX = (
@@ -37,6 +39,7 @@ class GcpError(RuntimeError):
 QUOTA_NAME = re.compile(r"Quota '([^']+)' exceeded")
 QUOTA_REASONS = {"quotaExceeded", "rateLimitExceeded", "QUOTA_EXCEEDED"}
 STOCKOUT_CODES = {"ZONE_RESOURCE_POOL_EXHAUSTED", "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS"}
+SETTLING = ("PROVISIONING", "STAGING")   # a VM's status while Compute still creates it
 
 
 class CapacityError(GcpError):
@@ -167,8 +170,11 @@ def instance_body(cfg: Any, name: str, ssh_public_key: str, labels: dict[str, st
     return body
 
 
-def firewall_body(cfg: Any, name: str, firewall: str) -> dict:
-    """The tutorials' SSH rule: tcp:22 from the IAP range to VMs tagged with the VM's name."""
+def firewall_body(cfg: Any, name: str, firewall: str, labels: dict[str, str]) -> dict:
+    """The tutorials' SSH rule: tcp:22 from the IAP range to VMs tagged with the VM's name.
+
+    Firewall rules have no labels in Compute's API: the description carries the VM's."""
+    tags = " ".join(f"{key}={value}" for key, value in sorted(labels.items()))
     return {
         "name": firewall,
         "network": f"global/networks/{cfg.network}",
@@ -176,8 +182,15 @@ def firewall_body(cfg: Any, name: str, firewall: str) -> dict:
         "allowed": [{"I_p_protocol": "tcp", "ports": ["22"]}],
         "source_ranges": list(cfg.firewall.source_ranges),
         "target_tags": [name],
-        "description": f"SSH to the mtpipe VM {name}",
+        "description": f"SSH to the mtpipe VM {name} (labels: {tags})",
     }
+
+
+def label_filter(labels: dict[str, str]) -> str:
+    """A list filter in Compute's syntax that keeps the resources carrying every one of ``labels``:
+    `labels.app = "mtpipe"`, several as ANDed parenthesised expressions."""
+    terms = [f'labels.{key} = "{value}"' for key, value in sorted(labels.items())]
+    return terms[0] if len(terms) == 1 else " ".join(f"({term})" for term in terms)
 
 
 class Compute:
@@ -186,6 +199,7 @@ class Compute:
     def __init__(self, project: str, zone: str, timeout_s: float = 900) -> None:
         kw = client_kwargs()
         self.project, self.zone, self.timeout_s = project, zone, timeout_s
+        self.inserting: dict[str, str] = {}   # VM name -> its insert operation, until DONE
         self.instances = compute_v1.InstancesClient(**kw)
         self.firewalls = compute_v1.FirewallsClient(**kw)
         self.machine_types = compute_v1.MachineTypesClient(**kw)
@@ -263,16 +277,45 @@ class Compute:
                 return None
 
     def create_instance(self, body: dict) -> compute_v1.Instance:
-        """Insert the VM and wait until the operation is DONE; return the instance."""
+        """Insert the VM and wait until the operation is DONE; return the instance.
+
+        Ctrl-C (or SIGTERM, SIGHUP) does not tear the insert request itself: it is delivered once
+        Compute has answered, so the operation is known (``self.inserting``) and :meth:`settle` can
+        follow it after an interrupted or timed-out wait."""
         name = body["name"]
         with explained(f"creating VM {name}", self.project):
-            op = self.instances.insert(project=self.project, zone=self.zone,
-                                       instance_resource=compute_v1.Instance(body))
+            with interrupts.deferred():
+                op = self.instances.insert(project=self.project, zone=self.zone,
+                                           instance_resource=compute_v1.Instance(body))
+                self.inserting[name] = op.name
             self._wait(op.name, f"creating VM {name}", zonal=True)
+            del self.inserting[name]
         instance = self.get_instance(name)
         if instance is None:
             raise GcpError(f"VM {name} vanished right after it was created")
         return instance
+
+    def settle(self, name: str, timeout_s: float) -> compute_v1.Instance | None:
+        """After an insert that failed, timed out or was interrupted: wait (at most ``timeout_s``)
+        until Compute has settled whether VM ``name`` exists: its insert operation DONE, when the
+        request went out, and the VM past PROVISIONING / STAGING. Returns the VM, None when there
+        is none (or it still is being created when the time is up)."""
+        deadline = time.monotonic() + timeout_s
+        operation = self.inserting.pop(name, None)
+        if operation:
+            with contextlib.suppress(GcpError):   # a failed insert: what it left is looked at below
+                self._wait(operation, f"creating VM {name}", zonal=True, timeout_s=timeout_s)
+        while True:
+            instance = self.get_instance(name)
+            if instance is None or instance.status not in SETTLING or time.monotonic() > deadline:
+                return instance
+            time.sleep(1)
+
+    def list_instances(self, labels: dict[str, str]) -> list[compute_v1.Instance]:
+        """The VMs of this zone that carry every one of ``labels`` (instances.list, filtered)."""
+        with explained(f"listing the VMs labelled {label_filter(labels)} in {self.zone}", self.project):
+            return list(self.instances.list(request=compute_v1.ListInstancesRequest(
+                project=self.project, zone=self.zone, filter=label_filter(labels))))
 
     def delete_instance(self, name: str) -> bool:
         """Delete the VM; False when it was already gone."""
@@ -319,9 +362,9 @@ class Compute:
         return self.create_instance(instance_body(cfg, cfg.name, public_key, labels,
                                                   self.provisioning_model(cfg)))
 
-    def open_ssh(self, cfg: Any) -> bool:
+    def open_ssh(self, cfg: Any, labels: dict[str, str]) -> bool:
         """Create the firewall rule that lets SSH reach the VM; False when it already existed."""
-        return self.create_firewall(firewall_body(cfg, cfg.name, cfg.firewall.name))
+        return self.create_firewall(firewall_body(cfg, cfg.name, cfg.firewall.name, labels))
 
     @staticmethod
     def address(instance: compute_v1.Instance) -> str | None:
@@ -333,9 +376,11 @@ class Compute:
         return (instance.machine_type.rsplit("/", 1)[-1], instance.scheduling.provisioning_model,
                 instance.scheduling.max_run_duration.seconds)
 
-    def _wait(self, operation: str, what: str, zonal: bool) -> None:
-        """Call operations.wait until DONE; raise GcpError with the operation's errors if any."""
-        deadline = time.monotonic() + self.timeout_s
+    def _wait(self, operation: str, what: str, zonal: bool, timeout_s: float | None = None) -> None:
+        """Call operations.wait until DONE (at most ``timeout_s``, else operation_timeout_s); raise
+        GcpError with the operation's errors if any."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         while True:
             if zonal:
                 op = self.zone_ops.wait(project=self.project, zone=self.zone, operation=operation)
@@ -344,7 +389,7 @@ class Compute:
             if op.status == compute_v1.Operation.Status.DONE:
                 break
             if time.monotonic() > deadline:
-                raise GcpError(f"{what}: operation {operation} not DONE after {self.timeout_s} s; "
+                raise GcpError(f"{what}: operation {operation} not DONE after {timeout_s:g} s; "
                                "check the Cloud console, then rerun")
         codes = {e.code for e in op.error.errors}
         errors = [f"{e.code}: {e.message}" for e in op.error.errors]

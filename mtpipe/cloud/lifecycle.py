@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import getpass
 import itertools
-import signal
+import secrets
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -20,24 +20,34 @@ from typing import Any, Protocol
 
 from omegaconf import DictConfig, OmegaConf
 
-from mtpipe.cloud import prices, vm, vm_checks
-from mtpipe.cloud.gcp import CapacityError, Compute
+from mtpipe.cloud import interrupts, prices, vm, vm_checks
+from mtpipe.cloud.gcp import SETTLING, CapacityError, Compute, GcpError
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import preflight as preflight_checks
 
 STOCKOUT_MAX_WAIT_S = 300  # the longest wait between two inserts during a stockout
+# Labels every VM gets besides conf/vm.yaml's `labels` (app: mtpipe); firewall rules, which have no
+# labels, carry them in their description.
+RUN_LABEL = "mtpipe-run"                    # a fresh id per VM creation
+USER_LABEL = "created-by"
+PROVISIONING_LABEL = "mtpipe-provisioning"  # reservation / spot / on-demand: its price
+FIREWALL_LABEL = "mtpipe-firewall"          # the SSH rule made for it
 
 
 class Provider(Protocol):
     """What the lifecycle needs from a cloud. Instances have ``status`` (``RUNNING`` while usable)
-    and ``creation_timestamp`` (ISO 8601); each call waits until the cloud has done it. ``create_vm``
-    raises :class:`mtpipe.cloud.gcp.CapacityError` when the zone has no such machine free now."""
+    and ``creation_timestamp`` (ISO 8601) and ``labels``; each call waits until the cloud has done it.
+    ``create_vm`` raises :class:`mtpipe.cloud.gcp.CapacityError` when the zone has no such machine
+    free now; after it failed or was interrupted, ``settle`` waits until the cloud says whether the
+    VM exists."""
 
     def get_instance(self, name: str) -> Any | None: ...
+    def list_instances(self, labels: dict[str, str]) -> list[Any]: ...
     def create_vm(self, cfg: DictConfig, public_key: str, labels: dict[str, str]) -> Any: ...
     def provisioning_model(self, cfg: DictConfig) -> str: ...
+    def settle(self, name: str, timeout_s: float) -> Any | None: ...
     def delete_instance(self, name: str) -> bool: ...
-    def open_ssh(self, cfg: DictConfig) -> bool: ...
+    def open_ssh(self, cfg: DictConfig, labels: dict[str, str]) -> bool: ...
     def get_firewall(self, name: str) -> Any | None: ...
     def delete_firewall(self, name: str) -> bool: ...
     def address(self, instance: Any) -> str | None: ...
@@ -82,7 +92,19 @@ def creation_line(cfg: DictConfig, model: str) -> str:
 
 
 def _say(line: str) -> None:
-    print(f"mtpipe: {line}", flush=True)
+    try:
+        print(f"mtpipe: {line}", flush=True)
+    except OSError:   # the terminal is gone (SIGHUP): the cleanup goes on without it
+        pass
+
+
+def _since(created: str, usd_per_hour: float, reservation: str | None = None) -> str:
+    """How long a VM has existed and what it cost so far (a reservation's VM: paid by it)."""
+    since = datetime.fromisoformat(created)
+    hours = (datetime.now(timezone.utc) - since).total_seconds() / 3600
+    so_far = f"{hours * usd_per_hour:.2f} USD so far at {usd_per_hour:.2f} USD/h"
+    return f"since {since.isoformat()} ({hours:.2f} h): " + (
+        prices.paid_by(reservation, so_far) if reservation else f"about {so_far}")
 
 
 class VmLifecycle:
@@ -118,6 +140,12 @@ class VmLifecycle:
     # ------------------------------------------------------------ create and delete
 
     def ensure(self, experiments: list[list[str]], may_create: bool, preflight: bool = False) -> vm.Remote:
+        """The VM, reachable over SSH: reused when it exists, else created (:meth:`_ensure`);
+        SIGTERM and SIGHUP meanwhile clean up as Ctrl-C does."""
+        with interrupts.raising():
+            return self._ensure(experiments, may_create, preflight)
+
+    def _ensure(self, experiments: list[list[str]], may_create: bool, preflight: bool) -> vm.Remote:
         """The VM, reachable over SSH: reused when it exists, else created.
 
         Before creating anything the checks before spending run (vm_checks.before_spending) for the
@@ -139,6 +167,9 @@ class VmLifecycle:
                                   "delete it first with `doit vm_down`, or use its name/zone/project")
             state = {}
         instance = cloud.get_instance(cfg.name)
+        if instance is not None and instance.status in SETTLING:   # an insert another run sent
+            _say(f"VM {cfg.name} is {instance.status}: waiting until Compute has created it")
+            instance = cloud.settle(cfg.name, float(cfg.operation_timeout_s))
         created = instance is None
         if instance is not None:
             _say(f"reusing VM {cfg.name} ({instance.status}) in {cfg.zone}")
@@ -147,11 +178,13 @@ class VmLifecycle:
                 vm.vm_started(state, cfg, instance.creation_timestamp)
         else:
             if state and not may_create:
+                why = ("Compute deleted it after max_run_duration_s, or someone else did" if state.get("created")
+                       else f"its insert, sent {state.get('insert_sent')}, never created it")
                 raise vm.VmError(
                     f"VM {cfg.name}, recorded in {vm.STATE_FILE} (created {state.get('created')}), no "
-                    f"longer exists in {cfg.project}/{cfg.zone}: Compute deleted it after "
-                    "max_run_duration_s, or someone else did. Rerun with --recreate to create a new one "
-                    f"({prices.vm_rate(cfg).describe()}), or `doit vm_down` to forget it")
+                    f"longer exists in {cfg.project}/{cfg.zone}: {why}. Rerun with --recreate to create "
+                    f"a new one ({prices.vm_rate(cfg).describe()}), or `doit vm_down` to forget it")
+            _say("checks before spending: Compute, the presets with the --set values, HF_TOKEN, the DVC remote")
             vm_checks.before_spending(cfg, cloud, root, experiments)
         if preflight:
             rate = prices.vm_rate(cfg)
@@ -163,20 +196,57 @@ class VmLifecycle:
         return self._connect(state, instance, created)
 
     def _create(self, state: dict) -> Any:
-        """Create the firewall rule (it may exist) and the VM, print the price, add it to the ledger."""
+        """Create the firewall rule (it may exist) and the VM, print the price, add it to the ledger.
+
+        The VM (name, zone, run id, when the insert went out) is recorded in the state file before
+        the insert is sent, so `doit vm_status` / `vm_down` find it even when this process dies
+        during the insert. An insert that fails, times out or is interrupted is followed until
+        Compute says whether the VM exists (:meth:`_abandon`): the run is abandoned, so a VM that
+        exists is deleted."""
         cfg, cloud = self.cfg, self.cloud
         public_key = vm.ssh_public_key(cfg)
-        run_id = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-        labels = {**cfg.labels, "mtpipe-run": run_id, "created-by": vm.label_value(getpass.getuser())}
+        run_id = secrets.token_hex(4)
+        labels = {**cfg.labels, RUN_LABEL: run_id, USER_LABEL: vm.label_value(getpass.getuser()),
+                  PROVISIONING_LABEL: cfg.provisioning, FIREWALL_LABEL: cfg.firewall.name}
         _say(creation_line(cfg, cloud.provisioning_model(cfg)))
-        cloud.open_ssh(cfg)
+        before = dict(state)
+        state.pop("host_key", None)   # a new VM, a new host key
+        state.update(project=cfg.project, zone=cfg.zone, name=cfg.name, firewall=cfg.firewall.name,
+                     provisioning=cfg.provisioning, max_run_duration_s=int(cfg.max_run_duration_s),
+                     run_id=run_id, created=None,
+                     insert_sent=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+        vm.write_state(self.root, state)
         try:
+            cloud.open_ssh(cfg, labels)
             instance = self.create_vm(public_key, labels)
-        except BaseException:
-            cloud.delete_firewall(cfg.firewall.name)
+        except BaseException as e:
+            self._abandon(e, before)
             raise
         vm.vm_started(state, cfg, instance.creation_timestamp)
         return instance
+
+    def _abandon(self, error: BaseException, before: dict) -> None:
+        """The insert gave no VM (refused, failed, timed out, interrupted): wait (at most
+        operation_timeout_s) until Compute has settled whether the VM exists, delete it if it does
+        and the firewall rule, and put the state file back as it was before the insert. A VM that
+        cannot be deleted stays recorded, for `doit vm_down`. Signals are ignored meanwhile."""
+        cfg, cloud, timeout_s = self.cfg, self.cloud, float(self.cfg.operation_timeout_s)
+        with interrupts.ignored():
+            if isinstance(error, KeyboardInterrupt):
+                _say(f"interrupted while creating VM {cfg.name}: waiting (at most {timeout_s:g} s) until "
+                     "Compute has finished the insert, then deleting the VM")
+            try:
+                if cloud.settle(cfg.name, timeout_s) is not None:
+                    _say(f"VM {cfg.name}: {'deleted' if cloud.delete_instance(cfg.name) else 'already gone'}")
+                cloud.delete_firewall(cfg.firewall.name)
+            except GcpError as e:
+                _say(f"could not delete VM {cfg.name} ({e}); {vm.STATE_FILE} still records it: "
+                     "`doit vm_down` deletes it")
+                return
+            if before:
+                vm.write_state(self.root, before)
+            else:
+                vm.clear_state(self.root)
 
     def create_vm(self, public_key: str, labels: dict[str, str]) -> Any:
         """Create the VM; on a stockout, retry with doubling waits for ``stockout.retry_for_s``, then fail
@@ -202,8 +272,6 @@ class VmLifecycle:
     def _connect(self, state: dict, instance: Any, created: bool) -> vm.Remote:
         """Record the VM in the state file, wait until its sshd takes our key (pinning its host key)."""
         cfg = self.cfg
-        if created:
-            state.pop("host_key", None)   # a new VM, a new host key
         state.update(project=cfg.project, zone=cfg.zone, name=cfg.name, firewall=cfg.firewall.name,
                      created=instance.creation_timestamp, provisioning=cfg.provisioning,
                      max_run_duration_s=int(cfg.max_run_duration_s))
@@ -222,10 +290,10 @@ class VmLifecycle:
         return remote
 
     def delete(self) -> None:
-        """Delete the VM and its firewall rule (each may already be gone); forget the state."""
+        """Delete the VM and its firewall rule (each may already be gone); forget the state.
+        A second Ctrl-C, SIGTERM or the terminal closing does not stop it."""
         cfg = self.cfg
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not stop this
-        try:
+        with interrupts.ignored():
             cloud = self.cloud
             _say(f"VM {cfg.name}: {'deleted' if cloud.delete_instance(cfg.name) else 'already gone'}")
             gone = cloud.delete_firewall(cfg.firewall.name)
@@ -235,30 +303,48 @@ class VmLifecycle:
                 vm.vm_ended(state, "deleted")
                 _say(spend_line(state))
             vm.clear_state(self.root)
-        finally:
-            signal.signal(signal.SIGINT, previous)
+
+    def labelled(self) -> list[Any]:
+        """The VMs in the zone that carry conf/vm.yaml's `labels` (app: mtpipe), whoever made them."""
+        return self.cloud.list_instances({k: str(v) for k, v in self.cfg.labels.items()})
+
+    def delete_labelled(self) -> None:
+        """`doit vm_down` with no VM recorded and no --name / NAME: delete the VM ``cfg`` names
+        (mtpipe-<user> by default) and every VM in the zone labelled with `labels` and created by
+        this user (label created-by), each with its firewall rule; other users' VMs are named, not
+        deleted. Finds what a fresh clone or another laptop has no state file for."""
+        cfg, user = self.cfg, vm.label_value(getpass.getuser())
+        found = {i.name: i for i in self.labelled()}
+        mine = sorted(n for n, i in found.items() if dict(i.labels).get(USER_LABEL) == user)
+        if cfg.name not in mine and self.cloud.get_instance(cfg.name) is not None:
+            mine.insert(0, cfg.name)
+        if not mine:
+            _say(f"no VM {cfg.name}, and none labelled {_labels(cfg)} by {user}, in {cfg.project}/{cfg.zone}")
+        for name in mine:
+            labels = dict(found[name].labels) if name in found else {}
+            firewall = labels.get(FIREWALL_LABEL) or (cfg.firewall.name if name == cfg.name else f"{name}-ssh")
+            with interrupts.ignored():
+                _say(f"VM {name}: {'deleted' if self.cloud.delete_instance(name) else 'already gone'}")
+                gone = self.cloud.delete_firewall(firewall)
+                _say(f"firewall rule {firewall}: {'deleted' if gone else 'already gone'}")
+        for name in sorted(set(found) - set(mine)):
+            who = dict(found[name].labels).get(USER_LABEL, "someone else")
+            _say(f"VM {name}, created by {who}, left alone: `doit vm_down --name {name}` deletes it")
 
     def guarded(self, body: Callable[[], None]) -> None:
         """Run body; on any failure, Ctrl-C or SIGTERM/SIGHUP delete the VM unless kept (a VM lost
         more often than max_recoveries is deleted anyway: a preempted VM cannot be restarted)."""
-
-        def interrupt(signum: int, _frame: Any) -> None:
-            raise KeyboardInterrupt(f"signal {signum}")
-
-        previous = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
-        try:
-            body()
-        except BaseException as e:
-            if self.keep and not isinstance(e, vm.VmLost):
-                _say(f"failed; VM {self.cfg.name} kept (--keep): `doit vm_down` deletes it")
-            else:
-                why = "a lost VM cannot be restarted" if self.keep else "use --keep to keep it"
-                _say(f"failed or interrupted; deleting VM {self.cfg.name} ({why})")
-                self.delete()
-            raise
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+        with interrupts.raising():
+            try:
+                body()
+            except BaseException as e:
+                if self.keep and not isinstance(e, vm.VmLost):
+                    _say(f"failed; VM {self.cfg.name} kept (--keep): `doit vm_down` deletes it")
+                else:
+                    why = "a lost VM cannot be restarted" if self.keep else "use --keep to keep it"
+                    _say(f"failed or interrupted; deleting VM {self.cfg.name} ({why})")
+                    self.delete()
+                raise
 
     # ------------------------------------------------------------ losing and replacing
 
@@ -333,7 +419,9 @@ class VmLifecycle:
         todo = list(zip(experiments, scripts))
 
         def attempt(remote: vm.Remote) -> None:
+            _say(f"setting up VM {cfg.name} (once per VM)")
             vm.setup(remote, cfg, root)
+            _say(f"shipping HEAD to VM {cfg.name}")
             commit = vm.ship(remote, root, cfg.run.remote_dir)
             _say(f"shipped {commit[:12]}; running the pipeline on {cfg.name}")
             while todo:
@@ -341,6 +429,7 @@ class VmLifecycle:
                 if len(scripts) > 1:
                     _say(f"experiment {len(scripts) - len(todo) + 1} of {len(scripts)}: {' '.join(sets)}")
                 vm.check(remote, script, "the pipeline", stdin=secret_data)
+                _say(f"bringing the experiment back from VM {cfg.name}")
                 got = vm.fetch_experiments(remote, root, cfg.run.remote_dir, commit)
                 todo.pop(0)
                 if got:
@@ -353,33 +442,52 @@ class VmLifecycle:
         self.guarded(lambda: self.with_recovery(remote, attempt))
 
     def status(self) -> list[str]:
-        """The VM and firewall rule as the cloud sees them, with what the run has cost."""
+        """The VM and firewall rule as the cloud sees them, with what the run has cost, then the
+        other VMs in the zone labelled with `labels` (app: mtpipe), each with its cost so far."""
         cfg, state = self.cfg, vm.read_state(self.root)
         cloud = self.cloud
         instance, rule = cloud.get_instance(cfg.name), cloud.get_firewall(cfg.firewall.name)
         recorded = state if state.get("name") == cfg.name else {}
         lines = [f"firewall rule {cfg.firewall.name}: {'exists' if rule else 'none'}"]
         if instance is None:
-            lines.append(f"VM {cfg.name} in {cfg.project}/{cfg.zone}: none")
+            unconfirmed = recorded and not recorded.get("created")
+            lines.append(f"VM {cfg.name} in {cfg.project}/{cfg.zone}: none" + (
+                f" (recorded: its insert, sent {recorded.get('insert_sent')}, never created it)"
+                if unconfirmed else ""))
         else:
-            since = datetime.fromisoformat(instance.creation_timestamp)
-            hours = (datetime.now(timezone.utc) - since).total_seconds() / 3600
-            entry, rate = recorded["vms"][-1] if recorded.get("vms") else {}, prices.vm_rate(cfg)
+            entry, rate = recorded["vms"][-1] if recorded.get("vms") else {}, _rate(cfg, instance)
             usd = entry.get("usd_per_hour", rate.usd_per_hour)
             reservation = entry.get("reservation") if entry else rate.reservation
-            so_far = f"{hours * usd:.2f} USD so far at {usd:.2f} USD/h"
-            cost = prices.paid_by(reservation, so_far) if reservation else f"about {so_far}"
             machine, model, limit = cloud.describe(instance)
             lines += [f"VM {cfg.name} in {cfg.project}/{cfg.zone}: {instance.status}, {machine}, {model}, "
                       f"external IP {cloud.address(instance)}",
-                      f"  since {since.isoformat()} ({hours:.2f} h): {cost}"]
+                      f"  {_since(instance.creation_timestamp, usd, reservation)}"]
             if limit:
+                since = datetime.fromisoformat(instance.creation_timestamp)
                 lines.append("  Compute deletes it at "
                              f"{time.strftime('%Y-%m-%d %H:%M %Z', time.localtime(since.timestamp() + limit))}")
             if not recorded:
-                lines.append("  (not recorded in .vm_state.json: created elsewhere)")
+                lines.append(f"  (not recorded in {vm.STATE_FILE}: created elsewhere)")
         lines += [f"  replaced: {e['name']} ({e['provisioning']}) {e['created']} .. {e['ended']}: {e['why']}"
                   for e in recorded.get("vms", [])[:-1]]
         if recorded.get("vms"):
             lines.append(f"  {spend_line(recorded)}")
+        others = [i for i in self.labelled() if i.name != cfg.name]
+        if others:
+            lines.append(f"other VMs labelled {_labels(cfg)} in {cfg.project}/{cfg.zone}:")
+        for other in sorted(others, key=lambda i: i.name):
+            labels, rate = dict(other.labels), _rate(cfg, other)
+            lines.append(f"  {other.name}: {other.status}, {labels.get(PROVISIONING_LABEL, '?')}, run "
+                         f"{labels.get(RUN_LABEL, '?')}, created by {labels.get(USER_LABEL, '?')}, "
+                         f"{_since(other.creation_timestamp, rate.usd_per_hour, rate.reservation)}")
         return lines
+
+
+def _labels(cfg: DictConfig) -> str:
+    return ", ".join(f"{key}={value}" for key, value in cfg.labels.items())
+
+
+def _rate(cfg: DictConfig, instance: Any) -> prices.Rate:
+    """The rate of a VM: the provisioning mode it was created with (its label), else ``cfg``'s."""
+    mode = dict(instance.labels).get(PROVISIONING_LABEL)
+    return prices.vm_rate(OmegaConf.merge(cfg, {"provisioning": mode}) if mode in vm.PROVISIONING else cfg)

@@ -24,6 +24,15 @@ Every request under /compute/v1/ is first checked against Google's discovery doc
 answer after (tests/fakes/discovery.py, ``FakeCompute.contract``): a request Compute would refuse
 gets Compute's 400 (or 404) without reaching the fake, an answer Compute would never give becomes a
 500, and :func:`running_fake` fails the test that left either behind.
+
+instances.list answers with the zone's instances that match its `filter` (Compute's syntax, the
+forms below in :func:`matches`). :meth:`FakeCompute.hold_inserts` keeps the operation of every
+insert PENDING (its VM PROVISIONING) until :meth:`FakeCompute.release_inserts`, which finishes them
+whether or not anyone polls, as Compute does; a `wait` on a held operation answers PENDING after a
+short while (Compute's own `wait` answers after at most two minutes), so a test can interrupt a
+client in the middle of an insert. :meth:`FakeCompute.hold_requests` keeps the answer to matching
+requests back until :meth:`FakeCompute.release_requests` (a client blocked in a request);
+``on_insert`` sees each insert's body before it is answered.
 """
 
 from __future__ import annotations
@@ -131,7 +140,46 @@ class FakeCompute:
     operations: dict[str, dict] = field(default_factory=dict)
     contract: Contract = field(default_factory=Contract)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    holding_inserts: bool = False
+    on_insert: Callable[[dict], None] | None = None
+    held_requests: list[Recorded] = field(default_factory=list)
     _ids: Iterator[int] = field(default_factory=lambda: itertools.count(1000))
+
+    def __post_init__(self) -> None:
+        self._released = threading.Condition(self.lock)
+        self._holding: tuple[str, str] | None = None
+        self._answer = threading.Event()
+
+    def hold_requests(self, method: str, path_part: str) -> None:
+        """Answer no request with this method whose path contains ``path_part`` until
+        :meth:`release_requests`; each one waiting is in ``held_requests``."""
+        self._answer.clear()
+        self._holding = (method, path_part)
+
+    def release_requests(self) -> None:
+        self._holding = None
+        self._answer.set()
+
+    def _held(self, request: Recorded) -> None:
+        """Wait (at most a minute) while ``request`` is one to hold back."""
+        if self._holding and request.method == self._holding[0] and self._holding[1] in request.path:
+            self.held_requests.append(request)
+            self._answer.wait(60)
+
+    def hold_inserts(self) -> None:
+        """From now on an insert's operation stays PENDING (its VM PROVISIONING) until released."""
+        with self.lock:
+            self.holding_inserts = True
+
+    def release_inserts(self) -> None:
+        """Finish every held insert (its VM RUNNING), as Compute does whether or not anyone polls."""
+        with self.lock:
+            self.holding_inserts = False
+            for entry in self.operations.values():
+                if entry.pop("held", False):
+                    entry["op"]["status"] = "DONE"
+                    entry["done"]()
+            self._released.notify_all()
 
     def calls(self, method: str, suffix: str) -> list[Recorded]:
         """Recorded requests with this method whose path (without query) ends with suffix."""
@@ -175,6 +223,8 @@ class FakeCompute:
             match parts:
                 case [project, "zones", zone, "instances"] if method == "POST":
                     return self._insert_instance(project, zone, body)
+                case [project, "zones", zone, "instances"] if method == "GET":
+                    return self._list_instances(project, zone, url)
                 case [project, "zones", zone, "instances", name]:
                     return self._instance(method, project, zone, name)
                 case [project, "aggregated", "machineTypes"] if method == "GET":
@@ -195,6 +245,8 @@ class FakeCompute:
                 case [_, "zones", _, "operations", op, *wait] | [_, "global", "operations", op, *wait]:
                     if op not in self.operations:
                         return _error(404, f"The resource 'operations/{op}' was not found")
+                    if wait and self.operations[op].get("held"):
+                        self._released.wait(0.5)   # lets go of the lock meanwhile
                     return 200, self._advance(op)
         return _error(404, f"unknown path {path}")
 
@@ -207,6 +259,8 @@ class FakeCompute:
             for zone, types in sorted(self.machine_types.items())}}
 
     def _insert_instance(self, project: str, zone: str, body: dict) -> tuple[int, dict]:
+        if self.on_insert:
+            self.on_insert(body)
         if self.insert_failures:
             kind, *what = self.insert_failures.pop(0)
             if kind == "http":
@@ -246,7 +300,22 @@ class FakeCompute:
             for ac in nic.get("accessConfigs", []):
                 ac["natIP"] = self.nat_ip
         self.instances[key] = instance
-        return 200, self._operation(project, zone, done=lambda: instance.update(status="RUNNING"))
+        op = self._operation(project, zone, done=lambda: instance.update(status="RUNNING"))
+        self.operations[op["name"]]["held"] = self.holding_inserts
+        return 200, op
+
+    def _list_instances(self, project: str, zone: str, url: str) -> tuple[int, dict]:
+        """instances.list: the zone's instances that match the filter, in one page."""
+        where = f"{self.url}{PREFIX}{project}/zones/{zone}/instances"
+        query = parse_qs(urlsplit(url).query)
+        try:
+            items = [i for (p, z, _), i in sorted(self.instances.items())
+                     if (p, z) == (project, zone) and matches(query.get("filter", [""])[0], i)]
+        except ValueError as e:
+            return _error(400, f"Invalid value for field 'filter': {e}")
+        listed = {"kind": "compute#instanceList", "id": f"projects/{project}/zones/{zone}/instances",
+                  "selfLink": where}
+        return 200, {**listed, "items": items} if items else listed
 
     def _consume(self, project: str, zone: str, model: str, named: str,
                  machine_type: str) -> tuple[int, dict] | None:
@@ -351,6 +420,8 @@ class FakeCompute:
         """One poll: PENDING -> RUNNING -> DONE; the effect happens when DONE is reached."""
         entry = self.operations[name]
         op = entry["op"]
+        if entry.get("held"):
+            return dict(op)
         if op["status"] == "PENDING":
             op["status"] = "RUNNING"
         elif op["status"] == "RUNNING":
@@ -361,6 +432,44 @@ class FakeCompute:
             elif entry["done"]:
                 entry["done"]()
         return dict(op)
+
+
+FILTER_TERM = re.compile(
+    r"^\s*(?P<field>[A-Za-z][\w.-]*)\s*(?:(?P<op>!=|=)|\s(?P<regex>eq|ne)\s)\s*(?P<value>.*?)\s*$")
+
+
+def matches(expression: str, resource: dict) -> bool:
+    """Whether ``resource`` passes a list filter in Compute's syntax, as far as the fake reads it:
+    one `FIELD = VALUE` / `FIELD != VALUE` comparison (a dotted field such as `labels.app`, the value
+    bare or in double or single quotes, spaces around the operator optional), `FIELD eq REGEX` /
+    `FIELD ne REGEX` (the value must match the whole field), or several of them each in parentheses,
+    ANDed (side by side or with AND). An empty filter keeps everything; anything else is a
+    ValueError (the API answers 400)."""
+    if not expression.strip():
+        return True
+    if "(" in expression:
+        terms = re.findall(r"\(([^()]*)\)", expression)
+        if re.sub(r"\([^()]*\)|\bAND\b", "", expression).strip():
+            raise ValueError(f"{expression!r}: only parenthesised expressions joined by AND are read here")
+    else:
+        terms = [expression]
+    return all(_term_matches(term, resource) for term in terms)
+
+
+def _term_matches(term: str, resource: dict) -> bool:
+    found = FILTER_TERM.match(term)
+    if not found:
+        raise ValueError(f"{term!r} is not FIELD = VALUE, FIELD != VALUE, FIELD eq REGEX or FIELD ne REGEX")
+    value = found["value"]
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
+        value = value[1:-1]
+    actual: object = resource
+    for part in found["field"].split("."):
+        actual = actual.get(part) if isinstance(actual, dict) else None
+    text = "" if actual is None else str(actual).lower() if isinstance(actual, bool) else str(actual)
+    if found["regex"]:
+        return (re.fullmatch(value, text) is not None) == (found["regex"] == "eq")
+    return (actual is not None and text == value) == (found["op"] == "=")
 
 
 def _error(code: int, message: str) -> tuple[int, dict]:
@@ -376,6 +485,7 @@ def _handler(fake: FakeCompute) -> type[BaseHTTPRequestHandler]:
             raw = self.rfile.read(length).decode() if length else ""
             recorded = Recorded(self.command, self.path, self.headers.get("Host", ""), dict(self.headers), raw)
             fake.requests.append(recorded)
+            fake._held(recorded)
             path = urlsplit(self.path).path
             if path == "/token":   # an OAuth token endpoint refusing an expired refresh token
                 code, out = 400, {"error": "invalid_grant",
@@ -389,11 +499,14 @@ def _handler(fake: FakeCompute) -> type[BaseHTTPRequestHandler]:
                     code, out = fake.contract.answer(
                         method, *fake.handle(self.command, self.path, json.loads(raw) if raw else {}))
             data = json.dumps(out).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json; charset=UTF-8")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            try:
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json; charset=UTF-8")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError):   # the client gave up (interrupted)
+                pass
 
         do_GET = do_POST = do_DELETE = _serve
 

@@ -6,7 +6,9 @@ environment (HF_TOKEN in particular) leaks into it. It accepts only the keys `au
 returns, as `user:ssh-ed25519 AAAA...` lines (the format of the instance's `ssh-keys` metadata),
 so a test can make the fake Compute API's metadata the only source of access. Closing the
 connection kills the command's process group, as sshd's SIGHUP does; `drop_sessions()` aborts every
-live connection, the way a VM that is preempted or deleted takes its sessions with it.
+live connection, the way a VM that is preempted or deleted takes its sessions with it. `hold(text)`
+keeps each command containing `text` from starting until `release()` (or until its client goes
+away): its client then waits in the middle of a session, where a test can interrupt it.
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ class LoopbackSshd:
         self.env = {"HOME": str(home), "PATH": "/usr/local/bin:/usr/bin:/bin",
                     "LANG": "C.UTF-8", **(env or {})}
         self.commands: list[str | None] = []
+        self.held: list[str] = []          # the held commands that have arrived
+        self._hold: str | None = None
+        self._released = asyncio.Event()   # bound to the server's loop when first awaited
         self.port = 0
         self.host_key = asyncssh.generate_private_key("ssh-ed25519")
         self._live: set[asyncssh.SSHServerConnection] = set()
@@ -82,6 +87,15 @@ class LoopbackSshd:
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
+    def hold(self, text: str) -> None:
+        """Commands containing ``text`` wait before they start, until :meth:`release`."""
+        self._loop.call_soon_threadsafe(self._released.clear)
+        self._hold = text
+
+    def release(self) -> None:
+        self._hold = None
+        self._loop.call_soon_threadsafe(self._released.set)
+
     def drop_sessions(self) -> int:
         """Abort every live connection; return how many there were, once their commands are dead."""
 
@@ -103,6 +117,15 @@ class LoopbackSshd:
 
     async def _handle(self, process: asyncssh.SSHServerProcess) -> None:
         self.commands.append(process.command)
+        if self._hold and self._hold in (process.command or ""):
+            self.held.append(process.command)
+            gone = asyncio.ensure_future(process.channel.wait_closed())
+            released = asyncio.ensure_future(self._released.wait())
+            await asyncio.wait({gone, released}, return_when=asyncio.FIRST_COMPLETED)
+            released.cancel()
+            if gone.done():
+                return
+            gone.cancel()
         argv = ["bash", "-c", process.command] if process.command else ["bash"]
         child = await asyncio.create_subprocess_exec(
             *argv, cwd=self.home, env=self.env, start_new_session=True,
