@@ -9,13 +9,11 @@ import copy
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from fakes.discovery import compute
 from fakes.fake_compute import FakeCompute, running_fake
-from vm_world import TARGET
 
 from mtpipe.cloud import gcp, vm
 
@@ -23,17 +21,6 @@ pytestmark = pytest.mark.cloud_contract
 
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE2fTTNpubliconly mtpipe"
 INSTANCES = "/compute/v1/projects/proj-1/zones/us-east5-b/instances"
-
-
-@pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCompute]:
-    with running_fake() as fake:
-        monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
-        monkeypatch.delenv(vm.CONFIG_ENV, raising=False)
-        monkeypatch.setenv(gcp.ENDPOINT_ENV, fake.url)
-        for key, value in TARGET.items():
-            monkeypatch.setenv(key, value)
-        yield fake
 
 
 def send(fake: FakeCompute, method: str, path: str, body: Any = None) -> tuple[int, dict]:

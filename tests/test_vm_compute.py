@@ -17,19 +17,17 @@ import json
 import os
 import subprocess
 import urllib.parse
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from doit.doit_cmd import DoitMain
-from fakes.fake_compute import FakeCompute, Reservation, running_fake
+from fakes.fake_compute import FakeCompute, Reservation
 from google.cloud import compute_v1
 
 from mtpipe.cloud import gcp, prices, vm
 from mtpipe.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
-TARGET = {"PROJECT": "proj-1", "ZONE": "us-east5-b", "RESERVATION": "v6e-res", "NAME": "mt-test"}
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE2fTTNpubliconly mtpipe"
 
 # gcloud compute instances create NAME --zone=us-east5-b --network=default --tags=NAME
@@ -76,21 +74,6 @@ def drop_empty(value: object) -> object:
     if isinstance(value, list):
         return [drop_empty(v) for v in value]
     return value
-
-
-@pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCompute]:
-    with running_fake() as fake:
-        monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
-        monkeypatch.delenv(vm.CONFIG_ENV, raising=False)
-        monkeypatch.setenv(gcp.ENDPOINT_ENV, fake.url)
-        monkeypatch.setenv("NO_GCE_CHECK", "true")
-        for proxy in ("HTTP_PROXY", "HTTPS_PROXY"):   # anything not for loopback fails right here
-            monkeypatch.setenv(proxy, "http://127.0.0.1:9")
-        monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
-        for key, value in TARGET.items():
-            monkeypatch.setenv(key, value)
-        yield fake
 
 
 def doit(repo: Path, *args: str) -> tuple[int, str]:

@@ -118,6 +118,25 @@ def clone_project(pipeline_repo: Path, repo: Path, emulator: GcsEmulator, env: d
 
 
 @pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCompute]:
+    """The fake Compute API, the Google clients pointed at it (TARGET's project, zone, reservation
+    and name in the environment, no credentials file); a proxy that fails any non-loopback request."""
+    from mtpipe.cloud import gcp, vm
+
+    with running_fake() as compute:
+        monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
+        monkeypatch.delenv(vm.CONFIG_ENV, raising=False)
+        monkeypatch.setenv(gcp.ENDPOINT_ENV, compute.url)
+        monkeypatch.setenv("NO_GCE_CHECK", "true")
+        for proxy in ("HTTP_PROXY", "HTTPS_PROXY"):   # anything not for loopback fails right here
+            monkeypatch.setenv(proxy, "http://127.0.0.1:9")
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+        for key, value in TARGET.items():
+            monkeypatch.setenv(key, value)
+        yield compute
+
+
+@pytest.fixture
 def local_env(tmp_path: Path) -> dict[str, str]:
     """The laptop's environment for git/DVC: emulator settings, DVC's own dirs under tmp_path."""
     environ = {k: v for k, v in os.environ.items()
