@@ -211,9 +211,7 @@ class VmLifecycle:
         _say(creation_line(cfg, cloud.provisioning_model(cfg)))
         before = dict(state)
         state.pop("host_key", None)   # a new VM, a new host key
-        state.update(project=cfg.project, zone=cfg.zone, name=cfg.name, firewall=cfg.firewall.name,
-                     provisioning=cfg.provisioning, max_run_duration_s=int(cfg.max_run_duration_s),
-                     run_id=run_id, created=None,
+        state.update(_recorded(cfg), run_id=run_id, created=None,
                      insert_sent=datetime.now(timezone.utc).isoformat(timespec="seconds"))
         vm.write_state(self.root, state)
         try:
@@ -236,9 +234,8 @@ class VmLifecycle:
                 _say(f"interrupted while creating VM {cfg.name}: waiting (at most {timeout_s:g} s) until "
                      "Compute has finished the insert, then deleting the VM")
             try:
-                if cloud.settle(cfg.name, timeout_s) is not None:
-                    _say(f"VM {cfg.name}: {'deleted' if cloud.delete_instance(cfg.name) else 'already gone'}")
-                cloud.delete_firewall(cfg.firewall.name)
+                self._delete_vm(cfg.name if cloud.settle(cfg.name, timeout_s) is not None else None,
+                                cfg.firewall.name)
             except GcpError as e:
                 _say(f"could not delete VM {cfg.name} ({e}); {vm.STATE_FILE} still records it: "
                      "`doit vm_down` deletes it")
@@ -272,9 +269,7 @@ class VmLifecycle:
     def _connect(self, state: dict, instance: Any, created: bool) -> vm.Remote:
         """Record the VM in the state file, wait until its sshd takes our key (pinning its host key)."""
         cfg = self.cfg
-        state.update(project=cfg.project, zone=cfg.zone, name=cfg.name, firewall=cfg.firewall.name,
-                     created=instance.creation_timestamp, provisioning=cfg.provisioning,
-                     max_run_duration_s=int(cfg.max_run_duration_s))
+        state.update(_recorded(cfg), created=instance.creation_timestamp)
         vm.write_state(self.root, state)
         remote = self.remote(state)
         try:
@@ -294,15 +289,19 @@ class VmLifecycle:
         A second Ctrl-C, SIGTERM or the terminal closing does not stop it."""
         cfg = self.cfg
         with interrupts.ignored():
-            cloud = self.cloud
-            _say(f"VM {cfg.name}: {'deleted' if cloud.delete_instance(cfg.name) else 'already gone'}")
-            gone = cloud.delete_firewall(cfg.firewall.name)
-            _say(f"firewall rule {cfg.firewall.name}: {'deleted' if gone else 'already gone'}")
+            self._delete_vm(cfg.name, cfg.firewall.name)
             state = vm.read_state(self.root)
             if state.get("vms") and state.get("name") == cfg.name:
                 vm.vm_ended(state, "deleted")
                 _say(spend_line(state))
             vm.clear_state(self.root)
+
+    def _delete_vm(self, name: str | None, firewall: str) -> None:
+        """Delete VM ``name`` (None: there is none) and firewall rule ``firewall``, saying for each
+        whether it was deleted or already gone."""
+        if name is not None:
+            _say(f"VM {name}: {'deleted' if self.cloud.delete_instance(name) else 'already gone'}")
+        _say(f"firewall rule {firewall}: {'deleted' if self.cloud.delete_firewall(firewall) else 'already gone'}")
 
     def labelled(self) -> list[Any]:
         """The VMs in the zone that carry conf/vm.yaml's `labels` (app: mtpipe), whoever made them."""
@@ -324,9 +323,7 @@ class VmLifecycle:
             labels = dict(found[name].labels) if name in found else {}
             firewall = labels.get(FIREWALL_LABEL) or (cfg.firewall.name if name == cfg.name else f"{name}-ssh")
             with interrupts.ignored():
-                _say(f"VM {name}: {'deleted' if self.cloud.delete_instance(name) else 'already gone'}")
-                gone = self.cloud.delete_firewall(firewall)
-                _say(f"firewall rule {firewall}: {'deleted' if gone else 'already gone'}")
+                self._delete_vm(name, firewall)
         for name in sorted(set(found) - set(mine)):
             who = dict(found[name].labels).get(USER_LABEL, "someone else")
             _say(f"VM {name}, created by {who}, left alone: `doit vm_down --name {name}` deletes it")
@@ -481,6 +478,12 @@ class VmLifecycle:
                          f"{labels.get(RUN_LABEL, '?')}, created by {labels.get(USER_LABEL, '?')}, "
                          f"{_since(other.creation_timestamp, rate.usd_per_hour, rate.reservation)}")
         return lines
+
+
+def _recorded(cfg: DictConfig) -> dict[str, Any]:
+    """What the state file records of the VM ``cfg`` describes."""
+    return {"project": cfg.project, "zone": cfg.zone, "name": cfg.name, "firewall": cfg.firewall.name,
+            "provisioning": cfg.provisioning, "max_run_duration_s": int(cfg.max_run_duration_s)}
 
 
 def _labels(cfg: DictConfig) -> str:
