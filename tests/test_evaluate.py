@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -38,7 +39,7 @@ def data(tmp_path_factory) -> dict[str, Path]:
 def llama_server(data):
     port = serving.free_port()
     command = serving.server_command("cpu", data["llama"], port, None)
-    with serving.serving(command, port, data["llama"].parent / "server.log", timeout_s=120) as url:
+    with serving.serving(command, port, data["llama"].parent / "server.log", timeout_s=600) as url:
         yield url
 
 
@@ -89,6 +90,16 @@ def test_a_server_that_dies_is_reported_with_its_log(tmp_path):
             pass
 
 
+def test_a_server_that_never_listens_is_reported_with_its_cpu_time_and_log(tmp_path):
+    """A stuck server and a starved one read differently: the error gives its CPU seconds and log."""
+    port = serving.free_port()
+    command = [sys.executable, "-c", "print('loading the model', flush=True); import time; time.sleep(60)"]
+    with pytest.raises(RuntimeError, match=r"(?s)within 3 s \(state S, \d+\.\d s of CPU used\): "
+                                           r"see .*server.log\n  \| loading the model"):
+        with serving.serving(command, port, tmp_path / "server.log", timeout_s=3):
+            pass
+
+
 def test_gsm8k_through_lm_eval_on_the_pinned_files(data, llama_server, tmp_path):
     """The real lm-eval (gsm8k_cot_llama, chat template) against the server: its task reads the local
     test split (12 problems, offline), and the scores are lm-eval's exact-match with their intervals."""
@@ -120,7 +131,7 @@ def test_gain_and_its_interval():
 def test_heldout_loss_is_the_mean_token_nll_of_each_conversation(data, tmp_path):
     files = sorted((data["ultrachat"] / "data").glob("test_sft-*.parquet"))
     port = serving.free_port()
-    with serving.serving(serving.server_command("cpu", data["gemma"], port, None), port, tmp_path / "log", 120) as url:
+    with serving.serving(serving.server_command("cpu", data["gemma"], port, None), port, tmp_path / "log", 600) as url:
         result = heldout.evaluate(url, data["gemma"], files, column="messages", count=5, max_length=48)
     from transformers import AutoTokenizer
 

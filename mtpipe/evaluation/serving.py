@@ -47,19 +47,23 @@ def server_command(backend: str, model_dir: Path, port: int, evaluate: Any) -> l
 def serving(command: list[str], port: int, log: Path, timeout_s: float) -> Iterator[str]:
     """Run ``command`` until the block ends; yields the completions URL once ``/health`` answers 200.
 
-    Fails, naming the log, when the server exits or is not up within ``timeout_s``. The server gets no
-    Hub token: the model is a local directory."""
+    Fails, naming the log and quoting its end, when the server exits or is not up within ``timeout_s``
+    (then also saying how much CPU time it got: a starved server and a stuck one read differently).
+    The server gets no Hub token (the model is a local directory) and no stdin."""
     env = {k: v for k, v in os.environ.items() if k != "HF_TOKEN"}
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + timeout_s
         while not _healthy(port):
             if proc.poll() is not None:
-                raise RuntimeError(f"the model server exited with {proc.returncode} before serving: see {log}")
+                raise RuntimeError(f"the model server exited with {proc.returncode} before serving: "
+                                   f"see {log}{_tail(log)}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the model server did not answer /health within {timeout_s:.0f} s: see {log}")
+                raise RuntimeError(f"the model server did not answer /health on port {port} within "
+                                   f"{timeout_s:.0f} s ({_cpu_report(proc.pid)}): see {log}{_tail(log)}")
             time.sleep(0.5)
         yield f"http://127.0.0.1:{port}/v1/completions"
     finally:
@@ -70,6 +74,21 @@ def serving(command: list[str], port: int, log: Path, timeout_s: float) -> Itera
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def _tail(log: Path, lines: int = 15) -> str:
+    text = log.read_text(errors="replace").strip().splitlines()[-lines:] if log.is_file() else []
+    return "".join(f"\n  | {line}" for line in text)
+
+
+def _cpu_report(pid: int) -> str:
+    """The process's state and CPU seconds so far, from /proc (Linux), or what could not be read."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return "its /proc entry is unreadable"
+    cpu_s = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return f"state {fields[0]}, {cpu_s:.1f} s of CPU used"
 
 
 def _healthy(port: int) -> bool:
