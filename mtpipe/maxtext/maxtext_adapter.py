@@ -54,27 +54,14 @@ For ``maxtext.trainers.post_train.sft.train_sft``:
    checkpoint is committed and its loss row written, until it is killed: a kill point that does
    not depend on the machine's speed. train_rl gets the same hold (``hold_after_checkpoint``);
    tunix's GRPO learner already fast-forwards its data on resume.
-
-For every module, not a fix but start-up time:
-
-10. ``defer_unused_imports`` (lazy import): MaxText's trainers import ``google.cloud.aiplatform``
-    at start (``maxtext.common.vertex_tensorboard`` -> ``cloud_accelerator_diagnostics``, ``from
-    google.cloud import aiplatform``), about 8 s of their 30 s of imports on 2 cores, for the
-    Vertex AI TensorBoard uploader that only ``use_vertex_tensorboard=True`` runs. The package is
-    registered with importlib's ``LazyLoader``: the real package, executed on its first attribute
-    access, so a run that uploads loads it then. (A plain ``import pkg`` of a lazy module already
-    executes it on CPython 3.12, which reads ``pkg.__spec__``: sympy, which ``maxtext.layers.engram``
-    imports so, cannot be deferred this way.)
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
 import signal
-import sys
 import threading
 import time
 import types
@@ -128,26 +115,6 @@ def _arg_value(argv: list[str], key: str) -> str | None:
         if arg == f"--{key}" and i + 1 < len(argv):
             value = argv[i + 1]
     return value
-
-
-DEFERRED_IMPORTS = ("google.cloud.aiplatform",)  # imported at start, used by few runs (patch 10)
-
-
-def defer_unused_imports() -> None:
-    """Patch 10: register ``DEFERRED_IMPORTS`` so each executes on its first attribute access."""
-    for name in DEFERRED_IMPORTS:
-        if name in sys.modules:
-            continue
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            continue  # not installed: the import fails where MaxText makes it, as it would unpatched
-        spec.loader = importlib.util.LazyLoader(spec.loader)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-        parent, _, child = name.rpartition(".")
-        if parent:
-            setattr(sys.modules[parent], child, module)
 
 
 def reject_secrets(argv: list[str]) -> None:
@@ -521,7 +488,6 @@ def stopped_status() -> int | None:
 def apply(module: str, argv: list[str]) -> Callable[[], None]:
     """Patch MaxText for `module` run with `argv`; return the post-processing step to run on success."""
     reject_secrets(argv)
-    defer_unused_imports()
     if module in TRAINERS:
         honour_checkpoint_storage(argv)
     if module == TRAIN_SFT:
