@@ -23,13 +23,18 @@ KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE2fTTNpubliconly mtpipe"
 INSTANCES = "/compute/v1/projects/proj-1/zones/us-east5-b/instances"
 
 
+# Past the `fake` fixture's dead proxy, and not urlopen's global opener, which would keep that proxy
+# for every later request of this worker (NO_PROXY is gone once the fixture ends).
+DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def send(fake: FakeCompute, method: str, path: str, body: Any = None) -> tuple[int, dict]:
     """One raw HTTP request to the fake (what a client that builds its own JSON would send)."""
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(fake.url + path, data=data, method=method,
                                      headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=10) as answer:
+        with DIRECT.open(request, timeout=10) as answer:
             return answer.status, json.loads(answer.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())

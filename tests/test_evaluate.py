@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import urllib.error
 import urllib.request
@@ -46,7 +47,7 @@ def llama_server(data):
 def post(url: str, body: dict) -> tuple[int, dict]:
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=120) as resp:
+        with serving.open_loopback(request, timeout=120) as resp:
             return resp.status, json.load(resp)
     except urllib.error.HTTPError as err:
         return err.code, json.load(err)
@@ -98,6 +99,29 @@ def test_a_server_that_never_listens_is_reported_with_its_cpu_time_and_log(tmp_p
                                            r"see .*server.log\n  \| loading the model"):
         with serving.serving(command, port, tmp_path / "server.log", timeout_s=3):
             pass
+
+
+def test_the_server_is_reached_past_a_proxy_the_environment_names(data, tmp_path):
+    """A proxy in the environment (here dead, and urlopen's global opener built while it was set)
+    does not stand between the stage and its server on 127.0.0.1."""
+    script = """
+import os, sys, urllib.request
+from pathlib import Path
+from mtpipe.evaluation import serving
+os.environ.update(HTTP_PROXY="http://127.0.0.1:9", NO_PROXY="127.0.0.1")
+try:
+    urllib.request.urlopen("http://127.0.0.1:9/", timeout=2)  # builds the global opener with the proxy
+except OSError:
+    pass
+del os.environ["NO_PROXY"]
+port = serving.free_port()
+with serving.serving(serving.server_command("cpu", Path(sys.argv[1]), port, None), port, Path(sys.argv[2]), 120) as url:
+    with serving.open_loopback(url.replace("/v1/completions", "/health"), timeout=5) as resp:
+        print("served", resp.status)
+"""
+    out = subprocess.run([sys.executable, "-c", script, str(data["llama"]), str(tmp_path / "server.log")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "served 200", out.stdout + out.stderr[-3000:]
 
 
 def test_gsm8k_through_lm_eval_on_the_pinned_files(data, llama_server, tmp_path):

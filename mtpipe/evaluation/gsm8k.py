@@ -29,10 +29,13 @@ Z95 = 1.959964  # two-sided 95% normal quantile
 
 @contextmanager
 def _offline(cache: Path) -> Iterator[None]:
-    """While the block runs: no network, and the datasets cache under the stage's work dir (lm-eval
-    loads the parquet files); the environment as it was afterwards."""
+    """While the block runs: no network, the datasets cache under the stage's work dir (lm-eval
+    loads the parquet files), and lm-eval's requests to the server on 127.0.0.1 past any proxy the
+    environment names; the environment as it was afterwards."""
     settings = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(cache),
                 "TOKENIZERS_PARALLELISM": "false"}
+    for key in ("NO_PROXY", "no_proxy"):
+        settings[key] = ",".join(filter(None, [os.environ.get(key), "127.0.0.1", "localhost"]))
     saved = {key: os.environ.get(key) for key in settings}
     os.environ.update(settings)
     try:

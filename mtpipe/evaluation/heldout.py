@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from mtpipe.evaluation.gsm8k import Z95
-from mtpipe.evaluation.serving import SERVED_NAME
+from mtpipe.evaluation.serving import SERVED_NAME, open_loopback
 
 
 def conversations(test_files: list[Path], column: str, count: int | None) -> list[list[dict[str, str]]]:
@@ -38,7 +38,7 @@ def conversation_loss(base_url: str, ids: list[int]) -> float:
     """Mean negative log-likelihood of ids[1:] given the tokens before each, from the server."""
     body = {"model": SERVED_NAME, "prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 0, "temperature": 0}
     request = urllib.request.Request(base_url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=600) as resp:
+    with open_loopback(request, timeout=600) as resp:
         logprobs = json.load(resp)["choices"][0]["logprobs"]["token_logprobs"][1:len(ids)]
     return -float(np.mean(logprobs))
 

@@ -25,6 +25,15 @@ from pathlib import Path
 from typing import Any
 
 SERVED_NAME = "mtpipe"
+# Requests to the server on 127.0.0.1 go direct, whatever proxy the environment names: urlopen's
+# global opener keeps the proxies of the environment it was first used in, so one use while a
+# proxy was set (without NO_PROXY later) sent every later loopback request to that proxy.
+_LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def open_loopback(request: str | urllib.request.Request, timeout: float) -> Any:
+    """``urlopen`` for a server on 127.0.0.1, never through a proxy."""
+    return _LOOPBACK.open(request, timeout=timeout)
 
 
 def free_port() -> int:
@@ -93,7 +102,7 @@ def _cpu_report(pid: int) -> str:
 
 def _healthy(port: int) -> bool:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+        with open_loopback(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
             return resp.status == 200
     except (urllib.error.URLError, ConnectionError, TimeoutError):
         return False
