@@ -4,7 +4,10 @@
 
 SHELL := /bin/bash
 VENV := .venv
-# uv installs the lock (exactly: `uv pip sync`) in under a minute, where pip took 10 minutes and more
+# uv installs the lock (exactly: `uv pip sync`) in under a minute, where pip took 10 minutes and more.
+# --compile-bytecode: every module's .pyc is written once here. Python reads .pyc files even under
+# PYTHONDONTWRITEBYTECODE=1 (set on some machines), which otherwise recompiles JAX, MaxText and DVC
+# from source in every process: docs/testing.md, "Bytecode compiled at install".
 UV_VERSION := 0.13.9
 BIN := $(CURDIR)/$(VENV)/bin
 # Python 3.12 (MaxText needs >= 3.12): a working python3.12 on PATH, else pyenv's, else say how to get one.
@@ -20,7 +23,7 @@ $(VENV)/.installed: requirements.lock pyproject.toml
 	@test -n "$(PY312)" || { echo "Python 3.12 not found: install it (e.g. 'uv python install 3.12' or 'pyenv install 3.12')" >&2; exit 1; }
 	@test -x $(BIN)/python || $(PY312) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet uv==$(UV_VERSION)
-	$(BIN)/uv pip sync --quiet --python $(BIN)/python --require-hashes requirements.lock
+	$(BIN)/uv pip sync --quiet --compile-bytecode --python $(BIN)/python --require-hashes requirements.lock
 	$(BIN)/python -m pip check
 	@touch $@
 
