@@ -19,7 +19,7 @@ export NO_GCE_CHECK := true
 
 .PHONY: demo test test-fast bench bench-realsize lock clean-work
 
-$(VENV)/.installed: requirements.lock pyproject.toml
+$(VENV)/.installed: requirements.lock pyproject.toml Makefile
 	@test -n "$(PY312)" || { echo "Python 3.12 not found: install it (e.g. 'uv python install 3.12' or 'pyenv install 3.12')" >&2; exit 1; }
 	@test -x $(BIN)/python || $(PY312) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet uv==$(UV_VERSION)

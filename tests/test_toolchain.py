@@ -4,6 +4,7 @@ mtpipe/pipeline/toolchain.py, mtpipe/pipeline/lock_check.py)."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from importlib import metadata
@@ -39,6 +40,18 @@ def test_this_environment_is_the_laptop_lock():
     installed = {canonicalize_name(d.metadata["Name"]): d.version for d in metadata.distributions()}
     assert {name: (version, installed.get(name)) for name, version in LAPTOP.items()
             if installed.get(name) != version} == {}, "run `make` to install requirements.lock"
+
+
+def test_the_installed_packages_carry_their_bytecode():
+    """`make` compiles the venv's bytecode at install (uv --compile-bytecode): where
+    PYTHONDONTWRITEBYTECODE=1 is set, a module without its .pyc is compiled from source in every
+    process that imports it (docs/testing.md, "Bytecode compiled at install")."""
+    missing = []
+    for name in ("jax._src.core", "maxtext.configs.types", "dvc.repo", "transformers.modeling_utils"):
+        source = importlib.util.find_spec(name).origin
+        if not Path(importlib.util.cache_from_source(source)).is_file():
+            missing.append(source)
+    assert missing == [], "the venv was installed without its bytecode: run `make` (it recompiles what is missing)"
 
 
 @pytest.mark.slow
