@@ -12,9 +12,12 @@ RUN apt-get update \
 
 # uv at the VM's pinned version; Python 3.12 as uv fetches it on the VM.
 COPY --from=ghcr.io/astral-sh/uv:0.13.9 /uv /usr/local/bin/uv
+# UV_COMPILE_BYTECODE: every uv install below writes the .pyc files, so that a container does not
+# compile JAX and MaxText from source at each start (docs/testing.md, "Bytecode compiled at install").
 ENV UV_PYTHON_INSTALL_DIR=/opt/uv-python \
     VIRTUAL_ENV=/opt/maxtext_venv \
-    PATH=/opt/maxtext_venv/bin:$PATH
+    PATH=/opt/maxtext_venv/bin:$PATH \
+    UV_COMPILE_BYTECODE=1
 RUN uv venv --python 3.12 /opt/maxtext_venv
 
 # Every package with its sha256 (uv refuses anything else), then MaxText's vLLM / tpu-inference / tunix

@@ -563,5 +563,6 @@ def test_the_image_is_built_and_pushed_only_when_the_registry_lacks_its_tag(fake
 def test_the_project_dockerfile_installs_the_vm_lock_and_copies_the_package():
     text = (config.ROOT / "Dockerfile").read_text()
     assert "uv pip sync --require-hashes" in text and "install_tpu_post_train_extra_deps" in text
+    assert "UV_COMPILE_BYTECODE=1" in text  # the image's imports read .pyc files, not sources
     assert "COPY mtpipe /app/mtpipe" in text and "FROM ubuntu:22.04" in text
     assert re.fullmatch(r"sha-[0-9a-f]{12}", image.tag())
