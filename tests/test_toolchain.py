@@ -46,11 +46,11 @@ def test_the_installed_packages_carry_their_bytecode():
     """`make` compiles the venv's bytecode at install (uv --compile-bytecode): where
     PYTHONDONTWRITEBYTECODE=1 is set, a module without its .pyc is compiled from source in every
     process that imports it (docs/testing.md, "Bytecode compiled at install")."""
-    missing = []
-    for name in ("jax._src.core", "maxtext.configs.types", "dvc.repo", "transformers.modeling_utils"):
-        source = importlib.util.find_spec(name).origin
-        if not Path(importlib.util.cache_from_source(source)).is_file():
-            missing.append(source)
+    sources = [Path(metadata.distribution(name).locate_file(module)) for name, module in (
+        ("jax", "jax/_src/core.py"), ("maxtext", "maxtext/configs/types.py"), ("dvc", "dvc/repo/__init__.py"),
+        ("transformers", "transformers/modeling_utils.py"))]   # found without importing them
+    assert all(source.is_file() for source in sources), sources
+    missing = [source for source in sources if not Path(importlib.util.cache_from_source(str(source))).is_file()]
     assert missing == [], "the venv was installed without its bytecode: run `make` (it recompiles what is missing)"
 
 
