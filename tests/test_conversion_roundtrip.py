@@ -262,3 +262,34 @@ def test_padded_vocabulary_rows_come_back_from_the_source(tmp_path):
     np.testing.assert_array_equal(got[name][8:], embed[8:])  # the source's rows
     np.testing.assert_array_equal(got["x.q_proj.weight"], other * 0)  # not a vocabulary tensor
     maxtext_adapter.restore_padded_rows(src, str(out), None)  # no padding: nothing to do
+
+
+def test_the_converters_collect_young_garbage_only():
+    """Patch 10 (in a child process: it replaces gc.collect): a bare gc.collect() frees the cycles
+    made since the last collection, and leaves older ones to a full collection."""
+    code = """
+import gc, weakref
+from mtpipe.maxtext import maxtext_adapter
+
+class Node: pass
+
+def cycle():
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    return a
+
+old = cycle()
+gc.collect()  # the real one: `old` is alive, so it moves to the oldest generation
+old_ref = weakref.ref(old)
+del old
+maxtext_adapter.collect_young_garbage()
+young = cycle()
+young_ref = weakref.ref(young)
+del young
+gc.collect()
+print(young_ref() is None, old_ref() is None)
+gc.collect(2)
+print(old_ref() is None)
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "False", "True"]

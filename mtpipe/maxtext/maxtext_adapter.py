@@ -54,6 +54,15 @@ For ``maxtext.trainers.post_train.sft.train_sft``:
    checkpoint is committed and its loss row written, until it is killed: a kill point that does
    not depend on the machine's speed. train_rl gets the same hold (``hold_after_checkpoint``);
    tunix's GRPO learner already fast-forwards its data on resume.
+
+For both converters:
+
+10. ``collect_young_garbage`` (monkeypatch): the converters call ``gc.collect()`` after every tensor,
+    to free its temporaries at once. A full collection walks every object of the process (JAX,
+    MaxText and transformers imported: about 0.35 s here), so a 100-tensor checkpoint spent 35 s
+    in the collector. ``gc.collect`` now collects the two young generations, which hold what the
+    tensor just created; the process's long-lived objects are left to Python's own full
+    collections. The converted bytes do not change.
 """
 
 from __future__ import annotations
@@ -480,6 +489,18 @@ def hold_after_checkpoint(hold_after: int | None) -> None:
     checkpoint_manager.CheckpointManager.save = save_then_hold
 
 
+def collect_young_garbage() -> None:
+    """Patch 10: ``gc.collect()`` without a generation collects generations 0 and 1 only."""
+    import gc
+
+    collect = gc.collect
+
+    def collect_young(generation: int = 1) -> int:
+        return collect(generation)
+
+    gc.collect = collect_young
+
+
 def stopped_status() -> int | None:
     """STOPPED_STATUS when SIGTERM stopped the training before its last step, else None."""
     return STOPPED_STATUS if _Stop.after_step is not None else None
@@ -499,6 +520,7 @@ def apply(module: str, argv: list[str]) -> Callable[[], None]:
     if module not in (TO_MAXTEXT, TO_HUGGINGFACE):
         return lambda: None
     args = parse_conversion_args(module, argv)
+    collect_young_garbage()
     use_source_config(args.model_name, args.hf_model_path)
     if args.loads_file_names:
         use_checkpoint_tensor_names(args.model_name, args.hf_model_path)
