@@ -138,44 +138,38 @@ def path_shape(path: Path) -> list[str] | None:
                   if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc")
 
 
-def same_data_pipeline(repo: Path, target: Path) -> None:
+def same_data_pipeline(repo: Path, target: Path, env: dict[str, str]) -> None:
     """Trivial stages with the target's data: one stage per stage of the target's dvc.lock, with the
     same dependency and output paths, each a file or a directory of as many files at the same
     relative paths (16 bytes each). Against it, a no-op repro of the target shows what the project's
-    stages cost beyond DVC walking their data."""
+    stages cost beyond DVC walking their data. The deps no stage makes are written here, by the
+    script the stages run."""
     import yaml
 
     lock = yaml.safe_load((target / "dvc.lock").read_text())["stages"]
     produced = {out["path"] for stage in lock.values() for out in stage.get("outs", [])}
-    manifest, lines = {}, ["stages:"]
+    manifest: dict[str, dict[str, list[str] | None]] = {"sources": {}}
+    lines = ["stages:"]
     for i, stage in enumerate(lock.values()):
         deps = [dep["path"] for dep in stage.get("deps", [])]
-        for dep in deps:
-            if dep not in produced:
-                write_shape(repo / dep, path_shape(target / dep))
+        manifest["sources"].update({dep: path_shape(target / dep) for dep in deps if dep not in produced})
         outs = [out["path"] for out in stage.get("outs", [])]
-        manifest[str(i)] = {out: path_shape(target / out) for out in outs}
-        lines += [f"  s{i}:", f"    cmd: python make_outputs.py {i}", f"    deps: {json.dumps(deps)}",
+        manifest[f"s{i}"] = {out: path_shape(target / out) for out in outs}
+        lines += [f"  s{i}:", f"    cmd: python make_paths.py s{i}", f"    deps: {json.dumps(deps)}",
                   f"    outs: {json.dumps(outs)}"]
-    (repo / "outputs.json").write_text(json.dumps(manifest))
-    (repo / "make_outputs.py").write_text(textwrap.dedent("""\
+    (repo / "paths.json").write_text(json.dumps(manifest))
+    (repo / "make_paths.py").write_text(textwrap.dedent("""\
         import json, sys
         from pathlib import Path
-        for out, files in json.loads(Path("outputs.json").read_text())[sys.argv[1]].items():
+        for top, files in json.loads(Path("paths.json").read_text())[sys.argv[1]].items():
             for rel in (files if files is not None else [""]):
-                path = Path(out, rel)
+                path = Path(top, rel)
                 path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(f"{out}/{rel}"[-16:].rjust(16))
+                path.write_text(f"{top}/{rel}"[-16:].rjust(16))
     """))
+    run([sys.executable, "make_paths.py", "sources"], repo, env)
     shutil.copy(target / ".dvcignore", repo / ".dvcignore")
     (repo / "dvc.yaml").write_text("\n".join(lines) + "\n")
-
-
-def write_shape(path: Path, files: list[str] | None) -> None:
-    """A file at `path`, or a directory with `files` (16 bytes each)."""
-    for rel in (files if files is not None else [""]):
-        (path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (path / rel).write_text(f"{path}/{rel}"[-16:].rjust(16))
 
 
 def make_repo(repo: Path, env: dict[str, str], cache_type: str | None = None) -> None:
@@ -234,7 +228,7 @@ def noop_repro_row(target: Path | None, scratch: Path, runs: int, why_synthetic:
     run(dvc("repro", "-q"), templated, env)
     same_data = scratch / "bare-same-data"
     make_repo(same_data, env)
-    same_data_pipeline(same_data, target)
+    same_data_pipeline(same_data, target, env)
     run(dvc("repro", "-q"), same_data, env)
     progress(f"no-op repro: {label} ({stages} stages) vs {stages} trivial stages, {runs} runs each")
     ours, plain, foreach, with_data = [], [], [], []
