@@ -1,6 +1,6 @@
 """The TPU VM's environment: one hash-pinned lock, resolved here, installed by the real setup commands.
 
-`doit vm_setup` runs conf/vm.yaml's `setup.commands` on the VM (mtpipe.cloud.vm.setup_script). The slow
+`doit vm_setup` runs conf/vm.yaml's `setup.commands` on the VM (mtpipe.cloud.vm_setup.setup_script). The slow
 test runs that same script on this machine, in a scratch HOME, so a typo or a broken pin fails here
 and not on a VM that bills by the hour. Three commands cannot run here and are replaced, by name, with
 shell functions defined before the script (the script itself is unchanged):
@@ -30,7 +30,7 @@ import pytest
 from omegaconf import OmegaConf
 from packaging.requirements import Requirement
 
-from mtpipe.cloud import locks, vm
+from mtpipe.cloud import locks, vm_setup
 from mtpipe.pipeline.toolchain import lock_pins
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,9 +82,9 @@ def test_vm_setup_installs_the_lock_with_hashes():
     assert 'uv pip sync --require-hashes "$HOME/.mtpipe/setup/requirements-vm.lock"' in commands
     assert f"curl -LsSf https://astral.sh/uv/{locks.UV_VERSION}/install.sh | sh" in commands
     # The files travel on stdin and count in the marker: a new lock reruns the setup.
-    files = vm.setup_files(cfg, ROOT)
+    files = vm_setup.setup_files(cfg, ROOT)
     other = files.replace(b"maxtext==", b"maxtext===")
-    assert vm.setup_script(cfg, files) != vm.setup_script(cfg, other)
+    assert vm_setup.setup_script(cfg, files) != vm_setup.setup_script(cfg, other)
 
 
 def test_maxtext_pins_its_github_dependencies_by_commit():
@@ -159,8 +159,8 @@ def pip_check_problems(output: str, venv: Path) -> list[str]:
 @pytest.mark.slow
 def test_the_setup_commands_install_the_lock_into_a_fresh_venv(tmp_path):
     cfg = vm_config()
-    files = vm.setup_files(cfg, ROOT)
-    script = vm.setup_script(cfg, files)
+    files = vm_setup.setup_files(cfg, ROOT)
+    script = vm_setup.setup_script(cfg, files)
     home = tmp_path / "home"
     home.mkdir()
     proc = run_setup(home, script, files)
