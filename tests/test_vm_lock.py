@@ -14,8 +14,12 @@ shell functions defined before the script (the script itself is unchanged):
   venv instead; MaxText pins what it installs by commit (checked below).
 
 Everything else runs for real: `uv venv`, and `uv pip sync --require-hashes` of the whole lock (libtpu
-included: it installs anywhere) into a fresh venv, then `pip check`. Downloads go through the user's
-uv cache (about 3.5 GB the first time, then about a minute).
+included: it installs anywhere) into a fresh venv, then `pip check`; in that venv ray starts and stops.
+Downloads go through the user's uv cache (about 3.5 GB the first time, then about two minutes).
+
+The lock keeps MaxText's floors and takes the newest release of what MaxText does not choose
+(mtpipe.pipeline.requirement_locks): a fast test checks the floors, a slow one asks PyPI (through uv)
+for the newest releases as of the lock's index date.
 """
 
 from __future__ import annotations

@@ -152,11 +152,11 @@ def uv() -> Path:
     return exe
 
 
-def uv_compile() -> list[str]:
-    """``uv pip compile`` for the VM's platform and the index as of INDEX_DATE, with hashes."""
+def uv_compile(hashes: bool = True) -> list[str]:
+    """``uv pip compile`` for the VM's platform and the index as of INDEX_DATE."""
     return [str(uv()), "pip", "compile", "--python-platform", PLATFORM, "--python-version", PYTHON,
             "--exclude-newer", INDEX_DATE, "--index-url", "https://pypi.org/simple", "--no-config", "--quiet",
-            "--no-header", "--generate-hashes"]
+            "--no-header", *(["--generate-hashes"] if hashes else [])]
 
 
 def releases(names: list[str], resolution: str) -> dict[str, str]:
@@ -164,17 +164,15 @@ def releases(names: list[str], resolution: str) -> dict[str, str]:
     of INDEX_DATE that installs on the VM, each on its own (``--no-deps``; needs PyPI)."""
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "names.in").write_text("\n".join(sorted(names)) + "\n")
-        cmd = [*uv_compile(), "names.in", "--no-deps", "--no-annotate", "--resolution", resolution]
-        cmd.remove("--generate-hashes")
-        out = subprocess.run(cmd, check=True, cwd=tmp, capture_output=True, text=True).stdout
+        cmd = [*uv_compile(hashes=False), "names.in", "--no-deps", "--no-annotate", "--resolution", resolution]
+        out = subprocess.run(cmd, check=True, cwd=tmp, stdout=subprocess.PIPE, text=True).stdout
     return lock_pins(out)
 
 
 def vacuous_floors(floors: dict[str, str]) -> dict[str, str]:
     """The floors at or below their package's oldest release: they admit every release (needs PyPI)."""
     oldest = releases(list(floors), "lowest")
-    return {name: floor for name, floor in floors.items()
-            if Version(floor) <= Version(oldest[name])}
+    return {name: floor for name, floor in floors.items() if Version(floor) <= Version(oldest[name])}
 
 
 def _write(out: Path, header: list[str], body: str) -> None:
@@ -194,8 +192,7 @@ def compile_vm_lock(out: Path) -> None:
         (t / "step1.in").write_text("\n".join([maxtext, *kept]) + "\n")
         (t / "step2.in").write_text("\n".join([maxtext, *rest]) + "\n")
         # Relative names (run in `t`): the lock's "# via" comments then name no temporary directory.
-        uv_pip = [*uv_compile(), "--override", "overrides.txt"]
-        uv_pip.remove("--generate-hashes")
+        uv_pip = [*uv_compile(hashes=False), "--override", "overrides.txt"]
         subprocess.run([*uv_pip, "step1.in", "--resolution", "lowest-direct", "--no-annotate", "-o", "step1.txt"],
                        check=True, cwd=t)
         subprocess.run([*uv_pip, "step2.in", "--constraint", "step1.txt", "--generate-hashes", "-o", "lock.txt"],
