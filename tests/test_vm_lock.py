@@ -71,7 +71,7 @@ def test_vm_lock_pins_what_the_vm_needs():
     project = requirement_locks.project_pins()
     for name in requirement_locks.VM_PACKAGES:
         assert pins[name] == next(iter(project[name].specifier)).version, name
-    # The tutorial's lowest resolution: MaxText's own lower bounds (jax>=0.11.0 -> 0.11.0).
+    # MaxText's floors, as the tutorial's lowest resolution takes them (jax>=0.11.0 -> 0.11.0).
     assert pins["jax"] == "0.11.0" and pins["google-tunix"] == "0.1.7" and "libtpu" in pins
     # PyPI's torch at MaxText's version instead of the PyTorch index's +cpu build.
     assert requirement_locks.torch_overrides() == ["torch==2.11.0", "torchvision==0.26.0"]
