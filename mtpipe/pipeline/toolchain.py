@@ -5,8 +5,8 @@
 those that write or read an artifact or compile a step) that the stage's code reaches: the third-party
 imports of the modules it runs, followed through the installed packages' requirements (MaxText through
 the extra the laptop installs). The versions are requirements.lock's, which pins every package the VM
-shares with the laptop at the VM's version (mtpipe/cloud/locks.py), and ``configure`` depends on both
-locks: a version bump in the lock reruns exactly the stages that run that package.
+shares with the laptop at the VM's version (:mod:`mtpipe.pipeline.requirement_locks`), and ``configure``
+depends on both locks: a version bump in the lock reruns exactly the stages that run that package.
 
 ``load_stage`` refuses to run when the installed version of a recorded package is not the view's (an
 environment that is not the lock's: run ``make``), so the address always names the tools that ran.
@@ -37,7 +37,7 @@ TOOLCHAIN = frozenset({
     "google-tunix", "grain", "datasets", "pyarrow", "transformers", "tokenizers", "sentencepiece",
     "safetensors", "huggingface-hub", "numpy", "ml-dtypes", "scipy", "lm-eval",
 })
-EXTRAS = {"maxtext": "tpu"}  # the extra whose requirements count (mtpipe.cloud.locks.LAPTOP_MAXTEXT_EXTRA)
+EXTRAS = {"maxtext": "tpu"}  # the extra whose requirements count (requirement_locks.LAPTOP_MAXTEXT_EXTRA)
 PIN = re.compile(r"^([A-Za-z0-9_.\-]+)==([^\s;\\]+)", re.M)
 
 
