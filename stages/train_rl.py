@@ -58,7 +58,7 @@ def main() -> None:
     converted, warmup = artifact("rl", "maxtext"), artifact("rl", "warmup")
     dataset, model = artifact("rl", "dataset"), artifact("rl", "model")
     start = warmup / "model_params" if not read_stamp(warmup).get("skipped") else converted / "0" / "items"
-    run = run_dir("train_rl", f"train_rl-{recipe(cfg, converted, warmup, dataset, model)[:12]}")
+    run = run_dir("train_rl", f"train_rl-{recipe("rl", "train_rl", converted, warmup, dataset, model)[:12]}")
     resumed_from = run.latest_checkpoint("checkpoints/actor")
     if resumed_from is not None:
         print(f"  {run.url}: an earlier run left actor checkpoints up to step {resumed_from}")

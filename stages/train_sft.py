@@ -57,7 +57,7 @@ def main(branch: str) -> None:
         print("  steps: 0, no warm-up")
         return
     converted, dataset, model = artifact(branch, "maxtext"), artifact(branch, "dataset"), artifact(branch, "model")
-    run = run_dir("train_sft", f"train_sft-{branch}-{recipe(cfg, converted, dataset, model)[:12]}")
+    run = run_dir("train_sft", f"train_sft-{branch}-{recipe(branch, "train_sft", converted, dataset, model)[:12]}")
     run.scratch.mkdir(parents=True, exist_ok=True)
     resumed_from = run.latest_checkpoint()
     if resumed_from is not None:

@@ -36,6 +36,14 @@ CHILD_ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "evaluate_base": ("mtpipe/evaluation/server.py",),  # mtpipe.evaluation.serving.server_command (cpu)
     "evaluate": ("mtpipe/evaluation/server.py",),
 }
+# Modules a stage runs only with one backend: the view's key -> its value -> those modules, each a child
+# entry point or imported inside a function (mtpipe.cloud.backend imports xpk only for backend: xpk).
+# With another value they, and what only they import, are not in the stage's code.
+BACKEND_MODULES: dict[str, dict[str, tuple[str, ...]]] = {
+    "hardware.backend": {"xpk": ("mtpipe/cloud/xpk.py",)},
+    "train_rl.rollout_backend": {"cpu_jax": ("mtpipe/maxtext/rollout_cpu.py",)},
+    "evaluate.backend": {"cpu": ("mtpipe/evaluation/server.py",)},
+}
 MESSAGE = ast.Constant("<message>")
 
 
@@ -48,15 +56,19 @@ def _module_file(dotted: str, root: Path) -> Path | None:
     return None
 
 
-def _imported(path: Path, root: Path) -> frozenset[Path]:
-    """Project files that importing ``path`` loads: each imported module and its parent packages."""
+def _imported(path: Path, root: Path) -> tuple[frozenset[Path], frozenset[Path]]:
+    """Project files that importing ``path`` loads (each imported module and its parent packages): those
+    imported at module level, and those imported inside a function."""
     return _imported_by_source(path.read_text(), root)
 
 
 @functools.cache  # keyed by the source text: an edited file is parsed again
-def _imported_by_source(source: str, root: Path) -> frozenset[Path]:
-    found = set()
-    for node in ast.walk(ast.parse(source)):
+def _imported_by_source(source: str, root: Path) -> tuple[frozenset[Path], frozenset[Path]]:
+    tree = ast.parse(source)
+    late = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for n in ast.walk(f)}
+    found: tuple[set[Path], set[Path]] = (set(), set())
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -67,19 +79,34 @@ def _imported_by_source(source: str, root: Path) -> frozenset[Path]:
             if name.split(".")[0] not in PACKAGES:
                 continue
             parts = name.split(".")
-            found |= {f for i in range(1, len(parts) + 1) if (f := _module_file(".".join(parts[:i]), root))}
-    return frozenset(found)
+            found[id(node) in late].update(
+                f for i in range(1, len(parts) + 1) if (f := _module_file(".".join(parts[:i]), root)))
+    return frozenset(found[0]), frozenset(found[1])
 
 
-def stage_modules(stage: str, root: Path = ROOT) -> list[str]:
-    """The project modules stage ``stage`` runs, as sorted paths relative to ``root``."""
-    todo = [root / "stages" / f"{stage}.py", *(root / p for p in CHILD_ENTRY_POINTS.get(stage, ()))]
+def _left_out(backends: dict[str, str] | None) -> set[str]:
+    """The backend modules of the backends not selected (all of them when ``backends`` is None: every
+    module counts)."""
+    if backends is None:
+        return set()
+    return {m for key, by_value in BACKEND_MODULES.items() for value, modules in by_value.items()
+            if backends.get(key) != value for m in modules}
+
+
+def stage_modules(stage: str, root: Path = ROOT, backends: dict[str, str] | None = None) -> list[str]:
+    """The project modules stage ``stage`` runs, as sorted paths relative to ``root``. With ``backends``
+    (:data:`BACKEND_MODULES` key -> the value its view has) a backend module of another backend is left
+    out where it is a child entry point or imported inside a function; a module-level import keeps it."""
+    left_out = {root / m for m in _left_out(backends)}
+    todo = [root / "stages" / f"{stage}.py",
+            *(root / p for p in CHILD_ENTRY_POINTS.get(stage, ()) if root / p not in left_out)]
     seen: set[Path] = set()
     while todo:
         path = todo.pop()
         if path not in seen:
             seen.add(path)
-            todo.extend(_imported(path, root) - seen)
+            top, late = _imported(path, root)
+            todo.extend((top | (late - left_out)) - seen)
     return sorted(str(p.relative_to(root)) for p in seen)
 
 
@@ -268,6 +295,6 @@ def source_fingerprint(source: str) -> str:
     return hashlib.sha256(repr(_serialize(tree)).encode()).hexdigest()[:16]
 
 
-def stage_code(stage: str, root: Path = ROOT) -> dict[str, str]:
-    """module path -> fingerprint, for every module ``stage`` runs (the view's ``code:`` mapping)."""
-    return {module: module_fingerprint(root / module) for module in stage_modules(stage, root)}
+def stage_code(stage: str, root: Path = ROOT, backends: dict[str, str] | None = None) -> dict[str, str]:
+    """module path -> fingerprint, for every module ``stage`` runs with ``backends`` (the view's ``code:``)."""
+    return {module: module_fingerprint(root / module) for module in stage_modules(stage, root, backends)}

@@ -22,11 +22,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-from pydantic import BaseModel
-
 from mtpipe.errors import ConfigError
-from mtpipe.pipeline.config import ROOT
+from mtpipe.pipeline.config import ROOT, resolved_path
 
 WORK = ROOT / "work"                # untracked: MaxText run dirs (resume), logs, JAX compile cache
 JAX_CACHE = WORK / "jax_cache"
@@ -82,11 +79,10 @@ def content_digest(out: Path, sha256: dict[str, str] | None = None) -> str:
     return h.hexdigest()
 
 
-def recipe(cfg: BaseModel, *inputs: Path) -> str:
-    """sha256 of what a stage computes from: its resolved view (values, code fingerprints, tool versions,
-    as the view file reads) and the content digests stamped in its input directories."""
-    tree = cfg.model_dump(by_alias=True, exclude_unset=True)  # exactly the keys the view file has
-    h = hashlib.sha256(OmegaConf.to_yaml(OmegaConf.create(tree), sort_keys=True).encode())
+def recipe(branch: str, stage: str, *inputs: Path) -> str:
+    """sha256 of what a stage computes from: its address view (config/<branch>/<stage>.yaml: values,
+    code fingerprints, tool versions) and the content digests stamped in its input directories."""
+    h = hashlib.sha256(resolved_path(branch, stage).read_bytes())
     for path in inputs:
         h.update(read_stamp(path)["content"].encode())
     return h.hexdigest()
