@@ -7,13 +7,13 @@ child processes it starts. DVC hashes the view, so a stage reruns exactly when o
 fingerprints moves; the stage's .py files are deps of ``configure`` only.
 
 A fingerprint is the sha256 of the module's syntax tree with what cannot change a result left out:
-comments and layout (the parser drops them), docstrings, and the text of messages (string literals and
-f-strings in ``raise`` statements, ``assert`` messages, the arguments of exceptions, warnings and
-``sys.exit`` wherever they are built, of functions that only build such messages, the whole body of
-functions whose results only messages use, and local variables of text that only messages read). Everything else counts: a changed default, a renamed variable, a
-reworded log line. The tree is serialized field by field,
-empty fields skipped, so the same source gives the same fingerprint on the Python versions the
-project supports (3.12 on the laptop and the VM).
+comments and layout (the parser drops them), docstrings, and the text of messages, however it is
+built: string literals and f-strings in ``raise`` statements, ``assert`` messages and the arguments of
+exceptions, warnings and ``sys.exit``; in the arguments of functions that only raise or collect such a
+message; in the whole body of functions whose results only messages use; in local variables of text
+that only messages read. Everything else counts: a changed default, a renamed variable, a reworded log
+line. The tree is serialized field by field, empty fields skipped, so the same source gives the same
+fingerprint on the Python versions the project supports (3.12 on the laptop and the VM).
 """
 
 from __future__ import annotations
@@ -131,14 +131,15 @@ def _is_message_call(node: ast.AST, helpers: frozenset[str]) -> bool:
 
 
 def _message_helpers(tree: ast.Module) -> frozenset[str]:
-    """Functions whose one statement (docstring aside) is a call that holds a message call, like the
-    schema's ``add(key, problem, fix)``: ``errors.append(ConfigError(key, problem, fix))``. Calls to
-    them are message calls too."""
+    """Functions whose one statement (docstring aside) raises or collects a message, like the schema's
+    ``add(key, problem, fix)``: ``errors.append(ConfigError(key, problem, fix))``. Calls to them are
+    message calls too."""
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             body = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-            if len(body) == 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Call) \
+            if len(body) == 1 and (isinstance(body[0], ast.Raise) or isinstance(body[0], ast.Expr)
+                                   and isinstance(body[0].value, ast.Call)) \
                     and any(_is_message_call(n, frozenset()) for n in ast.walk(body[0])):
                 found.add(node.name)
     return frozenset(found)
