@@ -12,9 +12,10 @@ import pytest
 import yaml
 
 from conftest import restore
+from mtpipe.pipeline import stage
 from pipeline import dvc, git, md5_tree, ran_stages, reproduced_stages
 
-pytestmark = [pytest.mark.slow, pytest.mark.content_address]
+pytestmark = pytest.mark.content_address
 
 
 def edit(path: Path, old: str, new: str) -> None:
@@ -29,6 +30,32 @@ def lock_outs(repo: Path) -> dict[str, str]:
     return {o["path"]: o["md5"] for stage in lock["stages"].values() for o in stage.get("outs", [])}
 
 
+def test_a_stamp_is_its_outputs_content_and_a_recipe_its_inputs_content(tmp_path, monkeypatch):
+    """Two stages that write the same files write the same stamp, whatever their views; a recipe moves
+    with the view's bytes and with an input's content, not with how the input was made."""
+    outs = {name: tmp_path / name for name in ("a", "b")}
+    for out in outs.values():
+        (out / "0" / "items").mkdir(parents=True)
+        (out / "0" / "items" / "w").write_bytes(b"weights")
+    stage.write_stamp(outs["a"], "to_maxtext")
+    stage.write_stamp(outs["b"], "to_maxtext")
+    assert (outs["a"] / stage.STAMP).read_bytes() == (outs["b"] / stage.STAMP).read_bytes()
+
+    view = tmp_path / "config" / "sft" / "train_sft.yaml"
+    view.parent.mkdir(parents=True)
+    view.write_text("train_sft:\n  checkpoint_period: 50\n")
+    monkeypatch.setattr(stage, "resolved_path", lambda branch, name: tmp_path / "config" / branch / f"{name}.yaml")
+    first = stage.recipe("sft", "train_sft", outs["a"])
+    assert stage.recipe("sft", "train_sft", outs["b"]) == first, "the same input bytes, another producer"
+    view.write_text("train_sft:\n  checkpoint_period: 75\n")
+    assert stage.recipe("sft", "train_sft", outs["a"]) != first
+    view.write_text("train_sft:\n  checkpoint_period: 50\n")
+    (outs["b"] / "0" / "items" / "w").write_bytes(b"other weights")
+    stage.write_stamp(outs["b"], "to_maxtext")
+    assert stage.recipe("sft", "train_sft", outs["b"]) != first
+
+
+@pytest.mark.slow
 def test_a_behaviour_preserving_edit_of_a_stage_script_reruns_only_that_stage(pipeline_repo):
     """A statement that does nothing, added to stages/to_maxtext.py: its fingerprint moves, so configure
     and both conversions run; they write the bytes they wrote (the same files, byte for byte), and every
@@ -47,6 +74,7 @@ def test_a_behaviour_preserving_edit_of_a_stage_script_reruns_only_that_stage(pi
         restore(pipeline_repo)
 
 
+@pytest.mark.slow
 def test_rewording_error_messages_reruns_only_configure(pipeline_repo):
     """Message text in every form the code builds it: a schema combination rule (``add(...)``), the
     schema's wording of a key (``Words``), a variable only a message reads, an exception built outside
@@ -64,6 +92,7 @@ def test_rewording_error_messages_reruns_only_configure(pipeline_repo):
         restore(pipeline_repo)
 
 
+@pytest.mark.slow
 def test_export_name_and_operational_keys_rerun_only_what_reads_them(pipeline_repo):
     """A model's export_name is read by the export alone; the evaluation server's start-up timeout
     and the presets' file names by no output: configure writes them to config/run.yaml."""
@@ -80,6 +109,7 @@ def test_export_name_and_operational_keys_rerun_only_what_reads_them(pipeline_re
         restore(pipeline_repo)
 
 
+@pytest.mark.slow
 def test_checkpoint_period_reruns_the_training_and_nothing_after_it(pipeline_repo):
     """Other checkpoint periods train the same model: the params are the same bytes, so the export and
     the evaluation are not run again. The run directory is another one (the recipe moved)."""
