@@ -79,10 +79,11 @@ def _distributions() -> dict[str, list[str]]:
     return metadata.packages_distributions()
 
 
-def stage_packages(stage: str, root: Path = ROOT) -> list[str]:
-    """The toolchain packages stage ``stage`` runs, sorted."""
+def stage_packages(stage: str, root: Path = ROOT, backends: dict[str, str] | None = None) -> list[str]:
+    """The toolchain packages stage ``stage`` runs with ``backends`` (as in
+    :func:`mtpipe.pipeline.fingerprint.stage_modules`), sorted."""
     by_import = _distributions()
-    todo = {canonicalize_name(d) for module in fingerprint.stage_modules(stage, root)
+    todo = {canonicalize_name(d) for module in fingerprint.stage_modules(stage, root, backends)
             for name in _third_party_imports((root / module).read_text()) for d in by_import.get(name, ())}
     seen: set[str] = set()
     while todo:
@@ -93,9 +94,10 @@ def stage_packages(stage: str, root: Path = ROOT) -> list[str]:
     return sorted(seen & TOOLCHAIN)
 
 
-def stage_tools(stage: str, root: Path = ROOT, lock: Path = LAPTOP_LOCK) -> dict[str, str]:
+def stage_tools(stage: str, root: Path = ROOT, lock: Path = LAPTOP_LOCK,
+                backends: dict[str, str] | None = None) -> dict[str, str]:
     """package -> version (the lock's), for every toolchain package ``stage`` runs (the view's ``tools:``)."""
-    pins, packages = lock_pins(lock.read_text()), stage_packages(stage, root)
+    pins, packages = lock_pins(lock.read_text()), stage_packages(stage, root, backends)
     if missing := [p for p in packages if p not in pins]:
         raise ConfigError(lock.name, f"pins no version of {', '.join(missing)} (stage {stage} runs them)",
                           "run `make lock`")
