@@ -72,11 +72,23 @@ SERVICE_TITLES = {"compute.googleapis.com": "Compute Engine API", "oslogin.googl
 DISABLED_URL = re.compile(r"apis/api/(?P<service>[a-z0-9.-]+)/")
 
 
+def error_info(error: gexc.GoogleAPICallError) -> tuple[str | None, dict[str, str]]:
+    """(reason, metadata) of the google.rpc.ErrorInfo among an error's details. Over REST they are
+    JSON dicts, on which api_core's own ``error.reason`` raises AttributeError."""
+    for detail in error.details or ():
+        if isinstance(detail, dict) and detail.get("@type", "").endswith("google.rpc.ErrorInfo"):
+            return detail.get("reason"), dict(detail.get("metadata") or {})
+        if type(detail).__name__ == "ErrorInfo":
+            return detail.reason, dict(detail.metadata)
+    return None, {}
+
+
 def disabled_service(error: gexc.GoogleAPICallError) -> str | None:
     """The API a 403 says is disabled (or was never enabled) in the project, or None: the details'
     ErrorInfo with reason SERVICE_DISABLED, or Compute's older errors[].reason accessNotConfigured."""
-    if error.reason == "SERVICE_DISABLED":
-        return (error.metadata or {}).get("service") or "the API"
+    reason, metadata = error_info(error)
+    if reason == "SERVICE_DISABLED":
+        return metadata.get("service") or "the API"
     if any(isinstance(e, dict) and e.get("reason") == "accessNotConfigured" for e in error.errors or []):
         found = DISABLED_URL.search(error.message or "")
         return found["service"] if found else "the API"
@@ -86,7 +98,7 @@ def disabled_service(error: gexc.GoogleAPICallError) -> str | None:
 def service_disabled_problem(action: str, service: str, error: gexc.GoogleAPICallError,
                              project: str | None) -> GcpError:
     """The error for a disabled API: which one, where, and the command that enables it."""
-    consumer = (error.metadata or {}).get("consumer", "").removeprefix("projects/")
+    consumer = error_info(error)[1].get("consumer", "").removeprefix("projects/")
     where = project or consumer or "PROJECT"
     title = SERVICE_TITLES.get(service, service)
     return GcpError(f"{action}: the {title} is disabled in project {where}. Fix: gcloud services enable "
@@ -95,7 +107,7 @@ def service_disabled_problem(action: str, service: str, error: gexc.GoogleAPICal
 
 
 def _is_quota(error: gexc.GoogleAPICallError) -> bool:
-    reasons = {e.get("reason") for e in error.errors or [] if isinstance(e, dict)} | {error.reason}
+    reasons = {e.get("reason") for e in error.errors or [] if isinstance(e, dict)} | {error_info(error)[0]}
     return bool(reasons & QUOTA_REASONS) or QUOTA_NAME.search(error.message or "") is not None
 
 
@@ -338,7 +350,7 @@ class Compute:
         return "RESERVATION_BOUND" if bound else "STANDARD"
 
     def get_instance(self, name: str) -> compute_v1.Instance | None:
-        with explained(f"reading VM {name}"):
+        with explained(f"reading VM {name}", self.project):
             try:
                 return self.instances.get(project=self.project, zone=self.zone, instance=name)
             except gexc.NotFound:
