@@ -70,7 +70,9 @@ def test_os_login_from_project_metadata_uses_the_os_login_user(world: Env) -> No
     state = vm_state.read_state(w.repo)
     assert state["os_login"] is True and state["ssh_user"] == "ci_runner_example_com"
     assert "oslogin.users.importSshPublicKey" in {r.api_method for r in w.fake.requests}
-    w.doit("vm_setup")   # a second process: the OS Login user comes from the state file
+    # later processes log in as the OS Login user the state file records
+    assert "reusing VM mt-test" in w.doit("vm_up").stdout and len(w.fake.inserts()) == 1
+    w.doit("vm_setup")
     assert w.sshd.commands
     w.doit("vm_down")
     assert w.instance() is None and not w.fake.firewalls
@@ -305,4 +307,12 @@ def test_label_values_beyond_googles_limits(world: Env) -> None:
     w.configure(labels={"app": "x" * 64})
     out = w.doit("vm_up", ok=False).stdout
     assert "vm.labels.app: app='" + "x" * 64 + "' is not a Compute label" in out, out
+    assert w.fake.requests == []
+
+
+def test_a_source_range_that_is_not_one(world: Env) -> None:
+    w = world
+    w.configure(firewall__source_ranges=["my-laptop"])
+    out = w.doit("vm_up", ok=False).stdout
+    assert "vm.firewall.source_ranges: 'my-laptop' is not an address range" in out, out
     assert w.fake.requests == []

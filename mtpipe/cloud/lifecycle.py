@@ -175,6 +175,7 @@ class VmLifecycle:
         created = instance is None
         if instance is not None:
             _say(f"reusing VM {cfg.name} ({instance.status}) in {cfg.zone}")
+            vm_config.use_recorded_login(cfg, state)
             vm_checks.check_project(cfg, root, experiments)
             if not state.get("vms"):   # created elsewhere: its cost counts from its creation
                 vm_state.vm_started(state, cfg, instance.creation_timestamp)

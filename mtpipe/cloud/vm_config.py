@@ -4,6 +4,7 @@ doit's parameters, and the VM's errors."""
 from __future__ import annotations
 
 import getpass
+import ipaddress
 import os
 import re
 from pathlib import Path
@@ -131,6 +132,12 @@ class VmConfig(Section):
             raise ConfigError("vm.firewall.name", f"{self.firewall.name!r} {problem}",
                               f"use a NAME of at most {NAME_MAX - len('-ssh')} characters, or set "
                               "firewall.name: in conf/vm.yaml")
+        for cidr in self.firewall.source_ranges or []:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ConfigError("vm.firewall.source_ranges", f"{cidr!r} is not an address range",
+                                  "write ranges as ADDRESS/BITS, e.g. 203.0.113.7/32") from None
         for key, value in self.labels.items():
             if not (LABEL_KEY_RE.match(key) and LABEL_VALUE_RE.match(value)):
                 raise ConfigError(f"vm.labels.{key}", f"{key}={value!r} is not a Compute label",
@@ -163,7 +170,8 @@ def load_config(params: dict[str, Any] | None = None, state: dict | None = None)
 
     Keys still unset after that are filled from the state file (the VM vm_up created), then
     `name` defaults to mtpipe-<user>. `provisioning` is the recorded VM's unless a doit param sets
-    it, so that reusing or replacing that VM keeps its kind (and its price). The result is checked
+    it, so that reusing or replacing that VM keeps its kind (and its price), and so is its OS Login
+    user (:func:`use_recorded_login`). The result is checked
     against :class:`VmConfig`.
     """
     cfg = OmegaConf.load(ROOT / "conf" / "vm.yaml")
@@ -184,12 +192,19 @@ def load_config(params: dict[str, Any] | None = None, state: dict | None = None)
         cfg.provisioning = state.get("provisioning", cfg.provisioning)   # the recorded VM's kind
     if not cfg.firewall.name:
         cfg.firewall.name = f"{cfg.name}-ssh"
-    if state and state.get("name") == cfg.name and state.get("os_login") and cfg.ssh.os_login is not False:
-        cfg.ssh.os_login, cfg.ssh.user = True, state["ssh_user"]   # the recorded VM's OS Login user
+    if state and state.get("name") == cfg.name:
+        use_recorded_login(cfg, state)
     validate(VmConfig, OmegaConf.to_container(cfg), "vm",
              lambda key, requirement: f"set {key.removeprefix('vm.')} {requirement} in conf/vm.yaml")
     prices.vm_rate(cfg)   # conf/prices.yaml prices this machine type in this mode
     return cfg
+
+
+def use_recorded_login(cfg: DictConfig, state: dict) -> None:
+    """Log in as the VM ``state`` records was created for: its OS Login POSIX user, if it has one
+    (the checks that found it run only before a VM is created)."""
+    if state.get("os_login") and cfg.ssh.os_login is not False:
+        cfg.ssh.os_login, cfg.ssh.user = True, state["ssh_user"]
 
 
 def name_problem(name: str) -> str | None:
