@@ -191,6 +191,11 @@ def test_external_ip_forbidden_then_iap(world: Env, tmp_path: Path) -> None:
     assert w.fake.firewalls[("proj-1", "mt-test-ssh")]["sourceRanges"] == [ssh_route.IAP_RANGE]
     assert "VM mt-test ready at mt-test:" in out, out
     assert "compute start-iap-tunnel mt-test" in (tmp_path / "gcloud.log").read_text()
+    # every request resolved to a method of its API's discovery document (and passed its checks)
+    methods = {r.api_method for r in w.fake.requests}
+    assert "" not in methods and {
+        "compute.networks.get", "compute.routers.list", "compute.firewalls.list", "compute.projects.get",
+        "orgpolicy.projects.policies.getEffectivePolicy", "compute.firewalls.insert"} <= methods, methods
     w.doit("vm_down")
     assert w.instance() is None and not w.fake.firewalls
 
