@@ -87,7 +87,8 @@ def world(tmp_path: Path, gcs_emulator: GcsEmulator,
                        "NO_PROXY": "127.0.0.1,localhost"}.items():
         monkeypatch.setenv(key, value)
     overlay = tmp_path / "vm.yaml"
-    overlay.write_text(f"ssh: {{key_file: {tmp_path / 'id'}, ready_timeout_s: 1}}\n")
+    overlay.write_text(f"ssh: {{key_file: {tmp_path / 'id'}, ready_timeout_s: 1}}\n"
+                       "firewall: {source_ranges: [127.0.0.1/32]}\n")
     monkeypatch.setenv(vm_config.CONFIG_ENV, str(overlay))
     repo = tmp_path / "repo"
     (repo / "conf" / "hardware").mkdir(parents=True)

@@ -95,7 +95,8 @@ def repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     repo.mkdir()
     subprocess.run(["git", "init", "-q", str(repo)], check=True)
     overlay = tmp_path / "vm.yaml"
-    overlay.write_text(f"ssh: {{key_file: {tmp_path / 'id'}, ready_timeout_s: 1}}\n")
+    overlay.write_text(f"ssh: {{key_file: {tmp_path / 'id'}, ready_timeout_s: 1}}\n"
+                       "firewall: {source_ranges: [127.0.0.1/32]}\n")
     monkeypatch.setenv(vm_config.CONFIG_ENV, str(overlay))
     return repo
 

@@ -151,9 +151,15 @@ def loopback_world(tmp_path: Path, repo: Path, local_env: dict[str, str]) -> Ite
     """The fake Compute API and the fake VM around `repo`, and doit's environment."""
     with running_fake() as fake:
 
-        def authorized() -> list[str]:   # the VM admits exactly the keys in its ssh-keys metadata
-            return [item["value"] for inst in fake.instances.values()
-                    for item in inst.get("metadata", {}).get("items", []) if item["key"] == "ssh-keys"]
+        def authorized() -> list[str]:
+            """The keys a VM admits: with enable-oslogin=TRUE in its metadata those of the OS Login
+            profiles, for their POSIX users; else exactly those of its ssh-keys metadata."""
+            keys = []
+            for inst in fake.instances.values():
+                items = {i["key"]: i["value"] for i in inst.get("metadata", {}).get("items", [])}
+                keys += fake.org.authorized() if items.get("enable-oslogin") == "TRUE" else \
+                    [items["ssh-keys"]] if "ssh-keys" in items else []
+            return keys
 
         # PYTHONPATH: most repos here are stand-ins, not the project, yet `{dvc}` runs the project's
         # mtpipe.cloud.exp_run; in the project's own repo (project_world) its checkout comes first
@@ -164,6 +170,7 @@ def loopback_world(tmp_path: Path, repo: Path, local_env: dict[str, str]) -> Ite
         config.write_text(yaml.safe_dump({
             "ssh": {"port": sshd.port, "key_file": str(tmp_path / "keys" / "id"), "ready_timeout_s": 10,
                     "connect_timeout_s": 5},
+            "firewall": {"source_ranges": ["127.0.0.1/32"]},   # where SSH comes from: this machine
             # the VM keeps its XLA compile cache in work/ across runs; here it is the checkout's, warm
             "setup": {"files": [], "commands": [f'ln -sfn {ROOT / ".venv"} "$HOME/venv"',
                                    'mkdir -p "$HOME/mtpipe/work"',

@@ -13,7 +13,7 @@ import contextlib
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import google.auth
@@ -22,7 +22,7 @@ from google.auth import exceptions as auth_exc
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1
 
-from mtpipe.cloud import interrupts
+from mtpipe.cloud import interrupts, ssh_route
 
 ENDPOINT_ENV = "MTPIPE_COMPUTE_ENDPOINT"
 SCOPE = "https://www.googleapis.com/auth/cloud-platform"
@@ -34,6 +34,14 @@ CREDENTIALS_FIX = (
 
 class GcpError(RuntimeError):
     """A Compute Engine failure, worded for the user (what failed and how to fix it)."""
+
+
+class PermissionDenied(GcpError):
+    """Google answered 403 for a missing permission (not a quota, not a disabled API)."""
+
+
+class MaxRunDurationRefused(GcpError):
+    """Compute refused ``scheduling.maxRunDuration`` for a reservation-bound VM."""
 
 
 QUOTA_NAME = re.compile(r"Quota '([^']+)' exceeded")
@@ -57,8 +65,49 @@ def quota_problem(action: str, message: str, project: str | None) -> GcpError:
                     f"{name}), or use another region or a reservation")
 
 
+# What a disabled API's 403 names (google.rpc.ErrorInfo metadata.service), as `gcloud services list` does.
+SERVICE_TITLES = {"compute.googleapis.com": "Compute Engine API", "oslogin.googleapis.com": "Cloud OS Login API",
+                  "orgpolicy.googleapis.com": "Organization Policy API",
+                  "cloudresourcemanager.googleapis.com": "Cloud Resource Manager API"}
+DISABLED_URL = re.compile(r"apis/api/(?P<service>[a-z0-9.-]+)/")
+
+
+def error_info(error: gexc.GoogleAPICallError) -> tuple[str | None, dict[str, str]]:
+    """(reason, metadata) of the google.rpc.ErrorInfo among an error's details. Over REST they are
+    JSON dicts, on which api_core's own ``error.reason`` raises AttributeError."""
+    for detail in error.details or ():
+        if isinstance(detail, dict) and detail.get("@type", "").endswith("google.rpc.ErrorInfo"):
+            return detail.get("reason"), dict(detail.get("metadata") or {})
+        if type(detail).__name__ == "ErrorInfo":
+            return detail.reason, dict(detail.metadata)
+    return None, {}
+
+
+def disabled_service(error: gexc.GoogleAPICallError) -> str | None:
+    """The API a 403 says is disabled (or was never enabled) in the project, or None: the details'
+    ErrorInfo with reason SERVICE_DISABLED, or Compute's older errors[].reason accessNotConfigured."""
+    reason, metadata = error_info(error)
+    if reason == "SERVICE_DISABLED":
+        return metadata.get("service") or "the API"
+    if any(isinstance(e, dict) and e.get("reason") == "accessNotConfigured" for e in error.errors or []):
+        found = DISABLED_URL.search(error.message or "")
+        return found["service"] if found else "the API"
+    return None
+
+
+def service_disabled_problem(action: str, service: str, error: gexc.GoogleAPICallError,
+                             project: str | None) -> GcpError:
+    """The error for a disabled API: which one, where, and the command that enables it."""
+    consumer = error_info(error)[1].get("consumer", "").removeprefix("projects/")
+    where = project or consumer or "PROJECT"
+    title = SERVICE_TITLES.get(service, service)
+    return GcpError(f"{action}: the {title} is disabled in project {where}. Fix: gcloud services enable "
+                    f"{service} --project {where} (needs roles/serviceusage.serviceUsageAdmin; allow a "
+                    "minute before retrying)")
+
+
 def _is_quota(error: gexc.GoogleAPICallError) -> bool:
-    reasons = {e.get("reason") for e in error.errors or [] if isinstance(e, dict)} | {error.reason}
+    reasons = {e.get("reason") for e in error.errors or [] if isinstance(e, dict)} | {error_info(error)[0]}
     return bool(reasons & QUOTA_REASONS) or QUOTA_NAME.search(error.message or "") is not None
 
 
@@ -78,7 +127,9 @@ def explained(action: str, project: str | None = None) -> Iterator[None]:
     except gexc.Forbidden as e:
         if _is_quota(e):
             raise quota_problem(action, e.message, project) from e
-        raise GcpError(
+        if service := disabled_service(e):
+            raise service_disabled_problem(action, service, e, project) from e
+        raise PermissionDenied(
             f"{action}: permission denied ({e.message}); grant roles/compute.admin (or "
             "roles/compute.editor) and roles/iam.serviceAccountUser on the project") from e
     except gexc.GoogleAPICallError as e:
@@ -139,6 +190,31 @@ def scheduling(cfg: Any, model: str) -> tuple[dict[str, Any], dict[str, Any] | N
     return fields, affinity
 
 
+def region(zone: str) -> str:
+    """The region of a zone: us-east5-b -> us-east5."""
+    return zone.rsplit("-", 1)[0]
+
+
+def network_interface(cfg: Any) -> dict:
+    """The VM's network interface: ``network``, ``subnetwork`` (regional; null: the auto-mode
+    network's subnetwork of the region), an external IP (``external_ip``) as gcloud adds by default."""
+    nic: dict[str, Any] = {"network": f"global/networks/{cfg.network}"}
+    if cfg.subnetwork:
+        nic["subnetwork"] = f"regions/{region(cfg.zone)}/subnetworks/{cfg.subnetwork}"
+    if cfg.external_ip:
+        nic["access_configs"] = [{"name": "External NAT", "type_": "ONE_TO_ONE_NAT"}]
+    return nic
+
+
+def ssh_metadata(cfg: Any, ssh_public_key: str) -> list[dict[str, str]]:
+    """The instance metadata that admits our key: with OS Login (``ssh.os_login`` true, as the checks
+    before spending decide it) ``enable-oslogin=TRUE`` (the key is in the caller's OS Login profile,
+    where the VM looks for it); else the key in ``ssh-keys`` for ``ssh.user``."""
+    if cfg.ssh.os_login is True:
+        return [{"key": "enable-oslogin", "value": "TRUE"}]
+    return [{"key": "ssh-keys", "value": f"{cfg.ssh.user}:{ssh_public_key}"}]
+
+
 def instance_body(cfg: Any, name: str, ssh_public_key: str, labels: dict[str, str], model: str) -> dict:
     """The instances.insert body: the tutorial's `gcloud compute instances create` flags + safety;
     `model` is the VM's provisioningModel (:meth:`Compute.provisioning_model`)."""
@@ -156,23 +232,22 @@ def instance_body(cfg: Any, name: str, ssh_public_key: str, labels: dict[str, st
                 "disk_type": f"zones/{cfg.zone}/diskTypes/{cfg.boot_disk_type}",
             },
         }],
-        "network_interfaces": [{
-            "network": f"global/networks/{cfg.network}",
-            "access_configs": [{"name": "External NAT", "type_": "ONE_TO_ONE_NAT"}],
-        }],
+        "network_interfaces": [network_interface(cfg)],
         "tags": {"items": [name]},                   # --tags=NAME (the firewall rule's target)
         "scheduling": fields,
         "service_accounts": [{"email": cfg.service_account, "scopes": list(cfg.scopes)}],
         "labels": labels,
-        "metadata": {"items": [{"key": "ssh-keys", "value": f"{cfg.ssh.user}:{ssh_public_key}"}]},
+        "metadata": {"items": ssh_metadata(cfg, ssh_public_key)},
     }
     if affinity:
         body["reservation_affinity"] = affinity
     return body
 
 
-def firewall_body(cfg: Any, name: str, firewall: str, labels: dict[str, str]) -> dict:
-    """The tutorials' SSH rule: tcp:22 from the IAP range to VMs tagged with the VM's name.
+def firewall_body(cfg: Any, name: str, firewall: str, labels: dict[str, str],
+                  sources: Sequence[str] = (ssh_route.IAP_RANGE,)) -> dict:
+    """An SSH rule: tcp:22 from ``sources`` (the tutorials': the IAP range) to VMs tagged with the
+    VM's name.
 
     Firewall rules have no labels in Compute's API: the description carries the VM's."""
     tags = " ".join(f"{key}={value}" for key, value in sorted(labels.items()))
@@ -181,7 +256,7 @@ def firewall_body(cfg: Any, name: str, firewall: str, labels: dict[str, str]) ->
         "network": f"global/networks/{cfg.network}",
         "direction": "INGRESS",
         "allowed": [{"I_p_protocol": "tcp", "ports": ["22"]}],
-        "source_ranges": list(cfg.firewall.source_ranges),
+        "source_ranges": list(sources),
         "target_tags": [name],
         "description": f"SSH to the mtpipe VM {name} (labels: {tags})",
     }
@@ -206,13 +281,17 @@ class Compute:
         self.machine_types = compute_v1.MachineTypesClient(**kw)
         self.reservations = compute_v1.ReservationsClient(**kw)
         self.future_reservations = compute_v1.FutureReservationsClient(**kw)
+        self.networks = compute_v1.NetworksClient(**kw)
+        self.subnetworks = compute_v1.SubnetworksClient(**kw)
+        self.routers = compute_v1.RoutersClient(**kw)
+        self.projects = compute_v1.ProjectsClient(**kw)
         self.zone_ops = compute_v1.ZoneOperationsClient(**kw)
         self.global_ops = compute_v1.GlobalOperationsClient(**kw)
         self._calendar: dict[str, bool] = {}   # reservation -> in calendar mode (asked once)
 
     def get_machine_type(self, name: str) -> compute_v1.MachineType | None:
         """The machine type in this zone; None when the zone does not offer it."""
-        with explained(f"reading machine type {name} in {self.zone}"):
+        with explained(f"reading machine type {name} in {self.zone}", self.project):
             try:
                 return self.machine_types.get(project=self.project, zone=self.zone, machine_type=name)
             except gexc.NotFound:
@@ -271,7 +350,7 @@ class Compute:
         return "RESERVATION_BOUND" if bound else "STANDARD"
 
     def get_instance(self, name: str) -> compute_v1.Instance | None:
-        with explained(f"reading VM {name}"):
+        with explained(f"reading VM {name}", self.project):
             try:
                 return self.instances.get(project=self.project, zone=self.zone, instance=name)
             except gexc.NotFound:
@@ -356,16 +435,87 @@ class Compute:
             self._wait(op.name, f"deleting firewall rule {name}", zonal=False)
         return True
 
+    # ---- networks, firewall rules and project metadata (mtpipe.cloud.vm_access)
+
+    def get_network(self, name: str) -> compute_v1.Network | None:
+        with explained(f"reading network {name}", self.project):
+            try:
+                return self.networks.get(project=self.project, network=name)
+            except gexc.NotFound:
+                return None
+
+    def network_names(self) -> list[str]:
+        with explained("listing the networks", self.project):
+            return sorted(n.name for n in self.networks.list(project=self.project))
+
+    def get_subnetwork(self, name: str) -> compute_v1.Subnetwork | None:
+        """Subnetwork ``name`` of the zone's region; None when there is none."""
+        where = region(self.zone)
+        with explained(f"reading subnetwork {name} in {where}", self.project):
+            try:
+                return self.subnetworks.get(project=self.project, region=where, subnetwork=name)
+            except gexc.NotFound:
+                return None
+
+    def subnetwork_names(self, network: str) -> list[str]:
+        """The subnetworks of ``network`` in the zone's region."""
+        where = region(self.zone)
+        with explained(f"listing the subnetworks of {where}", self.project):
+            return sorted(s.name for s in self.subnetworks.list(project=self.project, region=where)
+                          if s.network.rsplit("/", 1)[-1] == network)
+
+    def list_firewalls(self, network: str) -> list[compute_v1.Firewall]:
+        """The firewall rules of ``network`` (firewalls.list, the network picked out here)."""
+        with explained(f"listing the firewall rules of network {network}", self.project):
+            return [r for r in self.firewalls.list(project=self.project)
+                    if r.network.rsplit("/", 1)[-1] == network]
+
+    def list_routers(self) -> list[compute_v1.Router]:
+        """The Cloud Routers of the zone's region (their Cloud NAT gateways)."""
+        where = region(self.zone)
+        with explained(f"listing the Cloud Routers of {where}", self.project):
+            return list(self.routers.list(project=self.project, region=where))
+
+    def project_metadata(self) -> dict[str, str]:
+        """The project's metadata (projects.get commonInstanceMetadata): what every VM inherits."""
+        with explained(f"reading the metadata of project {self.project}", self.project):
+            project = self.projects.get(project=self.project)
+        return {item.key: item.value for item in project.common_instance_metadata.items}
+
     # ---- the VM lifecycle's provider interface (mtpipe.cloud.lifecycle.Provider)
 
     def create_vm(self, cfg: Any, public_key: str, labels: dict[str, str]) -> compute_v1.Instance:
-        """Create the VM ``cfg.name`` describes, admitting ``public_key`` over SSH."""
-        return self.create_instance(instance_body(cfg, cfg.name, public_key, labels,
-                                                  self.provisioning_model(cfg)))
+        """Create the VM ``cfg.name`` describes, admitting ``public_key`` over SSH. A reservation-bound
+        VM whose ``maxRunDuration`` Compute refuses raises MaxRunDurationRefused (nothing created)."""
+        model = self.provisioning_model(cfg)
+        body = instance_body(cfg, cfg.name, public_key, labels, model)
+        try:
+            return self.create_instance(body)
+        except GcpError as err:
+            if model == "RESERVATION_BOUND" and "max_run_duration" in body["scheduling"] \
+                    and "maxRunDuration" in str(err):
+                self.inserting.pop(cfg.name, None)
+                raise MaxRunDurationRefused(str(err)) from err
+            raise
 
     def open_ssh(self, cfg: Any, labels: dict[str, str]) -> bool:
-        """Create the firewall rule that lets SSH reach the VM; False when it already existed."""
-        return self.create_firewall(firewall_body(cfg, cfg.name, cfg.firewall.name, labels))
+        """Create the firewall rule that lets SSH reach the VM unless a rule of the network admits it
+        already (ssh_route.admitting); False when none was created. Without known sources (SSH
+        straight from this machine) the checks before spending found a rule open to 0.0.0.0/0."""
+        sources = ssh_route.sources(cfg)
+        if sources is None or ssh_route.admitting(self.list_firewalls(cfg.network), sources, [cfg.name],
+                                                  cfg.service_account):
+            return False
+        try:
+            return self.create_firewall(firewall_body(cfg, cfg.name, cfg.firewall.name, labels, sources))
+        except PermissionDenied as err:
+            raise GcpError(
+                f"creating firewall rule {cfg.firewall.name}: permission denied. No firewall rule of network "
+                f"{cfg.network} admits tcp:22 from {', '.join(sources)} to VM {cfg.name}, and you may not "
+                "create one (compute.firewalls.create, in roles/compute.securityAdmin). Fix: ask for that "
+                f"role, or for a rule: gcloud compute firewall-rules create ALLOW-SSH --project {self.project} "
+                f"--network {cfg.network} --direction INGRESS --allow tcp:22 --source-ranges "
+                f"{','.join(sources)} (all VMs, or --target-tags {cfg.name})") from err
 
     @staticmethod
     def address(instance: compute_v1.Instance) -> str | None:

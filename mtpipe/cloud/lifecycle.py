@@ -21,9 +21,9 @@ from typing import Any, Protocol
 
 from omegaconf import DictConfig, OmegaConf
 
-from mtpipe.cloud import (interrupts, prices, vm_checks, vm_config, vm_experiments, vm_setup, vm_ssh,
-                          vm_state)
-from mtpipe.cloud.gcp import SETTLING, CapacityError, Compute, GcpError
+from mtpipe.cloud import (interrupts, prices, ssh_route, vm_checks, vm_config, vm_experiments, vm_setup,
+                          vm_ssh, vm_state)
+from mtpipe.cloud.gcp import SETTLING, CapacityError, Compute, GcpError, MaxRunDurationRefused
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import preflight as preflight_checks
 
@@ -133,9 +133,9 @@ class VmLifecycle:
             raise vm_config.VmError(f"VM {cfg.name} does not exist in {cfg.project}/{cfg.zone} (deleted, or "
                              "max_run_duration_s ran out): create it with `doit vm_up`")
         ip = cloud.address(instance)
-        if not ip and not cfg.ssh.proxy_command:
-            raise vm_config.VmError(f"VM {cfg.name} has no external IP: set ssh.proxy_command (IAP) in "
-                             "conf/vm.yaml")
+        if not ip and not ssh_route.proxy_command(cfg):
+            raise vm_config.VmError(f"VM {cfg.name} has no external IP: set external_ip: false (SSH "
+                                    "through IAP) or ssh.proxy_command in conf/vm.yaml")
         host_key = state.get("host_key") if state.get("name") == cfg.name else None
         return vm_ssh.Remote.from_config(cfg, ip or cfg.name, host_key)
 
@@ -175,6 +175,7 @@ class VmLifecycle:
         created = instance is None
         if instance is not None:
             _say(f"reusing VM {cfg.name} ({instance.status}) in {cfg.zone}")
+            vm_config.use_recorded_login(cfg, state)
             vm_checks.check_project(cfg, root, experiments)
             if not state.get("vms"):   # created elsewhere: its cost counts from its creation
                 vm_state.vm_started(state, cfg, instance.creation_timestamp)
@@ -186,7 +187,8 @@ class VmLifecycle:
                     f"VM {cfg.name}, recorded in {vm_state.STATE_FILE} (created {state.get('created')}), no "
                     f"longer exists in {cfg.project}/{cfg.zone}: {why}. Rerun with --recreate to create "
                     f"a new one ({prices.vm_rate(cfg).describe()}), or `doit vm_down` to forget it")
-            _say("checks before spending: Compute, the presets with the --set values, HF_TOKEN, the DVC remote")
+            _say("checks before spending: Compute, the network and SSH, the presets with the --set values, "
+                 "HF_TOKEN, the DVC remote")
             vm_checks.before_spending(cfg, cloud, root, experiments)
         if preflight:
             rate = prices.vm_rate(cfg)
@@ -249,12 +251,19 @@ class VmLifecycle:
 
     def create_vm(self, public_key: str, labels: dict[str, str]) -> Any:
         """Create the VM; on a stockout, retry with doubling waits for ``stockout.retry_for_s``, then fail
-        naming the other zones that offer the machine type (SkyPilot's managed jobs do the same)."""
+        naming the other zones that offer the machine type (SkyPilot's managed jobs do the same). A
+        reservation-bound VM whose maxRunDuration Compute refuses is created once more without it."""
         cfg, cloud = self.cfg, self.cloud
         deadline, wait = time.monotonic() + cfg.stockout.retry_for_s, cfg.stockout.first_wait_s
         while True:
             try:
                 return cloud.create_vm(cfg, public_key, labels)
+            except MaxRunDurationRefused as err:
+                _say(f"Compute refused maxRunDuration for reservation-bound VM {cfg.name} ({err}); creating it "
+                     "once more without it. This VM is then not deleted automatically after max_run_duration_s: "
+                     "vm_run still deletes it when the run fails or is interrupted (unless --keep) and after "
+                     "success with --down, Compute when the reservation ends; otherwise `doit vm_down`")
+                cfg.max_run_duration_s = 0
             except CapacityError as err:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -485,7 +494,8 @@ class VmLifecycle:
 def _recorded(cfg: DictConfig) -> dict[str, Any]:
     """What the state file records of the VM ``cfg`` describes."""
     return {"project": cfg.project, "zone": cfg.zone, "name": cfg.name, "firewall": cfg.firewall.name,
-            "provisioning": cfg.provisioning, "max_run_duration_s": int(cfg.max_run_duration_s)}
+            "provisioning": cfg.provisioning, "max_run_duration_s": int(cfg.max_run_duration_s),
+            "os_login": cfg.ssh.os_login is True, "ssh_user": cfg.ssh.user}
 
 
 def _labels(cfg: DictConfig) -> str:

@@ -8,6 +8,8 @@ runs. Each failure is a ConfigError naming the key and the fix:
   (TPU v6e), and with `provisioning: reservation` the reservation exists (another project's: shared
   with this one), is READY, reserves that machine type (or its TPU chips) and has room for one VM,
   and how its VMs are provisioned is decided (RESERVATION_BOUND or STANDARD);
+* how the VM is reached (mtpipe.cloud.vm_access): network, subnetwork, external IP or IAP, a
+  firewall rule for SSH, OS Login;
 * the project as the VM will run it (HEAD's params.yaml with each experiment's `--set` values
   applied): every branch composes (what the `configure` stage checks), HF_TOKEN is set when a Hub
   model or dataset of a composed preset is gated, and the default DVC remote accepts a write.
@@ -24,7 +26,7 @@ from pathlib import Path
 from google.cloud import compute_v1
 from omegaconf import DictConfig
 
-from mtpipe.cloud import prices
+from mtpipe.cloud import prices, vm_access
 from mtpipe.cloud.gcp import Compute, reservation_path
 from mtpipe.data import hub
 from mtpipe.errors import ConfigError
@@ -35,6 +37,7 @@ def before_spending(cfg: DictConfig, compute: Compute, root: Path,
                     experiments: list[list[str]]) -> None:
     """Everything below, Compute first (it also proves the credentials), then the project."""
     check_compute(cfg, compute)
+    vm_access.check_access(cfg, compute)
     check_project(cfg, root, experiments)
 
 

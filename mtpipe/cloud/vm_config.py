@@ -4,10 +4,11 @@ doit's parameters, and the VM's errors."""
 from __future__ import annotations
 
 import getpass
+import ipaddress
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 from annotated_types import Ge, Gt, Le
 from omegaconf import DictConfig, OmegaConf
@@ -25,7 +26,10 @@ PROVISIONING = ("reservation", "spot", "on-demand")   # how the VM is paid for (
 RESERVATION_MODELS = ("auto", "bound", "standard")    # how a reservation's VMs are provisioned
 # TPU machine types whose VMs take Hyperdisk only (cloud.google.com/tpu/docs/storage-options-compute)
 HYPERDISK_ONLY = ("ct6e-",)
-NAME_RE = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+NAME_RE = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")   # Compute's resource names (RFC 1035)
+NAME_MAX = 63
+LABEL_KEY_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
+LABEL_VALUE_RE = re.compile(r"^[a-z0-9_-]{0,63}$")
 
 
 class VmError(RuntimeError):
@@ -45,14 +49,16 @@ Seconds = Annotated[float, Gt(0), KEEP_INT]
 
 class Firewall(Section):
     name: Optional[str]                    # null = <name>-ssh
-    source_ranges: list[str]
+    source_ranges: Optional[list[str]]     # null = IAP's range through IAP, else a rule open to 0.0.0.0/0
 
 
 class Ssh(Section):
     user: str
     key_file: str
     port: Annotated[int, Ge(1), Le(65535)]
-    proxy_command: Optional[str]           # null = the VM's external IP
+    proxy_command: Optional[str]           # null = the VM's external IP, or IAP without one
+    os_login: Union[bool, Literal["auto"]]  # auto: as the project metadata and org policy say
+    os_login_account: Optional[str]        # null = the account of the Google credentials
     connect_timeout_s: Seconds
     keepalive_s: Seconds
     ready_timeout_s: Seconds
@@ -90,6 +96,8 @@ class VmConfig(Section):
     reservation_model: str                 # one of RESERVATION_MODELS, checked below
     name: str
     network: str
+    subnetwork: Optional[str]              # null = the auto-mode network's subnetwork of the region
+    external_ip: bool                      # false: no external IP, SSH through IAP
     machine_type: str
     image_project: str
     image_family: str
@@ -116,9 +124,25 @@ class VmConfig(Section):
                               f"{', '.join(PROVISIONING)}",
                               "pass --provisioning=spot (or reservation, on-demand), or set "
                               "provisioning: in conf/vm.yaml")
-        if not NAME_RE.match(self.name):
-            raise ConfigError("vm.name", f"{self.name!r} is not a valid VM name",
-                              "use lowercase letters, digits and dashes, starting with a letter (NAME)")
+        if problem := name_problem(self.name):
+            raise ConfigError("vm.name", f"{self.name!r} {problem}",
+                              f"use at most {NAME_MAX - len('-ssh')} lowercase letters, digits and dashes, "
+                              "starting with a letter (NAME / --name; the firewall rule adds -ssh)")
+        if self.firewall.name and (problem := name_problem(self.firewall.name)):
+            raise ConfigError("vm.firewall.name", f"{self.firewall.name!r} {problem}",
+                              f"use a NAME of at most {NAME_MAX - len('-ssh')} characters, or set "
+                              "firewall.name: in conf/vm.yaml")
+        for cidr in self.firewall.source_ranges or []:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ConfigError("vm.firewall.source_ranges", f"{cidr!r} is not an address range",
+                                  "write ranges as ADDRESS/BITS, e.g. 203.0.113.7/32") from None
+        for key, value in self.labels.items():
+            if not (LABEL_KEY_RE.match(key) and LABEL_VALUE_RE.match(value)):
+                raise ConfigError(f"vm.labels.{key}", f"{key}={value!r} is not a Compute label",
+                                  "keys: a lowercase letter, then up to 62 lowercase letters, digits, "
+                                  "_ or -; values: up to 63 of those (conf/vm.yaml labels:)")
         if self.reservation_model not in RESERVATION_MODELS:
             raise ConfigError("vm.reservation_model", f"{self.reservation_model!r} is not one of "
                               f"{', '.join(RESERVATION_MODELS)}",
@@ -146,7 +170,8 @@ def load_config(params: dict[str, Any] | None = None, state: dict | None = None)
 
     Keys still unset after that are filled from the state file (the VM vm_up created), then
     `name` defaults to mtpipe-<user>. `provisioning` is the recorded VM's unless a doit param sets
-    it, so that reusing or replacing that VM keeps its kind (and its price). The result is checked
+    it, so that reusing or replacing that VM keeps its kind (and its price), and so is its OS Login
+    user (:func:`use_recorded_login`). The result is checked
     against :class:`VmConfig`.
     """
     cfg = OmegaConf.load(ROOT / "conf" / "vm.yaml")
@@ -167,10 +192,29 @@ def load_config(params: dict[str, Any] | None = None, state: dict | None = None)
         cfg.provisioning = state.get("provisioning", cfg.provisioning)   # the recorded VM's kind
     if not cfg.firewall.name:
         cfg.firewall.name = f"{cfg.name}-ssh"
+    if state and state.get("name") == cfg.name:
+        use_recorded_login(cfg, state)
     validate(VmConfig, OmegaConf.to_container(cfg), "vm",
              lambda key, requirement: f"set {key.removeprefix('vm.')} {requirement} in conf/vm.yaml")
     prices.vm_rate(cfg)   # conf/prices.yaml prices this machine type in this mode
     return cfg
+
+
+def use_recorded_login(cfg: DictConfig, state: dict) -> None:
+    """Log in as the VM ``state`` records was created for: its OS Login POSIX user, if it has one
+    (the checks that found it run only before a VM is created)."""
+    if state.get("os_login") and cfg.ssh.os_login is not False:
+        cfg.ssh.os_login, cfg.ssh.user = True, state["ssh_user"]
+
+
+def name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a Compute resource (a VM, a firewall rule), or None."""
+    if len(name) > NAME_MAX:
+        return f"has {len(name)} characters; Compute allows at most {NAME_MAX}"
+    if not NAME_RE.match(name):
+        return ("is not a Compute resource name (lowercase letters, digits and dashes, starting with a "
+                "letter, not ending with a dash)")
+    return None
 
 
 def label_value(text: str) -> str:

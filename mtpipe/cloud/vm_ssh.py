@@ -1,7 +1,8 @@
 """SSH to the VM: our own key, a connection, remote commands with their output streamed.
 
 SSH goes through asyncssh with a key of our own (`ssh.key_file`, generated on first use); its public
-half reaches the VM in the `ssh-keys` metadata. The VM's host key is trusted on first use and kept in
+half reaches the VM in the `ssh-keys` metadata, or with OS Login in the caller's OS Login profile
+(mtpipe.cloud.vm_access); a VM without an external IP is reached through IAP (ssh_route). The VM's host key is trusted on first use and kept in
 the state file. Secrets (HF_TOKEN) are written to the remote command's stdin and read there by the
 shell builtin `read`, so they never appear in argv, metadata, logs or files.
 """
@@ -21,6 +22,7 @@ from typing import Any
 import asyncssh
 from omegaconf import DictConfig
 
+from mtpipe.cloud import ssh_route
 from mtpipe.cloud.vm_config import SessionLost, VmError
 
 
@@ -51,11 +53,9 @@ class Remote:
 
     @classmethod
     def from_config(cls, cfg: DictConfig, host: str, host_key: str | None) -> Remote:
-        proxy = cfg.ssh.proxy_command
-        if proxy:
-            proxy = proxy.format(name=cfg.name, zone=cfg.zone, project=cfg.project)
         return cls(host, int(cfg.ssh.port), cfg.ssh.user, os.path.expanduser(cfg.ssh.key_file),
-                   proxy, host_key, float(cfg.ssh.connect_timeout_s), float(cfg.ssh.keepalive_s))
+                   ssh_route.proxy_command(cfg), host_key, float(cfg.ssh.connect_timeout_s),
+                   float(cfg.ssh.keepalive_s))
 
     async def connect(self) -> asyncssh.SSHClientConnection:
         known: Any = None

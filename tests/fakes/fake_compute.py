@@ -17,6 +17,14 @@ reservation in calendar mode created; (operation error) a reservation that does 
 shared with the project, whose VMs or chips do not match the VM, or that has no room left.
 :meth:`FakeCompute.preempt` does what a Spot preemption does: the instance is TERMINATED, or deleted
 (termination action DELETE).
+Networks as organisations have them: `networks` (auto or custom mode), `subnetworks`, `routers`
+(Cloud NAT), firewall rules listed by firewalls.list, the project's metadata (projects.get, e.g.
+`enable-oslogin`); an insert on a network or subnetwork that does not exist, on a custom-mode network
+without a subnetwork, or with an external IP the organisation policy compute.vmExternalIpAccess
+denies is refused as Compute refuses it; `bound_max_run_duration` False refuses maxRunDuration on a
+RESERVATION_BOUND VM, `firewall_insert_denied` answers firewalls.insert with 403. The same server
+serves the OS Login, Organization Policy and Resource Manager calls (`org`, tests/fakes/fake_org.py);
+a service in `org.disabled` (compute.googleapis.com too) answers Google's SERVICE_DISABLED 403.
 `POST /token` answers like an OAuth server refusing an expired refresh token. Every request is
 recorded (method, path, Host header, headers, body) so tests can check what was sent and to whom.
 
@@ -49,6 +57,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 from fakes.discovery import Contract
+from fakes.fake_org import FakeOrg, disabled
 
 PREFIX = "/compute/v1/projects/"
 
@@ -133,6 +142,20 @@ class FakeCompute:
     insert_failures: list[tuple] = field(default_factory=list)
     # Projects whose futureReservations.list answers 403 (the caller may not read them).
     unreadable_projects: set[str] = field(default_factory=set)
+    # The project's VPC networks: name -> autoCreateSubnetworks (True: auto mode, a subnetwork named
+    # like the network in every region); subnetworks of custom-mode ones: (region, name) -> network.
+    networks: dict[str, bool] = field(default_factory=lambda: {"default": True})
+    subnetworks: dict[tuple[str, str], str] = field(default_factory=dict)
+    # Cloud Routers as routers.list answers them (name, region, network, nats).
+    routers: list[dict] = field(default_factory=list)
+    # projects.get commonInstanceMetadata (e.g. enable-oslogin: TRUE)
+    project_metadata: dict[str, str] = field(default_factory=dict)
+    # False: a RESERVATION_BOUND insert with maxRunDuration is refused (400)
+    bound_max_run_duration: bool = True
+    firewall_insert_denied: bool = False   # firewalls.insert answers 403 (no compute.firewalls.create)
+    # OS Login, Organization Policy, Resource Manager (fakes.fake_org), on the same server; its
+    # `disabled` services answer SERVICE_DISABLED, compute.googleapis.com included
+    org: FakeOrg = field(default_factory=FakeOrg)
     url: str = ""
     requests: list[Recorded] = field(default_factory=list)
     instances: dict[tuple[str, str, str], dict] = field(default_factory=dict)
@@ -220,7 +243,35 @@ class FakeCompute:
         path = urlsplit(url).path
         parts = path[len(PREFIX):].split("/") if path.startswith(PREFIX) else []
         with self.lock:
+            if "compute.googleapis.com" in self.org.disabled:
+                return disabled("compute.googleapis.com")
             match parts:
+                case [project] if method == "GET":
+                    return 200, self._project(project)
+                case [project, "global", "networks"] if method == "GET":
+                    return 200, {"kind": "compute#networkList", "items": [
+                        self._network(project, n) for n in sorted(self.networks)]}
+                case [project, "global", "networks", name] if method == "GET":
+                    if name not in self.networks:
+                        return _error(404, f"The resource 'projects/{project}/global/networks/{name}' was not found")
+                    return 200, self._network(project, name)
+                case [project, "regions", region, "subnetworks"] if method == "GET":
+                    return 200, {"kind": "compute#subnetworkList", "items": [
+                        self._subnetwork(project, region, name) for name in self._subnetworks(region)]}
+                case [project, "regions", region, "subnetworks", name] if method == "GET":
+                    if name not in self._subnetworks(region):
+                        return _error(404, f"The resource 'projects/{project}/regions/{region}/subnetworks/"
+                                           f"{name}' was not found")
+                    return 200, self._subnetwork(project, region, name)
+                case [project, "regions", region, "routers"] if method == "GET":
+                    return 200, {"kind": "compute#routerList", "items": [
+                        {"kind": "compute#router", **r, "region": f"{self.url}{PREFIX}{project}/regions/{region}",
+                         "network": f"{self.url}{PREFIX}{project}/global/networks/{r['network']}"}
+                        for r in self.routers if r.get("region") == region]}
+                case [project, "global", "firewalls"] if method == "GET":
+                    return 200, {"kind": "compute#firewallList", "items": [
+                        {"kind": "compute#firewall", **rule} for (p, _), rule in sorted(self.firewalls.items())
+                        if p == project]}
                 case [project, "zones", zone, "instances"] if method == "POST":
                     return self._insert_instance(project, zone, body)
                 case [project, "zones", zone, "instances"] if method == "GET":
@@ -250,6 +301,50 @@ class FakeCompute:
                     return 200, self._advance(op)
         return _error(404, f"unknown path {path}")
 
+    def _project(self, project: str) -> dict:
+        """projects.get, with what mtpipe reads: the metadata every VM inherits."""
+        return {"kind": "compute#project", "name": project, "commonInstanceMetadata": {
+            "kind": "compute#metadata", "items": [{"key": k, "value": v} for k, v in self.project_metadata.items()]}}
+
+    def _network(self, project: str, name: str) -> dict:
+        link = f"{self.url}{PREFIX}{project}/global/networks/{name}"
+        return {"kind": "compute#network", "name": name, "selfLink": link,
+                "autoCreateSubnetworks": self.networks[name]}
+
+    def _subnetworks(self, region: str) -> list[str]:
+        """The subnetworks of a region: each auto-mode network's (named like it) and those listed."""
+        return sorted({n for n, auto in self.networks.items() if auto}
+                      | {name for (r, name) in self.subnetworks if r == region})
+
+    def _subnetwork(self, project: str, region: str, name: str) -> dict:
+        network = self.subnetworks.get((region, name), name)
+        return {"kind": "compute#subnetwork", "name": name, "ipCidrRange": "10.128.0.0/20",
+                "region": f"{self.url}{PREFIX}{project}/regions/{region}",
+                "network": f"{self.url}{PREFIX}{project}/global/networks/{network}"}
+
+    def _network_refusal(self, project: str, zone: str, body: dict) -> tuple[int, dict] | None:
+        """What Compute answers an insert whose network interface cannot be: an unknown network or
+        subnetwork, a custom-mode network without a subnetwork, an external IP the organisation policy
+        compute.vmExternalIpAccess forbids."""
+        for nic in body.get("networkInterfaces", []):
+            network = nic.get("network", "global/networks/default").rsplit("/", 1)[-1]
+            if network not in self.networks:
+                return _error(404, f"The resource 'projects/{project}/global/networks/{network}' was not found")
+            if "subnetwork" in nic:
+                region, name = zone.rsplit("-", 1)[0], nic["subnetwork"].rsplit("/", 1)[-1]
+                if name not in self._subnetworks(region):
+                    return _error(404, f"The resource 'projects/{project}/regions/{region}/subnetworks/{name}' "
+                                       "was not found")
+            elif not self.networks[network]:
+                return _error(400, "Invalid value for field 'resource.networkInterfaces[0]': ''. Subnetwork "
+                                   "should be specified for custom subnetmode network")
+            rules = self.org.policies.get("compute.vmExternalIpAccess", [])
+            if nic.get("accessConfigs") and any(r.get("denyAll") for r in rules):
+                return _error(412, f"Constraint constraints/compute.vmExternalIpAccess violated for project "
+                                   f"{project}. Add instance projects/{project}/zones/{zone}/instances/"
+                                   f"{body['name']} to the constraint to use external IP with it.")
+        return None
+
     def _aggregated_machine_types(self, url: str) -> dict:
         """machineTypes.aggregatedList with a ``name = X`` filter: the zones offering X."""
         wanted = parse_qs(urlsplit(url).query).get("filter", [""])[0].removeprefix("name = ").strip()
@@ -273,8 +368,14 @@ class FakeCompute:
         if key in self.instances:
             return _error(409, f"The resource 'projects/{project}/zones/{zone}/instances/"
                                f"{body['name']}' already exists")
+        if refused := self._network_refusal(project, zone, body):
+            return refused
         scheduling, affinity = body.get("scheduling") or {}, body.get("reservationAffinity") or {}
         model = scheduling.get("provisioningModel", "STANDARD")
+        if model == "RESERVATION_BOUND" and "maxRunDuration" in scheduling and not self.bound_max_run_duration:
+            return _error(400, "Invalid value for field 'resource.scheduling.maxRunDuration': "
+                               f"'{scheduling['maxRunDuration']}'. maxRunDuration is not supported for "
+                               "instances with provisioningModel RESERVATION_BOUND.")
         # Spot VMs neither restart nor migrate (Compute Engine docs, "Create and use Spot VMs":
         # https://cloud.google.com/compute/docs/instances/create-use-spot)
         if model == "SPOT" and (scheduling.get("automaticRestart", True)
@@ -389,6 +490,13 @@ class FakeCompute:
                      "selfLink": f"{self.url}{PREFIX}{project}/zones/{zone}/futureReservations"}
 
     def _insert_firewall(self, project: str, body: dict) -> tuple[int, dict]:
+        if self.firewall_insert_denied:
+            return _error(403, f"Required 'compute.firewalls.create' permission for 'projects/{project}/global/"
+                               f"firewalls/{body['name']}'")
+        network = body.get("network", "global/networks/default").rsplit("/", 1)[-1]
+        if network not in self.networks:
+            return _error(404, f"The resource 'projects/{project}/global/networks/{network}' was not found")
+        body = {**body, "network": f"{self.url}{PREFIX}{project}/global/networks/{network}"}
         key = (project, body["name"])
         if key in self.firewalls:
             return _error(409, f"The resource 'projects/{project}/global/firewalls/"
@@ -487,17 +595,18 @@ def _handler(fake: FakeCompute) -> type[BaseHTTPRequestHandler]:
             fake.requests.append(recorded)
             fake._held(recorded)
             path = urlsplit(self.path).path
+            other = fake.org.contract_for(path)   # OS Login, Org Policy, Resource Manager
+            contract, serve = (other, fake.org.handle) if other else (fake.contract, fake.handle)
             if path == "/token":   # an OAuth token endpoint refusing an expired refresh token
                 code, out = 400, {"error": "invalid_grant",
                                   "error_description": "Token has been expired or revoked."}
             else:
-                method, refusal = fake.contract.request(self.command, self.path, raw)
+                method, refusal = contract.request(self.command, self.path, raw)
                 if method is None:
                     code, out = refusal
                 else:
                     recorded.api_method = method.id
-                    code, out = fake.contract.answer(
-                        method, *fake.handle(self.command, self.path, json.loads(raw) if raw else {}))
+                    code, out = contract.answer(method, *serve(self.command, self.path, json.loads(raw) if raw else {}))
             data = json.dumps(out).encode()
             try:
                 self.send_response(code)
@@ -508,7 +617,7 @@ def _handler(fake: FakeCompute) -> type[BaseHTTPRequestHandler]:
             except (BrokenPipeError, ConnectionResetError):   # the client gave up (interrupted)
                 pass
 
-        do_GET = do_POST = do_DELETE = _serve
+        do_GET = do_POST = do_DELETE = do_PATCH = _serve
 
         def log_message(self, *args: object) -> None:
             pass
@@ -527,6 +636,7 @@ def running_fake(fake: FakeCompute | None = None) -> Iterator[FakeCompute]:
     try:
         yield fake
         fake.contract.check()   # on leaving the with-block normally (a fixture's teardown included)
+        fake.org.check()
     finally:
         server.shutdown()
         server.server_close()

@@ -1,0 +1,206 @@
+"""Checks before spending of how the VM is reached: its network and subnetwork exist and fit, an
+external IP is allowed (without one: IAP for SSH, a Cloud NAT for the setup's downloads), a firewall
+rule admits SSH from where it comes, and where OS Login is on, our key is in the caller's OS Login
+profile (its POSIX user name is the SSH user). Each failure is a ConfigError naming the key and the
+fix, raised before the firewall rule or the VM exists. What the checks decide (``ssh.os_login`` and
+``ssh.user``) is written into the config the insert and the SSH client read.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+
+from omegaconf import DictConfig
+
+from mtpipe.cloud import gcp, ssh_route, vm_ssh
+from mtpipe.cloud.gcp import Compute, GcpError
+from mtpipe.cloud.google_apis import GoogleApis, denies, enforced
+from mtpipe.errors import ConfigError
+
+# The permission to log in with administrator rights (the setup runs sudo apt-get): in
+# roles/compute.osAdminLogin, which roles/compute.admin and roles/owner include.
+LOGIN_PERMISSION = "compute.instances.osAdminLogin"
+NAT_ALL = ("ALL_SUBNETWORKS_ALL_IP_RANGES", "ALL_SUBNETWORKS_ALL_PRIMARY_IP_RANGES")
+
+
+def _say(line: str) -> None:
+    print(f"mtpipe: {line}", flush=True)
+
+
+def check_access(cfg: DictConfig, compute: Compute, apis: GoogleApis | None = None) -> None:
+    """Every check below, in order."""
+    apis = apis or GoogleApis()
+    check_network(cfg, compute)
+    check_external_ip(cfg, compute, apis)
+    check_firewall(cfg, compute)
+    check_os_login(cfg, compute, apis)
+
+
+def _name(url: str) -> str:
+    return url.rsplit("/", 1)[-1]
+
+
+def check_network(cfg: DictConfig, compute: Compute) -> None:
+    """``network`` exists; ``subnetwork`` (when set) exists in the zone's region and belongs to it;
+    a custom-mode network (autoCreateSubnetworks false) has ``subnetwork`` set."""
+    region = gcp.region(cfg.zone)
+    network = compute.get_network(cfg.network)
+    if network is None:
+        names = compute.network_names()
+        raise ConfigError("vm.network", f"network {cfg.network!r} does not exist in project {cfg.project} "
+                          f"(its networks: {', '.join(names) or 'none'})",
+                          "set network: to one of them in conf/vm.yaml, or create it: gcloud compute networks "
+                          f"create {cfg.network} --subnet-mode=auto --project {cfg.project}")
+    if cfg.subnetwork:
+        subnetwork = compute.get_subnetwork(cfg.subnetwork)
+        if subnetwork is None or _name(subnetwork.network) != cfg.network:
+            names = compute.subnetwork_names(cfg.network)
+            where = "does not exist" if subnetwork is None else \
+                f"belongs to network {_name(subnetwork.network)}, not {cfg.network}"
+            raise ConfigError("vm.subnetwork", f"subnetwork {cfg.subnetwork!r} of region {region} {where} "
+                              f"(network {cfg.network} has there: {', '.join(names) or 'none'})",
+                              "set subnetwork: to one of them in conf/vm.yaml (or network: to the "
+                              "subnetwork's network)")
+    elif "auto_create_subnetworks" in network and not network.auto_create_subnetworks:
+        names = compute.subnetwork_names(cfg.network)
+        fix = (f"set subnetwork: to one of them ({', '.join(names)}) in conf/vm.yaml" if names else
+               f"create one: gcloud compute networks subnets create mtpipe --network {cfg.network} --region "
+               f"{region} --range 10.128.0.0/20 --project {cfg.project}, then set subnetwork: mtpipe")
+        raise ConfigError("vm.subnetwork", f"network {cfg.network} is a custom-mode VPC: a VM in it needs a "
+                          f"subnetwork of region {region}, and subnetwork is null", fix)
+
+
+def check_external_ip(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> None:
+    """With ``external_ip: true`` the organisation policy compute.vmExternalIpAccess allows the VM
+    one (a policy that cannot be read is said and passed over); without, SSH goes through a proxy
+    command that is on PATH (gcloud for IAP) and a Cloud NAT serves the VM's subnetwork."""
+    if cfg.external_ip:
+        instance = f"projects/{cfg.project}/zones/{cfg.zone}/instances/{cfg.name}"
+        try:
+            policy = apis.effective_policy(cfg.project, "compute.vmExternalIpAccess")
+        except GcpError as err:
+            _say(f"could not read the organisation policy compute.vmExternalIpAccess ({err}); going on as if "
+                 "it allowed an external IP (if it does not, Compute refuses the insert: set external_ip: false)")
+            return
+        if denies(policy, instance):
+            raise ConfigError("vm.external_ip", "the organisation policy constraints/compute.vmExternalIpAccess "
+                              f"forbids an external IP for VM {cfg.name} in project {cfg.project}",
+                              "set external_ip: false in conf/vm.yaml: SSH then goes through an IAP tunnel "
+                              "(gcloud compute start-iap-tunnel; role roles/iap.tunnelResourceAccessor) and the "
+                              f"VM downloads through a Cloud NAT of region {gcp.region(cfg.zone)}")
+        return
+    proxy = ssh_route.proxy_command(cfg) or ""
+    program = shlex.split(proxy)[0] if proxy else ""
+    if program and shutil.which(program) is None:
+        raise ConfigError("vm.ssh.proxy_command", f"{program} is not on PATH, and SSH to a VM without an "
+                          f"external IP runs `{proxy}`",
+                          "install the Google Cloud CLI (cloud.google.com/sdk/docs/install) and run `gcloud auth "
+                          "login`, or set ssh.proxy_command in conf/vm.yaml")
+    check_nat(cfg, compute)
+
+
+def check_nat(cfg: DictConfig, compute: Compute) -> None:
+    """A VM without an external IP reaches apt, PyPI and the Hub only through a Cloud NAT: some
+    Cloud Router of the region on ``network`` has a NAT for all its subnetworks or for the VM's."""
+    region, subnetwork = gcp.region(cfg.zone), cfg.subnetwork or cfg.network   # auto mode: named as the network
+    try:
+        routers = compute.list_routers()
+    except GcpError as err:
+        _say(f"could not list the Cloud Routers of {region} ({err}); going on as if a Cloud NAT served the VM")
+        return
+    for router in routers:
+        if _name(router.network) != cfg.network:
+            continue
+        for nat in router.nats:
+            if nat.source_subnetwork_ip_ranges_to_nat in NAT_ALL or any(
+                    _name(s.name) == subnetwork for s in nat.subnetworks):
+                return
+    raise ConfigError("vm.external_ip", f"with external_ip: false the VM reaches the internet (apt, PyPI, the "
+                      f"Hub) only through a Cloud NAT, and network {cfg.network} has none for subnetwork "
+                      f"{subnetwork} in {region}",
+                      f"create one: gcloud compute routers create mtpipe-nat --network {cfg.network} --region "
+                      f"{region} --project {cfg.project} && gcloud compute routers nats create mtpipe-nat "
+                      f"--router mtpipe-nat --region {region} --auto-allocate-nat-external-ips "
+                      f"--nat-all-subnet-ip-ranges --project {cfg.project}")
+
+
+def check_firewall(cfg: DictConfig, compute: Compute) -> None:
+    """Some enabled ingress rule of ``network`` admits tcp:22 from where SSH comes (ssh_route.sources)
+    to the VM; else vm_up will create ``firewall.name`` for those ranges. When SSH goes straight
+    from this machine (sources unknown) only a rule open to 0.0.0.0/0 is known to admit it."""
+    sources = ssh_route.sources(cfg)
+    wanted = sources or [ssh_route.ANYWHERE]
+    found = ssh_route.admitting(compute.list_firewalls(cfg.network), wanted, [cfg.name], cfg.service_account)
+    if found:
+        _say(f"SSH from {', '.join(wanted)}: firewall rule {', '.join(found)} of network {cfg.network} admits it")
+    elif sources:
+        _say(f"SSH from {', '.join(sources)}: no firewall rule of network {cfg.network} admits it; vm_up creates "
+             f"{cfg.firewall.name}")
+    else:
+        raise ConfigError("vm.firewall.source_ranges", f"no firewall rule of network {cfg.network} admits tcp:22 "
+                          f"from anywhere (0.0.0.0/0) to VM {cfg.name}, and SSH would come straight from this "
+                          "machine, whose public address mtpipe does not know",
+                          "set external_ip: false in conf/vm.yaml (SSH through IAP: vm_up admits "
+                          f"{ssh_route.IAP_RANGE} if no rule does), or list your address there as "
+                          "firewall.source_ranges: [ADDRESS/32] (vm_up creates a rule for it)")
+
+
+def os_login_source(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> str | None:
+    """What turns OS Login on for the VM: the project metadata enable-oslogin, or the organisation
+    policy compute.requireOsLogin; None when neither does (a policy that cannot be read is said)."""
+    value = compute.project_metadata().get("enable-oslogin", "")
+    if value.lower() == "true":
+        return f"project metadata enable-oslogin={value}"
+    try:
+        policy = apis.effective_policy(cfg.project, "compute.requireOsLogin")
+    except GcpError as err:
+        _say(f"could not read the organisation policy compute.requireOsLogin ({err}); going by the project "
+             "metadata, which does not enable OS Login (set ssh.os_login: true in conf/vm.yaml if your "
+             "organisation enforces it)")
+        return None
+    return "organisation policy constraints/compute.requireOsLogin" if enforced(policy) else None
+
+
+def check_os_login(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> None:
+    """Where OS Login is on: the caller may log in as an administrator, and our public key goes into
+    their OS Login profile (oslogin users.importSshPublicKey); ``ssh.user`` becomes the profile's
+    primary POSIX user name. Sets ``ssh.os_login`` to what was decided."""
+    if cfg.ssh.os_login is False:
+        return
+    why = "ssh.os_login: true" if cfg.ssh.os_login is True else os_login_source(cfg, compute, apis)
+    if why is None:
+        cfg.ssh.os_login = False
+        return
+    account = cfg.ssh.os_login_account or apis.account()
+    if not account:
+        raise ConfigError("vm.ssh.os_login_account", f"OS Login is on ({why}), and the Google credentials do "
+                          "not say whose OS Login profile gets the SSH key",
+                          "set ssh.os_login_account: YOU@EXAMPLE.COM (the account of your credentials) in "
+                          "conf/vm.yaml")
+    member = ("serviceAccount:" if account.endswith(".gserviceaccount.com") else "user:") + account
+    try:
+        granted = LOGIN_PERMISSION in apis.granted(cfg.project, [LOGIN_PERMISSION])
+    except GcpError as err:
+        _say(f"could not test {LOGIN_PERMISSION} ({err}); going on")
+        granted = True
+    if not granted:
+        raise ConfigError("vm.ssh.os_login", f"OS Login is on ({why}) and {account} lacks {LOGIN_PERMISSION} "
+                          f"on project {cfg.project}: the VM would refuse the SSH login (and the setup's sudo)",
+                          f"gcloud projects add-iam-policy-binding {cfg.project} --member {member} --role "
+                          "roles/compute.osAdminLogin (from outside the organisation also "
+                          "roles/compute.osLoginExternalUser on the organisation)")
+    try:
+        profile = apis.import_ssh_key(account, cfg.project, vm_ssh.ssh_public_key(cfg))
+    except GcpError as err:
+        raise ConfigError("vm.ssh.os_login", f"OS Login is on ({why}) and Google refused to import the SSH key "
+                          f"into the OS Login profile of {account} ({err})",
+                          f"check that ssh.os_login_account is the account of your credentials and that it may "
+                          f"use OS Login in {cfg.project} (roles/compute.osAdminLogin)") from err
+    accounts = profile.get("posixAccounts", [])
+    primary = next((a for a in accounts if a.get("primary")), accounts[0] if accounts else {})
+    if not primary.get("username"):
+        raise ConfigError("vm.ssh.os_login", f"the OS Login profile of {account} has no POSIX account",
+                          f"log in once with `gcloud compute ssh` to a VM of {cfg.project}, or ask an admin")
+    cfg.ssh.os_login, cfg.ssh.user = True, primary["username"]
+    _say(f"OS Login ({why}): the SSH key is in the OS Login profile of {account}; SSH as {cfg.ssh.user}")
