@@ -124,9 +124,16 @@ class Discovery:
         """The method serving ``path`` (URL path, query left out) and its path parameters."""
         if path.startswith(self.prefix):
             rest = path[len(self.prefix):]
-            for method in self.methods:
-                if method.http_method == http_method and (found := method.template.fullmatch(rest)):
-                    return method, dict(zip(method.path_params, map(unquote, found.groups())))
+            candidates = [(method, dict(zip(method.path_params, map(unquote, found.groups()))))
+                          for method in self.methods
+                          if method.http_method == http_method and (found := method.template.fullmatch(rest))]
+            # Methods that share a template (cloudresourcemanager's `v3/{+name}` for projects, folders
+            # and organizations) are told apart by their parameters' patterns.
+            for method, values in candidates:
+                if all(re.fullmatch(method.params[n].get("pattern", ".*"), v) for n, v in values.items()):
+                    return method, values
+            if candidates:
+                return candidates[0]
         # Google's front end answers an unknown URL with a 404 page in these words.
         raise Refused(f"The requested URL {path} was not found on this server.", 404, "notFound",
                       "NOT_FOUND")
@@ -306,9 +313,15 @@ def _error_body_problem(code: int, body: Any) -> str | None:
 
 
 @functools.cache
+def api(document: str) -> Discovery:
+    """A discovery document shipped in google-api-python-client (``storage.v1``, ``iam.v1``, ...),
+    parsed once per process."""
+    return Discovery(json.loads((DOCUMENTS / f"{document}.json").read_text()))
+
+
 def compute() -> Discovery:
-    """The Compute v1 discovery document, parsed once per process."""
-    return Discovery(json.loads((DOCUMENTS / "compute.v1.json").read_text()))
+    """The Compute v1 discovery document."""
+    return api("compute.v1")
 
 
 @dataclass

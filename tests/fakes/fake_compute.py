@@ -41,6 +41,7 @@ import itertools
 import json
 import re
 import threading
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -133,6 +134,8 @@ class FakeCompute:
     insert_failures: list[tuple] = field(default_factory=list)
     # Projects whose futureReservations.list answers 403 (the caller may not read them).
     unreadable_projects: set[str] = field(default_factory=set)
+    # projects.get: each project's number, which names its Compute default service account
+    project_numbers: dict[str, str] = field(default_factory=lambda: {"proj-1": "1234"})
     url: str = ""
     requests: list[Recorded] = field(default_factory=list)
     instances: dict[tuple[str, str, str], dict] = field(default_factory=dict)
@@ -221,6 +224,8 @@ class FakeCompute:
         parts = path[len(PREFIX):].split("/") if path.startswith(PREFIX) else []
         with self.lock:
             match parts:
+                case [project] if method == "GET":
+                    return 200, self._project(project)
                 case [project, "zones", zone, "instances"] if method == "POST":
                     return self._insert_instance(project, zone, body)
                 case [project, "zones", zone, "instances"] if method == "GET":
@@ -249,6 +254,18 @@ class FakeCompute:
                         self._released.wait(0.5)   # lets go of the lock meanwhile
                     return 200, self._advance(op)
         return _error(404, f"unknown path {path}")
+
+    def project_number(self, project: str) -> str:
+        return self.project_numbers.get(project) or str(zlib.crc32(project.encode()))
+
+    def default_service_account(self, project: str) -> str:
+        """The project's Compute default service account (projects.get's defaultServiceAccount)."""
+        return f"{self.project_number(project)}-compute@developer.gserviceaccount.com"
+
+    def _project(self, project: str) -> dict:
+        """projects.get, with what mtpipe reads: the default service account."""
+        return {"kind": "compute#project", "name": project, "id": self.project_number(project),
+                "defaultServiceAccount": self.default_service_account(project)}
 
     def _aggregated_machine_types(self, url: str) -> dict:
         """machineTypes.aggregatedList with a ``name = X`` filter: the zones offering X."""
