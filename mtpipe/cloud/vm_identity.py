@@ -236,7 +236,7 @@ class PolicyReader:
             level = [(resource, b) for b in policy.get("bindings", [])]
             if resource.startswith("projects/") and not project_read:
                 project_read = True
-                for b in level:   # the account's basic roles on the bucket's project: convenience members
+                for _, b in level:   # the account's basic roles on the bucket's project: convenience members
                     if holders & set(b.get("members", [])) and not b.get("condition"):
                         holders |= {f"{c}:{p}" for c, role in CONVENIENCE.items() if role == b["role"]
                                     for p in (node.get("projectId"), resource.removeprefix("projects/")) if p}

@@ -277,7 +277,8 @@ def _scalar(value: Any, spec: dict, where: str, field_path: str) -> str | None:
         return wrong
     if fmt == "byte":
         try:
-            base64.b64decode(value.replace("-", "+").replace("_", "/") + "==", validate=True)
+            bare = value.replace("-", "+").replace("_", "/").rstrip("=")   # padded or not, as Google sends it
+            base64.b64decode(bare + "=" * (-len(bare) % 4), validate=True)
         except ValueError:
             return wrong
     if fmt == "google-datetime":

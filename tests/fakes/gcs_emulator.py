@@ -126,7 +126,8 @@ BUCKET_READS = re.compile(r"^/storage/v1/b/[-.\w]+(?:/iam(?:/testPermissions)?)?
 
 def _hold_to_iam(server) -> None:
     """Requests with a service account's token (SA_TOKEN_PREFIX) are held to the bucket's stored IAM
-    policy (unconditional bindings), answered 403 in GCS's words when it does not allow them; other
+    policy (a binding's condition is taken as met: the emulator evaluates none; groups and domains
+    never match), answered 403 in GCS's words when it does not allow them; other
     requests are served as before (the emulator enforces nothing). Bucket and IAM policy reads are
     checked against storage.v1's discovery document first and refused (400) as Google would."""
     from http import HTTPStatus
@@ -157,8 +158,8 @@ def _hold_to_iam(server) -> None:
             action = {"POST": "create", "DELETE": "delete"}.get(method) or ("get" if found["object"] else "list")
             policy = handler.storage.get_bucket_iam_policy(found["bucket"]) or {}
             allowed = set().union(*[OBJECT_ROLES.get(b["role"], set()) for b in policy.get("bindings", [])
-                                    if not b.get("condition") and {f"serviceAccount:{email}", "allUsers",
-                                                                   "allAuthenticatedUsers"} & set(b["members"])])
+                                    if {f"serviceAccount:{email}", "allUsers", "allAuthenticatedUsers"}
+                                    & set(b["members"])])
             if action not in allowed:
                 message = (f"{email} does not have storage.objects.{action} access to the Google Cloud Storage "
                            f"{'object' if found['object'] or action == 'create' else 'bucket'}. Permission "
@@ -400,7 +401,13 @@ def _request(emulator: GcsEmulator, method: str, path: str, body: dict | None) -
 
 def create_bucket(emulator: GcsEmulator, name: str) -> None:
     """buckets.insert (no error when it exists)."""
-    _request(emulator, "POST", "b?project=proj-1", {"name": name})
+    import urllib.error
+
+    try:
+        _request(emulator, "POST", "b?project=proj-1", {"name": name})
+    except urllib.error.HTTPError as e:
+        if e.code != 409:
+            raise
 
 
 def set_bucket_policy(emulator: GcsEmulator, bindings: list[dict], bucket: str | None = None) -> None:
