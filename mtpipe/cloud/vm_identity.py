@@ -282,7 +282,12 @@ def check_identity(cfg: DictConfig, root: Path) -> list[Target]:
     wanted = targets(cfg, root)
     if not wanted:
         return []
-    email = service_account(cfg)
+    try:
+        email = service_account(cfg)
+    except gcp.GcpError as err:   # e.g. no compute.projects.get: the VM's metadata server knows it
+        print(f"mtpipe: cannot tell from here which service account the VM will run as ({err}): the VM will "
+              "try the buckets right after SSH is ready, before the setup", flush=True)
+        return wanted
     reader, unproven = PolicyReader(), []
     for target in wanted:
         found = reader.access(target, email)
@@ -348,9 +353,9 @@ def probe_from_vm(remote: Remote, cfg: DictConfig, wanted: list[Target]) -> None
     rc, out = run(remote, probe_script(wanted, host, max(timeout_s / calls, 2.0)), stream=False)
     lines = out.decode(errors="replace").split("\n")
     if rc != 0 or "NOTOKEN" in lines or not lines[0].startswith("EMAIL "):
-        raise VmError(f"the VM got no token for a service account from its metadata server ({host}): it runs "
-                      "without one, so `dvc pull` there would fail; set service_account: in conf/vm.yaml "
-                      "(default: the project's Compute default service account) and the cloud-platform scope")
+        raise VmError(f"the VM got no token for a service account from its metadata server ({host}), so "
+                      "`dvc pull` there would fail: set service_account: in conf/vm.yaml (default: the project's "
+                      "Compute default service account) and scopes: [https://www.googleapis.com/auth/cloud-platform]")
     email = lines[0].removeprefix("EMAIL ").strip()
     answers = {(int(i), action): code for i, action, code in (line.split() for line in lines[1:] if line.strip())}
     words = {"create": CREATE, "get": GET, "list": LIST, "delete": DELETE}
