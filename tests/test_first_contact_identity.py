@@ -217,3 +217,15 @@ def test_vm_probe_passes_and_the_run_goes_on(iw, gcs_emulator: GcsEmulator) -> N
     assert w.instance() is not None
     w.doit("vm_down")
     assert w.instance() is None and not w.fake.firewalls
+
+
+def test_vm_without_a_token_is_deleted(iw, gcs_emulator: GcsEmulator) -> None:
+    """The metadata server has no service account for the VM: no probe can pass, nor could `dvc pull`."""
+    w, iam, metadata = iw
+    set_bucket_policy(gcs_emulator, [*BUCKET_DEFAULTS, {"role": "roles/storage.objectAdmin",
+                                                        "members": ["group:ml@example.com"]}])
+    iam.unreadable.add("projects/1234")
+    metadata.email = lambda: None
+    out = w.doit("vm_up", ok=False).stdout
+    assert "the VM got no token for a service account from its metadata server" in out
+    assert_deleted(w)

@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
+import requests
 from configobj import ConfigObj
+from google.auth.transport.requests import AuthorizedSession
 from omegaconf import DictConfig
 
 from mtpipe.cloud import gcp
@@ -188,16 +190,12 @@ class PolicyReader:
     (refused, missing, unreachable) is None: the laptop cannot tell, the VM probe will."""
 
     def __init__(self) -> None:
-        from google.auth.transport.requests import AuthorizedSession
-
         self.session = AuthorizedSession(gcp.client_kwargs()["credentials"])
         base = os.environ.get(IAM_ENDPOINT_ENV, "").rstrip("/")
         self.crm, self.iam = base or CRM_API, base or IAM_API
         self.roles: dict[str, frozenset[str] | None] = {}
 
     def read(self, url: str, body: dict | None = None) -> dict | None:
-        import requests
-
         try:
             answer = self.session.request("POST" if body is not None else "GET", url, json=body, timeout=30)
             return answer.json() if answer.status_code == 200 else None
@@ -226,9 +224,10 @@ class PolicyReader:
         if target.needed <= found.granted:
             return found
         info = self.read(f"{target.endpoint}/storage/v1/b/{target.bucket}?fields=projectNumber")
-        resource, project_read, unread = f"projects/{(info or {}).get('projectNumber')}", False, []
-        while resource and info:
-            node = self.read(f"{self.crm}/v3/{resource}")
+        resource, project_read, unread = f"projects/{info['projectNumber']}" if info else "", False, []
+        while resource:
+            # an organization has no parent to look up; a project or folder names its own
+            node = {} if resource.startswith("organizations/") else self.read(f"{self.crm}/v3/{resource}")
             policy = self.read(f"{self.crm}/v3/{resource}:getIamPolicy", {"options": {"requestedPolicyVersion": 3}})
             if policy is None or node is None:
                 unread.append(f"the IAM policy of {resource} could not be read here (getIamPolicy)")
