@@ -214,27 +214,25 @@ class PolicyReader:
     def access(self, target: Target, email: str) -> Access:
         """The allow policies that can grant ``email`` object permissions on the target's bucket:
         the bucket's, then (when that is not enough) its project's and the project's ancestors'."""
-        bucket = f"gs://{target.bucket}"
+        bucket, holders, unread = f"gs://{target.bucket}", {f"serviceAccount:{email}"}, []
         policy = self.read(f"{target.endpoint}/storage/v1/b/{target.bucket}/iam?optionsRequestedPolicyVersion=3")
-        if policy is None:
-            return Access(unknown=[f"the IAM policy of {bucket} could not be read here (storage.buckets.getIamPolicy)"])
-        holders = {f"serviceAccount:{email}"}
-        bindings = [(bucket, b) for b in policy.get("bindings", [])]
-        found = self._evaluate(bindings, holders, project_read=False)
+        if policy is None:   # a grant on the project may still prove it
+            unread.append(f"the IAM policy of {bucket} could not be read here (storage.buckets.getIamPolicy)")
+        bindings = [(bucket, b) for b in (policy or {}).get("bindings", [])]
+        found = self._evaluate(bindings, holders)
         if target.needed <= found.granted:
             return found
         info = self.read(f"{target.endpoint}/storage/v1/b/{target.bucket}?fields=projectNumber")
-        resource, project_read, unread = f"projects/{info['projectNumber']}" if info else "", False, []
+        resource = f"projects/{info['projectNumber']}" if info else ""
         while resource:
             # an organization has no parent to look up; a project or folder names its own
             node = {} if resource.startswith("organizations/") else self.read(f"{self.crm}/v3/{resource}")
             policy = self.read(f"{self.crm}/v3/{resource}:getIamPolicy", {"options": {"requestedPolicyVersion": 3}})
             if policy is None or node is None:
-                unread.append(f"the IAM policy of {resource} could not be read here (getIamPolicy)")
+                unread.append(f"the IAM policy of {resource} could not be read here (get, getIamPolicy)")
                 break
             level = [(resource, b) for b in policy.get("bindings", [])]
-            if resource.startswith("projects/") and not project_read:
-                project_read = True
+            if resource.startswith("projects/"):   # the bucket's project; its ancestors are folders, an organization
                 for _, b in level:   # the account's basic roles on the bucket's project: convenience members
                     if holders & set(b.get("members", [])) and not b.get("condition"):
                         holders |= {f"{c}:{p}" for c, role in CONVENIENCE.items() if role == b["role"]
@@ -243,19 +241,19 @@ class PolicyReader:
             resource = node.get("parent", "")
         if not info:
             unread.append(f"{bucket}'s project could not be read here (storage.buckets.get)")
-        found = self._evaluate(bindings, holders, project_read)
+        found = self._evaluate(bindings, holders)
         for why in unread:
             found.cannot_tell(why)
         return found
 
-    def _evaluate(self, bindings: Iterable[tuple[str, dict]], holders: set[str], project_read: bool) -> Access:
+    def _evaluate(self, bindings: Iterable[tuple[str, dict]], holders: set[str]) -> Access:
         """What ``bindings`` grant the account (whose principals are ``holders``) of OBJECTS, and the
-        grants whose reach the laptop cannot see."""
+        grants whose reach the laptop cannot see. (A bucket's projectEditor:-style members count once
+        the project's policy is read; when it cannot be, :meth:`access` says so.)"""
         found = Access()
         for where, binding in bindings:
             role, members = binding["role"], set(binding.get("members", []))
-            opaque = sorted(m for m in members - holders if m.startswith(OPAQUE)
-                            or (m.split(":")[0] in CONVENIENCE and not project_read))
+            opaque = sorted(m for m in members - holders if m.startswith(OPAQUE))
             if not (members & (holders | PUBLIC)) and not opaque:
                 continue
             granted = self.permissions(role)
