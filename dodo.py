@@ -28,9 +28,10 @@ from typing import Any
 from doit import doit_cmd
 from doit.exceptions import TaskFailed
 
-from mtpipe.cloud import prices, vm_config, vm_experiments, vm_setup, vm_ssh, vm_state
+from mtpipe.cloud import prices, vm_config, vm_experiments, vm_ssh, vm_state
 from mtpipe.cloud.gcp import GcpError
 from mtpipe.cloud.lifecycle import VmLifecycle, spend_line
+from mtpipe.cloud.vm_setup import setup as setup_vm   # the task function below is named vm_setup
 from mtpipe.data import publish as hub_publish
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import preflight as preflight_checks
@@ -95,7 +96,7 @@ def vm_up(keep: bool, **params: Any) -> None:
 def vm_setup(keep: bool, **params: Any) -> None:
     life = _target(params, keep)
     remote = life.remote()
-    life.guarded(lambda: vm_setup.setup(remote, life.cfg, life.root))
+    life.guarded(lambda: setup_vm(remote, life.cfg, life.root))
 
 
 @_task_action
