@@ -29,9 +29,9 @@ from doit import doit_cmd
 from doit.exceptions import TaskFailed
 
 from mtpipe.cloud import prices, vm_config, vm_experiments, vm_ssh, vm_state
-from mtpipe.cloud.vm_setup import setup as set_up_vm   # the task below is named vm_setup
 from mtpipe.cloud.gcp import GcpError
 from mtpipe.cloud.lifecycle import VmLifecycle, spend_line
+from mtpipe.cloud.vm_setup import setup as setup_vm   # the task function below is named vm_setup
 from mtpipe.data import publish as hub_publish
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import preflight as preflight_checks
@@ -96,7 +96,7 @@ def vm_up(keep: bool, **params: Any) -> None:
 def vm_setup(keep: bool, **params: Any) -> None:
     life = _target(params, keep)
     remote = life.remote()
-    life.guarded(lambda: set_up_vm(remote, life.cfg, life.root))
+    life.guarded(lambda: setup_vm(remote, life.cfg, life.root))
 
 
 @_task_action

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from fakes.gcs_emulator import GcsEmulator, running_emulator
+from fakes.fake_compute import FakeCompute
+from fakes.gcs_emulator import GcsEmulator, running_emulator, set_bucket_policy
 from pipeline import CanaryEnv, ProcessWatch, copy_project, dvc, git, take_vm_code_path
 
 pytest_plugins = ["vm_world"]  # the loopback VM world: local_env, world, project_world
@@ -90,8 +91,13 @@ def pipeline_repo(pipeline_run: PipelineRun) -> Path:
 
 @pytest.fixture(scope="module")
 def gcs_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GcsEmulator]:
-    """One patched emulator per test module, storing objects under a temporary directory."""
+    """One patched emulator per test module, storing objects under a temporary directory. Its bucket
+    lets the fake Compute project's default service account (what the loopback VMs run as) use
+    objects, so the identity check before spending passes (tests/test_first_contact_identity.py
+    takes it away)."""
     with running_emulator(tmp_path_factory.mktemp("gcs-data")) as emulator:
+        set_bucket_policy(emulator, [{"role": "roles/storage.objectAdmin",
+                                      "members": [f"serviceAccount:{FakeCompute().default_service_account('proj-1')}"]}])
         yield emulator
 
 

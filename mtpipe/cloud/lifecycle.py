@@ -21,8 +21,8 @@ from typing import Any, Protocol
 
 from omegaconf import DictConfig, OmegaConf
 
-from mtpipe.cloud import (interrupts, prices, ssh_route, vm_checks, vm_config, vm_experiments, vm_setup,
-                          vm_ssh, vm_state)
+from mtpipe.cloud import (interrupts, prices, ssh_route, vm_checks, vm_config, vm_experiments, vm_identity,
+                          vm_setup, vm_ssh, vm_state)
 from mtpipe.cloud.gcp import SETTLING, CapacityError, Compute, GcpError, MaxRunDurationRefused
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import preflight as preflight_checks
@@ -172,7 +172,7 @@ class VmLifecycle:
         if instance is not None and instance.status in SETTLING:   # an insert another run sent
             _say(f"VM {cfg.name} is {instance.status}: waiting until Compute has created it")
             instance = cloud.settle(cfg.name, float(cfg.operation_timeout_s))
-        created = instance is None
+        created, unproven = instance is None, []
         if instance is not None:
             _say(f"reusing VM {cfg.name} ({instance.status}) in {cfg.zone}")
             vm_config.use_recorded_login(cfg, state)
@@ -188,8 +188,8 @@ class VmLifecycle:
                     f"longer exists in {cfg.project}/{cfg.zone}: {why}. Rerun with --recreate to create "
                     f"a new one ({prices.vm_rate(cfg).describe()}), or `doit vm_down` to forget it")
             _say("checks before spending: Compute, the network and SSH, the presets with the --set values, "
-                 "HF_TOKEN, the DVC remote")
-            vm_checks.before_spending(cfg, cloud, root, experiments)
+                 "HF_TOKEN, the DVC remote, the VM's service account")
+            unproven = vm_checks.before_spending(cfg, cloud, root, experiments)
         if preflight:
             rate = prices.vm_rate(cfg)
             for sets in experiments:
@@ -197,7 +197,10 @@ class VmLifecycle:
         if created:
             state = {}
             instance = self._create(state)
-        return self._connect(state, instance, created)
+        remote = self._connect(state, instance, created)
+        if created and unproven:   # before any setup minute; the VM is deleted unless --keep
+            self.guarded(lambda: vm_identity.probe_from_vm(remote, cfg, unproven))
+        return remote
 
     def _create(self, state: dict) -> Any:
         """Create the firewall rule (it may exist) and the VM, print the price, add it to the ledger.

@@ -12,7 +12,10 @@ runs. Each failure is a ConfigError naming the key and the fix:
   firewall rule for SSH, OS Login;
 * the project as the VM will run it (HEAD's params.yaml with each experiment's `--set` values
   applied): every branch composes (what the `configure` stage checks), HF_TOKEN is set when a Hub
-  model or dataset of a composed preset is gated, and the default DVC remote accepts a write.
+  model or dataset of a composed preset is gated, the default DVC remote is the one HEAD's
+  .dvc/config ships and accepts a write;
+* the VM's identity (mtpipe/cloud/vm_identity.py): its service account may use the DVC remote and
+  the work bucket, as far as the allow policies readable here prove; the rest is probed from the VM.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pathlib import Path
 from google.cloud import compute_v1
 from omegaconf import DictConfig
 
-from mtpipe.cloud import prices, vm_access
+from mtpipe.cloud import prices, vm_access, vm_identity
 from mtpipe.cloud.gcp import Compute, reservation_path
 from mtpipe.data import hub
 from mtpipe.errors import ConfigError
@@ -34,11 +37,13 @@ from mtpipe.pipeline import config, maxtext_check, overrides
 
 
 def before_spending(cfg: DictConfig, compute: Compute, root: Path,
-                    experiments: list[list[str]]) -> None:
-    """Everything below, Compute first (it also proves the credentials), then the project."""
+                    experiments: list[list[str]]) -> list[vm_identity.Target]:
+    """Everything below, Compute first (it also proves the credentials), then the project, then the
+    VM's identity; returns the buckets only the VM can tell it may use (vm_identity.probe_from_vm)."""
     check_compute(cfg, compute)
     vm_access.check_access(cfg, compute)
     check_project(cfg, root, experiments)
+    return vm_identity.check_identity(cfg, root)
 
 
 def check_compute(cfg: DictConfig, compute: Compute) -> None:
@@ -126,6 +131,7 @@ def check_project(cfg: DictConfig, root: Path, experiments: list[list[str]]) -> 
     HF_TOKEN; the DVC remote is writable."""
     check_hub_tokens([branch for sets in experiments
                       for branch in composed_branches(root, sets).values()])
+    vm_identity.shipped_remote(root)   # the VM's dvc reads HEAD's .dvc/config, not this checkout's
     check_remote_writable(root, float(cfg.remote_probe_timeout_s))
 
 

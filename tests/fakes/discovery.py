@@ -1,6 +1,9 @@
 """Google's own description of the Compute API as the judge of what the fake Compute API receives and
 answers: the discovery document google-api-python-client ships
-(``googleapiclient/discovery_cache/documents/compute.v1.json``).
+(``googleapiclient/discovery_cache/documents/compute.v1.json``). The same checks judge the other fakes
+by their documents (:func:`api`: ``storage.v1`` for the GCS emulator's IAM reads,
+``cloudresourcemanager.v3`` and ``iam.v1`` for tests/fakes/fake_iam.py); methods that share a path
+template (Resource Manager's ``v3/{+name}``) are told apart by their parameters' patterns.
 
 A request is resolved to its discovery method (HTTP method + path template under ``compute/v1/``);
 its path parameters, query parameters and JSON body are checked against the method (names, types,
@@ -277,7 +280,8 @@ def _scalar(value: Any, spec: dict, where: str, field_path: str) -> str | None:
         return wrong
     if fmt == "byte":
         try:
-            base64.b64decode(value.replace("-", "+").replace("_", "/") + "==", validate=True)
+            bare = value.replace("-", "+").replace("_", "/").rstrip("=")   # padded or not, as Google sends it
+            base64.b64decode(bare + "=" * (-len(bare) % 4), validate=True)
         except ValueError:
             return wrong
     if fmt == "google-datetime":

@@ -49,6 +49,7 @@ import itertools
 import json
 import re
 import threading
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -156,6 +157,8 @@ class FakeCompute:
     # OS Login, Organization Policy, Resource Manager (fakes.fake_org), on the same server; its
     # `disabled` services answer SERVICE_DISABLED, compute.googleapis.com included
     org: FakeOrg = field(default_factory=FakeOrg)
+    # projects.get: each project's number, which names its Compute default service account
+    project_numbers: dict[str, str] = field(default_factory=lambda: {"proj-1": "1234"})
     url: str = ""
     requests: list[Recorded] = field(default_factory=list)
     instances: dict[tuple[str, str, str], dict] = field(default_factory=dict)
@@ -301,10 +304,20 @@ class FakeCompute:
                     return 200, self._advance(op)
         return _error(404, f"unknown path {path}")
 
+    def project_number(self, project: str) -> str:
+        return self.project_numbers.get(project) or str(zlib.crc32(project.encode()))
+
+    def default_service_account(self, project: str) -> str:
+        """The project's Compute default service account (projects.get's defaultServiceAccount)."""
+        return f"{self.project_number(project)}-compute@developer.gserviceaccount.com"
+
     def _project(self, project: str) -> dict:
-        """projects.get, with what mtpipe reads: the metadata every VM inherits."""
-        return {"kind": "compute#project", "name": project, "commonInstanceMetadata": {
-            "kind": "compute#metadata", "items": [{"key": k, "value": v} for k, v in self.project_metadata.items()]}}
+        """projects.get, with what mtpipe reads: the metadata every VM inherits, the default service
+        account."""
+        return {"kind": "compute#project", "name": project, "id": self.project_number(project),
+                "defaultServiceAccount": self.default_service_account(project),
+                "commonInstanceMetadata": {"kind": "compute#metadata", "items": [
+                    {"key": k, "value": v} for k, v in self.project_metadata.items()]}}
 
     def _network(self, project: str, name: str) -> dict:
         link = f"{self.url}{PREFIX}{project}/global/networks/{name}"

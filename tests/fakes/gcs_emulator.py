@@ -50,6 +50,9 @@ GCS_TEST_ENV = {
     "DVC_NO_ANALYTICS": "1",
 }
 BUCKET = "mtpipe-test"
+# A bearer token of this form (what tests/fakes/fake_metadata.py hands a VM) makes the emulator hold
+# the request to the bucket's IAM policy for the service account it names (`_hold_to_iam`).
+SA_TOKEN_PREFIX = "fake-sa-token:"
 
 
 def parse_multipart_related(body: bytes, content_type: str) -> dict:
@@ -101,6 +104,71 @@ def patch_emulator() -> None:
     server._read_data = read_data
     _send_generation_headers(server)
     _speed_up_storage(server)
+    _hold_to_iam(server)
+
+
+# What the emulator's IAM check lets each role do with objects (cloud.google.com/storage/docs/
+# access-control/iam-roles); members it honours: the token's service account, allUsers, allAuthenticatedUsers.
+OBJECT_ROLES = {
+    "roles/storage.admin": {"create", "delete", "get", "list"},
+    "roles/storage.objectAdmin": {"create", "delete", "get", "list"},
+    "roles/storage.objectUser": {"create", "delete", "get", "list"},
+    "roles/storage.objectCreator": {"create"},
+    "roles/storage.objectViewer": {"get", "list"},
+    "roles/storage.legacyBucketOwner": {"create", "delete", "list"},
+    "roles/storage.legacyBucketWriter": {"create", "delete", "list"},
+    "roles/storage.legacyBucketReader": {"list"},
+    "roles/storage.legacyObjectReader": {"get"},
+}
+OBJECT_PATH = re.compile(r"^(?:/upload|/download)?/storage/v1/b/(?P<bucket>[-.\w]+)/o(?P<object>/.+)?$")
+BUCKET_READS = re.compile(r"^/storage/v1/b/[-.\w]+(?:/iam(?:/testPermissions)?)?$")
+
+
+def _hold_to_iam(server) -> None:
+    """Requests with a service account's token (SA_TOKEN_PREFIX) are held to the bucket's stored IAM
+    policy (a binding's condition is taken as met: the emulator evaluates none; groups and domains
+    never match), answered 403 in GCS's words when it does not allow them; other
+    requests are served as before (the emulator enforces nothing). Bucket and IAM policy reads are
+    checked against storage.v1's discovery document first and refused (400) as Google would."""
+    from http import HTTPStatus
+    from urllib.parse import urlsplit
+
+    from fakes.discovery import Refused, api
+
+    original_handle = server.Router.handle
+
+    def refuse(handler, code: int, body: dict) -> None:
+        response = server.Response(handler)
+        response.status = HTTPStatus(code)
+        response.json(body)
+        response.close()
+
+    def handle(self, method):
+        handler = self._request_handler
+        path = urlsplit(handler.path).path
+        if method == "GET" and BUCKET_READS.match(path):
+            try:
+                api("storage.v1").check_request(method, handler.path, "")
+            except Refused as e:
+                return refuse(handler, e.code, e.body())
+        token = (handler.headers.get("Authorization") or "").removeprefix("Bearer ")
+        found = OBJECT_PATH.match(path)
+        if token.startswith(SA_TOKEN_PREFIX) and found:
+            email = token[len(SA_TOKEN_PREFIX):]
+            action = {"POST": "create", "DELETE": "delete"}.get(method) or ("get" if found["object"] else "list")
+            policy = handler.storage.get_bucket_iam_policy(found["bucket"]) or {}
+            allowed = set().union(*[OBJECT_ROLES.get(b["role"], set()) for b in policy.get("bindings", [])
+                                    if {f"serviceAccount:{email}", "allUsers", "allAuthenticatedUsers"}
+                                    & set(b["members"])])
+            if action not in allowed:
+                message = (f"{email} does not have storage.objects.{action} access to the Google Cloud Storage "
+                           f"{'object' if found['object'] or action == 'create' else 'bucket'}. Permission "
+                           f"'storage.objects.{action}' denied on resource (or it may not exist).")
+                return refuse(handler, 403, {"error": {"code": 403, "message": message, "errors": [
+                    {"message": message, "domain": "global", "reason": "forbidden"}]}})
+        return original_handle(self, method)
+
+    server.Router.handle = handle
 
 
 META_WRITE_INTERVAL_S = 1.0
@@ -320,6 +388,33 @@ def local_remote(repo: Path, emulator: GcsEmulator, env: dict[str, str],
         config_local.unlink(missing_ok=True)
 
 
+def _request(emulator: GcsEmulator, method: str, path: str, body: dict | None) -> dict:
+    """A JSON API request to the emulator, never through a proxy."""
+    import urllib.request
+
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(f"{emulator.endpoint}/storage/v1/{path}", data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=10) as answer:
+        return json.loads(answer.read() or b"{}")
+
+
+def create_bucket(emulator: GcsEmulator, name: str) -> None:
+    """buckets.insert (no error when it exists)."""
+    import urllib.error
+
+    try:
+        _request(emulator, "POST", "b?project=proj-1", {"name": name})
+    except urllib.error.HTTPError as e:
+        if e.code != 409:
+            raise
+
+
+def set_bucket_policy(emulator: GcsEmulator, bindings: list[dict], bucket: str | None = None) -> None:
+    """buckets.setIamPolicy: the bucket's IAM policy becomes ``bindings`` ({role, members[, condition]})."""
+    _request(emulator, "PUT", f"b/{bucket or emulator.bucket}/iam", {"bindings": bindings})
+
+
 def pipeline_stages(repo: Path) -> dict[str, dict[str, bool]]:
     """The stages of the repo's dvc.yaml: ``{name: {output path: DVC caches it}}``.
 
@@ -357,6 +452,7 @@ def _serve(data_dir: str, bucket: str) -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `fakes.discovery` from tests/
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", required=True)
     parser.add_argument("--bucket", default=BUCKET)
