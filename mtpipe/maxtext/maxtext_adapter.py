@@ -54,6 +54,11 @@ For ``maxtext.trainers.post_train.sft.train_sft``:
    checkpoint is committed and its loss row written, until it is killed: a kill point that does
    not depend on the machine's speed. train_rl gets the same hold (``hold_after_checkpoint``);
    tunix's GRPO learner already fast-forwards its data on resume.
+11. ``keep_checkpoints`` (monkeypatch): MaxText's SFT trainer builds tunix's checkpoint options
+    from ``checkpoint_period`` alone, so ``max_num_checkpoints_to_keep`` (which train_rl passes on)
+    was ignored and every checkpoint stayed on disk. The options now carry it as Orbax's
+    ``max_to_keep``; Orbax deletes the older steps only after the newer one is committed, so the
+    latest complete checkpoint is always there to resume from.
 
 For both converters:
 
@@ -489,6 +494,25 @@ def hold_after_checkpoint(hold_after: int | None) -> None:
     checkpoint_manager.CheckpointManager.save = save_then_hold
 
 
+def keep_checkpoints() -> None:
+    """Patch 11: train_sft's tunix checkpoint options keep ``max_num_checkpoints_to_keep`` steps."""
+    import dataclasses
+
+    from maxtext.trainers.post_train.sft import train_sft
+
+    get_tunix_config = train_sft.get_tunix_config
+
+    def with_max_to_keep(mt_config: Any) -> Any:
+        tunix_config = get_tunix_config(mt_config)
+        options = tunix_config.checkpointing_options
+        if options is not None and mt_config.max_num_checkpoints_to_keep is not None:
+            tunix_config.checkpointing_options = dataclasses.replace(
+                options, max_to_keep=mt_config.max_num_checkpoints_to_keep)
+        return tunix_config
+
+    train_sft.get_tunix_config = with_max_to_keep
+
+
 def collect_young_garbage() -> None:
     """Patch 10: ``gc.collect()`` without a generation collects generations 0 and 1 only."""
     import gc
@@ -513,6 +537,7 @@ def apply(module: str, argv: list[str]) -> Callable[[], None]:
         honour_checkpoint_storage(argv)
     if module == TRAIN_SFT:
         hold_after = hold_after_step()
+        keep_checkpoints()
         resume_data_position()
         stop_on_sigterm(hold_after)
     elif module in TRAINERS:
