@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from dataclasses import dataclass, field
 from importlib import util
@@ -64,13 +65,13 @@ class HubModel:
 
     total_bytes: int          # the index's metadata.total_size: every safetensors file
     lm_params: int            # the language model's parameters (what MaxText converts with use_multimodal=false)
-    lm_tensors: int           # the language model's tensors
+    lm_arrays: int            # arrays MaxText stores for them (:func:`maxtext_arrays`)
     other_files_bytes: int    # config, tokenizer and chat template files (estimated from the Hub listing)
 
 
 HUB_MODELS = {
-    "google/gemma-3-4b-it": HubModel(8_600_158_944, 3_880_263_168, 444, 40_000_000),
-    "meta-llama/Llama-3.1-8B-Instruct": HubModel(16_060_522_496, 8_030_261_248, 291, 20_000_000),
+    "google/gemma-3-4b-it": HubModel(8_600_158_944, 3_880_263_168, 132, 40_000_000),
+    "meta-llama/Llama-3.1-8B-Instruct": HubModel(16_060_522_496, 8_030_261_248, 12, 20_000_000),
 }
 # Parquet files hf_download fetches (allow_patterns of conf/dataset/*.yaml), estimated from the
 # Hub's listing: UltraChat 200k train_sft + test_sft, GSM8K main train + test.
@@ -82,6 +83,8 @@ ARRAY_OVERHEAD_BYTES = 4096      # per stored array: its directory, .zarray and 
 ENVIRONMENT_GB = 30.0            # the TPU image (~10 GB used) + the VM's venv (MaxText, vLLM, tpu-inference) + uv cache
 LOGS_GB = 2.0                    # stage logs, tensorboard, an xplane profile, the JAX compile cache
 PROCESS_BASE_GB = 4.0            # a MaxText/vLLM process before it holds a model (imports, JAX, libtpu)
+LAYER = re.compile(r"layers\.(\d+)\.")
+SCAN_BLOCK = {"gemma3": 6}      # MaxText's gemma3 decoder scans blocks of 6 layers (5 local + 1 global)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "F32": 4, "BF16": 2, "F16": 2}
 # MaxText's config file per trainer (pyconfig's mapping), relative to maxtext/configs/
 TRAINER_CONFIG = {commands.TRAIN_SFT: "post_train/sft.yml", commands.TRAIN_RL: "post_train/rl.yml"}
@@ -95,7 +98,7 @@ class Model:
 
     files_bytes: int         # everything hf_download writes for the model
     lm_params: int
-    lm_tensors: int
+    lm_arrays: int
     lm_dtype_bytes: int      # the source dtype: the converted checkpoint keeps it
     other_tensor_bytes: int  # tensors outside the language model (vision tower): copied into the export
 
@@ -162,6 +165,24 @@ def is_language_model(name: str) -> bool:
     return not name.startswith(("vision_tower.", "multi_modal_projector."))
 
 
+def maxtext_arrays(names: list[str], maxtext_name: str) -> int:
+    """Arrays a scanned MaxText checkpoint stores for these HF tensors: one per tensor outside the
+    layers; per kind of layer tensor (``layers.N.<kind>``), one stack per position of the scanned
+    block (:data:`SCAN_BLOCK`: gemma3 scans blocks of 6 layers) plus one per remainder layer."""
+    layers: dict[str, set[int]] = {}
+    others = 0
+    for name in names:
+        m = LAYER.search(name)
+        if m:
+            layers.setdefault(name[m.end():], set()).add(int(m[1]))
+        else:
+            others += 1
+    block = next((n for prefix, n in SCAN_BLOCK.items() if maxtext_name.startswith(prefix)), 0)
+    count = len(next(iter(layers.values()), ()))
+    positions = (block if count >= block else 0) + count % block if block else 1
+    return others + len(layers) * positions
+
+
 def tree_bytes(path: Path) -> int:
     """``du -sb``: the apparent size of every file and directory under ``path``."""
     total = path.lstat().st_size
@@ -180,7 +201,7 @@ def model_size(cfg: View, root: Path = ROOT) -> Model:
         other = {k: v for k, v in tensors.items() if not is_language_model(k)}
         dtypes = {dtype for dtype, _ in lm.values()}
         return Model(files_bytes=tree_bytes(files), lm_params=sum(math.prod(s) for _, s in lm.values()),
-                     lm_tensors=len(lm), lm_dtype_bytes=max(DTYPE_BYTES[d] for d in dtypes),
+                     lm_arrays=maxtext_arrays(list(lm), cfg.model.maxtext_name), lm_dtype_bytes=max(DTYPE_BYTES[d] for d in dtypes),
                      other_tensor_bytes=sum(math.prod(s) * DTYPE_BYTES[d] for d, s in other.values()))
     if source.repo_id not in HUB_MODELS:
         raise ConfigError(f"{cfg.branch}.model", f"the budget knows no size for {source.repo_id}",
@@ -189,7 +210,7 @@ def model_size(cfg: View, root: Path = ROOT) -> Model:
     hub = HUB_MODELS[source.repo_id]
     lm_bytes = hub.lm_params * 2  # the Hub checkpoints are bf16
     return Model(files_bytes=hub.total_bytes + hub.other_files_bytes, lm_params=hub.lm_params,
-                 lm_tensors=hub.lm_tensors, lm_dtype_bytes=2, other_tensor_bytes=hub.total_bytes - lm_bytes)
+                 lm_arrays=hub.lm_arrays, lm_dtype_bytes=2, other_tensor_bytes=hub.total_bytes - lm_bytes)
 
 
 def dataset_bytes(cfg: View, root: Path = ROOT) -> int:
@@ -219,8 +240,9 @@ def maxtext_value(cmd: commands.MaxTextCommand, key: str) -> Any:
 
 
 def saves(steps: int, period: int) -> int:
-    """Checkpoints a run writes: one every ``period`` steps and one of the last step."""
-    return steps // period + (1 if steps % period else 0)
+    """Checkpoints a run writes: Orbax saves the first step (no checkpoint yet), then every ``period``
+    steps, then the last step (measured: checkpoints 1, 50, 100, 150 of a 150-step run)."""
+    return (1 if period > 1 else 0) + steps // period + (1 if steps % period else 0)
 
 
 # ---------------------------------------------------------------- the plan
@@ -263,7 +285,7 @@ def training(name: str, cmd: commands.MaxTextCommand, model: Model, compiled: di
     params = compiled["param_count"] if compiled else model.lm_params
     weight = DTYPE_BYTES[str(maxtext_value(cmd, "weight_dtype"))]
     mu = DTYPE_BYTES.get(str(maxtext_value(cmd, "mu_dtype") or ""), weight)
-    arrays = model.lm_tensors * ARRAY_OVERHEAD_BYTES
+    arrays = model.lm_arrays * ARRAY_OVERHEAD_BYTES
     params_bytes = params * weight + arrays
     checkpoint = params_bytes + params * (mu + weight) + 2 * arrays  # model_params + Adam's mu and nu
     written = saves(steps, period)
@@ -285,10 +307,10 @@ def plan(views: dict[str, dict[str, View]], place: Placement, compiled: dict[str
         model = model_size(cfg, root)
         data = dataset_bytes(cfg, root)
         p.items.append(Item(f"hf_download@{branch}", "model files + dataset", BOOT, dvc * (model.files_bytes + data)))
-        converted = model.lm_params * model.lm_dtype_bytes + model.lm_tensors * ARRAY_OVERHEAD_BYTES
+        converted = model.lm_params * model.lm_dtype_bytes + model.lm_arrays * ARRAY_OVERHEAD_BYTES
         p.items.append(Item(f"to_maxtext@{branch}", "converted checkpoint", BOOT, dvc * converted))
         p.memory[f"to_maxtext@{branch}"] = int(PROCESS_BASE_GB * GB + 2 * converted)
-        arrays = model.lm_tensors * ARRAY_OVERHEAD_BYTES
+        arrays = model.lm_arrays * ARRAY_OVERHEAD_BYTES
         params, weight = model.lm_params, model.lm_dtype_bytes
         sft = stages["train_sft"].train_sft
         if sft.steps:
