@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,8 +27,8 @@ FIXTURES = {"google/gemma-3-4b-it": ("gemma-3-4b-it", "gemma3-4b"),
 SHM_ENV = {"MTPIPE_WORK_DIR": "/dev/shm/mtpipe-work"}
 
 
-def budget_of(sets: list[str], machine: budget.Machine, tmp_path: Path) -> str:
-    """preflight's machine budget of params.yaml + ``sets`` (refusing what does not fit), printed lines."""
+def budget_of(sets: list[str], machine: budget.Machine, tmp_path: Path) -> dict | None:
+    """preflight's machine budget of params.yaml + ``sets`` (refusing what does not fit)."""
     params = overrides.apply_sets((ROOT / "params.yaml").read_bytes(), sets)
     composed = {b: compose_checked(b, params) for b in ("sft", "rl")}
     views = {b: stage_view(cfg, preflight.TRAINING_STAGE[b]) for b, cfg in composed.items()}
@@ -44,14 +46,16 @@ def test_hub_model_sizes_are_the_published_indexes() -> None:
         assert hub.lm_arrays == budget.maxtext_arrays(list(lm), maxtext_name)
 
 
-def test_the_shipped_tutorial_presets_fit_their_vm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_shipped_tutorial_presets_fit_their_vm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture) -> None:
     """Both tutorials on one v6e-8 with conf/vm.yaml as shipped: run directories on /dev/shm, the
     latest checkpoint kept; every place keeps its margin free."""
     monkeypatch.delenv("MTPIPE_VM_CONFIG", raising=False)
     machine = budget.Machine.from_vm_yaml()
     assert machine.env == SHM_ENV
-    lines = budget_of(TUTORIALS, machine, tmp_path)
-    rep = json.loads((tmp_path / "budget.json").read_text())
+    rep = budget_of(TUTORIALS, machine, tmp_path)
+    assert rep == json.loads((tmp_path / "budget.json").read_text())
+    lines = capsys.readouterr().out
     places = rep["places"]
     assert set(places) == {budget.BOOT, budget.SHM, "host memory"} and all(p["fits"] for p in places.values())
     assert places[budget.BOOT]["capacity_gb"] == machine.boot_disk_gb
@@ -135,3 +139,24 @@ def test_forecast_bytes_are_what_each_stage_wrote(pipeline_repo: Path) -> None:
     # counted once: the outputs are hardlinks into DVC's cache, not copies
     weights = next((pipeline_repo / "artifacts" / "sft" / "hf").glob("*.safetensors"))
     assert weights.stat().st_nlink >= 2
+
+
+@pytest.mark.slow
+def test_sft_keeps_max_num_checkpoints_to_keep() -> None:
+    """Adapter patch 11, as `apply` sets it up for train_sft (in a child process: it patches MaxText):
+    tunix gets max_num_checkpoints_to_keep as Orbax's max_to_keep; null leaves MaxText's all."""
+    code = """
+import types
+from mtpipe.maxtext import maxtext_adapter
+maxtext_adapter.apply(maxtext_adapter.TRAIN_SFT, ["max_num_checkpoints_to_keep=2"])
+from maxtext.trainers.post_train.sft import train_sft
+for kept in (2, None):
+    mt_config = types.SimpleNamespace(checkpoint_period=50, async_checkpointing=False, tensorboard_dir="/tmp/tb",
+        profiler="", eval_interval=0, steps=100, gradient_accumulation_steps=1, checkpoint_dir="/tmp/ckpt",
+        data_sharding=["data"], max_num_checkpoints_to_keep=kept)
+    options = train_sft.get_tunix_config(mt_config).checkpointing_options
+    print(options.save_interval_steps, options.max_to_keep)
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-4:] == ["50", "2", "50", "None"], out.stdout

@@ -256,15 +256,16 @@ class Placement:
     dvc_links: bool           # the DVC cache links outputs (hardlink/symlink/reflink) instead of copying
 
     @classmethod
-    def from_env(cls, env: dict[str, str], root: Path = ROOT) -> Placement:
-        """From the VM's environment: the bucket wins over MTPIPE_WORK_DIR (mtpipe/maxtext/run_dir.py)."""
+    def from_env(cls, env: dict[str, str]) -> Placement:
+        """From the VM's environment (the bucket wins over MTPIPE_WORK_DIR: mtpipe/maxtext/run_dir.py)
+        and the committed DVC config, which the VM's clone has."""
         if env.get(WORK_BUCKET_ENV, "").strip():
             where = BUCKET
         elif env.get(WORK_DIR_ENV, "").strip().startswith("/dev/shm"):
             where = SHM
         else:
             where = BOOT
-        return cls(where, dvc_links=dvc_cache_links(root))
+        return cls(where, dvc_links=dvc_cache_links())
 
 
 def dvc_cache_links(root: Path = ROOT) -> bool:

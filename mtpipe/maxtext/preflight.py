@@ -305,14 +305,14 @@ def check(sets: list[str], usd_per_chip_hour: float, root: Path = ROOT,
     ``committed``: HEAD's params.yaml (what vm_run ships) instead of the workspace's. Prints a table,
     writes ``work/preflight/<branch>-<preset>.json`` per branch and returns the rows.
     First the machine budget of the TPU VM's branches (:func:`machine_budget`; ``refuse``: raise when
-    it does not fit, before compiling), printed after the HBM table.
+    it does not fit, before anything compiles).
     """
     params_yaml = overrides.committed_params(root) if committed else (root / "params.yaml").read_bytes()
     params = overrides.apply_sets(params_yaml, sets)
     composed = {branch: compose_checked(branch, params) for branch in branches}  # all config errors first
     views = {branch: stage_view(cfg, TRAINING_STAGE[branch]) for branch, cfg in composed.items()}
     work = root / "work" / "preflight"
-    budget_lines = machine_budget(composed, views, machine or budget.Machine.from_vm_yaml(), root, work, refuse)
+    machine_budget(composed, views, machine or budget.Machine.from_vm_yaml(), root, work, refuse)
     rows = []
     for branch, cfg in views.items():
         topo = topology(cfg)
@@ -337,8 +337,6 @@ def check(sets: list[str], usd_per_chip_hour: float, root: Path = ROOT,
         print(f"assumptions: MFU {MFU:.0%}, {usd_per_chip_hour:.2f} USD per chip-hour{basis}; "
               f"reports in {work}/<branch>-<preset>.json")
         print(versions_line())
-    if budget_lines:
-        print(budget_lines)
     return rows
 
 
@@ -347,13 +345,15 @@ BUDGET_STAGES = {"sft": ("hf_download", "train_sft", "to_huggingface"),
 
 
 def machine_budget(composed: dict[str, Any], views: dict[str, View], machine: budget.Machine, root: Path,
-                   work: Path, refuse: bool) -> str:
-    """The budget of the branches that run on one TPU VM (backend local): disk peaks per file system
-    and host memory next to the VM's capacity (mtpipe/maxtext/budget.py). Written to
-    ``work/preflight/budget.json``; returns the printed lines ("" when no branch runs on a TPU VM)."""
+                   work: Path, refuse: bool) -> dict[str, Any] | None:
+    """Print the budget of the branches that run on one TPU VM (backend local): disk peaks per file
+    system and host memory next to the VM's capacity (mtpipe/maxtext/budget.py), from the compiled
+    train state where a compile is cached, else from the model's files. Written to
+    ``work/preflight/budget.json`` and returned (None when no branch runs on a TPU VM); ``refuse``:
+    raise ConfigError naming the key to change when it does not fit."""
     on_vm = [b for b, cfg in views.items() if topology(cfg) and cfg.hardware.backend == "local"]
     if not on_vm:
-        return ""
+        return None
     topo = topology(views[on_vm[0]])
     if topo not in budget.HOSTS:
         raise ConfigError(f"{on_vm[0]}.hardware", f"the machine budget knows no host for {topo}",
@@ -362,30 +362,28 @@ def machine_budget(composed: dict[str, Any], views: dict[str, View], machine: bu
     missing = [str(root / cfg.model.source.path) for b in on_vm for cfg in [stages[b]["hf_download"]]
                if cfg.model.source.kind == "local" and not (root / cfg.model.source.path).is_dir()]
     if missing:
-        return f"machine budget: skipped, {', '.join(missing)} not generated (`dvc repro make_embedded`)"
+        print(f"mtpipe preflight: machine budget skipped: {', '.join(missing)} not generated "
+              "(`dvc repro make_embedded`)")
+        return None
     compiled = {}
     for b in on_vm:
         cmd = stage_command(views[b])
         cache = work / f"{compile_digest(cmd.module, compile_args(cmd, topo))}.json"
         if cache.is_file():
             compiled[b] = json.loads(cache.read_text())
-    place = budget.Placement.from_env(machine.env, root)
+    place = budget.Placement.from_env(machine.env)
     plan = budget.plan(stages, place, compiled, root)
     rep = budget.report(plan, topo, machine.boot_disk_gb) | {
         "run_dirs": place.run_dirs, "compiled_branches": sorted(compiled), "boot_disk_gb": machine.boot_disk_gb}
     work.mkdir(parents=True, exist_ok=True)
     (work / "budget.json").write_text(json.dumps(rep, indent=1) + "\n")
-    lines = (f"machine budget of {'+'.join(on_vm)} on one {topo} VM (run directories: {place.run_dirs}; "
-             f"need x {1 + budget.MARGIN:.2f} must fit):\n{budget.table(rep)}\n"
-             f"sizes from {'the compiled train state' if compiled else 'the model files'}; "
-             f"items in {work}/budget.json")
+    print(f"mtpipe preflight: machine budget of {'+'.join(on_vm)} on one {topo} VM (run directories: "
+          f"{place.run_dirs}; sizes from {'the compiled train state' if compiled else 'the model files'}; "
+          f"each peak x {1 + budget.MARGIN:.2f} must fit):\n{budget.table(rep)}\nitems: {work}/budget.json",
+          flush=True)
     if refuse:
-        try:
-            budget.check(plan, rep, place)
-        except ConfigError:
-            print(lines, flush=True)
-            raise
-    return lines
+        budget.check(plan, rep, place)
+    return rep
 
 
 def versions_line(vm_lock: Path = ROOT / "requirements-vm.lock") -> str:
