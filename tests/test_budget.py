@@ -110,7 +110,8 @@ def test_run_directories_follow_mtpipe_work_dir(tmp_path: Path, monkeypatch: pyt
     monkeypatch.delenv("MTPIPE_WORK_BUCKET", raising=False)
     monkeypatch.setenv("MTPIPE_WORK_DIR", str(tmp_path / "shm"))
     run = run_dir("train_sft", "r1")
-    assert run.url == str(tmp_path / "shm" / "train_sft" / "r1") and run.scratch == tmp_path / "shm" / "train_sft" / "r1"
+    assert run.url == str(tmp_path / "shm" / "train_sft" / "r1")
+    assert run.scratch == tmp_path / "shm" / "train_sft" / "r1"
     monkeypatch.setenv("MTPIPE_WORK_DIR", "shm")
     with pytest.raises(ConfigError, match="MTPIPE_WORK_DIR"):
         run_dir("train_sft", "r1")

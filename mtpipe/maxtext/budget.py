@@ -37,6 +37,7 @@ import yaml
 
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import commands
+from mtpipe.maxtext.run_dir import WORK_BUCKET_ENV, WORK_DIR_ENV
 from mtpipe.pipeline.config import ROOT, View
 
 GIB = 2**30
@@ -88,7 +89,6 @@ SCAN_BLOCK = {"gemma3": 6}      # MaxText's gemma3 decoder scans blocks of 6 lay
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "F32": 4, "BF16": 2, "F16": 2}
 # MaxText's config file per trainer (pyconfig's mapping), relative to maxtext/configs/
 TRAINER_CONFIG = {commands.TRAIN_SFT: "post_train/sft.yml", commands.TRAIN_RL: "post_train/rl.yml"}
-WORK_DIR_ENV, WORK_BUCKET_ENV = "MTPIPE_WORK_DIR", "MTPIPE_WORK_BUCKET"
 BOOT, SHM, BUCKET = "boot disk", "/dev/shm", "work bucket"
 
 
@@ -120,7 +120,7 @@ class Plan:
 
     items: list[Item] = field(default_factory=list)
     memory: dict[str, int] = field(default_factory=dict)   # stage -> host bytes of its process(es)
-    keys: dict[str, list[str]] = field(default_factory=dict)  # where -> the keys that move its peak
+    state_keys: list[str] = field(default_factory=list)    # the keys that size the run directories
 
     def peaks(self) -> dict[str, int]:
         """Peak bytes per file system: while a stage runs, what earlier stages kept plus its transient
@@ -201,7 +201,8 @@ def model_size(cfg: View, root: Path = ROOT) -> Model:
         other = {k: v for k, v in tensors.items() if not is_language_model(k)}
         dtypes = {dtype for dtype, _ in lm.values()}
         return Model(files_bytes=tree_bytes(files), lm_params=sum(math.prod(s) for _, s in lm.values()),
-                     lm_arrays=maxtext_arrays(list(lm), cfg.model.maxtext_name), lm_dtype_bytes=max(DTYPE_BYTES[d] for d in dtypes),
+                     lm_arrays=maxtext_arrays(list(lm), cfg.model.maxtext_name),
+                     lm_dtype_bytes=max(DTYPE_BYTES[d] for d in dtypes),
                      other_tensor_bytes=sum(math.prod(s) * DTYPE_BYTES[d] for d, s in other.values()))
     if source.repo_id not in HUB_MODELS:
         raise ConfigError(f"{cfg.branch}.model", f"the budget knows no size for {source.repo_id}",
@@ -257,8 +258,9 @@ class Placement:
 
     @classmethod
     def from_env(cls, env: dict[str, str]) -> Placement:
-        """From the VM's environment (the bucket wins over MTPIPE_WORK_DIR: mtpipe/maxtext/run_dir.py)
-        and the committed DVC config, which the VM's clone has."""
+        """From the VM's environment (the bucket wins over MTPIPE_WORK_DIR: mtpipe/maxtext/run_dir.py;
+        a work dir outside /dev/shm counts as the boot disk) and the committed DVC config, which the
+        VM's clone has."""
         if env.get(WORK_BUCKET_ENV, "").strip():
             where = BUCKET
         elif env.get(WORK_DIR_ENV, "").strip().startswith("/dev/shm"):
@@ -280,20 +282,23 @@ def dvc_cache_links(root: Path = ROOT) -> bool:
 
 
 def training(name: str, cmd: commands.MaxTextCommand, model: Model, compiled: dict | None, steps: int,
-             period: int, kept: int | None, place: Placement) -> tuple[list[Item], int, int]:
-    """A training stage's run directory at its peak: (items, parameters, bytes per parameter of the
-    trained weights). The final params leave it for the boot disk (a rename there, else a copy)."""
-    params = compiled["param_count"] if compiled else model.lm_params
-    weight = DTYPE_BYTES[str(maxtext_value(cmd, "weight_dtype"))]
+             period: int, kept: int | None, place: Placement) -> tuple[Item, int, int]:
+    """A training stage's run directory at its peak: (item, parameters, bytes per parameter of the
+    trained weights). The final params leave it for the boot disk (a rename there, else a copy).
+    Parameters and weight dtype: the compiled train state's when ``compiled``, else the model's and
+    the command's ``weight_dtype``."""
+    if compiled:
+        params, weight = compiled["param_count"], compiled["param_bytes"] // compiled["param_count"]
+    else:
+        params, weight = model.lm_params, DTYPE_BYTES[str(maxtext_value(cmd, "weight_dtype"))]
     mu = DTYPE_BYTES.get(str(maxtext_value(cmd, "mu_dtype") or ""), weight)
     arrays = model.lm_arrays * ARRAY_OVERHEAD_BYTES
-    params_bytes = params * weight + arrays
-    checkpoint = params_bytes + params * (mu + weight) + 2 * arrays  # model_params + Adam's mu and nu
+    checkpoint = params * (weight + mu + weight) + 3 * arrays  # model_params + Adam's mu and nu
     written = saves(steps, period)
     held = written if kept is None else min(written, kept + 1)
-    items = [Item(name, f"run directory: {held} of {written} checkpoints x {checkpoint / GB:.2f} GB",
-                  place.run_dirs, held * checkpoint, transient=True)]
-    return items, params, weight
+    item = Item(name, f"run directory: {held} of {written} checkpoints x {checkpoint / GB:.2f} GB",
+                place.run_dirs, held * checkpoint, transient=True)
+    return item, params, weight
 
 
 def plan(views: dict[str, dict[str, View]], place: Placement, compiled: dict[str, dict] | None = None,
@@ -308,18 +313,18 @@ def plan(views: dict[str, dict[str, View]], place: Placement, compiled: dict[str
         model = model_size(cfg, root)
         data = dataset_bytes(cfg, root)
         p.items.append(Item(f"hf_download@{branch}", "model files + dataset", BOOT, dvc * (model.files_bytes + data)))
-        converted = model.lm_params * model.lm_dtype_bytes + model.lm_arrays * ARRAY_OVERHEAD_BYTES
+        arrays = model.lm_arrays * ARRAY_OVERHEAD_BYTES
+        converted = model.lm_params * model.lm_dtype_bytes + arrays
         p.items.append(Item(f"to_maxtext@{branch}", "converted checkpoint", BOOT, dvc * converted))
         p.memory[f"to_maxtext@{branch}"] = int(PROCESS_BASE_GB * GB + 2 * converted)
-        arrays = model.lm_arrays * ARRAY_OVERHEAD_BYTES
         params, weight = model.lm_params, model.lm_dtype_bytes
         sft = stages["train_sft"].train_sft
         if sft.steps:
             cmd = _command(stages["train_sft"], "train_sft")
-            items, params, weight = training(f"train_sft@{branch}", cmd, model,
-                                             (compiled or {}).get(branch) if branch == "sft" else None,
-                                             sft.steps, sft.checkpoint_period, sft.max_num_checkpoints_to_keep, place)
-            p.items += items
+            run, params, weight = training(f"train_sft@{branch}", cmd, model,
+                                           (compiled or {}).get(branch) if branch == "sft" else None,
+                                           sft.steps, sft.checkpoint_period, sft.max_num_checkpoints_to_keep, place)
+            p.items.append(run)
             p.items.append(Item(f"train_sft@{branch}", "final params", BOOT, dvc * (params * weight + arrays)))
             p.memory[f"train_sft@{branch}"] = int(PROCESS_BASE_GB * GB + converted)
         if "train_rl" in stages:
@@ -330,9 +335,9 @@ def plan(views: dict[str, dict[str, View]], place: Placement, compiled: dict[str
             kept = rl_cfg.train_rl.max_num_checkpoints_to_keep
             if kept is None:
                 kept = maxtext_value(cmd, "max_num_checkpoints_to_keep")
-            items, params, weight = training("train_rl", cmd, model, rl_compiled, steps,
-                                             int(maxtext_value(cmd, "checkpoint_period")), kept, place)
-            p.items += items
+            run, params, weight = training("train_rl", cmd, model, rl_compiled, steps,
+                                           int(maxtext_value(cmd, "checkpoint_period")), kept, place)
+            p.items.append(run)
             p.items.append(Item("train_rl", "final params", BOOT, dvc * (params * weight + arrays)))
             p.memory["train_rl"] = int(PROCESS_BASE_GB * GB + converted)
         export_dtype = DTYPE_BYTES[stages["to_huggingface"].to_huggingface.weight_dtype]
@@ -340,7 +345,7 @@ def plan(views: dict[str, dict[str, View]], place: Placement, compiled: dict[str
         p.items.append(Item(f"to_huggingface@{branch}", "export (safetensors + tokenizer)", BOOT, dvc * export))
         p.memory[f"to_huggingface@{branch}"] = int(PROCESS_BASE_GB * GB + params * (weight + export_dtype))
         p.memory[f"evaluate@{branch}"] = int(PROCESS_BASE_GB * GB + export)  # the model server loads the export
-        p.keys[place.run_dirs] = p.keys.get(place.run_dirs, []) + _state_keys(branch, stages)
+        p.state_keys += _state_keys(branch, stages)
     return p
 
 
@@ -421,7 +426,7 @@ def report(p: Plan, topology: str, boot_disk_gb: int) -> dict[str, Any]:
 
 def check(p: Plan, rep: dict[str, Any], place: Placement) -> None:
     """Raise ConfigError naming the key to change when a place does not fit with :data:`MARGIN` to spare."""
-    state = p.keys.get(place.run_dirs, [])
+    state = p.state_keys
     for where, row in rep["places"].items():
         if row["fits"]:
             continue
