@@ -143,21 +143,23 @@ def test_forecast_bytes_are_what_each_stage_wrote(pipeline_repo: Path) -> None:
 
 
 @pytest.mark.slow
-def test_sft_keeps_max_num_checkpoints_to_keep() -> None:
-    """Adapter patch 11, as `apply` sets it up for train_sft (in a child process: it patches MaxText):
-    tunix gets max_num_checkpoints_to_keep as Orbax's max_to_keep; null leaves MaxText's all."""
-    code = """
-import types
+def test_sft_keeps_max_num_checkpoints_to_keep(tmp_path: Path) -> None:
+    """Adapter patch 11, as `apply` sets it up for train_sft (in a child process: it patches tunix):
+    the checkpoint manager the trainer makes gets max_num_checkpoints_to_keep as Orbax's max_to_keep
+    (unpatched: None, every checkpoint kept)."""
+    code = f"""
+import orbax.checkpoint as ocp
+from tunix.sft import checkpoint_manager
 from mtpipe.maxtext import maxtext_adapter
-maxtext_adapter.apply(maxtext_adapter.TRAIN_SFT, ["max_num_checkpoints_to_keep=2"])
-from maxtext.trainers.post_train.sft import train_sft
-for kept in (2, None):
-    mt_config = types.SimpleNamespace(checkpoint_period=50, async_checkpointing=False, tensorboard_dir="/tmp/tb",
-        profiler="", eval_interval=0, steps=100, gradient_accumulation_steps=1, checkpoint_dir="/tmp/ckpt",
-        data_sharding=["data"], max_num_checkpoints_to_keep=kept)
-    options = train_sft.get_tunix_config(mt_config).checkpointing_options
-    print(options.save_interval_steps, options.max_to_keep)
+
+def options():
+    manager = checkpoint_manager.CheckpointManager({str(tmp_path)!r}, ocp.CheckpointManagerOptions(save_interval_steps=50))
+    return manager._checkpoint_manager._options
+
+print(options().max_to_keep)
+maxtext_adapter.apply(maxtext_adapter.TRAIN_SFT, ["steps=100", "max_num_checkpoints_to_keep=2"])
+print(options().save_interval_steps, options().max_to_keep)
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[-4:] == ["50", "2", "50", "None"], out.stdout
+    assert out.stdout.split()[-3:] == ["None", "50", "2"], out.stdout
