@@ -56,11 +56,12 @@ bench: $(VENV)/.installed
 bench-realsize: $(VENV)/.installed
 	python benchmarks/bench_realsize.py --size $(or $(SIZE),full)
 
-# Both locks from pyproject.toml's pins, the VM's first (the tutorial's MaxText resolution), then the
-# laptop's with the VM's versions as constraints: one toolchain (mtpipe/cloud/locks.py, docs/tpu-vm.md).
-# Linux x86_64 / Python 3.12, with hashes, PyPI as of a fixed date. Needs PyPI.
+# Both locks from pyproject.toml's pins, the VM's first (MaxText's floors, the newest release of what
+# MaxText does not choose), then the laptop's with the VM's versions as constraints: one toolchain
+# (mtpipe/pipeline/requirement_locks.py, docs/tpu-vm.md). Linux x86_64 / Python 3.12, with hashes, PyPI
+# as of a fixed date. Needs PyPI.
 lock: $(VENV)/.installed
-	python -m mtpipe.cloud.locks
+	python -m mtpipe.pipeline.requirement_locks
 
 clean-work:
 	rm -rf work

@@ -28,7 +28,7 @@ from typing import Any
 from doit import doit_cmd
 from doit.exceptions import TaskFailed
 
-from mtpipe.cloud import prices, vm
+from mtpipe.cloud import prices, vm_config, vm_experiments, vm_setup, vm_ssh, vm_state
 from mtpipe.cloud.gcp import GcpError
 from mtpipe.cloud.lifecycle import VmLifecycle, spend_line
 from mtpipe.data import publish as hub_publish
@@ -57,7 +57,7 @@ DOIT_CONFIG = {"default_tasks": ["vm_status"], "verbosity": 2, "backend": "json"
 TARGET_PARAMS = [
     {"name": key, "long": key, "type": str, "default": None,
      "help": f"{key} (else env {var}, else conf/vm.yaml, else .vm_state.json)"}
-    for key, var in vm.ENV_KEYS.items()
+    for key, var in vm_config.ENV_KEYS.items()
 ]
 KEEP = {"name": "keep", "long": "keep", "type": bool, "default": False,
         "help": "keep the VM when this task fails or is interrupted"}
@@ -73,7 +73,7 @@ def _task_action(fn: Callable[..., None]) -> Callable[..., TaskFailed | None]:
     def wrapper(**kwargs: Any) -> TaskFailed | None:
         try:
             fn(**kwargs)
-        except (ConfigError, GcpError, vm.VmError) as e:
+        except (ConfigError, GcpError, vm_config.VmError) as e:
             return TaskFailed(f"{type(e).__name__}: {e}")
         return None
 
@@ -82,37 +82,37 @@ def _task_action(fn: Callable[..., None]) -> Callable[..., TaskFailed | None]:
 
 def _target(params: dict[str, Any], keep: bool = False) -> VmLifecycle:
     """The VM the options, the environment, conf/vm.yaml and .vm_state.json name."""
-    root = vm.repo_root()
-    return VmLifecycle(vm.load_config(params, vm.read_state(root)), root, keep)
+    root = vm_experiments.repo_root()
+    return VmLifecycle(vm_config.load_config(params, vm_state.read_state(root)), root, keep)
 
 
 @_task_action
 def vm_up(keep: bool, **params: Any) -> None:
-    root = vm.repo_root()
-    VmLifecycle(vm.load_config(params), root, keep).ensure([[]], may_create=True)
+    root = vm_experiments.repo_root()
+    VmLifecycle(vm_config.load_config(params), root, keep).ensure([[]], may_create=True)
 
 
 @_task_action
 def vm_setup(keep: bool, **params: Any) -> None:
     life = _target(params, keep)
     remote = life.remote()
-    life.guarded(lambda: vm.setup(remote, life.cfg, life.root))
+    life.guarded(lambda: vm_setup.setup(remote, life.cfg, life.root))
 
 
 @_task_action
 def vm_run(keep: bool, down: bool, recreate: bool, target: str | None, set: list[str],
            exp_name: str | None, queue: bool, no_preflight: bool, **params: Any) -> None:
     life = _target(params, keep)
-    experiments = vm.experiments(set, queue)
-    names = vm.experiment_names(exp_name, len(experiments))
+    experiments = vm_experiments.experiments(set, queue)
+    names = vm_experiments.experiment_names(exp_name, len(experiments))
     for name in names:
-        vm.check_exp_name(life.root, name)
+        vm_experiments.check_exp_name(life.root, name)
     life.run_experiments(experiments, names, target, may_create=recreate or bool(life.cfg.recreate),
                          preflight=not no_preflight)
     if down:
         life.delete()
     else:
-        print(f"mtpipe: {spend_line(vm.read_state(life.root))}; VM {life.cfg.name} keeps running: "
+        print(f"mtpipe: {spend_line(vm_state.read_state(life.root))}; VM {life.cfg.name} keeps running: "
               "`doit vm_down` deletes it", flush=True)
 
 
@@ -121,7 +121,7 @@ def vm_down(**params: Any) -> None:
     """The VM .vm_state.json records, or the one --name / NAME names; with neither (a fresh clone,
     another laptop), this user's VMs that Compute lists in the zone by their labels."""
     life = _target(params)
-    if vm.read_state(life.root) or params.get("name") or os.environ.get(vm.ENV_KEYS["name"]):
+    if vm_state.read_state(life.root) or params.get("name") or os.environ.get(vm_config.ENV_KEYS["name"]):
         life.delete()
     else:
         life.delete_labelled()
@@ -140,9 +140,9 @@ def vm_status(**params: Any) -> None:
 def vm_shell(**params: Any) -> None:
     remote = _target(params).remote()
     with tempfile.TemporaryDirectory() as tmp:
-        rc = subprocess.call(vm.shell_argv(remote, Path(tmp) / "known_hosts"))
+        rc = subprocess.call(vm_ssh.shell_argv(remote, Path(tmp) / "known_hosts"))
     if rc not in (0, 130):
-        raise vm.VmError(f"ssh exited with {rc}")
+        raise vm_config.VmError(f"ssh exited with {rc}")
 
 
 # ---------------------------------------------------------------- tasks
@@ -208,10 +208,10 @@ def task_vm_down() -> dict:
 def preflight(set: list[str]) -> None:
     """The machine budget (disks, host memory) of the TPU VM's branches, then each one's training step
     AOT-compiled on this CPU for HBM, time and cost; fail when one does not fit."""
-    cfg = vm.load_config()
+    cfg = vm_config.load_config()
     rate = prices.vm_rate(cfg)
     machine = budget.Machine(cfg.boot_disk_gb, {k: str(v) for k, v in cfg.run.env.items()})
-    preflight_checks.run(set, rate.price.usd, vm.repo_root(), price_basis=rate.per_chip(), machine=machine)
+    preflight_checks.run(set, rate.price.usd, vm_experiments.repo_root(), price_basis=rate.per_chip(), machine=machine)
 
 
 def task_preflight() -> dict:
@@ -232,7 +232,7 @@ def publish(exp: str | None, repo: str | None, branch: str, public: bool) -> Non
     """An experiment's export to the Hugging Face Hub with its model card (mtpipe/data/publish.py)."""
     if not exp or not repo:
         raise ConfigError("--exp/--repo", "both are needed", "doit publish --exp NAME --repo ORG/NAME")
-    print(hub_publish.publish(vm.repo_root(), exp, repo, branch, private=not public,
+    print(hub_publish.publish(vm_experiments.repo_root(), exp, repo, branch, private=not public,
                               endpoint=os.environ.get("HF_ENDPOINT")))
 
 

@@ -29,7 +29,7 @@ def main() -> int:
                         help="only this branch (repeatable; default: sft, then rl)")
     parser.add_argument("--set", action="append", default=[], help="more params overrides, KEY=VALUE")
     args = parser.parse_args()
-    rows, rate = [], prices.vm_rate(vm.load_config())
+    rows, rate = [], prices.vm_rate(vm_config.load_config())
     for branch in args.branch or ["sft", "rl"]:
         start = time.monotonic()
         # check reports, it never raises on a misfit

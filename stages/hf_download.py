@@ -3,11 +3,11 @@
 Hub sources go through huggingface_hub (HF_TOKEN from the environment only); a local source (the
 embedded default) is copied. Dataset rows are checked here, so a malformed row stops the pipeline
 before any conversion or training starts. Writes artifacts/<branch>/model/ and
-artifacts/<branch>/dataset/, each stamped with its manifest (files, sizes, sha256, revision).
+artifacts/<branch>/dataset/, each stamped with its files (paths, sizes, sha256): the source and its
+revision are the view's (dvc.lock), not the output's, so another source with the same files is the same output.
 Run: dvc repro hf_download@sft   (or: python -m stages.hf_download sft)
 """
 
-import json
 import os
 import sys
 
@@ -16,7 +16,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")  # before huggingface_hub
 from mtpipe.data import datasets_check, hub
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline.config import load_stage
-from mtpipe.pipeline.stage import artifact, atomic_dir, digest, run_stage, write_stamp
+from mtpipe.pipeline.stage import artifact, atomic_dir, run_stage, write_stamp
 
 
 def check_rows(cfg, files) -> int:
@@ -35,12 +35,10 @@ def main(branch: str) -> None:
             raise ConfigError("dataset.train_files", f"no downloaded file matches {cfg.dataset.train_files!r}",
                               f"fix conf/dataset/{cfg.dataset.name}.yaml (train_files or allow_patterns)")
         rows = check_rows(cfg, files)
-        text = json.dumps(manifest, sort_keys=True)
-        write_stamp(out, "hf_download", digest(cfg.dataset, content=text), manifest=manifest, rows=rows)
+        write_stamp(out, "hf_download", hub.file_sha256(manifest), files=manifest["files"], rows=rows)
     with atomic_dir(artifact(branch, "model"), resume=True) as out:
         manifest = hub.fetch_model(cfg.model.source.model_dump(), out / "files")
-        text = json.dumps(manifest, sort_keys=True)
-        write_stamp(out, "hf_download", digest(cfg.model, content=text), manifest=manifest)
+        write_stamp(out, "hf_download", hub.file_sha256(manifest), files=manifest["files"])
     print(f"  model: {len(manifest['files'])} files; dataset: {rows} training rows checked")
 
 

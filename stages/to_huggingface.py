@@ -9,7 +9,7 @@ import sys
 
 from mtpipe.maxtext import commands, runner
 from mtpipe.pipeline.config import load_stage
-from mtpipe.pipeline.stage import (ROOT, Timer, artifact, atomic_dir, digest, log_path, require, run_stage, size_mib,
+from mtpipe.pipeline.stage import (ROOT, Timer, artifact, atomic_dir, log_path, require, run_stage, size_mib,
                                    write_json, write_stamp)
 
 
@@ -23,7 +23,7 @@ def main(branch: str) -> None:
         if not list(out.glob("*.safetensors")):
             raise RuntimeError(f"no *.safetensors in {out}: to_huggingface wrote no weights")
         require(out / "tokenizer_config.json", "exported tokenizer")
-        write_stamp(out, "to_huggingface", digest(cfg, trained))
+        write_stamp(out, "to_huggingface")
         export_mib = size_mib(out)
     write_json(ROOT / "metrics" / branch / "to_huggingface.json",
                {"export_mib": export_mib, "weight_dtype": cfg.to_huggingface.weight_dtype})

@@ -11,7 +11,7 @@ import sys
 from mtpipe.maxtext import commands, runner
 from mtpipe.maxtext.checkpoints import normalise_orbax_metadata
 from mtpipe.pipeline.config import load_stage
-from mtpipe.pipeline.stage import (ROOT, Timer, artifact, atomic_dir, digest, log_path, require, run_stage, size_mib,
+from mtpipe.pipeline.stage import (ROOT, Timer, artifact, atomic_dir, log_path, require, run_stage, size_mib,
                                    write_json, write_stamp)
 
 
@@ -23,7 +23,7 @@ def main(branch: str) -> None:
         runner.run(cmd, log_path(branch, "to_maxtext"))
         require(out / "0" / "items", "MaxText checkpoint 0/items")
         normalise_orbax_metadata(out)
-        write_stamp(out, "to_maxtext", digest(cfg, model))
+        write_stamp(out, "to_maxtext")
         checkpoint_mib = size_mib(out)
     write_json(ROOT / "metrics" / branch / "to_maxtext.json", {"checkpoint_mib": checkpoint_mib})
     timer.record(branch, "to_maxtext")

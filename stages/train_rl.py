@@ -3,7 +3,7 @@
 Starts from the RL branch's SFT warm-up when it ran (rl.train_sft.steps > 0), else from the
 converted checkpoint. The rollout backend is `rl.train_rl.rollout_backend`: vllm on a TPU VM (as
 MaxText ships it), cpu_jax elsewhere (mtpipe.maxtext.rollout_cpu samples with the actor in JAX).
-The run directory lives in work/ or the MTPIPE_WORK_BUCKET bucket under an input-digest run name, as
+The run directory lives in work/ or the MTPIPE_WORK_BUCKET bucket under a run name that is its recipe's digest, as
 for train_sft (mtpipe.maxtext.run_dir).
 Writes artifacts/rl/trained/model_params, metrics/rl/train_rl.json (reward and eval accuracy before
 and after GRPO) and plots/rl/train_rl.csv (reward per function, KL, loss per step).
@@ -19,8 +19,8 @@ from mtpipe.maxtext import commands
 from mtpipe.maxtext.run_dir import run_dir
 from mtpipe.pipeline.config import load_stage
 from mtpipe.pipeline.metrics import missing_steps, read_tensorboard, rl_curve, rl_eval, write_csv
-from mtpipe.pipeline.stage import (JAX_CACHE, ROOT, Timer, artifact, atomic_dir, digest, log_path, read_stamp,
-                                   run_stage, write_json, write_stamp)
+from mtpipe.pipeline.stage import (JAX_CACHE, ROOT, Timer, artifact, atomic_dir, log_path, read_stamp,
+                                   recipe, run_stage, write_json, write_stamp)
 
 
 def check_rollout_backend(backend: str, runs_here: bool) -> None:
@@ -58,8 +58,7 @@ def main() -> None:
     converted, warmup = artifact("rl", "maxtext"), artifact("rl", "warmup")
     dataset, model = artifact("rl", "dataset"), artifact("rl", "model")
     start = warmup / "model_params" if not read_stamp(warmup).get("skipped") else converted / "0" / "items"
-    run_digest = digest(cfg, converted, warmup, dataset)
-    run = run_dir("train_rl", f"train_rl-{run_digest[:12]}")
+    run = run_dir("train_rl", f"train_rl-{recipe("rl", "train_rl", converted, warmup, dataset, model)[:12]}")
     resumed_from = run.latest_checkpoint("checkpoints/actor")
     if resumed_from is not None:
         print(f"  {run.url}: an earlier run left actor checkpoints up to step {resumed_from}")
@@ -86,7 +85,7 @@ def main() -> None:
         raise RuntimeError(f"train_rl logged no eval before and after GRPO (found {sorted(evals)})")
     with atomic_dir(artifact("rl", "trained")) as out:
         run.take(f"checkpoints/actor/{final_step}/model_params", out / "model_params")
-        write_stamp(out, "train_rl", run_digest, run_name=run.run_name, step=final_step)
+        write_stamp(out, "train_rl", step=final_step)
     write_csv(ROOT / "plots" / "rl" / "train_rl.csv", curve)
     rewards = [r["reward_mean"] for r in curve if "reward_mean" in r]
     summary = {

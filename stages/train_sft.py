@@ -4,10 +4,12 @@ SFT branch: the tutorial's fine-tuning on chat data. RL branch: an optional warm
 the GSM8K rows rewritten as conversations in train_rl's own prompt format (mtpipe.data.gsm8k_chat);
 `rl.train_sft.steps: 0` skips it and GRPO starts from the converted model.
 
-MaxText's run_name is derived from a digest of this stage's inputs (its resolved config, the
-converted checkpoint, the data), and its run directory lives where DVC does not delete it: work/, or
-the bucket MTPIPE_WORK_BUCKET names (mtpipe.maxtext.run_dir). A killed run with identical inputs resumes
-from its last checkpoint (from the bucket: on any machine), changed inputs start clean.
+MaxText's run_name is derived from this stage's recipe (its resolved view and the content digests of
+the converted checkpoint, the data and the model), and its run directory lives where DVC does not delete
+it: work/, or the bucket MTPIPE_WORK_BUCKET names (mtpipe.maxtext.run_dir). A killed run with the same
+recipe resumes from its last checkpoint (from the bucket: on any machine), another recipe starts clean.
+The output holds the params and their step only, so a run with other checkpoint periods, or a resumed
+one, gives the same bytes.
 On success the final model_params become the stage's output and the run directory goes.
 Writes metrics/<branch>/train_sft.json (DVC metrics) and plots/<branch>/train_sft.csv (loss plot).
 Run: dvc repro train_sft@sft   (or: python -m stages.train_sft sft)
@@ -22,8 +24,8 @@ from mtpipe.maxtext import commands
 from mtpipe.maxtext.run_dir import MIRROR_EVERY_S, run_dir
 from mtpipe.pipeline.config import load_stage
 from mtpipe.pipeline.metrics import loss_curve, missing_steps, summarize_sft, tokens_per_s_median, write_csv
-from mtpipe.pipeline.stage import (JAX_CACHE, ROOT, Timer, artifact, atomic_dir, digest, log_path, require, run_stage,
-                                   write_json, write_stamp)
+from mtpipe.pipeline.stage import (JAX_CACHE, ROOT, Timer, artifact, atomic_dir, log_path, recipe, require,
+                                   run_stage, write_json, write_stamp)
 
 OUTPUT = {"sft": "trained", "rl": "warmup"}  # the SFT branch's final model; the RL branch's warm start
 
@@ -48,15 +50,14 @@ def main(branch: str) -> None:
     plot_path = ROOT / "plots" / branch / "train_sft.csv"
     if cfg.train_sft.steps == 0:  # RL branch without warm-up: train_rl starts from the conversion
         with atomic_dir(artifact(branch, OUTPUT[branch])) as out:
-            write_stamp(out, "train_sft", digest(cfg), skipped=True)
+            write_stamp(out, "train_sft", skipped=True)
         write_csv(plot_path, [{"step": 0, "loss": None}])
         write_json(metrics_path, {"steps": 0})
         timer.record(branch, "train_sft")
         print("  steps: 0, no warm-up")
         return
     converted, dataset, model = artifact(branch, "maxtext"), artifact(branch, "dataset"), artifact(branch, "model")
-    run_digest = digest(cfg, converted, dataset)
-    run = run_dir("train_sft", f"train_sft-{branch}-{run_digest[:12]}")
+    run = run_dir("train_sft", f"train_sft-{branch}-{recipe(branch, "train_sft", converted, dataset, model)[:12]}")
     run.scratch.mkdir(parents=True, exist_ok=True)
     resumed_from = run.latest_checkpoint()
     if resumed_from is not None:
@@ -81,7 +82,7 @@ def main(branch: str) -> None:
               f"{MIRROR_EVERY_S:.0f} s); the plot has a gap there")
     with atomic_dir(artifact(branch, OUTPUT[branch])) as out:
         run.take(f"checkpoints/{final_step}/model_params", out / "model_params")
-        write_stamp(out, "train_sft", run_digest, run_name=run.run_name, step=final_step)
+        write_stamp(out, "train_sft", step=final_step)
     write_csv(plot_path, curve)
     summary = summarize_sft(curve) | {"resumed_from_step": resumed_from or 0}
     timer.record(branch, "train_sft", tokens_per_s=tokens_per_s_median(metrics_file))

@@ -15,7 +15,7 @@ import pytest
 from fakes.discovery import compute
 from fakes.fake_compute import FakeCompute, running_fake
 
-from mtpipe.cloud import gcp, vm
+from mtpipe.cloud import gcp, vm_config
 
 pytestmark = pytest.mark.cloud_contract
 
@@ -42,7 +42,7 @@ def send(fake: FakeCompute, method: str, path: str, body: Any = None) -> tuple[i
 
 def sent_body(fake: FakeCompute, mode: str = "reservation") -> dict:
     """The instances.insert body google-cloud-compute sends for mtpipe's VM (then deleted again)."""
-    cfg = vm.load_config({"provisioning": mode})
+    cfg = vm_config.load_config({"provisioning": mode})
     compute_api = gcp.Compute(cfg.project, cfg.zone)
     model = compute_api.provisioning_model(cfg)
     compute_api.create_instance(gcp.instance_body(cfg, cfg.name, KEY, {"app": "mtpipe"}, model))
@@ -91,7 +91,7 @@ def test_an_unknown_field_is_refused(fake: FakeCompute) -> None:
 
 
 def test_a_wrong_enum_value_is_refused_through_the_real_client(fake: FakeCompute) -> None:
-    cfg = vm.load_config()
+    cfg = vm_config.load_config()
     body = gcp.instance_body(cfg, cfg.name, KEY, {}, "STANDARD")
     body["scheduling"]["provisioning_model"] = "CHEAP"
     with pytest.raises(gcp.GcpError, match=r"creating VM mt-test: 400 POST \S+/instances: Invalid value for field "
@@ -145,7 +145,7 @@ def test_query_and_path_parameters_are_checked(fake: FakeCompute) -> None:
 def test_every_request_of_a_vm_lifecycle_is_checked(fake: FakeCompute) -> None:
     """Each request the client sent resolved to its discovery method (none was let through unchecked),
     and a fake left with a refusal nobody expected fails the test that used it."""
-    cfg = vm.load_config()
+    cfg = vm_config.load_config()
     compute_api = gcp.Compute(cfg.project, cfg.zone)
     compute_api.get_machine_type(cfg.machine_type)
     compute_api.get_reservation(cfg.reservation)
@@ -168,7 +168,7 @@ def test_every_request_of_a_vm_lifecycle_is_checked(fake: FakeCompute) -> None:
 
 
 def test_an_answer_compute_never_gives_fails_loudly(fake: FakeCompute) -> None:
-    cfg = vm.load_config()
+    cfg = vm_config.load_config()
     compute_api = gcp.Compute(cfg.project, cfg.zone)
     compute_api.create_instance(gcp.instance_body(cfg, cfg.name, KEY, {}, "STANDARD"))
     fake.instances["proj-1", "us-east5-b", "mt-test"]["status"] = "SLEEPING"   # no such instance status

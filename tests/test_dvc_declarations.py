@@ -91,10 +91,29 @@ def test_configure_declares_every_params_key():
     assert declared == set(params)
     outs = {str(o.def_path) for o in STAGES["configure"].outs}
     assert outs == {f"config/{b}/{s}.yaml" for b, stages in config.BRANCH_STAGES.items() for s in stages} | {
-        f"config/{b}/{s}.yaml" for b, s in config.CODE_ONLY_VIEWS}
+        f"config/{b}/{s}.yaml" for b, s in config.CODE_ONLY_VIEWS} | {config.RUN_FILE}
 
 
-def test_every_resolved_view_is_produced_and_consumed():
+def test_every_resolved_view_is_produced_and_consumed_and_the_run_keys_by_no_stage():
+    """config/run.yaml holds what no output depends on: a stage that declared it would rerun for it."""
     produced = {str(o.def_path) for o in STAGES["configure"].outs}
     consumed = {d for s in STAGES.values() for d in deps_of(s) if d.startswith("config/")}
-    assert consumed == produced
+    assert consumed == produced - {config.RUN_FILE}
+
+
+@pytest.mark.architecture
+@pytest.mark.parametrize(("stage", "backends", "left_out"), [
+    ("train_sft", {"hardware.backend": "local"}, {"mtpipe/cloud/xpk.py", "mtpipe/cloud/image.py"}),
+    ("train_rl", {"hardware.backend": "local", "train_rl.rollout_backend": "vllm"},
+     {"mtpipe/cloud/xpk.py", "mtpipe/cloud/image.py", "mtpipe/maxtext/rollout_cpu.py"}),
+    ("evaluate", {"evaluate.backend": "vllm"}, {"mtpipe/evaluation/server.py", "mtpipe/evaluation/numpy_forward.py"}),
+], ids=["local_training", "vllm_rollouts", "vllm_server"])
+def test_only_the_backend_in_use_is_in_a_stages_code(stage, backends, left_out):
+    """A backend's modules (and what only they import) are in the code of a stage whose view selects
+    that backend, and only there: a GKE-only edit does not rerun CPU training."""
+    every = set(fingerprint.stage_modules(stage))
+    assert left_out <= every
+    assert set(fingerprint.stage_modules(stage, backends=backends)) == every - left_out
+    selected = {key: next(iter(fingerprint.BACKEND_MODULES[key])) for key in backends}  # the other backends
+    assert {m for key, value in selected.items() for m in fingerprint.BACKEND_MODULES[key][value]} \
+        <= set(fingerprint.stage_modules(stage, backends=selected))

@@ -64,6 +64,76 @@ def test_a_change_of_behaviour_moves_the_fingerprint(old, new):
     assert fp(MODULE.replace(old, new)) != fp(MODULE)
 
 
+MESSAGES = '''import sys
+import warnings
+
+from mtpipe.errors import ConfigError
+
+
+def describe(low):
+    return f"at least {low}" if low else "any number"
+
+
+def check(cfg, errors):
+    def add(key, problem, fix):
+        errors.append(ConfigError(key, problem, fix))
+
+    fix = "set steps: 10 in " + "params.yaml"
+    if cfg.steps < 1:
+        add("steps", f"is {cfg.steps}, but nothing trains", fix)
+    if cfg.steps > 9:
+        errors.append(ConfigError("steps", "is " + describe(9), fix))
+        warnings.warn("many steps: %d" % cfg.steps, UserWarning)
+    if not errors:
+        return 0
+    sys.exit(f"{len(errors)} problems")
+'''
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ('f"is {cfg.steps}, but nothing trains"', '"has to be positive"'),
+    ('"set steps: 10 in " + "params.yaml"', '"steps: 10 (params.yaml)"'),
+    ('"is " + describe(9)', '"must be " + describe(9)'),
+    ('"any number"', '"whatever you like"'),
+    ('"many steps: %d"', '"a long run: %d steps"'),
+    ('f"{len(errors)} problems"', 'f"stopped: {len(errors)} problems"'),
+], ids=["message_helper", "message_variable", "exception_not_raised", "message_function", "warning", "exit"])
+def test_message_text_however_it_is_built_keeps_the_fingerprint(old, new):
+    assert old in MESSAGES
+    assert fp(MESSAGES.replace(old, new)) == fp(MESSAGES)
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ("cfg.steps < 1", "cfg.steps < 2"),
+    ("return 0", "return 1"),
+    ('sys.exit(f"{len(errors)} problems")', "sys.exit(len(errors))"),
+], ids=["condition", "result", "exit_status"])
+def test_what_messages_depend_on_still_counts(old, new):
+    assert old in MESSAGES
+    assert fp(MESSAGES.replace(old, new)) != fp(MESSAGES)
+
+
+def test_an_exit_status_is_not_a_message():
+    """``sys.exit(main())`` passes main's result on: main is not wording."""
+    source = "import sys\n\ndef main():\n    return 1\n\nsys.exit(main())\n"
+    assert fp(source.replace("return 1", "return 2")) != fp(source)
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ('"is missing for a kind: hub source"', '"must name the Hub repository"'),
+    ('f"needs held-out prompts, but dataset {', 'f"has no prompts to test on: dataset {'),
+    ('"(one replica on all chips)"', '"(a single replica)"'),
+    ('means="a 40-hex commit sha"', 'means="a full commit hash (40 hex digits)"'),
+    ('return f"a list of {', 'return f"a YAML list of {'),
+], ids=["combination_rule", "combination_rule_fstring", "message_variable", "words", "description"])
+def test_rewording_a_schema_message_keeps_its_fingerprint(old, new):
+    """schema.py is in every stage's view: its combination rules (``add(...)``), the wording of its
+    keys (``Words``) and its descriptions of types and ranges are message text."""
+    source = (config.ROOT / "mtpipe" / "pipeline" / "schema.py").read_text()
+    assert old in source
+    assert fp(source.replace(old, new)) == fp(source)
+
+
 def test_a_view_written_for_other_code_is_refused(tmp_path: Path):
     """`python -m stages.X` (or `dvc repro -s`) after a code edit, without configure: the stage stops
     before any work and names the module and the fix."""

@@ -12,7 +12,7 @@ from unittest import mock
 import pytest
 from vm_world import Env
 
-from mtpipe.cloud import vm
+from mtpipe.cloud import vm_config, vm_ssh, vm_state
 from mtpipe.cloud.lifecycle import VmLifecycle, spend_line
 
 pytestmark = pytest.mark.architecture
@@ -28,20 +28,20 @@ def here(world: Env, monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
 
 
 def lifecycle(w: Env, keep: bool = False) -> VmLifecycle:
-    return VmLifecycle(vm.load_config({}, vm.read_state(w.repo)), w.repo, keep)
+    return VmLifecycle(vm_config.load_config({}, vm_state.read_state(w.repo)), w.repo, keep)
 
 
 def test_one_vm_is_created_reused_reported_and_deleted(here: Env) -> None:
     w = here
     remote = lifecycle(w).ensure([[]], may_create=True)
     assert remote.port == w.sshd.port and len(w.fake.inserts()) == 1
-    assert w.fake.firewalls and vm.read_state(w.repo)["name"] == "mt-test"
+    assert w.fake.firewalls and vm_state.read_state(w.repo)["name"] == "mt-test"
     assert lifecycle(w).ensure([[]], may_create=False).host_key == remote.host_key
     assert len(w.fake.inserts()) == 1, "an existing VM was not reused"
     status = "\n".join(lifecycle(w).status())
     assert "VM mt-test in proj-1/us-east5-b: RUNNING" in status and "USD so far" in status, status
     lifecycle(w).delete()
-    assert w.instance() is None and not w.fake.firewalls and not (w.repo / vm.STATE_FILE).exists()
+    assert w.instance() is None and not w.fake.firewalls and not (w.repo / vm_state.STATE_FILE).exists()
 
 
 def test_a_lost_vm_is_replaced_and_only_the_attempt_repeats(here: Env) -> None:
@@ -54,15 +54,15 @@ def test_a_lost_vm_is_replaced_and_only_the_attempt_repeats(here: Env) -> None:
     life = lifecycle(w)
     hosts: list[str | None] = []
 
-    def attempt(remote: vm.Remote) -> None:
+    def attempt(remote: vm_ssh.Remote) -> None:
         hosts.append(remote.host_key)
         if len(hosts) == 1:
             w.fake.preempt(*KEY)
-            raise vm.SessionLost("lost the SSH session")
+            raise vm_config.SessionLost("lost the SSH session")
 
     life.with_recovery(life.ensure([[]], may_create=True), attempt)
     assert len(hosts) == 2 and len(w.fake.inserts()) == 2
-    ledger = vm.read_state(w.repo)["vms"]
+    ledger = vm_state.read_state(w.repo)["vms"]
     assert [entry.get("why") for entry in ledger] == ["was preempted (status TERMINATED)", None]
     life.delete()
 
@@ -72,10 +72,10 @@ def test_a_failure_on_a_running_vm_is_the_attempts_and_the_guard_deletes_the_vm(
     life = lifecycle(w)
     remote = life.ensure([[]], may_create=True)
 
-    def attempt(_remote: vm.Remote) -> None:
-        raise vm.VmError("the pipeline failed on the VM (exit 3)")
+    def attempt(_remote: vm_ssh.Remote) -> None:
+        raise vm_config.VmError("the pipeline failed on the VM (exit 3)")
 
-    with pytest.raises(vm.VmError, match="exit 3"):
+    with pytest.raises(vm_config.VmError, match="exit 3"):
         life.guarded(lambda: life.with_recovery(remote, attempt))
     assert len(w.fake.inserts()) == 1, "a running VM was replaced"
     assert w.instance() is None and not w.fake.firewalls
@@ -90,7 +90,7 @@ def test_a_kept_vm_survives_a_failure(here: Env) -> None:
 
     with pytest.raises(RuntimeError):
         life.guarded(fail)
-    assert w.instance() is not None and vm.read_state(w.repo)["name"] == "mt-test"
+    assert w.instance() is not None and vm_state.read_state(w.repo)["name"] == "mt-test"
     life.delete()
 
 

@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+import yaml
 
 from pipeline import export_logit_diff, orbax_arrays, ran_stages
 
@@ -26,9 +27,14 @@ def test_grpo_logged_rewards_kl_and_eval_before_and_after(pipeline_repo):
     rows = list(csv.DictReader(open(pipeline_repo / "plots/rl/train_rl.csv")))
     assert len(rows) >= metrics["steps"] > 0
     assert {"reward_mean", "reward_exact_format", "reward_answer", "kl", "loss"} <= set(rows[0])
+    extra = yaml.safe_load((pipeline_repo / "config/rl/train_rl.yaml").read_text())["train_rl"]
+    prompts = extra["num_test_batches"] * extra["extra_args"]["eval_batch_size"]
     for when in ("pre", "post"):
-        assert metrics[f"eval_{when}_total"] > 0
-        assert 0 <= metrics[f"eval_{when}_accuracy"] <= 100
+        # every test prompt scored, and the accuracy is the share of them answered right
+        assert metrics[f"eval_{when}_total"] == prompts, metrics
+        correct = metrics[f"eval_{when}_correct"]
+        assert metrics[f"eval_{when}_accuracy"] == pytest.approx(100 * correct / prompts), metrics
+        assert metrics[f"eval_{when}_partial_accuracy"] >= metrics[f"eval_{when}_accuracy"], metrics
     # The warm-up taught the answer format before GRPO started.
     assert metrics["eval_pre_format_accuracy"] >= 50, metrics
 

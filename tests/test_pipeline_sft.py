@@ -2,6 +2,7 @@
 
 import csv
 import json
+import re
 
 import numpy as np
 import pytest
@@ -55,7 +56,14 @@ def test_dvc_metrics_and_plots_show(pipeline_repo):
     out = pipeline_repo / "work" / "plots"
     dvc(pipeline_repo, "plots", "show", "--out", str(out))
     html = (out / "index.html").read_text()
-    assert "SFT loss" in html
+    # the rendered plot's data are the CSV's rows: every training loss and every eval point
+    spec = re.search(r'<div id = "SFT_loss">\s*<script[^>]*>\s*var spec = (\{.*?\});\s*\n', html, re.S)
+    assert spec, "no SFT loss plot in dvc_plots/index.html"
+    values = json.loads(spec.group(1))["data"]["values"]
+    rows = list(csv.DictReader(open(pipeline_repo / "plots" / "sft" / "train_sft.csv")))
+    for column in ("loss", "eval_loss"):
+        plotted = {(v["step"], v["dvc_inferred_y_value"]) for v in values if v["field"] == column and v[column]}
+        assert plotted == {(r["step"], r[column]) for r in rows if r[column]} != set(), column
 
 
 def test_exported_logits_match_maxtext_forward_of_the_trained_checkpoint(pipeline_repo):

@@ -19,6 +19,7 @@ import yaml
 
 from fakes.hf_server import HubServer
 from mtpipe.data import embedded
+from mtpipe.pipeline import config
 from pipeline import env, files_containing
 
 pytestmark = pytest.mark.evaluate_publish
@@ -49,9 +50,13 @@ def project(tmp_path_factory) -> Path:
                  "dataset": {"name": "gsm8k", "hf_name": "openai/gsm8k"}},
              "evaluate": {"evaluate": {"num_fewshot": 8}},
              "train_rl": {"hardware": {"name": "v6e-8"}}}
+    run = {}  # as configure writes them: each address view, and the keys no output depends on
     for stage, view in views.items():
+        run[stage] = config.split_run_keys(view, stage)
         (repo / "config" / "rl").mkdir(parents=True, exist_ok=True)
         (repo / "config" / "rl" / f"{stage}.yaml").write_text(yaml.safe_dump(view))
+    assert run["hf_download"]["model"]["name"] and run["train_rl"]["hardware"]["name"]  # the card reads both
+    (repo / config.RUN_FILE).write_text(yaml.safe_dump({"rl": run}))
     score = {"problems": 1319, "flexible_accuracy": 80.0, "flexible_ci95": 2.2, "strict_accuracy": 75.0,
              "strict_ci95": 2.3}
     (repo / "metrics" / "rl").mkdir(parents=True)

@@ -143,7 +143,7 @@ def test_both_tutorial_presets_resolve_together(tmp_path):
     params = OmegaConf.merge(config.load_params(), {"sft": {"preset": "gemma3-4b-ultrachat-v6e8"}, "rl": TUTORIAL_RL})
     written = config.write_resolved(params, tmp_path)
     assert yaml.safe_load((tmp_path / "config" / "rl" / "train_rl.yaml").read_text())["train_rl"]["chips_per_vm"] == 8
-    assert len(written) == 14  # 13 stage views and make_embedded's code-only view
+    assert len(written) == 15  # 13 stage views, make_embedded's code-only view and config/run.yaml
 
 
 def test_dvc_set_values_keep_their_types(tmp_path):

@@ -1,10 +1,12 @@
 """The environment is an input: one toolchain on the laptop and the TPU VM, the versions of the tools a
-stage runs in its address, and a dvc.lock that records the committed code (mtpipe/cloud/locks.py,
-mtpipe/pipeline/toolchain.py, mtpipe/pipeline/lock_check.py)."""
+stage runs in its address, and a dvc.lock that records the committed code
+(mtpipe/pipeline/requirement_locks.py, mtpipe/pipeline/toolchain.py, mtpipe/pipeline/lock_check.py)."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
 import subprocess
 import sys
 from importlib import metadata
@@ -14,15 +16,15 @@ import pytest
 from omegaconf import OmegaConf
 from packaging.utils import canonicalize_name
 
-from mtpipe.cloud import locks
 from mtpipe.errors import ConfigError
-from mtpipe.pipeline import config, lock_check, toolchain
+from mtpipe.pipeline import config, lock_check, requirement_locks, toolchain
 from mtpipe.pipeline.toolchain import lock_pins
-from pipeline import copy_project, env
+from pipeline import ROOT, copy_project, env
 
 pytestmark = pytest.mark.environment
 
-LAPTOP, VM = lock_pins(locks.LAPTOP_LOCK.read_text()), lock_pins(locks.VM_LOCK.read_text())
+LAPTOP = lock_pins(requirement_locks.LAPTOP_LOCK.read_text())
+VM = lock_pins(requirement_locks.VM_LOCK.read_text())
 MAXTEXT_STACK = {"maxtext", "jax", "jaxlib", "libtpu", "orbax-checkpoint", "flax", "optax", "google-tunix", "grain",
                  "transformers", "safetensors", "tokenizers", "numpy"}
 
@@ -54,12 +56,25 @@ def test_the_installed_packages_carry_their_bytecode():
     assert missing == [], "the venv was installed without its bytecode: run `make` (it recompiles what is missing)"
 
 
+@pytest.mark.first_contact
+def test_doit_prints_no_warning():
+    """`doit list` as a user runs it (the venv's Python, no warning filter of the test run's): every doit
+    command imports what it does here (dodo.py imports at the top). With grpcio 1.82.1 google-api-core
+    and google-auth printed three FutureWarnings (six lines) on every command."""
+    user_env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    proc = subprocess.run([sys.executable, "-m", "doit", "list"], cwd=ROOT, env=user_env, capture_output=True,
+                          text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "vm_up" in proc.stdout, out
+    assert not re.findall(r"\w*Warning\b|WARNING|Traceback", out), out
+
+
 @pytest.mark.slow
 def test_the_laptop_lock_resolves_again_to_the_same_file(tmp_path: Path):
-    """`make lock` today gives the committed laptop lock (PyPI as of locks.INDEX_DATE, the VM's pins)."""
+    """`make lock` today gives the committed laptop lock (PyPI as of requirement_locks.INDEX_DATE, the VM's pins)."""
     out = tmp_path / "requirements.lock"
-    locks.compile_laptop_lock(out)
-    assert out.read_text() == locks.LAPTOP_LOCK.read_text(), "requirements.lock is stale: run `make lock`"
+    requirement_locks.compile_laptop_lock(out)
+    assert out.read_text() == requirement_locks.LAPTOP_LOCK.read_text(), "requirements.lock is stale: run `make lock`"
 
 
 def test_each_view_records_the_versions_of_the_tools_its_stage_runs(tmp_path: Path):
@@ -93,8 +108,8 @@ def test_a_stage_refuses_to_run_under_other_tool_versions(tmp_path: Path):
 
 def test_preflight_names_a_compiler_that_is_not_the_vms(tmp_path: Path):
     other = tmp_path / "requirements-vm.lock"
-    other.write_text(locks.VM_LOCK.read_text().replace(f"\nlibtpu=={VM['libtpu']} ", "\nlibtpu==0.0.1 "))
-    assert f"libtpu {VM['libtpu']}: the TPU VM's" in preflight_line(locks.VM_LOCK)
+    other.write_text(requirement_locks.VM_LOCK.read_text().replace(f"\nlibtpu=={VM['libtpu']} ", "\nlibtpu==0.0.1 "))
+    assert f"libtpu {VM['libtpu']}: the TPU VM's" in preflight_line(requirement_locks.VM_LOCK)
     assert "NOT the TPU VM's (libtpu 0.0.1): run `make`" in preflight_line(other)
 
 

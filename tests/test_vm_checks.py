@@ -24,7 +24,7 @@ from fakes.fake_compute import FakeCompute, Reservation, running_fake
 from fakes.gcs_emulator import GCS_TEST_ENV, GcsEmulator
 from fakes.hf_server import HubServer
 
-from mtpipe.cloud import gcp, vm, vm_checks
+from mtpipe.cloud import gcp, vm_checks, vm_config, vm_state
 
 from mtpipe.maxtext import preflight
 from mtpipe.pipeline.config import load_yaml
@@ -59,7 +59,7 @@ class World:
 
     def nothing_created(self) -> None:
         assert self.fake.inserts() == [] and self.fake.calls("POST", "/global/firewalls") == []
-        assert not (self.repo / vm.STATE_FILE).exists()
+        assert not (self.repo / vm_state.STATE_FILE).exists()
 
     def remote_url(self, url: str, endpoint: str | None = None) -> None:
         """Point the committed default remote elsewhere."""
@@ -88,7 +88,7 @@ def world(tmp_path: Path, gcs_emulator: GcsEmulator,
         monkeypatch.setenv(key, value)
     overlay = tmp_path / "vm.yaml"
     overlay.write_text(f"ssh: {{key_file: {tmp_path / 'id'}, ready_timeout_s: 1}}\n")
-    monkeypatch.setenv(vm.CONFIG_ENV, str(overlay))
+    monkeypatch.setenv(vm_config.CONFIG_ENV, str(overlay))
     repo = tmp_path / "repo"
     (repo / "conf" / "hardware").mkdir(parents=True)
     shutil.copy(ROOT / "conf" / "hardware" / "v6e-8.yaml", repo / "conf" / "hardware")
@@ -208,7 +208,7 @@ def test_remote_bucket_missing(world: World) -> None:
 
 def test_remote_endpoint_dead(world: World, tmp_path: Path) -> None:
     world.remote_url(f"gs://{world.emulator.bucket}/dvc", endpoint="http://127.0.0.1:9")
-    overlay = Path(os.environ[vm.CONFIG_ENV])
+    overlay = Path(os.environ[vm_config.CONFIG_ENV])
     overlay.write_text(overlay.read_text() + "remote_probe_timeout_s: 3\n")   # gcsfs retries ~35 s
     out = world.doit("vm_up")
     assert "remote.gcs.url: writing a probe object to gs://mtpipe-test/dvc took more than 3 s" in out

@@ -24,7 +24,7 @@ from doit.doit_cmd import DoitMain
 from fakes.fake_compute import FakeCompute, Reservation
 from google.cloud import compute_v1
 
-from mtpipe.cloud import gcp, prices, vm
+from mtpipe.cloud import gcp, prices, vm_config
 from mtpipe.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,14 +36,14 @@ KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE2fTTNpubliconly mtpipe"
 #   --maintenance-policy=TERMINATE --instance-termination-action=DELETE
 #   --provisioning-model=RESERVATION_BOUND --reservation-affinity=specific --reservation=v6e-res
 # (the tutorials' reservation is one a future reservation in calendar mode created)
-# plus (docs/tpu-vm.md): maxRunDuration, labels, the cloud-platform scope, our SSH public key.
+# plus (docs/tpu-vm.md): a Hyperdisk Balanced boot disk (v6e takes no other), maxRunDuration, labels, the cloud-platform scope, our SSH public key.
 GOLDEN_INSTANCE = {
     "name": "mt-test",
     "machineType": "zones/us-east5-b/machineTypes/ct6e-standard-8t",
     "disks": [{"boot": True, "autoDelete": True, "initializeParams": {
         "sourceImage": "projects/ubuntu-os-accelerator-images/global/images/family/"
                        "ubuntu-accel-2204-amd64-tpu-v5e-v5p-v6e",
-        "diskSizeGb": "200"}}],
+        "diskSizeGb": "200", "diskType": "zones/us-east5-b/diskTypes/hyperdisk-balanced"}}],
     "networkInterfaces": [{"network": "global/networks/default",
                            "accessConfigs": [{"name": "External NAT", "type": "ONE_TO_ONE_NAT"}]}],
     "tags": {"items": ["mt-test"]},
@@ -96,14 +96,14 @@ def repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     subprocess.run(["git", "init", "-q", str(repo)], check=True)
     overlay = tmp_path / "vm.yaml"
     overlay.write_text(f"ssh: {{key_file: {tmp_path / 'id'}, ready_timeout_s: 1}}\n")
-    monkeypatch.setenv(vm.CONFIG_ENV, str(overlay))
+    monkeypatch.setenv(vm_config.CONFIG_ENV, str(overlay))
     return repo
 
 
 def test_insert_bodies_match_the_tutorial(fake: FakeCompute) -> None:
     fake.reservations["v6e-res"] = Reservation(delivered_by="CALENDAR")
-    cfg = vm.load_config()
-    vm.check_create(cfg)
+    cfg = vm_config.load_config()
+    vm_config.check_create(cfg)
     compute = gcp.Compute(cfg.project, cfg.zone)
     labels = {**cfg.labels, "mtpipe-run": "1a2b3c4d"}
     assert compute.create_firewall(gcp.firewall_body(cfg, cfg.name, cfg.firewall.name, labels))
@@ -124,7 +124,7 @@ def test_insert_bodies_match_the_tutorial(fake: FakeCompute) -> None:
 def test_vms_are_listed_by_label(fake: FakeCompute) -> None:
     """instances.list with a label filter in Compute's syntax, through the real client: the zone's
     VMs that carry the labels and no others."""
-    cfg = vm.load_config({"provisioning": "on-demand"})
+    cfg = vm_config.load_config({"provisioning": "on-demand"})
     compute = gcp.Compute(cfg.project, cfg.zone)
     for name, labels in [("vm-a", {"app": "mtpipe", "mtpipe-run": "1"}),
                          ("vm-b", {"app": "mtpipe", "mtpipe-run": "2"}), ("vm-c", {"app": "other"})]:
@@ -142,7 +142,7 @@ def test_vms_are_listed_by_label(fake: FakeCompute) -> None:
 
 
 def test_not_found_and_conflict_are_not_errors(fake: FakeCompute) -> None:
-    cfg = vm.load_config()
+    cfg = vm_config.load_config()
     compute = gcp.Compute(cfg.project, cfg.zone)
     body = gcp.firewall_body(cfg, cfg.name, cfg.firewall.name, dict(cfg.labels))
     assert compute.create_firewall(body) and not compute.create_firewall(body)   # 409
@@ -239,8 +239,8 @@ def test_scheduling_per_provisioning_mode(fake: FakeCompute, mode: str,
     """Each mode's insert body, as sent; the fake accepts it (it refuses what Compute refuses)."""
     if mode != "reservation":
         monkeypatch.delenv("RESERVATION")      # only a reservation's VM needs one
-    cfg = vm.load_config({"provisioning": mode})
-    vm.check_create(cfg)
+    cfg = vm_config.load_config({"provisioning": mode})
+    vm_config.check_create(cfg)
     compute = gcp.Compute(cfg.project, cfg.zone)
     instance = compute.create_instance(
         gcp.instance_body(cfg, cfg.name, KEY, {"app": "mtpipe"}, compute.provisioning_model(cfg)))
@@ -260,7 +260,7 @@ def test_scheduling_per_provisioning_mode(fake: FakeCompute, mode: str,
 
 @pytest.mark.preemption
 def test_on_demand_without_time_limit_has_no_termination_action(fake: FakeCompute) -> None:
-    cfg = vm.load_config({"provisioning": "on-demand", "max_run_duration_s": 0})
+    cfg = vm_config.load_config({"provisioning": "on-demand", "max_run_duration_s": 0})
     fields, affinity = gcp.scheduling(cfg, "STANDARD")
     assert fields == {"provisioning_model": "STANDARD", "on_host_maintenance": "TERMINATE",
                       "automatic_restart": False} and affinity is None
@@ -276,10 +276,12 @@ def test_on_demand_without_time_limit_has_no_termination_action(fake: FakeComput
     (["--reservation=other/v6e-res"], "",
      "vm.reservation: 'other/v6e-res' is neither a reservation name nor projects/PROJECT/reservations/NAME"),
     ([], "max_recoveries: -1\n", "vm.max_recoveries: is negative"),
+    ([], "boot_disk_type: pd-balanced\n",
+     "vm.boot_disk_type: 'pd-balanced' cannot be the boot disk of a ct6e-standard-8t VM"),
 ])
 def test_bad_provisioning_settings_fail_before_any_request(
         fake: FakeCompute, repo: Path, args: list[str], overlay: str, message: str) -> None:
-    config = Path(os.environ[vm.CONFIG_ENV])
+    config = Path(os.environ[vm_config.CONFIG_ENV])
     config.write_text(config.read_text() + overlay)
     rc, out = doit(repo, "vm_up", *args)
     assert rc != 0 and message in out, out
@@ -325,7 +327,7 @@ QUOTA_MESSAGE = "Quota 'TPUS_V6E_PER_PROJECT_PER_ZONE' exceeded. Limit: 0.0 in r
 def test_quota_is_told_apart_from_permission(fake: FakeCompute, failure: tuple) -> None:
     """Compute answers quota exhaustion with 403 (or a QUOTA_EXCEEDED operation) as it answers a missing
     role: the error names the quota and where to raise it, not IAM roles."""
-    cfg = vm.load_config()
+    cfg = vm_config.load_config()
     compute = gcp.Compute(cfg.project, cfg.zone)
     fake.insert_failures.append(failure)
     with pytest.raises(gcp.GcpError) as err:
@@ -346,7 +348,7 @@ STOCKOUT = ("operation", "ZONE_RESOURCE_POOL_EXHAUSTED",
 def test_a_stockout_is_retried_then_the_vm_is_created(fake: FakeCompute, capsys: pytest.CaptureFixture) -> None:
     from mtpipe.cloud.lifecycle import VmLifecycle
 
-    cfg = vm.load_config()
+    cfg = vm_config.load_config()
     cfg.stockout.first_wait_s = 0.05
     fake.insert_failures += [STOCKOUT, STOCKOUT]
     instance = VmLifecycle(cfg, Path(".")).create_vm(KEY, {})
@@ -360,7 +362,7 @@ def test_a_stockout_that_lasts_names_the_other_zones(fake: FakeCompute) -> None:
     machineTypes.aggregatedList), and no VM exists."""
     from mtpipe.cloud.lifecycle import VmLifecycle
 
-    cfg = vm.load_config()
+    cfg = vm_config.load_config()
     cfg.stockout.retry_for_s, cfg.stockout.first_wait_s = 0.2, 0.05
     fake.insert_failures += [STOCKOUT] * 20
     with pytest.raises(gcp.CapacityError, match=r"no capacity in us-east5-b.*Zones that offer ct6e-standard-8t: "

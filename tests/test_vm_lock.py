@@ -1,6 +1,6 @@
 """The TPU VM's environment: one hash-pinned lock, resolved here, installed by the real setup commands.
 
-`doit vm_setup` runs conf/vm.yaml's `setup.commands` on the VM (mtpipe.cloud.vm.setup_script). The slow
+`doit vm_setup` runs conf/vm.yaml's `setup.commands` on the VM (mtpipe.cloud.vm_setup.setup_script). The slow
 test runs that same script on this machine, in a scratch HOME, so a typo or a broken pin fails here
 and not on a VM that bills by the hour. Three commands cannot run here and are replaced, by name, with
 shell functions defined before the script (the script itself is unchanged):
@@ -14,8 +14,12 @@ shell functions defined before the script (the script itself is unchanged):
   venv instead; MaxText pins what it installs by commit (checked below).
 
 Everything else runs for real: `uv venv`, and `uv pip sync --require-hashes` of the whole lock (libtpu
-included: it installs anywhere) into a fresh venv, then `pip check`. Downloads go through the user's
-uv cache (about 3.5 GB the first time, then about a minute).
+included: it installs anywhere) into a fresh venv, then `pip check`; in that venv ray starts and stops.
+Downloads go through the user's uv cache (about 3.5 GB the first time, then about two minutes).
+
+The lock keeps MaxText's floors and takes the newest release of what MaxText does not choose
+(mtpipe.pipeline.requirement_locks): a fast test checks the floors, a slow one asks PyPI (through uv)
+for the newest releases as of the lock's index date.
 """
 
 from __future__ import annotations
@@ -24,13 +28,18 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
-from mtpipe.cloud import locks, vm
+from mtpipe.cloud import vm_setup
+from mtpipe.pipeline import requirement_locks
+from mtpipe.pipeline.requirement_locks import VM_LOCK, uv
 from mtpipe.pipeline.toolchain import lock_pins
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,28 +55,28 @@ def test_one_maxtext_version_for_laptop_and_vm():
     """pyproject.toml pins MaxText; the laptop lock, the VM lock and the installed package agree."""
     from importlib import metadata
 
-    version = locks.maxtext_version()
-    vm_pins = lock_pins(locks.VM_LOCK.read_text())
+    version = requirement_locks.maxtext_version()
+    vm_pins = lock_pins(VM_LOCK.read_text())
     assert lock_pins((ROOT / "requirements.lock").read_text())["maxtext"] == version
     assert vm_pins["maxtext"] == version == metadata.version("maxtext")
-    header = locks.VM_LOCK.read_text().split("\n#\n", 1)[0]
-    assert f"step 1 (--resolution lowest): maxtext[tpu-post-train]=={version}" in header
+    header = VM_LOCK.read_text().split("\n#\n", 1)[0]
+    assert f"step 1 (--resolution lowest-direct): maxtext[tpu-post-train]=={version} and its floors" in header
     # No other file names a MaxText version: conf/vm.yaml installs the lock.
     assert not re.search(r"maxtext\S*==", (ROOT / "conf" / "vm.yaml").read_text())
 
 
 def test_vm_lock_pins_what_the_vm_needs():
-    text = locks.VM_LOCK.read_text()
+    text = VM_LOCK.read_text()
     pins = lock_pins(text)
-    project = locks.project_pins()
-    for name in locks.VM_PACKAGES:
+    project = requirement_locks.project_pins()
+    for name in requirement_locks.VM_PACKAGES:
         assert pins[name] == next(iter(project[name].specifier)).version, name
-    # The tutorial's lowest resolution: MaxText's own lower bounds (jax>=0.11.0 -> 0.11.0).
+    # MaxText's floors, as the tutorial's lowest resolution takes them (jax>=0.11.0 -> 0.11.0).
     assert pins["jax"] == "0.11.0" and pins["google-tunix"] == "0.1.7" and "libtpu" in pins
     # PyPI's torch at MaxText's version instead of the PyTorch index's +cpu build.
-    assert locks.torch_overrides() == ["torch==2.11.0", "torchvision==0.26.0"]
+    assert requirement_locks.torch_overrides() == ["torch==2.11.0", "torchvision==0.26.0"]
     assert (pins["torch"], pins["torchvision"]) == ("2.11.0", "0.26.0")
-    assert (pins["uv"], pins["pip"]) == (locks.UV_VERSION, locks.PIP_VERSION)
+    assert (pins["uv"], pins["pip"]) == (requirement_locks.UV_VERSION, requirement_locks.PIP_VERSION)
     # Every pinned package carries hashes (uv pip sync --require-hashes refuses the lock otherwise).
     body = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
     entries = re.split(r"\n(?=[A-Za-z0-9])", body.strip())
@@ -75,16 +84,77 @@ def test_vm_lock_pins_what_the_vm_needs():
     assert all("--hash=sha256:" in e for e in entries)
 
 
+# Packages of the VM lock below their newest release although neither MaxText nor the project chose
+# them: each is held back by a bound of the package named (which the lock's `# via` comments name).
+HELD_BACK = {"chardet": {"mbstrdecoder"}, "flufl-lock": {"dvc"}, "typepy": {"pytablewriter"}}  # <7, <10, <2
+# torch 2.11.0 pins its CUDA 13.0 stack, directly or through cuda-toolkit's own == pins.
+TORCH_PINS = re.compile(r"nvidia-(?!ml-py$)|cuda-toolkit$")
+
+
+def via(text: str) -> dict[str, set[str]]:
+    """Package -> the packages that require it, from a lock's `# via` comments."""
+    out: dict[str, set[str]] = {}
+    name = None
+    for line in text.splitlines():
+        if m := re.match(r"([A-Za-z0-9_.\-]+)==", line):
+            name = canonicalize_name(m[1])
+            out[name] = set()
+        elif name and (m := re.fullmatch(r"\s+#(?: via)?\s+([A-Za-z0-9_.\-]+)", line)):
+            out[name].add(canonicalize_name(m[1]))
+    return out
+
+
+@pytest.mark.first_contact
+def test_vm_lock_keeps_maxtexts_floors_except_those_that_bound_nothing():
+    """MaxText's floors are MaxText's own lock, what the tutorial installs: the VM lock keeps them, except
+    the floors at a package's first release (ray's unbounded colorful, smart-open, opencensus and
+    aiohttp-cors; ray cannot start with colorful 0.0.0) and the lifted ones (grpcio)."""
+    text = VM_LOCK.read_text()
+    pins, floors = lock_pins(text), requirement_locks.maxtext_floors()
+    above = {name for name, floor in floors.items() if pins[name] != floor}
+    # xprof: tokamax 0.0.14 requires xprof>=2.23.1, above MaxText's floor
+    assert above == {"aiohttp-cors", "colorful", "opencensus", "smart-open", "grpcio", "xprof"}
+    assert all(Version(pins[name]) > Version(floors[name]) for name in above)
+    assert Version(pins["grpcio"]) >= Version("1.83")   # what google-api-core and google-auth accept
+    assert list(requirement_locks.LIFTED_FLOORS) == ["grpcio"]
+    header = text.split("\n#\n", 1)[0]
+    assert f"floors lifted (LIFTED_FLOORS): grpcio>={floors['grpcio']}" in header
+    assert "colorful>=0.0.0" in header and "smart-open>=0.1.0" in header
+
+
+@pytest.mark.slow
+@pytest.mark.first_contact
+def test_what_maxtext_does_not_floor_is_at_its_newest_release():
+    """Every package of the VM lock that neither MaxText floors (a floor that bounds nothing, or a lifted
+    one, counts as none) nor the project pins is at its newest release as of the index date, unless a
+    package the lock names holds it back (needs PyPI; about 40 s). The tutorial's `--resolution lowest`
+    took colorful 0.0.0, smart-open 0.1.0 and nvidia-ml-py 12.535.77 instead."""
+    text = VM_LOCK.read_text()
+    pins, floors = lock_pins(text), requirement_locks.maxtext_floors()
+    untaken = requirement_locks.vacuous_floors(floors).keys() | requirement_locks.LIFTED_FLOORS.keys()
+    maxtext, rest = requirement_locks.vm_inputs()
+    pinned = {canonicalize_name(Requirement(r).name) for r in [maxtext, *rest, *requirement_locks.torch_overrides()]}
+    free = sorted(pins.keys() - (floors.keys() - untaken) - pinned)
+    assert untaken <= set(free) and len(free) > 80
+    newest = requirement_locks.releases(free, "highest")
+    behind = {name: (pins[name], newest[name]) for name in free if pins[name] != newest[name]}
+    holders = {name: {"torch", "cuda-toolkit"} if TORCH_PINS.match(name) else HELD_BACK.get(name, set())
+               for name in behind}
+    assert {name: versions for name, versions in behind.items() if not holders[name]} == {}
+    requirers = via(text)
+    assert {name: holder for name, holder in holders.items() if not holder & requirers[name]} == {}
+
+
 def test_vm_setup_installs_the_lock_with_hashes():
     cfg = vm_config()
     commands = list(cfg.setup.commands)
     assert list(cfg.setup.files) == ["requirements-vm.lock"]
     assert 'uv pip sync --require-hashes "$HOME/.mtpipe/setup/requirements-vm.lock"' in commands
-    assert f"curl -LsSf https://astral.sh/uv/{locks.UV_VERSION}/install.sh | sh" in commands
+    assert f"curl -LsSf https://astral.sh/uv/{requirement_locks.UV_VERSION}/install.sh | sh" in commands
     # The files travel on stdin and count in the marker: a new lock reruns the setup.
-    files = vm.setup_files(cfg, ROOT)
+    files = vm_setup.setup_files(cfg, ROOT)
     other = files.replace(b"maxtext==", b"maxtext===")
-    assert vm.setup_script(cfg, files) != vm.setup_script(cfg, other)
+    assert vm_setup.setup_script(cfg, files) != vm_setup.setup_script(cfg, other)
 
 
 def test_maxtext_pins_its_github_dependencies_by_commit():
@@ -104,10 +174,10 @@ def test_maxtext_pins_its_github_dependencies_by_commit():
 
 @pytest.mark.slow
 def test_vm_lock_resolves_again_to_the_same_file(tmp_path):
-    """`make lock` today gives the committed lock (PyPI as of locks.INDEX_DATE)."""
+    """`make lock` today gives the committed lock (PyPI as of requirement_locks.INDEX_DATE)."""
     out = tmp_path / "requirements-vm.lock"
-    locks.compile_vm_lock(out)
-    assert out.read_text() == locks.VM_LOCK.read_text(), "requirements-vm.lock is stale: run `make lock`"
+    requirement_locks.compile_vm_lock(out)
+    assert out.read_text() == VM_LOCK.read_text(), "requirements-vm.lock is stale: run `make lock`"
 
 
 # Stand-ins for the three commands that cannot run here (see the module docstring).
@@ -135,7 +205,7 @@ def run_setup(home: Path, script: str, files: bytes) -> subprocess.CompletedProc
     env = inherited | {
         "HOME": str(home), "PATH": f"{python312}:/usr/local/bin:/usr/bin:/bin",
         "UV_CACHE_DIR": os.environ.get("UV_CACHE_DIR", str(Path.home() / ".cache" / "uv")),
-        "UV_PYTHON_DOWNLOADS": "never", "TEST_UV": str(locks.uv()), "TEST_UV_VERSION": locks.UV_VERSION,
+        "UV_PYTHON_DOWNLOADS": "never", "TEST_UV": str(uv()), "TEST_UV_VERSION": requirement_locks.UV_VERSION,
     }  # fmt: skip
     return subprocess.run(["bash", "-c", STANDINS + script], input=files, env=env, capture_output=True)
 
@@ -156,20 +226,40 @@ def pip_check_problems(output: str, venv: Path) -> list[str]:
     return problems
 
 
-@pytest.mark.slow
-def test_the_setup_commands_install_the_lock_into_a_fresh_venv(tmp_path):
+@dataclass
+class SetupRun:
+    """The real setup commands, run once in a scratch HOME (see the module docstring)."""
+    home: Path
+    script: str
+    files: bytes
+    proc: subprocess.CompletedProcess
+
+    @property
+    def python(self) -> Path:
+        return self.home / "maxtext_venv" / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def setup_run(tmp_path_factory) -> SetupRun:
+    """The VM's venv as `doit vm_setup` makes it: the whole lock installed (about a minute with uv's cache
+    warm). The tests that use it share one xdist group, so it is made once."""
     cfg = vm_config()
-    files = vm.setup_files(cfg, ROOT)
-    script = vm.setup_script(cfg, files)
-    home = tmp_path / "home"
+    files = vm_setup.setup_files(cfg, ROOT)
+    script = vm_setup.setup_script(cfg, files)
+    home = tmp_path_factory.mktemp("vm_setup") / "home"
     home.mkdir()
-    proc = run_setup(home, script, files)
-    out = (proc.stdout + proc.stderr).decode(errors="replace")
-    assert proc.returncode == 0, out[-5000:]
+    return SetupRun(home, script, files, run_setup(home, script, files))
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("vm-setup")
+def test_the_setup_commands_install_the_lock_into_a_fresh_venv(setup_run: SetupRun):
+    home, python = setup_run.home, setup_run.python
+    venv = python.parents[1]
+    out = (setup_run.proc.stdout + setup_run.proc.stderr).decode(errors="replace")
+    assert setup_run.proc.returncode == 0, out[-5000:]
     assert "mtpipe: VM set up" in out
 
-    venv = home / "maxtext_venv"
-    python = venv / "bin" / "python"
     assert (home / "extra_deps.log").read_text().strip() == str(venv)
     sudo = [re.fullmatch(r"DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=\d+ (\w+)( .*)?", line)
             for line in (home / "sudo.log").read_text().splitlines()]   # apt_get: apt waits for the lock
@@ -180,14 +270,34 @@ def test_the_setup_commands_install_the_lock_into_a_fresh_venv(tmp_path):
     assert version == ["3", "12"]
     check = subprocess.run([python, "-m", "pip", "check"], capture_output=True, text=True)
     assert not pip_check_problems(check.stdout, venv), check.stdout + check.stderr
-    assert subprocess.run([locks.uv(), "pip", "check", "--python", python]).returncode == 0
-    freeze = subprocess.run([locks.uv(), "pip", "freeze", "--python", python], capture_output=True, text=True,
+    assert subprocess.run([uv(), "pip", "check", "--python", python]).returncode == 0
+    freeze = subprocess.run([uv(), "pip", "freeze", "--python", python], capture_output=True, text=True,
                             check=True).stdout
-    assert lock_pins(freeze) == lock_pins(locks.VM_LOCK.read_text())
+    assert lock_pins(freeze) == lock_pins(VM_LOCK.read_text())
     imports = "import dvc.repo, dvc_gs, doit, omegaconf, jax, flax, transformers, tunix, torch, maxtext"
     proc_imports = subprocess.run([python, "-c", imports], capture_output=True, text=True,
                                   env={"JAX_PLATFORMS": "cpu", "HOME": str(home), "PATH": "/usr/bin:/bin"}, cwd=home)
     assert proc_imports.returncode == 0, proc_imports.stderr[-3000:]
 
-    again = run_setup(home, script, files)
+    again = run_setup(home, setup_run.script, setup_run.files)
     assert again.returncode == 0 and b"already set up" in again.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.first_contact
+@pytest.mark.xdist_group("vm-setup")
+def test_ray_starts_in_the_vm_venv(setup_run: SetupRun):
+    """`ray.init()` in the venv the setup made, in a child process: ray and what it imports at the
+    lock's versions (with colorful 0.0.0: `cannot import name 'ColorfulString'`), and the dashboard's
+    packages import. Without the dashboard: it adds about 30 s on 2 cores and is not on the VM's path."""
+    assert setup_run.proc.returncode == 0, setup_run.proc.stderr.decode(errors="replace")[-3000:]
+    script = ("import aiohttp_cors, colorful, opencensus, ray, smart_open\n"
+              "ray.init(num_cpus=1, include_dashboard=False)\n"
+              "assert ray.get(ray.put(41)) == 41\n"
+              "ray.shutdown()\n"
+              "print('ray', ray.__version__, 'started and stopped')\n")
+    env = {"HOME": str(setup_run.home), "PATH": f"{setup_run.python.parent}:/usr/bin:/bin"}
+    proc = subprocess.run([setup_run.python, "-c", script], capture_output=True, text=True, env=env,
+                          cwd=setup_run.home, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"ray {lock_pins(VM_LOCK.read_text())['ray']} started and stopped" in proc.stdout

@@ -250,16 +250,17 @@ def remote_manifest(fs: gcsfs.GCSFileSystem, remote: str, dir_md5: str) -> dict[
 @pytest.mark.resume_exact
 def test_real_training_on_spot_survives_two_preemptions(project_world: Env, gcs_emulator: GcsEmulator,
                                                        pipeline_repo: Path) -> None:
-    """The embedded SFT branch (real MaxText) up to its export on a loopback Spot VM, the training's
-    run directory in the work bucket (the emulator). MaxText holds after step 50
-    (MTPIPE_HOLD_AFTER_STEP, in run.env) and the first VM is preempted (TERMINATED) once the bucket has
-    that checkpoint and its loss row; the second VM resumes there, finishes train_sft (pushed to the
-    DVC remote as it ends: mtpipe.cloud.exp_run) and is preempted (deleted) when to_huggingface has
-    started; the third pulls train_sft's outputs from the run-cache instead of training again and
-    exports. Nothing is converted on a VM. The experiment's trained params, export, loss curve and
-    metrics are the uninterrupted run's (the pipeline's: checkpoints every 25 steps instead of 50
-    make train_sft rerun and change only the stamps' digests, and the metrics record the resume);
-    no VM or firewall rule is left."""
+    """The embedded SFT branch (real MaxText) up to its evaluation on a loopback Spot VM, the training's
+    run directory in the work bucket (the emulator), with checkpoints every 25 steps instead of 50 and
+    16 test conversations instead of 32: train_sft, evaluate_base and evaluate rerun. MaxText holds
+    after step 50 (MTPIPE_HOLD_AFTER_STEP, in run.env) and the first VM is preempted (TERMINATED) once
+    the bucket has that checkpoint and its loss row; the second VM resumes there, finishes train_sft
+    (pushed to the DVC remote as it ends: mtpipe.cloud.exp_run) and is preempted (deleted) when
+    evaluate has started; the third pulls train_sft's outputs from the run-cache instead of training
+    again and evaluates. Nothing is converted or exported on a VM: the resumed run's params are the
+    uninterrupted run's bytes (the pipeline's), stamp included, so the export is up to date. The loss
+    curve and metrics are the uninterrupted run's too (the metrics record the resume); no VM or
+    firewall rule is left."""
     # imported here: with work_bucket (gcsfs) imported at collection, the remote probes of the
     # other tests in this file time out when the file runs alone
     from work_bucket import bucket_env, checkpoint_to_resume, committed, emulator_fs
@@ -272,7 +273,7 @@ def test_real_training_on_spot_survives_two_preemptions(project_world: Env, gcs_
                 run__env={**bucket_env(gcs_emulator, prefix="spot-work"), "MTPIPE_HOLD_AFTER_STEP": str(hold)},
                 run__command='source "$HOME/venv/bin/activate" && dvc pull --allow-missing && {dvc} && dvc push')
     w.env.pop("RESERVATION")
-    export_log = w.sshd.home / "mtpipe" / "work" / "logs" / "sft" / "to_huggingface.log"
+    evaluate_log = w.sshd.home / "mtpipe" / "work" / "logs" / "sft" / "evaluate.log"
     done, stop = [], threading.Event()
 
     def preempt_when(ready: Callable[[], bool], delete: bool) -> None:
@@ -282,7 +283,7 @@ def test_real_training_on_spot_survives_two_preemptions(project_world: Env, gcs_
         while not stop.wait(0.3):
             try:
                 if ready():
-                    done.append("to_huggingface" if delete else max(committed(fs, runs)))
+                    done.append("evaluate" if delete else max(committed(fs, runs)))
                     break
             except Exception as err:  # noqa: BLE001
                 print(f"preempter: poll failed ({type(err).__name__}: {err}); retrying")
@@ -296,24 +297,24 @@ def test_real_training_on_spot_survives_two_preemptions(project_world: Env, gcs_
     def preempter() -> None:
         # MaxText holds after step 50: the step's row reaches the bucket meanwhile
         preempt_when(lambda: checkpoint_to_resume(fs, runs, at_least=hold) is not None, delete=False)
-        preempt_when(lambda: export_log.exists() and "to_huggingface" in export_log.read_text(errors="replace"),
-                     delete=True)
+        preempt_when(lambda: evaluate_log.exists() and evaluate_log.stat().st_size > 0, delete=True)
 
     thread = threading.Thread(target=preempter, daemon=True)
     thread.start()
     try:
-        out = w.doit("vm_run", "--set=sft.train_sft.checkpoint_period=25", "--target=to_huggingface@sft",
+        out = w.doit("vm_run", "--set=sft.train_sft.checkpoint_period=25", "--set=sft.evaluate.num_problems=16",
+                     "--target=evaluate@sft",
                      "--exp-name=spot", "--down").stdout
     finally:
         stop.set()
         thread.join()
-    assert done == [hold, "to_huggingface"], out[-3000:]
+    assert done == [hold, "evaluate"], out[-3000:]
     assert "recovery 1 of 3: VM mt-test was preempted (status TERMINATED)" in out, out[-3000:]
     assert "recovery 2 of 3: VM mt-test was preempted and deleted by Compute" in out
     assert len(w.fake.inserts()) == 3 and all(i.json()["scheduling"] == SPOT for i in w.fake.inserts())
     ran = re.findall(r"Running stage '([^']+)'", out)
-    assert ran.count("train_sft@sft") == 2 and ran.count("to_huggingface@sft") == 2, ran
-    assert "to_maxtext@sft" not in ran, ran
+    assert ran.count("train_sft@sft") == 2 and ran.count("evaluate@sft") == 2, ran
+    assert "to_maxtext@sft" not in ran and "to_huggingface@sft" not in ran, ran
     second_vm = out.split("recovery 1 of 3")[1].split("recovery 2 of 3")[0]
     assert "mtpipe: pushed the outputs of 'train_sft@sft'" in second_vm, "train_sft did not reach the remote"
     assert out.count("Stage 'train_sft@sft' is cached - skipping run") == 1, "the third VM trained again"
@@ -324,12 +325,10 @@ def test_real_training_on_spot_survives_two_preemptions(project_world: Env, gcs_
     metrics = experiments(w)["spot"]["metrics"]["metrics/sft/train_sft.json"]
     assert metrics["resumed_from_step"] == hold
     lock, head = (yaml.safe_load(sh(["git", "show", f"{r}:dvc.lock"], w.repo, w.env)) for r in (rev, "HEAD"))
-    for stage, directory in (("train_sft@sft", "artifacts/sft/trained"), ("to_huggingface@sft", "artifacts/sft/hf")):
-        # every file but the stamp, whose digest covers the config (checkpoint_period: 25, not 50)
-        out = next(o for o in lock["stages"][stage]["outs"] if o["path"] == directory)
-        files = remote_manifest(fs, f"{gcs_emulator.bucket}/{w.repo.parent.name}", out["md5"])
-        reference = md5_tree(pipeline_repo / directory, ["."])
-        assert files.pop(STAMP) != reference.pop(STAMP) and files == reference, f"{stage}: {directory} differs"
+    out = next(o for o in lock["stages"]["train_sft@sft"]["outs"] if o["path"] == "artifacts/sft/trained")
+    files = remote_manifest(fs, f"{gcs_emulator.bucket}/{w.repo.parent.name}", out["md5"])
+    assert STAMP in files and files == md5_tree(pipeline_repo / "artifacts/sft/trained", ["."]), "the params differ"
+    assert lock["stages"]["to_huggingface@sft"] == head["stages"]["to_huggingface@sft"], "the export moved"
     reference = json.loads((pipeline_repo / "metrics" / "sft" / "train_sft.json").read_text())
     assert metrics == reference | {"resumed_from_step": hold}, "the metrics differ from the uninterrupted run's"
     curve, reference = (sh(["git", "show", f"{r}:plots/sft/train_sft.csv"], w.repo, w.env) for r in (rev, "HEAD"))

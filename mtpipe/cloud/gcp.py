@@ -153,6 +153,7 @@ def instance_body(cfg: Any, name: str, ssh_public_key: str, labels: dict[str, st
                 "source_image":
                     f"projects/{cfg.image_project}/global/images/family/{cfg.image_family}",
                 "disk_size_gb": int(cfg.boot_disk_gb),
+                "disk_type": f"zones/{cfg.zone}/diskTypes/{cfg.boot_disk_type}",
             },
         }],
         "network_interfaces": [{

@@ -3,7 +3,8 @@
 :class:`VmLifecycle` holds the rules (checks before spending, one VM per state file, delete on
 failure unless kept, replace a lost VM at most ``max_recoveries`` times, never replace one that ran
 out of time); the cloud behind it is a :class:`Provider` (Compute Engine: mtpipe.cloud.gcp.Compute).
-What happens on the VM over SSH (setup, shipping, the pipeline) is mtpipe.cloud.vm's.
+What happens on the VM over SSH is in vm_ssh (the connection), vm_setup (the environment) and
+vm_experiments (shipping the code, the pipeline as DVC experiments).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Any, Protocol
 
 from omegaconf import DictConfig, OmegaConf
 
-from mtpipe.cloud import interrupts, prices, vm, vm_checks
+from mtpipe.cloud import (interrupts, prices, vm_checks, vm_config, vm_experiments, vm_setup, vm_ssh,
+                          vm_state)
 from mtpipe.cloud.gcp import SETTLING, CapacityError, Compute, GcpError
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import preflight as preflight_checks
@@ -57,13 +59,13 @@ class Provider(Protocol):
 
 def compute_engine(cfg: DictConfig) -> Provider:
     """The Compute Engine zone ``cfg`` names."""
-    vm.require(cfg, "project", "zone")
+    vm_config.require(cfg, "project", "zone")
     return Compute(cfg.project, cfg.zone, float(cfg.operation_timeout_s))
 
 
 def spend_line(state: dict) -> str:
     """What the VMs of this run (the one recorded, and those it replaced) cost so far."""
-    spent = vm.spend(state)
+    spent = vm_state.spend(state)
     replaced = f", {spent.count - 1} of them replaced after being lost" if spent.count > 1 else ""
     line = f"this run's VMs: {spent.count}{replaced}; {spent.hours:.2f} h in all"
     if not spent.reservations:
@@ -122,30 +124,30 @@ class VmLifecycle:
         """The provider's client for ``cfg``'s zone, made once per lifecycle."""
         return self._provider(self.cfg)
 
-    def remote(self, state: dict | None = None) -> vm.Remote:
+    def remote(self, state: dict | None = None) -> vm_ssh.Remote:
         """How to reach the VM, after checking with the cloud that it still exists."""
-        cfg, state = self.cfg, vm.read_state(self.root) if state is None else state
+        cfg, state = self.cfg, vm_state.read_state(self.root) if state is None else state
         cloud = self.cloud
         instance = cloud.get_instance(cfg.name)
         if instance is None:
-            raise vm.VmError(f"VM {cfg.name} does not exist in {cfg.project}/{cfg.zone} (deleted, or "
+            raise vm_config.VmError(f"VM {cfg.name} does not exist in {cfg.project}/{cfg.zone} (deleted, or "
                              "max_run_duration_s ran out): create it with `doit vm_up`")
         ip = cloud.address(instance)
         if not ip and not cfg.ssh.proxy_command:
-            raise vm.VmError(f"VM {cfg.name} has no external IP: set ssh.proxy_command (IAP) in "
+            raise vm_config.VmError(f"VM {cfg.name} has no external IP: set ssh.proxy_command (IAP) in "
                              "conf/vm.yaml")
         host_key = state.get("host_key") if state.get("name") == cfg.name else None
-        return vm.Remote.from_config(cfg, ip or cfg.name, host_key)
+        return vm_ssh.Remote.from_config(cfg, ip or cfg.name, host_key)
 
     # ------------------------------------------------------------ create and delete
 
-    def ensure(self, experiments: list[list[str]], may_create: bool, preflight: bool = False) -> vm.Remote:
+    def ensure(self, experiments: list[list[str]], may_create: bool, preflight: bool = False) -> vm_ssh.Remote:
         """The VM, reachable over SSH: reused when it exists, else created (:meth:`_ensure`);
         SIGTERM and SIGHUP meanwhile clean up as Ctrl-C does."""
         with interrupts.raising():
             return self._ensure(experiments, may_create, preflight)
 
-    def _ensure(self, experiments: list[list[str]], may_create: bool, preflight: bool) -> vm.Remote:
+    def _ensure(self, experiments: list[list[str]], may_create: bool, preflight: bool) -> vm_ssh.Remote:
         """The VM, reachable over SSH: reused when it exists, else created.
 
         Before creating anything the checks before spending run (vm_checks.before_spending) for the
@@ -155,14 +157,14 @@ class VmLifecycle:
         records but the cloud no longer has (vm_run without --recreate).
         """
         cfg, root = self.cfg, self.root
-        state = vm.read_state(root)
-        vm.check_create(cfg)
+        state = vm_state.read_state(root)
+        vm_config.check_create(cfg)
         cloud = self.cloud
         recorded = (state.get("project"), state.get("zone"), state.get("name"))
         if state and recorded != (cfg.project, cfg.zone, cfg.name):
             other = self._provider(OmegaConf.merge(cfg, {"project": state["project"], "zone": state["zone"]}))
             if other.get_instance(state["name"]) is not None:
-                raise ConfigError("vm.name", f"{vm.STATE_FILE} tracks another VM, {state['name']} in "
+                raise ConfigError("vm.name", f"{vm_state.STATE_FILE} tracks another VM, {state['name']} in "
                                   f"{state['project']}/{state['zone']}",
                                   "delete it first with `doit vm_down`, or use its name/zone/project")
             state = {}
@@ -175,13 +177,13 @@ class VmLifecycle:
             _say(f"reusing VM {cfg.name} ({instance.status}) in {cfg.zone}")
             vm_checks.check_project(cfg, root, experiments)
             if not state.get("vms"):   # created elsewhere: its cost counts from its creation
-                vm.vm_started(state, cfg, instance.creation_timestamp)
+                vm_state.vm_started(state, cfg, instance.creation_timestamp)
         else:
             if state and not may_create:
                 why = ("Compute deleted it after max_run_duration_s, or someone else did" if state.get("created")
                        else f"its insert, sent {state.get('insert_sent')}, never created it")
-                raise vm.VmError(
-                    f"VM {cfg.name}, recorded in {vm.STATE_FILE} (created {state.get('created')}), no "
+                raise vm_config.VmError(
+                    f"VM {cfg.name}, recorded in {vm_state.STATE_FILE} (created {state.get('created')}), no "
                     f"longer exists in {cfg.project}/{cfg.zone}: {why}. Rerun with --recreate to create "
                     f"a new one ({prices.vm_rate(cfg).describe()}), or `doit vm_down` to forget it")
             _say("checks before spending: Compute, the presets with the --set values, HF_TOKEN, the DVC remote")
@@ -204,23 +206,23 @@ class VmLifecycle:
         Compute says whether the VM exists (:meth:`_abandon`): the run is abandoned, so a VM that
         exists is deleted."""
         cfg, cloud = self.cfg, self.cloud
-        public_key = vm.ssh_public_key(cfg)
+        public_key = vm_ssh.ssh_public_key(cfg)
         run_id = secrets.token_hex(4)
-        labels = {**cfg.labels, RUN_LABEL: run_id, USER_LABEL: vm.label_value(getpass.getuser()),
+        labels = {**cfg.labels, RUN_LABEL: run_id, USER_LABEL: vm_config.label_value(getpass.getuser()),
                   PROVISIONING_LABEL: cfg.provisioning, FIREWALL_LABEL: cfg.firewall.name}
         _say(creation_line(cfg, cloud.provisioning_model(cfg)))
         before = dict(state)
         state.pop("host_key", None)   # a new VM, a new host key
         state.update(_recorded(cfg), run_id=run_id, created=None,
                      insert_sent=datetime.now(timezone.utc).isoformat(timespec="seconds"))
-        vm.write_state(self.root, state)
+        vm_state.write_state(self.root, state)
         try:
             cloud.open_ssh(cfg, labels)
             instance = self.create_vm(public_key, labels)
         except BaseException as e:
             self._abandon(e, before)
             raise
-        vm.vm_started(state, cfg, instance.creation_timestamp)
+        vm_state.vm_started(state, cfg, instance.creation_timestamp)
         return instance
 
     def _abandon(self, error: BaseException, before: dict) -> None:
@@ -237,13 +239,13 @@ class VmLifecycle:
                 self._delete_vm(cfg.name if cloud.settle(cfg.name, timeout_s) is not None else None,
                                 cfg.firewall.name)
             except GcpError as e:
-                _say(f"could not delete VM {cfg.name} ({e}); {vm.STATE_FILE} still records it: "
+                _say(f"could not delete VM {cfg.name} ({e}); {vm_state.STATE_FILE} still records it: "
                      "`doit vm_down` deletes it")
                 return
             if before:
-                vm.write_state(self.root, before)
+                vm_state.write_state(self.root, before)
             else:
-                vm.clear_state(self.root)
+                vm_state.clear_state(self.root)
 
     def create_vm(self, public_key: str, labels: dict[str, str]) -> Any:
         """Create the VM; on a stockout, retry with doubling waits for ``stockout.retry_for_s``, then fail
@@ -266,20 +268,20 @@ class VmLifecycle:
                 time.sleep(min(wait, left))
                 wait = min(wait * 2, STOCKOUT_MAX_WAIT_S)
 
-    def _connect(self, state: dict, instance: Any, created: bool) -> vm.Remote:
+    def _connect(self, state: dict, instance: Any, created: bool) -> vm_ssh.Remote:
         """Record the VM in the state file, wait until its sshd takes our key (pinning its host key)."""
         cfg = self.cfg
         state.update(_recorded(cfg), created=instance.creation_timestamp)
-        vm.write_state(self.root, state)
+        vm_state.write_state(self.root, state)
         remote = self.remote(state)
         try:
-            state["host_key"] = vm.wait_ready(remote, float(cfg.ssh.ready_timeout_s))
+            state["host_key"] = vm_ssh.wait_ready(remote, float(cfg.ssh.ready_timeout_s))
         except BaseException:
             if created and not self.keep:
                 _say(f"VM {cfg.name} is unreachable; deleting it (use --keep to keep it)")
                 self.delete()
             raise
-        vm.write_state(self.root, state)
+        vm_state.write_state(self.root, state)
         remote.host_key = state["host_key"]
         _say(f"VM {cfg.name} ready at {remote.host}:{remote.port}")
         return remote
@@ -290,11 +292,11 @@ class VmLifecycle:
         cfg = self.cfg
         with interrupts.ignored():
             self._delete_vm(cfg.name, cfg.firewall.name)
-            state = vm.read_state(self.root)
+            state = vm_state.read_state(self.root)
             if state.get("vms") and state.get("name") == cfg.name:
-                vm.vm_ended(state, "deleted")
+                vm_state.vm_ended(state, "deleted")
                 _say(spend_line(state))
-            vm.clear_state(self.root)
+            vm_state.clear_state(self.root)
 
     def _delete_vm(self, name: str | None, firewall: str) -> None:
         """Delete VM ``name`` (None: there is none) and firewall rule ``firewall``, saying for each
@@ -312,7 +314,7 @@ class VmLifecycle:
         (mtpipe-<user> by default) and every VM in the zone labelled with `labels` and created by
         this user (label created-by), each with its firewall rule; other users' VMs are named, not
         deleted. Finds what a fresh clone or another laptop has no state file for."""
-        cfg, user = self.cfg, vm.label_value(getpass.getuser())
+        cfg, user = self.cfg, vm_config.label_value(getpass.getuser())
         found = {i.name: i for i in self.labelled()}
         mine = sorted(n for n, i in found.items() if dict(i.labels).get(USER_LABEL) == user)
         if cfg.name not in mine and self.cloud.get_instance(cfg.name) is not None:
@@ -335,7 +337,7 @@ class VmLifecycle:
             try:
                 body()
             except BaseException as e:
-                if self.keep and not isinstance(e, vm.VmLost):
+                if self.keep and not isinstance(e, vm_config.VmLost):
                     _say(f"failed; VM {self.cfg.name} kept (--keep): `doit vm_down` deletes it")
                 else:
                     why = "a lost VM cannot be restarted" if self.keep else "use --keep to keep it"
@@ -356,13 +358,13 @@ class VmLifecycle:
         instance = self.cloud.get_instance(cfg.name)
         if instance is not None and instance.status == "RUNNING":
             return None
-        state = vm.read_state(self.root)
+        state = vm_state.read_state(self.root)
         if state.get("name") != cfg.name:
-            raise vm.VmError(f"VM {cfg.name} was deleted during the run (`doit vm_down`?): not replaced")
+            raise vm_config.VmError(f"VM {cfg.name} was deleted during the run (`doit vm_down`?): not replaced")
         limit = int(cfg.max_run_duration_s)
         age = (datetime.now(timezone.utc) - datetime.fromisoformat(state["created"])).total_seconds()
         if instance is None and limit and age >= limit:
-            raise vm.VmError(f"VM {cfg.name} reached max_run_duration_s ({limit} s) and Compute "
+            raise vm_config.VmError(f"VM {cfg.name} reached max_run_duration_s ({limit} s) and Compute "
                              "deleted it: raise max_run_duration_s in conf/vm.yaml (0: no limit) for "
                              "longer runs")
         spot = cfg.provisioning == "spot"
@@ -370,17 +372,17 @@ class VmLifecycle:
             why = "was preempted and deleted by Compute" if spot else "was deleted by someone else"
         else:
             why = f"was {'preempted' if spot else 'stopped by Compute'} (status {instance.status})"
-        vm.vm_ended(state, why)
-        vm.write_state(self.root, state)
+        vm_state.vm_ended(state, why)
+        vm_state.write_state(self.root, state)
         return why
 
-    def replace(self) -> vm.Remote:
+    def replace(self) -> vm_ssh.Remote:
         """Delete the lost VM (a preempted Spot VM cannot be restarted) and create a new one."""
         self.cloud.delete_instance(self.cfg.name)
-        state = vm.read_state(self.root)
+        state = vm_state.read_state(self.root)
         return self._connect(state, self._create(state), created=True)
 
-    def with_recovery(self, remote: vm.Remote, attempt: Callable[[vm.Remote], None]) -> None:
+    def with_recovery(self, remote: vm_ssh.Remote, attempt: Callable[[vm_ssh.Remote], None]) -> None:
         """Run `attempt` on the VM; when it fails because the VM was lost, replace the VM and run
         it again, at most `max_recoveries` times (a managed job: the pipeline resumes from the
         bucket)."""
@@ -389,12 +391,12 @@ class VmLifecycle:
             try:
                 attempt(remote)
                 return
-            except vm.VmError as e:
+            except vm_config.VmError as e:
                 why = self.lost()
                 if why is None:
                     raise
                 if recovery > limit:
-                    raise vm.VmLost(f"VM {cfg.name} {why} ({e}); it was replaced {limit} times "
+                    raise vm_config.VmLost(f"VM {cfg.name} {why} ({e}); it was replaced {limit} times "
                                     f"already (max_recoveries: {limit}), so vm_run gives up and deletes "
                                     "it. Rerun later, raise max_recoveries in conf/vm.yaml, or use "
                                     "--provisioning=reservation or on-demand") from e
@@ -409,25 +411,25 @@ class VmLifecycle:
         """Each experiment as a DVC experiment on the VM, brought back into this repository; a
         replacement VM runs only what is left."""
         cfg, root = self.cfg, self.root
-        secret_lines, secret_data = vm.secrets_stdin(list(cfg.run.secrets))
-        scripts = [vm.run_script(cfg, root, vm.dvc_command(target, sets, name), secret_lines, name)
+        secret_lines, secret_data = vm_experiments.secrets_stdin(list(cfg.run.secrets))
+        scripts = [vm_experiments.run_script(cfg, root, vm_experiments.dvc_command(target, sets, name), secret_lines, name)
                    for sets, name in zip(experiments, names)]
         remote = self.ensure(experiments, may_create, preflight)  # will it fit the TPU? (docs/preflight.md)
         todo = list(zip(experiments, scripts))
 
-        def attempt(remote: vm.Remote) -> None:
+        def attempt(remote: vm_ssh.Remote) -> None:
             _say(f"setting up VM {cfg.name} (once per VM)")
-            vm.setup(remote, cfg, root)
+            vm_setup.setup(remote, cfg, root)
             _say(f"shipping HEAD to VM {cfg.name}")
-            commit = vm.ship(remote, root, cfg.run.remote_dir)
+            commit = vm_experiments.ship(remote, root, cfg.run.remote_dir)
             _say(f"shipped {commit[:12]}; running the pipeline on {cfg.name}")
             while todo:
                 sets, script = todo[0]
                 if len(scripts) > 1:
                     _say(f"experiment {len(scripts) - len(todo) + 1} of {len(scripts)}: {' '.join(sets)}")
-                vm.check(remote, script, "the pipeline", stdin=secret_data)
+                vm_ssh.check(remote, script, "the pipeline", stdin=secret_data)
                 _say(f"bringing the experiment back from VM {cfg.name}")
-                got = vm.fetch_experiments(remote, root, cfg.run.remote_dir, commit)
+                got = vm_experiments.fetch_experiments(remote, root, cfg.run.remote_dir, commit)
                 todo.pop(0)
                 if got:
                     _say(f"experiment {', '.join(got)} (baseline {commit[:7]}) is now in this "
@@ -441,7 +443,7 @@ class VmLifecycle:
     def status(self) -> list[str]:
         """The VM and firewall rule as the cloud sees them, with what the run has cost, then the
         other VMs in the zone labelled with `labels` (app: mtpipe), each with its cost so far."""
-        cfg, state = self.cfg, vm.read_state(self.root)
+        cfg, state = self.cfg, vm_state.read_state(self.root)
         cloud = self.cloud
         instance, rule = cloud.get_instance(cfg.name), cloud.get_firewall(cfg.firewall.name)
         recorded = state if state.get("name") == cfg.name else {}
@@ -464,7 +466,7 @@ class VmLifecycle:
                 lines.append("  Compute deletes it at "
                              f"{time.strftime('%Y-%m-%d %H:%M %Z', time.localtime(since.timestamp() + limit))}")
             if not recorded:
-                lines.append(f"  (not recorded in {vm.STATE_FILE}: created elsewhere)")
+                lines.append(f"  (not recorded in {vm_state.STATE_FILE}: created elsewhere)")
         lines += [f"  replaced: {e['name']} ({e['provisioning']}) {e['created']} .. {e['ended']}: {e['why']}"
                   for e in recorded.get("vms", [])[:-1]]
         if recorded.get("vms"):
@@ -493,4 +495,4 @@ def _labels(cfg: DictConfig) -> str:
 def _rate(cfg: DictConfig, instance: Any) -> prices.Rate:
     """The rate of a VM: the provisioning mode it was created with (its label), else ``cfg``'s."""
     mode = dict(instance.labels).get(PROVISIONING_LABEL)
-    return prices.vm_rate(OmegaConf.merge(cfg, {"provisioning": mode}) if mode in vm.PROVISIONING else cfg)
+    return prices.vm_rate(OmegaConf.merge(cfg, {"provisioning": mode}) if mode in vm_config.PROVISIONING else cfg)

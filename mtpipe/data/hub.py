@@ -52,6 +52,11 @@ def fetch_dataset(source: Mapping, dest: Path) -> dict:
     return _fetch(source, Path(dest), "dataset", _patterns(source, default, "dataset"))
 
 
+def file_sha256(manifest: dict, under: str = "files") -> dict[str, str]:
+    """A manifest's sha256 per file, keyed by its path in the output (``<under>/<path>``)."""
+    return {f"{under}/{f['path']}": f["sha256"] for f in manifest["files"]}
+
+
 def _split_patterns(source: Mapping) -> list[str]:
     """Patterns for the files of the given splits: ``[subset/]split-*.parquet``, ``split.jsonl``, ..."""
     splits = source.get("splits")

@@ -34,6 +34,7 @@ from typing import Any
 import yaml
 
 from mtpipe.errors import ConfigError
+from mtpipe.pipeline.config import RUN_FILE, with_run_keys
 
 CARD = "README.md"
 CURVES = "training_curves.png"
@@ -127,7 +128,10 @@ def curves_png(root: Path, commit: str, branch: str) -> bytes:
 
 
 def _view(root: Path, commit: str, branch: str, stage: str) -> dict:
-    return yaml.safe_load(at(root, commit, f"config/{branch}/{stage}.yaml"))
+    """What ``stage`` read in ``commit``: its address view with its run keys (config/run.yaml)."""
+    run = yaml.safe_load(at(root, commit, RUN_FILE)) or {}
+    return with_run_keys(yaml.safe_load(at(root, commit, f"config/{branch}/{stage}.yaml")),
+                         (run.get(branch) or {}).get(stage) or {})
 
 
 def changed_params(root: Path, commit: str, branch: str) -> dict[str, Any]:

@@ -11,7 +11,8 @@ and llama:<class>) in float64, so it serves as the ground truth an exported dire
 
 The tests use it as the ground truth; the evaluate stage serves exported models with it on the CPU
 (mtpipe/evaluation/server.py). The KV cache changes no number: a cached step computes exactly what the
-full forward computes for that position (tests/test_eval_cpu.py compares them).
+full forward computes for that position (tests/test_evaluate.py compares them:
+test_cached_decoding_is_greedy_decoding_of_the_full_forward).
 
 `match_maxtext=True` adds the one deliberate rounding MaxText applies and transformers does not (see
 `_output_table`), so MaxText's float32 forward can be compared with a tight tolerance.

@@ -43,6 +43,23 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "evaluate_base": ("dataset", "evaluate"),
     "evaluate": ("dataset", "evaluate"),
 }
+# Keys of those sections outside a stage's address: the preset file names, and what the stage does not
+# compute with (where and how patiently it runs) or does not read at all. configure writes them to
+# config/run.yaml, which no stage depends on: a change there reruns configure and nothing else.
+NAMES = ("model.name", "dataset.name", "hardware.name", "dataset.train_split")
+XPK_PLACE = tuple(f"hardware.xpk.{key}" for key in (
+    "cluster", "project", "zone", "docker_image", "max_restarts", "priority", "provisioning", "reservation"))
+RUN_KEYS: dict[str, tuple[str, ...]] = {
+    "hf_download": (*NAMES, "model.maxtext_name", "model.export_name", "model.maxtext_overrides",
+                    "dataset.hf_name", "dataset.eval_files"),
+    "to_maxtext": (*NAMES, "model.source", "model.export_name"),
+    "train_sft": (*NAMES, "model.source", "model.export_name", "dataset.source", *XPK_PLACE),
+    "train_rl": (*NAMES, "model.source", "model.export_name", "dataset.source", *XPK_PLACE),
+    "to_huggingface": (*NAMES, "model.source", "model.maxtext_name"),
+    "evaluate_base": (*NAMES, "dataset.source", "evaluate.server_timeout_s"),
+    "evaluate": (*NAMES, "dataset.source", "evaluate.server_timeout_s"),
+}
+RUN_FILE = "config/run.yaml"
 BRANCH_STAGES: dict[str, tuple[str, ...]] = {
     "sft": ("hf_download", "to_maxtext", "train_sft", "to_huggingface", "evaluate_base", "evaluate"),
     "rl": ("hf_download", "to_maxtext", "train_sft", "train_rl", "to_huggingface", "evaluate_base", "evaluate"),
@@ -155,6 +172,30 @@ def _view_tree(cfg: DictConfig, stage: str) -> DictConfig:
     return OmegaConf.create({s: cfg[s] for s in STAGE_SECTIONS[stage] if s in cfg} | {"branch": cfg.branch})
 
 
+def split_run_keys(tree: dict, stage: str) -> dict:
+    """Move the :data:`RUN_KEYS` of ``stage`` out of ``tree`` (a view as plain dicts); return them."""
+    run: dict = {}
+    for dotted in RUN_KEYS.get(stage, ()):
+        *parents, key = dotted.split(".")
+        src, dst = tree, run
+        for name in parents:
+            if not isinstance(src.get(name), dict):
+                break
+            src, dst = src[name], dst.setdefault(name, {})
+        else:
+            if key in src:
+                dst[key] = src.pop(key)
+    return run
+
+
+def with_run_keys(address: dict, run: dict) -> dict:
+    """A stage's address view with its run keys put back: the whole view it reads."""
+    out = dict(address)
+    for key, value in run.items():
+        out[key] = with_run_keys(out.get(key) or {}, value) if isinstance(value, dict) else value
+    return out
+
+
 def stage_view(cfg: DictConfig, stage: str) -> View:
     """The part of a composed branch that one stage reads, typed (without ``code``)."""
     return view_model(cfg.branch, stage).model_validate(OmegaConf.to_container(_view_tree(cfg, stage)))
@@ -165,27 +206,46 @@ def resolved_path(branch: str, stage: str, root: Path = ROOT) -> Path:
     return root / "config" / branch / f"{stage}.yaml"
 
 
-def write_resolved(params: DictConfig, root: Path = ROOT) -> list[Path]:
-    """Compose every branch (all validation first), then write each stage's view atomically.
+def _write_if_changed(path: Path, text: str) -> None:
+    """Write ``text`` atomically, leaving a file with that text as it is (bytes and mtime: DVC reruns nothing)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not (path.is_file() and path.read_text() == text):
+        tmp = path.with_name(path.name + ".partial")
+        tmp.write_text(text)
+        os.replace(tmp, path)
 
-    A view whose text is unchanged is left as it is (its bytes and mtime), so DVC reruns nothing."""
+
+def write_resolved(params: DictConfig, root: Path = ROOT) -> list[Path]:
+    """Compose every branch (all validation first), then write each stage's address view and the run keys
+    of all of them (``config/run.yaml``)."""
     composed = {branch: compose(branch, params) for branch in BRANCH_STAGES}
-    views = {(branch, stage): _view_tree(cfg, stage) for branch, cfg in composed.items()
+    views = {(branch, stage): OmegaConf.to_container(_view_tree(cfg, stage)) for branch, cfg in composed.items()
              for stage in BRANCH_STAGES[branch]}
-    views |= {view: OmegaConf.create({}) for view in CODE_ONLY_VIEWS}
-    written = []
+    views |= {view: {} for view in CODE_ONLY_VIEWS}
+    written, run = [], {}
     for (branch, stage), view in views.items():
-        view.code = fingerprint.stage_code(stage)
-        view.tools = toolchain.stage_tools(stage)
+        if keys := split_run_keys(view, stage):
+            run.setdefault(branch, {})[stage] = keys
+        view["code"] = fingerprint.stage_code(stage, backends=backends(view))
+        view["tools"] = toolchain.stage_tools(stage, backends=backends(view))
         path = resolved_path(branch, stage, root)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        text = OmegaConf.to_yaml(view, sort_keys=True)
-        if not (path.is_file() and path.read_text() == text):
-            tmp = path.with_suffix(".yaml.partial")
-            tmp.write_text(text)
-            os.replace(tmp, path)
+        _write_if_changed(path, OmegaConf.to_yaml(OmegaConf.create(view), sort_keys=True))
         written.append(path)
-    return written
+    _write_if_changed(root / RUN_FILE, OmegaConf.to_yaml(OmegaConf.create(run), sort_keys=True))
+    return [*written, root / RUN_FILE]
+
+
+def backends(view: dict) -> dict[str, str]:
+    """The backends a view selects (:data:`mtpipe.pipeline.fingerprint.BACKEND_KEYS`): which of the
+    optional modules the stage runs."""
+    out = {}
+    for dotted in fingerprint.BACKEND_MODULES:
+        node: Any = view
+        for name in dotted.split("."):
+            node = node.get(name) if isinstance(node, dict) else getattr(node, name, None)
+        if node is not None:
+            out[dotted] = node
+    return out
 
 
 def load_stage(branch: str, stage: str, root: Path = ROOT) -> View:
@@ -194,13 +254,15 @@ def load_stage(branch: str, stage: str, root: Path = ROOT) -> View:
     Fails when the view's code fingerprints are not those of the code about to run (``configure``
     did not run after an edit), or its tool versions not those installed (an environment other than
     the lock's), so no output is recorded under another code's or another toolchain's address."""
-    path = resolved_path(branch, stage, root)
+    path, run_path = resolved_path(branch, stage, root), root / RUN_FILE
     name = str(path.relative_to(root))
-    if not path.is_file():
-        raise ConfigError(name, "not found", "run `dvc repro configure` first")
-    cfg = schema.validate(view_model(branch, stage), OmegaConf.to_container(load_yaml(path)), name,
+    if not path.is_file() or not run_path.is_file():
+        raise ConfigError(name if not path.is_file() else RUN_FILE, "not found", "run `dvc repro configure` first")
+    address = OmegaConf.to_container(load_yaml(path))
+    run = (OmegaConf.to_container(load_yaml(run_path)).get(branch) or {}).get(stage) or {}
+    cfg = schema.validate(view_model(branch, stage), with_run_keys(address, run), name,
                           lambda key, requirement: "run `dvc repro configure` (it rewrites the file)")
-    recorded, running = cfg.code, fingerprint.stage_code(stage)
+    recorded, running = cfg.code, fingerprint.stage_code(stage, backends=backends(address))
     if recorded != running:
         moved = sorted(m for m in recorded.keys() | running.keys() if recorded.get(m) != running.get(m))
         raise ConfigError(name, f"was written for other code (changed: {', '.join(moved)})",

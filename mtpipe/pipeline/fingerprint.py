@@ -7,11 +7,13 @@ child processes it starts. DVC hashes the view, so a stage reruns exactly when o
 fingerprints moves; the stage's .py files are deps of ``configure`` only.
 
 A fingerprint is the sha256 of the module's syntax tree with what cannot change a result left out:
-comments and layout (the parser drops them), docstrings, and the text of error messages (string
-literals and f-strings in ``raise`` statements and in ``assert`` messages). Everything else counts:
-a changed default, a renamed variable, a reworded log line. The tree is serialized field by field,
-empty fields skipped, so the same source gives the same fingerprint on the Python versions the
-project supports (3.12 on the laptop and the VM).
+comments and layout (the parser drops them), docstrings, and the text of messages, however it is
+built: string literals and f-strings in ``raise`` statements, ``assert`` messages and the arguments of
+exceptions, warnings and ``sys.exit``; in the arguments of functions that only raise or collect such a
+message; in the whole body of functions whose results only messages use; in local variables of text
+that only messages read. Everything else counts: a changed default, a renamed variable, a reworded log
+line. The tree is serialized field by field, empty fields skipped, so the same source gives the same
+fingerprint on the Python versions the project supports (3.12 on the laptop and the VM).
 """
 
 from __future__ import annotations
@@ -34,6 +36,14 @@ CHILD_ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "evaluate_base": ("mtpipe/evaluation/server.py",),  # mtpipe.evaluation.serving.server_command (cpu)
     "evaluate": ("mtpipe/evaluation/server.py",),
 }
+# Modules a stage runs only with one backend: the view's key -> its value -> those modules, each a child
+# entry point or imported inside a function (mtpipe.cloud.backend imports xpk only for backend: xpk).
+# With another value they, and what only they import, are not in the stage's code.
+BACKEND_MODULES: dict[str, dict[str, tuple[str, ...]]] = {
+    "hardware.backend": {"xpk": ("mtpipe/cloud/xpk.py",)},
+    "train_rl.rollout_backend": {"cpu_jax": ("mtpipe/maxtext/rollout_cpu.py",)},
+    "evaluate.backend": {"cpu": ("mtpipe/evaluation/server.py",)},
+}
 MESSAGE = ast.Constant("<message>")
 
 
@@ -46,15 +56,19 @@ def _module_file(dotted: str, root: Path) -> Path | None:
     return None
 
 
-def _imported(path: Path, root: Path) -> frozenset[Path]:
-    """Project files that importing ``path`` loads: each imported module and its parent packages."""
+def _imported(path: Path, root: Path) -> tuple[frozenset[Path], frozenset[Path]]:
+    """Project files that importing ``path`` loads (each imported module and its parent packages): those
+    imported at module level, and those imported inside a function."""
     return _imported_by_source(path.read_text(), root)
 
 
 @functools.cache  # keyed by the source text: an edited file is parsed again
-def _imported_by_source(source: str, root: Path) -> frozenset[Path]:
-    found = set()
-    for node in ast.walk(ast.parse(source)):
+def _imported_by_source(source: str, root: Path) -> tuple[frozenset[Path], frozenset[Path]]:
+    tree = ast.parse(source)
+    late = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for n in ast.walk(f)}
+    found: tuple[set[Path], set[Path]] = (set(), set())
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -65,34 +79,170 @@ def _imported_by_source(source: str, root: Path) -> frozenset[Path]:
             if name.split(".")[0] not in PACKAGES:
                 continue
             parts = name.split(".")
-            found |= {f for i in range(1, len(parts) + 1) if (f := _module_file(".".join(parts[:i]), root))}
-    return frozenset(found)
+            found[id(node) in late].update(
+                f for i in range(1, len(parts) + 1) if (f := _module_file(".".join(parts[:i]), root)))
+    return frozenset(found[0]), frozenset(found[1])
 
 
-def stage_modules(stage: str, root: Path = ROOT) -> list[str]:
-    """The project modules stage ``stage`` runs, as sorted paths relative to ``root``."""
-    todo = [root / "stages" / f"{stage}.py", *(root / p for p in CHILD_ENTRY_POINTS.get(stage, ()))]
+def _left_out(backends: dict[str, str] | None) -> set[str]:
+    """The backend modules of the backends not selected (all of them when ``backends`` is None: every
+    module counts)."""
+    if backends is None:
+        return set()
+    return {m for key, by_value in BACKEND_MODULES.items() for value, modules in by_value.items()
+            if backends.get(key) != value for m in modules}
+
+
+def stage_modules(stage: str, root: Path = ROOT, backends: dict[str, str] | None = None) -> list[str]:
+    """The project modules stage ``stage`` runs, as sorted paths relative to ``root``. With ``backends``
+    (:data:`BACKEND_MODULES` key -> the value its view has) a backend module of another backend is left
+    out where it is a child entry point or imported inside a function; a module-level import keeps it."""
+    left_out = {root / m for m in _left_out(backends)}
+    todo = [root / "stages" / f"{stage}.py",
+            *(root / p for p in CHILD_ENTRY_POINTS.get(stage, ()) if root / p not in left_out)]
     seen: set[Path] = set()
     while todo:
         path = todo.pop()
         if path not in seen:
             seen.add(path)
-            todo.extend(_imported(path, root) - seen)
+            top, late = _imported(path, root)
+            todo.extend((top | (late - left_out)) - seen)
     return sorted(str(p.relative_to(root)) for p in seen)
 
 
+# Calls whose arguments are message text: exceptions and warnings (by their class name's ending),
+# ``sys.exit`` with a message, ``warnings.warn``, and the schema's error wording (mtpipe.pipeline.schema.Words).
+MESSAGE_SUFFIXES = ("Error", "Exception", "Warning", "Exit")
+MESSAGE_CALLS = frozenset({"exit", "warn", "Words"})
+
+
+def _called_name(call: ast.Call) -> str:
+    func = call.func
+    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+
+
+def _is_message_call(node: ast.AST, helpers: frozenset[str]) -> bool:
+    if not isinstance(node, ast.Call):
+        return False
+    name = _called_name(node)
+    if name == "exit" or name.endswith("Exit"):  # sys.exit(main()) passes a status, not a message
+        return bool(node.args) and _is_text(node.args[0])
+    return name.endswith(MESSAGE_SUFFIXES) or name in MESSAGE_CALLS or name in helpers
+
+
+def _message_helpers(tree: ast.Module) -> frozenset[str]:
+    """Functions whose one statement (docstring aside) raises or collects a message, like the schema's
+    ``add(key, problem, fix)``: ``errors.append(ConfigError(key, problem, fix))``. Calls to them are
+    message calls too."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+            if len(body) == 1 and (isinstance(body[0], ast.Raise) or isinstance(body[0], ast.Expr)
+                                   and isinstance(body[0].value, ast.Call)) \
+                    and any(_is_message_call(n, frozenset()) for n in ast.walk(body[0])):
+                found.add(node.name)
+    return frozenset(found)
+
+
+def _message_contexts(node: ast.AST, helpers: frozenset[str]) -> list[ast.AST]:
+    """The subtrees of ``node`` that are message text: what a raise raises, an assert's message, the
+    arguments of a message call."""
+    out: list[ast.AST] = []
+    for n in ast.walk(node):
+        if isinstance(n, ast.Raise) and n.exc is not None:
+            out.append(n.exc)
+        elif isinstance(n, ast.Assert) and n.msg is not None:
+            out.append(n.msg)
+        elif _is_message_call(n, helpers):
+            out += [*n.args, *(k.value for k in n.keywords)]
+    return out
+
+
+def _is_text(value: ast.AST) -> bool:
+    """A string built from literals, f-strings, ``+``, ``%`` and ``.format``."""
+    if isinstance(value, ast.Constant):
+        return isinstance(value.value, str)
+    if isinstance(value, ast.JoinedStr):
+        return True
+    if isinstance(value, ast.BinOp) and isinstance(value.op, (ast.Add, ast.Mod)):
+        return _is_text(value.left)
+    return isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "format" \
+        and _is_text(value.func.value)
+
+
+def _message_functions(tree: ast.Module, helpers: frozenset[str]) -> frozenset[str]:
+    """Functions whose results only messages use: every reference to their name is message text or
+    inside another such function (the schema's descriptions of a key's type and range). All they
+    compute is wording, so their whole body is."""
+    funcs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    inside: dict[str, set[int]] = {}  # a function's own body: its recursive calls do not count
+    for f in funcs:
+        inside.setdefault(f.name, set()).update(id(n) for n in ast.walk(f))
+    imported = {(a.asname or a.name).split(".")[0] for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+                for a in n.names}
+    refs: dict[str, list[ast.Name]] = {}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name) and n.id in inside and n.id not in imported:
+            refs.setdefault(n.id, []).append(n)
+    covered = {id(n) for ctx in _message_contexts(tree, helpers) for n in ast.walk(ctx)}
+    chosen: set[str] = set()
+    while True:
+        new = {name for name, found in refs.items() if name not in chosen
+               and any(id(r) not in inside[name] for r in found)
+               and all(id(r) in covered or id(r) in inside[name] for r in found)}
+        if not new:
+            return frozenset(chosen)
+        chosen |= new
+        covered |= set().union(*(inside[name] for name in new))
+
+
 class _Normalize(ast.NodeTransformer):
-    """Drop docstrings; replace the text of error messages by one placeholder."""
+    """Drop docstrings; replace the text of messages by one placeholder, however it is built: in a
+    raise, an assert, the arguments of an exception, a warning, ``sys.exit``, a function that only
+    builds messages, a function whose result only messages use, and a local variable holding text that
+    only those read."""
+
+    def __init__(self, tree: ast.Module) -> None:
+        self.helpers = _message_helpers(tree)
+        self.wording = _message_functions(tree, self.helpers)
 
     def _strip_docstring(self, node: Any) -> Any:
-        self.generic_visit(node)
         body = node.body
         if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
                 and isinstance(body[0].value.value, str):
             node.body = body[1:] or [ast.Pass()]
         return node
 
-    visit_Module = visit_ClassDef = visit_FunctionDef = visit_AsyncFunctionDef = _strip_docstring
+    def visit_Module(self, node: ast.Module) -> ast.Module:
+        self.generic_visit(node)
+        return self._strip_docstring(node)
+
+    visit_ClassDef = visit_Module
+
+    def visit_FunctionDef(self, node: Any) -> Any:
+        self._message_variables(node)
+        self.generic_visit(node)
+        node = self._strip_docstring(node)
+        return _MessagesOnly().visit(node) if node.name in self.wording else node
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def _message_variables(self, func: Any) -> None:
+        """Replace the text assigned to a local name that only message text reads."""
+        in_messages = {id(n) for ctx in _message_contexts(func, self.helpers) for n in ast.walk(ctx)}
+        assigns: dict[str, list[ast.Assign]] = {}
+        loads: dict[str, list[ast.Name]] = {}
+        for n in ast.walk(func):
+            if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name):
+                assigns.setdefault(n.targets[0].id, []).append(n)
+            elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load):
+                loads.setdefault(n.id, []).append(n)
+        for name, nodes in assigns.items():
+            read = loads.get(name, [])
+            if read and all(id(r) in in_messages for r in read) and all(_is_text(a.value) for a in nodes):
+                for a in nodes:
+                    a.value = MESSAGE
 
     def visit_Raise(self, node: ast.Raise) -> ast.Raise:
         return _MessagesOnly().visit(node)
@@ -101,6 +251,14 @@ class _Normalize(ast.NodeTransformer):
         self.generic_visit(node)
         if node.msg is not None:
             node.msg = _MessagesOnly().visit(node.msg)
+        return node
+
+    def visit_Call(self, node: ast.Call) -> ast.Call:
+        self.generic_visit(node)
+        if _is_message_call(node, self.helpers):
+            node.args = [_MessagesOnly().visit(a) for a in node.args]
+            for k in node.keywords:
+                k.value = _MessagesOnly().visit(k.value)
         return node
 
 
@@ -133,10 +291,11 @@ def module_fingerprint(path: Path) -> str:
 @functools.cache  # keyed by the source text, as above
 def source_fingerprint(source: str) -> str:
     """The fingerprint of a module's source text."""
-    tree = _Normalize().visit(ast.parse(source))
+    tree = ast.parse(source)
+    tree = _Normalize(tree).visit(tree)
     return hashlib.sha256(repr(_serialize(tree)).encode()).hexdigest()[:16]
 
 
-def stage_code(stage: str, root: Path = ROOT) -> dict[str, str]:
-    """module path -> fingerprint, for every module ``stage`` runs (the view's ``code:`` mapping)."""
-    return {module: module_fingerprint(root / module) for module in stage_modules(stage, root)}
+def stage_code(stage: str, root: Path = ROOT, backends: dict[str, str] | None = None) -> dict[str, str]:
+    """module path -> fingerprint, for every module ``stage`` runs with ``backends`` (the view's ``code:``)."""
+    return {module: module_fingerprint(root / module) for module in stage_modules(stage, root, backends)}

@@ -1,10 +1,12 @@
-"""What every stage script shares: paths, atomic outputs, input digests, metrics files.
+"""What every stage script shares: paths, atomic outputs, content digests, recipes, metrics files.
 
 An output directory is written as ``<out>.partial`` and renamed into place only after the stage
 checked it, so an interrupted stage never leaves an output that DVC (or a later stage) would trust.
-Each output carries ``mtpipe.json``: the stage, and a digest of everything that produced it (the
-stage's resolved config and the digests of its inputs). Training derives its MaxText ``run_name``
-from that digest: identical inputs resume a killed run, changed inputs start clean.
+Each output carries ``mtpipe.json``: the stage, the content digest of its other files and what its
+bytes imply (a manifest, a step), nothing about how it was made, so a rerun that writes the same
+bytes writes the same stamp and nothing downstream reruns. How it was made (the view, the inputs'
+content digests) is a training run's :func:`recipe`, which names its run directory under work/ (or
+in the work bucket): identical recipes resume a killed run, changed ones start clean.
 """
 
 from __future__ import annotations
@@ -20,11 +22,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-from pydantic import BaseModel
-
 from mtpipe.errors import ConfigError
-from mtpipe.pipeline.config import ROOT
+from mtpipe.pipeline.config import ROOT, resolved_path
 
 WORK = ROOT / "work"                # untracked: MaxText run dirs (resume), logs, JAX compile cache
 JAX_CACHE = WORK / "jax_cache"
@@ -65,14 +64,27 @@ def atomic_dir(out: Path, resume: bool = False) -> Iterator[Path]:
     os.replace(partial, out)
 
 
-def digest(cfg: BaseModel, *inputs: Path, content: str = "") -> str:
-    """sha256 of a resolved config (a view or a section of one, as its YAML reads), the digests stamped
-    in its input directories, and ``content``."""
-    tree = cfg.model_dump(by_alias=True, exclude_unset=True)  # exactly the keys the view file has
-    h = hashlib.sha256(OmegaConf.to_yaml(OmegaConf.create(tree), sort_keys=True).encode())
+def content_digest(out: Path, sha256: dict[str, str] | None = None) -> str:
+    """sha256 of the files under ``out`` but the stamp: their relative paths and their sha256s (taken
+    from ``sha256``, relative path -> hex, where the stage already has them, e.g. a download's manifest)."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in out.rglob("*") if p.is_file() and p != out / STAMP):
+        rel = str(path.relative_to(out))
+        if sha256 and rel in sha256:
+            file_hex = sha256[rel]
+        else:
+            with path.open("rb") as f:
+                file_hex = hashlib.file_digest(f, "sha256").hexdigest()
+        h.update(f"{rel}\0{file_hex}\n".encode())
+    return h.hexdigest()
+
+
+def recipe(branch: str, stage: str, *inputs: Path) -> str:
+    """sha256 of what a stage computes from: its address view (config/<branch>/<stage>.yaml: values,
+    code fingerprints, tool versions) and the content digests stamped in its input directories."""
+    h = hashlib.sha256(resolved_path(branch, stage).read_bytes())
     for path in inputs:
-        h.update(read_stamp(path)["digest"].encode())
-    h.update(content.encode())
+        h.update(read_stamp(path)["content"].encode())
     return h.hexdigest()
 
 
@@ -84,9 +96,11 @@ def read_stamp(out: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def write_stamp(out: Path, stage: str, digest_hex: str, **extra: Any) -> None:
-    """Record what produced ``out``."""
-    (out / STAMP).write_text(json.dumps({"stage": stage, "digest": digest_hex, **extra}, indent=2) + "\n")
+def write_stamp(out: Path, stage: str, sha256: dict[str, str] | None = None, **facts: Any) -> None:
+    """Mark ``out`` finished: the stage, its content digest (:func:`content_digest`) and ``facts``, which
+    must follow from its bytes (never a run name, a path or a config digest)."""
+    stamp = {"stage": stage, "content": content_digest(out, sha256), **facts}
+    (out / STAMP).write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n")
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

@@ -5,8 +5,8 @@
 those that write or read an artifact or compile a step) that the stage's code reaches: the third-party
 imports of the modules it runs, followed through the installed packages' requirements (MaxText through
 the extra the laptop installs). The versions are requirements.lock's, which pins every package the VM
-shares with the laptop at the VM's version (mtpipe/cloud/locks.py), and ``configure`` depends on both
-locks: a version bump in the lock reruns exactly the stages that run that package.
+shares with the laptop at the VM's version (:mod:`mtpipe.pipeline.requirement_locks`), and ``configure``
+depends on both locks: a version bump in the lock reruns exactly the stages that run that package.
 
 ``load_stage`` refuses to run when the installed version of a recorded package is not the view's (an
 environment that is not the lock's: run ``make``), so the address always names the tools that ran.
@@ -37,7 +37,7 @@ TOOLCHAIN = frozenset({
     "google-tunix", "grain", "datasets", "pyarrow", "transformers", "tokenizers", "sentencepiece",
     "safetensors", "huggingface-hub", "numpy", "ml-dtypes", "scipy", "lm-eval",
 })
-EXTRAS = {"maxtext": "tpu"}  # the extra whose requirements count (mtpipe.cloud.locks.LAPTOP_MAXTEXT_EXTRA)
+EXTRAS = {"maxtext": "tpu"}  # the extra whose requirements count (requirement_locks.LAPTOP_MAXTEXT_EXTRA)
 PIN = re.compile(r"^([A-Za-z0-9_.\-]+)==([^\s;\\]+)", re.M)
 
 
@@ -79,10 +79,11 @@ def _distributions() -> dict[str, list[str]]:
     return metadata.packages_distributions()
 
 
-def stage_packages(stage: str, root: Path = ROOT) -> list[str]:
-    """The toolchain packages stage ``stage`` runs, sorted."""
+def stage_packages(stage: str, root: Path = ROOT, backends: dict[str, str] | None = None) -> list[str]:
+    """The toolchain packages stage ``stage`` runs with ``backends`` (as in
+    :func:`mtpipe.pipeline.fingerprint.stage_modules`), sorted."""
     by_import = _distributions()
-    todo = {canonicalize_name(d) for module in fingerprint.stage_modules(stage, root)
+    todo = {canonicalize_name(d) for module in fingerprint.stage_modules(stage, root, backends)
             for name in _third_party_imports((root / module).read_text()) for d in by_import.get(name, ())}
     seen: set[str] = set()
     while todo:
@@ -93,9 +94,10 @@ def stage_packages(stage: str, root: Path = ROOT) -> list[str]:
     return sorted(seen & TOOLCHAIN)
 
 
-def stage_tools(stage: str, root: Path = ROOT, lock: Path = LAPTOP_LOCK) -> dict[str, str]:
+def stage_tools(stage: str, root: Path = ROOT, lock: Path = LAPTOP_LOCK,
+                backends: dict[str, str] | None = None) -> dict[str, str]:
     """package -> version (the lock's), for every toolchain package ``stage`` runs (the view's ``tools:``)."""
-    pins, packages = lock_pins(lock.read_text()), stage_packages(stage, root)
+    pins, packages = lock_pins(lock.read_text()), stage_packages(stage, root, backends)
     if missing := [p for p in packages if p not in pins]:
         raise ConfigError(lock.name, f"pins no version of {', '.join(missing)} (stage {stage} runs them)",
                           "run `make lock`")

@@ -1,14 +1,25 @@
-"""The two pinned environments and how they are made (``make lock``): one toolchain for both.
+"""The two requirement lockfiles and how they are made (``make lock``): one toolchain for laptop and VM.
 
-``requirements-vm.lock`` is the TPU VM's environment, resolved the way the tutorial installs it::
+``requirements-vm.lock`` is the TPU VM's environment. The tutorial installs it as::
 
-    uv pip install "maxtext[tpu-post-train]==V" --resolution=lowest   # MaxText's own lower bounds
-    uv pip install dvc==.. dvc-gs==.. omegaconf==.. doit==..           # the rest, keeping step 1
+    uv pip install "maxtext[tpu-post-train]==V" --resolution=lowest
+    uv pip install dvc dvc-gs ...
 
-here for the VM (Linux x86_64, glibc 2.35, Python 3.12), with hashes; ``vm_setup`` installs it with
-``uv pip sync --require-hashes`` (conf/vm.yaml ``setup:``):
+MaxText's requirements for that extra are MaxText's own lock written as floors: its
+``generate_requirements.sh`` resolves a uv lock with ``--resolution=lowest`` and exports each ``==``
+as ``>=``, and ``lowest`` installs that lock back. Here, for the VM (Linux x86_64, glibc 2.35,
+Python 3.12), with hashes (``vm_setup`` installs it with ``uv pip sync --require-hashes``):
 
-1. ``maxtext[tpu-post-train]`` at the lowest versions its bounds allow (the versions MaxText tested);
+1. ``maxtext[tpu-post-train]`` and MaxText's floors as direct requirements, ``--resolution
+   lowest-direct``: every package MaxText floors is at its floor (jax 0.11.0, libtpu 0.0.44,
+   ray 2.58.0 ...), except
+
+   * floors that bound nothing, at or below the package's oldest release (``colorful>=0.0.0``,
+     ``smart-open>=0.1.0``: ray's unbounded requirements, which MaxText's own lowest resolution took at
+     their first release; ray cannot start with colorful 0.0.0), found by :func:`vacuous_floors`;
+   * :data:`LIFTED_FLOORS`: floors the project does not take, each with its reason.
+
+   Those, and every package MaxText does not name, get the newest release that fits.
 2. everything: step 1's pins as constraints, the project's pins, pip and uv (newest that fit).
 
 ``requirements.lock`` is the laptop's (and CI's): MaxText with the packages of its ``tpu`` extra (the
@@ -42,6 +53,8 @@ from importlib import metadata
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 from mtpipe.pipeline.toolchain import lock_pins
 
@@ -57,6 +70,11 @@ MAXTEXT_EXTRA = "tpu-post-train"     # the VM's (the tutorials')
 LAPTOP_MAXTEXT_EXTRA = "tpu"         # the laptop takes this extra's package names at the VM's versions
 VM_PACKAGES = ("dvc", "dvc-gs", "doit", "omegaconf", "lm-eval")  # from pyproject.toml, besides MaxText
 UV_TOOL_DIR = ROOT / "work" / f"uv-{UV_VERSION}"
+# MaxText's floors the VM lock does not take (the package then gets its newest release that fits).
+LIFTED_FLOORS = {
+    "grpcio": "google-api-core and google-auth deprecate grpcio < 1.83 (no post-quantum TLS) with a "
+              "FutureWarning at every import, and announced it as their minimum from October 2026",
+}
 
 
 def project_pins() -> dict[str, Requirement]:
@@ -65,8 +83,8 @@ def project_pins() -> dict[str, Requirement]:
     return {(r := Requirement(d)).name: r for d in deps}
 
 
-def test_pins() -> list[str]:
-    """pyproject.toml's ``test`` extra (the laptop's and CI's)."""
+def suite_pins() -> list[str]:
+    """pyproject.toml's ``test`` extra: what the test suite adds (on the laptop and in CI)."""
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
 
 
@@ -76,12 +94,11 @@ def maxtext_version() -> str:
     return spec.version
 
 
-def requirements() -> tuple[list[str], list[str]]:
-    """(step 1, step 2) inputs of the VM's resolution (see the module docstring)."""
+def vm_inputs() -> tuple[str, list[str]]:
+    """(MaxText with the VM's extra, the rest of step 2) of the VM's resolution (see the module docstring)."""
     pins = project_pins()
-    maxtext = f"maxtext[{MAXTEXT_EXTRA}]=={maxtext_version()}"
     rest = [str(pins[name]) for name in VM_PACKAGES] + [f"pip=={PIP_VERSION}", f"uv=={UV_VERSION}"]
-    return [maxtext], [maxtext, *rest]
+    return f"maxtext[{MAXTEXT_EXTRA}]=={maxtext_version()}", rest
 
 
 def _maxtext_metadata() -> metadata.Distribution:
@@ -100,6 +117,12 @@ def extra_requirements(extra: str) -> list[Requirement]:
             if (req := Requirement(text)).marker and req.marker.evaluate(env)]
 
 
+def maxtext_floors() -> dict[str, str]:
+    """name (canonical) -> version of each ``name>=version`` requirement of MaxText's VM extra (MaxText's lock)."""
+    return {canonicalize_name(req.name): spec.version for req in extra_requirements(MAXTEXT_EXTRA)
+            for spec in req.specifier if spec.operator == ">="}
+
+
 def torch_overrides() -> list[str]:
     """MaxText's ``+cpu`` pins (PyTorch's index only) as the same versions from PyPI."""
     out = []
@@ -116,7 +139,7 @@ def laptop_requirements() -> list[str]:
     names = sorted({req.name + (f"[{','.join(sorted(req.extras))}]" if req.extras else "")
                     for req in extra_requirements(LAPTOP_MAXTEXT_EXTRA)})
     rest = [str(r) for name, r in project_pins().items() if name != "maxtext"]
-    return [f"maxtext=={maxtext_version()}", *names, *rest, *test_pins(), f"pip=={PIP_VERSION}", f"uv=={UV_VERSION}"]
+    return [f"maxtext=={maxtext_version()}", *names, *rest, *suite_pins(), f"pip=={PIP_VERSION}", f"uv=={UV_VERSION}"]
 
 
 def uv() -> Path:
@@ -129,11 +152,27 @@ def uv() -> Path:
     return exe
 
 
-def _uv_compile(tmp: Path) -> list[str]:
-    """``uv pip compile`` for the VM's platform and the index as of INDEX_DATE (run in ``tmp``)."""
+def uv_compile(hashes: bool = True) -> list[str]:
+    """``uv pip compile`` for the VM's platform and the index as of INDEX_DATE."""
     return [str(uv()), "pip", "compile", "--python-platform", PLATFORM, "--python-version", PYTHON,
             "--exclude-newer", INDEX_DATE, "--index-url", "https://pypi.org/simple", "--no-config", "--quiet",
-            "--no-header", "--generate-hashes"]
+            "--no-header", *(["--generate-hashes"] if hashes else [])]
+
+
+def releases(names: list[str], resolution: str) -> dict[str, str]:
+    """Each package's oldest (``resolution="lowest"``) or newest (``"highest"``) release on the index as
+    of INDEX_DATE that installs on the VM, each on its own (``--no-deps``; needs PyPI)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "names.in").write_text("\n".join(sorted(names)) + "\n")
+        cmd = [*uv_compile(hashes=False), "names.in", "--no-deps", "--no-annotate", "--resolution", resolution]
+        out = subprocess.run(cmd, check=True, cwd=tmp, stdout=subprocess.PIPE, text=True).stdout
+    return lock_pins(out)
+
+
+def vacuous_floors(floors: dict[str, str]) -> dict[str, str]:
+    """The floors at or below their package's oldest release: they admit every release (needs PyPI)."""
+    oldest = releases(list(floors), "lowest")
+    return {name: floor for name, floor in floors.items() if Version(floor) <= Version(oldest[name])}
 
 
 def _write(out: Path, header: list[str], body: str) -> None:
@@ -143,21 +182,23 @@ def _write(out: Path, header: list[str], body: str) -> None:
 
 def compile_vm_lock(out: Path) -> None:
     """Resolve the VM lock into ``out`` (both steps; needs PyPI)."""
-    step1, step2 = requirements()
+    maxtext, rest = vm_inputs()
+    floors = maxtext_floors()
+    untaken = vacuous_floors(floors) | {name: floors[name] for name in LIFTED_FLOORS}
+    kept = [f"{name}>={floor}" for name, floor in sorted(floors.items()) if name not in untaken]
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
         (t / "overrides.txt").write_text("\n".join(torch_overrides()) + "\n")
-        (t / "step1.in").write_text("\n".join(step1) + "\n")
-        (t / "step2.in").write_text("\n".join(step2) + "\n")
+        (t / "step1.in").write_text("\n".join([maxtext, *kept]) + "\n")
+        (t / "step2.in").write_text("\n".join([maxtext, *rest]) + "\n")
         # Relative names (run in `t`): the lock's "# via" comments then name no temporary directory.
-        uv_pip = [*_uv_compile(t), "--override", "overrides.txt"]
-        uv_pip.remove("--generate-hashes")
-        subprocess.run([*uv_pip, "step1.in", "--resolution", "lowest", "--no-annotate", "-o", "step1.txt"],
+        uv_pip = [*uv_compile(hashes=False), "--override", "overrides.txt"]
+        subprocess.run([*uv_pip, "step1.in", "--resolution", "lowest-direct", "--no-annotate", "-o", "step1.txt"],
                        check=True, cwd=t)
         subprocess.run([*uv_pip, "step2.in", "--constraint", "step1.txt", "--generate-hashes", "-o", "lock.txt"],
                        check=True, cwd=t)
         body = (t / "lock.txt").read_text()
-    _write(out, vm_header_lines(), body)
+    _write(out, vm_header_lines(untaken), body)
 
 
 def compile_laptop_lock(out: Path, vm_lock: Path = VM_LOCK) -> None:
@@ -167,19 +208,24 @@ def compile_laptop_lock(out: Path, vm_lock: Path = VM_LOCK) -> None:
         t = Path(tmp)
         (t / "vm-pins.txt").write_text("".join(f"{name}=={version}\n" for name, version in sorted(pins.items())))
         (t / "laptop.in").write_text("\n".join(laptop_requirements()) + "\n")
-        subprocess.run([*_uv_compile(t), "laptop.in", "--constraint", "vm-pins.txt", "-o", "lock.txt"],
+        subprocess.run([*uv_compile(), "laptop.in", "--constraint", "vm-pins.txt", "-o", "lock.txt"],
                        check=True, cwd=t)
         body = (t / "lock.txt").read_text()
     _write(out, laptop_header_lines(), body)
 
 
-def vm_header_lines() -> list[str]:
-    step1, step2 = requirements()
+def vm_header_lines(untaken: dict[str, str]) -> list[str]:
+    """The VM lock's header; ``untaken``: MaxText's floors left out of step 1 (name -> floor)."""
+    maxtext, rest = vm_inputs()
+    vacuous = {name: floor for name, floor in untaken.items() if name not in LIFTED_FLOORS}
     return [
         "The TPU VM's environment, installed by `doit vm_setup` with `uv pip sync --require-hashes`.",
-        "Generated by `make lock` (mtpipe/cloud/locks.py); do not edit. Inputs, from pyproject.toml:",
-        f"  step 1 (--resolution lowest): {' '.join(step1)}",
-        f"  step 2 (step 1 as constraints): {' '.join(step2[1:])}",
+        "Generated by `make lock` (mtpipe/pipeline/requirement_locks.py); do not edit. Inputs, from pyproject.toml:",
+        f"  step 1 (--resolution lowest-direct): {maxtext} and its floors (MaxText's lock), except",
+        f"    floors at the package's oldest release: {' '.join(f'{n}>={v}' for n, v in sorted(vacuous.items()))}",
+        f"    floors lifted (LIFTED_FLOORS): {' '.join(f'{n}>={untaken[n]}' for n in sorted(LIFTED_FLOORS))}",
+        "    (those and the packages MaxText does not name: the newest release that fits)",
+        f"  step 2 (step 1 as constraints): {' '.join(rest)}",
         f"  overrides: {' '.join(torch_overrides())}",
         f"  for {PLATFORM}, Python {PYTHON}, PyPI as of {INDEX_DATE}, uv {UV_VERSION}",
         "",
@@ -190,10 +236,10 @@ def laptop_header_lines() -> list[str]:
     rest = [str(r) for name, r in project_pins().items() if name != "maxtext"]
     return [
         "The laptop's (and CI's) environment, installed by `make` with uv.",
-        "Generated by `make lock` (mtpipe/cloud/locks.py); do not edit. Inputs, from pyproject.toml:",
+        "Generated by `make lock` (mtpipe/pipeline/requirement_locks.py); do not edit. Inputs, from pyproject.toml:",
         f"  maxtext=={maxtext_version()} with the package names of its [{LAPTOP_MAXTEXT_EXTRA}] extra",
         f"  {' '.join(rest)}",
-        f"  test: {' '.join(test_pins())}; pip=={PIP_VERSION} uv=={UV_VERSION}",
+        f"  test: {' '.join(suite_pins())}; pip=={PIP_VERSION} uv=={UV_VERSION}",
         "  constraints: every pin of requirements-vm.lock (one version of each package on both machines)",
         f"  for {PLATFORM}, Python {PYTHON}, PyPI as of {INDEX_DATE}, uv {UV_VERSION}",
         "",

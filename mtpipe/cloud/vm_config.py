@@ -1,0 +1,193 @@
+"""conf/vm.yaml: its schema (`VmConfig`), how it is assembled from the file, the environment and
+doit's parameters, and the VM's errors."""
+
+from __future__ import annotations
+
+import getpass
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+from annotated_types import Ge, Gt, Le
+from omegaconf import DictConfig, OmegaConf
+from pydantic import model_validator
+
+from mtpipe.cloud import prices
+from mtpipe.cloud.gcp import SHARED_RESERVATION
+from mtpipe.errors import ConfigError
+from mtpipe.pipeline.schema import KEEP_INT, PositiveInt, Section, validate
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG_ENV = "MTPIPE_VM_CONFIG"
+ENV_KEYS = {"project": "PROJECT", "zone": "ZONE", "reservation": "RESERVATION", "name": "NAME"}
+PROVISIONING = ("reservation", "spot", "on-demand")   # how the VM is paid for (conf/vm.yaml)
+RESERVATION_MODELS = ("auto", "bound", "standard")    # how a reservation's VMs are provisioned
+# TPU machine types whose VMs take Hyperdisk only (cloud.google.com/tpu/docs/storage-options-compute)
+HYPERDISK_ONLY = ("ct6e-",)
+NAME_RE = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+class VmError(RuntimeError):
+    """A failure on or reaching the VM, worded for the user."""
+
+
+class SessionLost(VmError):
+    """The SSH session broke before the command ended (the VM went away, or the network)."""
+
+
+class VmLost(VmError):
+    """The VM was lost (preempted, stopped, gone) more often than `max_recoveries` allows."""
+
+
+Seconds = Annotated[float, Gt(0), KEEP_INT]
+
+
+class Firewall(Section):
+    name: Optional[str]                    # null = <name>-ssh
+    source_ranges: list[str]
+
+
+class Ssh(Section):
+    user: str
+    key_file: str
+    port: Annotated[int, Ge(1), Le(65535)]
+    proxy_command: Optional[str]           # null = the VM's external IP
+    connect_timeout_s: Seconds
+    keepalive_s: Seconds
+    ready_timeout_s: Seconds
+
+
+class Setup(Section):
+    files: list[str]
+    commands: list[str]
+    marker: str
+    apt_lock_timeout_s: Annotated[float, Ge(0), KEEP_INT]   # how long apt_get waits for the package lock
+
+
+class Run(Section):
+    remote_dir: str
+    command: str
+    hardware: Optional[str]                # conf/hardware/<this>.yaml
+    env: dict[str, str]
+    secrets: list[str]
+
+
+class Stockout(Section):
+    retry_for_s: Annotated[float, Ge(0), KEEP_INT]   # how long to retry the insert; 0: fail at once
+    first_wait_s: Annotated[float, Gt(0), KEEP_INT]  # the first wait, doubled each time (at most 300 s)
+
+
+class VmConfig(Section):
+    """conf/vm.yaml as :func:`load_config` assembles it (the file's comments say what each key does).
+
+    ``project``, ``zone`` and ``reservation`` may stay null until a task needs them (:func:`require`)."""
+
+    project: Optional[str]
+    zone: Optional[str]
+    provisioning: str                      # one of PROVISIONING, checked below with the flag to pass
+    reservation: Optional[str]             # NAME, or projects/OTHER/reservations/NAME (shared)
+    reservation_model: str                 # one of RESERVATION_MODELS, checked below
+    name: str
+    network: str
+    machine_type: str
+    image_project: str
+    image_family: str
+    boot_disk_gb: PositiveInt
+    boot_disk_type: str                    # a Compute disk type; ct6e (v6e) VMs boot from Hyperdisk only
+    service_account: str
+    scopes: list[str]
+    max_run_duration_s: int                # 0 disables it
+    labels: dict[str, str]
+    max_recoveries: int
+    stockout: Stockout
+    operation_timeout_s: Seconds
+    recreate: bool
+    remote_probe_timeout_s: Seconds
+    firewall: Firewall
+    ssh: Ssh
+    setup: Setup
+    run: Run
+
+    @model_validator(mode="after")
+    def check_values(self) -> VmConfig:
+        if self.provisioning not in PROVISIONING:
+            raise ConfigError("vm.provisioning", f"{self.provisioning!r} is not one of "
+                              f"{', '.join(PROVISIONING)}",
+                              "pass --provisioning=spot (or reservation, on-demand), or set "
+                              "provisioning: in conf/vm.yaml")
+        if not NAME_RE.match(self.name):
+            raise ConfigError("vm.name", f"{self.name!r} is not a valid VM name",
+                              "use lowercase letters, digits and dashes, starting with a letter (NAME)")
+        if self.reservation_model not in RESERVATION_MODELS:
+            raise ConfigError("vm.reservation_model", f"{self.reservation_model!r} is not one of "
+                              f"{', '.join(RESERVATION_MODELS)}",
+                              "set reservation_model: auto (decided from the reservation), bound or standard "
+                              "in conf/vm.yaml")
+        if self.reservation and not (NAME_RE.match(self.reservation)
+                                     or SHARED_RESERVATION.fullmatch(self.reservation)):
+            raise ConfigError("vm.reservation", f"{self.reservation!r} is neither a reservation name nor "
+                              "projects/PROJECT/reservations/NAME",
+                              "pass the name of a reservation of this project, or that form for one "
+                              "another project shares with it (RESERVATION / --reservation)")
+        if self.machine_type.startswith(HYPERDISK_ONLY) and self.boot_disk_type != "hyperdisk-balanced":
+            raise ConfigError("vm.boot_disk_type", f"{self.boot_disk_type!r} cannot be the boot disk of a "
+                              f"{self.machine_type} VM (TPU v6e takes Hyperdisk Balanced or ML, and Hyperdisk ML "
+                              "is read-only)", "set boot_disk_type: hyperdisk-balanced in conf/vm.yaml")
+        if self.max_run_duration_s < 0:
+            raise ConfigError("vm.max_run_duration_s", "is negative", "use seconds, or 0 to disable")
+        if self.max_recoveries < 0:
+            raise ConfigError("vm.max_recoveries", "is negative", "use 0 (never recreate a lost VM) or more")
+        return self
+
+
+def load_config(params: dict[str, Any] | None = None, state: dict | None = None) -> DictConfig:
+    """conf/vm.yaml < $MTPIPE_VM_CONFIG < env PROJECT/ZONE/RESERVATION/NAME < doit params.
+
+    Keys still unset after that are filled from the state file (the VM vm_up created), then
+    `name` defaults to mtpipe-<user>. `provisioning` is the recorded VM's unless a doit param sets
+    it, so that reusing or replacing that VM keeps its kind (and its price). The result is checked
+    against :class:`VmConfig`.
+    """
+    cfg = OmegaConf.load(ROOT / "conf" / "vm.yaml")
+    if os.environ.get(CONFIG_ENV):
+        cfg = OmegaConf.merge(cfg, OmegaConf.load(os.environ[CONFIG_ENV]))
+    for key, var in ENV_KEYS.items():
+        if os.environ.get(var):
+            cfg[key] = os.environ[var]
+    for key, value in (params or {}).items():
+        if value not in (None, ""):
+            OmegaConf.update(cfg, key, value)
+    for key in ("project", "zone", "name"):
+        if not cfg[key] and state and state.get(key):
+            cfg[key] = state[key]
+    if not cfg.name:
+        cfg.name = "mtpipe-" + label_value(getpass.getuser()).replace("_", "-")[:40]
+    if not (params or {}).get("provisioning") and state and state.get("name") == cfg.name:
+        cfg.provisioning = state.get("provisioning", cfg.provisioning)   # the recorded VM's kind
+    if not cfg.firewall.name:
+        cfg.firewall.name = f"{cfg.name}-ssh"
+    validate(VmConfig, OmegaConf.to_container(cfg), "vm",
+             lambda key, requirement: f"set {key.removeprefix('vm.')} {requirement} in conf/vm.yaml")
+    prices.vm_rate(cfg)   # conf/prices.yaml prices this machine type in this mode
+    return cfg
+
+
+def label_value(text: str) -> str:
+    """A Compute label value: lowercase letters, digits, dashes and underscores, 63 at most."""
+    return re.sub(r"[^a-z0-9_-]", "-", text.lower())[:63]
+
+
+def require(cfg: DictConfig, *keys: str) -> None:
+    """Fail early, naming the key and the fix, when a value needed to reach Compute is missing."""
+    for key in keys:
+        if not cfg[key]:
+            var = ENV_KEYS[key]
+            raise ConfigError(f"vm.{key}", "is not set",
+                              f"export {var}=... or pass `--{key} ...` (or set {key}: in conf/vm.yaml)")
+
+
+def check_create(cfg: DictConfig) -> None:
+    """The settings vm_up needs, before any request (vm_checks asks Compute about the rest)."""
+    reservation = ["reservation"] if cfg.provisioning == "reservation" else []
+    require(cfg, "project", "zone", *reservation, "name")
