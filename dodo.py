@@ -34,6 +34,7 @@ from mtpipe.cloud.lifecycle import VmLifecycle, spend_line
 from mtpipe.cloud.vm_setup import setup as setup_vm   # the task function below is named vm_setup
 from mtpipe.data import publish as hub_publish
 from mtpipe.errors import ConfigError
+from mtpipe.maxtext import budget
 from mtpipe.maxtext import preflight as preflight_checks
 
 
@@ -206,13 +207,16 @@ def task_vm_down() -> dict:
 
 @_task_action
 def preflight(set: list[str]) -> None:
-    """AOT-compile each TPU branch's training step on this CPU; fail when one does not fit."""
-    rate = prices.vm_rate(vm_config.load_config())
-    preflight_checks.run(set, rate.price.usd, vm_experiments.repo_root(), price_basis=rate.per_chip())
+    """The machine budget (disks, host memory) of the TPU VM's branches, then each one's training step
+    AOT-compiled on this CPU for HBM, time and cost; fail when one does not fit."""
+    cfg = vm_config.load_config()
+    rate = prices.vm_rate(cfg)
+    machine = budget.Machine(cfg.boot_disk_gb, {k: str(v) for k, v in cfg.run.env.items()})
+    preflight_checks.run(set, rate.price.usd, vm_experiments.repo_root(), price_basis=rate.per_chip(), machine=machine)
 
 
 def task_preflight() -> dict:
-    """Will the TPU run fit, how long, what cost: AOT compile for the TPU on this CPU (cached)."""
+    """Will the TPU run fit (disks, host memory, HBM), how long, what cost: before any VM exists (cached)."""
     return {
         "actions": [preflight],
         "params": [{"name": "set", "long": "set", "type": list, "default": [],

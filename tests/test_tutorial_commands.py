@@ -68,6 +68,7 @@ ADDED = {
     "train_sft": {
         "hf_train_files", "tokenizer_path",  # the pinned local download (data, tokenizer)
         "checkpoint_period",                 # intermediate checkpoints make a killed run resumable
+        "max_num_checkpoints_to_keep",       # the latest only: the run directory fits the VM (preflight's budget)
         "metrics_file",                      # per-step loss for the DVC plot and metrics
         "jax_cache_dir",                     # the compile cache lives in work/, not ~/jax_cache
         *STORAGE,                            # plain zarr: the trained params are reproducible bytes
@@ -79,6 +80,7 @@ ADDED = {
         "hf_train_files", "hf_eval_files", "tokenizer_path",  # the pinned local download
         "dataset_name",  # openai/gsm8k: MaxText's `#### N` answer extraction keys on this name
         "checkpoint_period",  # every 10 batches: a Spot preemption loses at most ~5 min
+        "max_num_checkpoints_to_keep",  # the latest only (rl.yml: 10): the run directory fits the VM
         "jax_cache_dir",
         *STORAGE,
     },

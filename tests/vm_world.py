@@ -183,7 +183,9 @@ def loopback_world(tmp_path: Path, repo: Path, local_env: dict[str, str]) -> Ite
                                'source "$HOME/venv/bin/activate" && '
                                f'python -c "{PROBE}" > "$HOME/probe.json" && '
                                'dvc pull --allow-missing && {dvc} && dvc push',
-                    "env": dict(GCS_TEST_ENV)},
+                    # run directories in the checkout's work/, as before conf/vm.yaml's /dev/shm: the
+                    # loopback VM is this machine, whose /dev/shm other tests and checkouts share
+                    "env": dict(GCS_TEST_ENV, MTPIPE_WORK_DIR="")},
         }))
         env = dict(local_env, **TARGET, MTPIPE_COMPUTE_ENDPOINT=fake.url, MTPIPE_VM_CONFIG=str(config),
                    HF_TOKEN=TOKEN, HTTP_PROXY="http://127.0.0.1:9", HTTPS_PROXY="http://127.0.0.1:9",

@@ -54,6 +54,11 @@ For ``maxtext.trainers.post_train.sft.train_sft``:
    checkpoint is committed and its loss row written, until it is killed: a kill point that does
    not depend on the machine's speed. train_rl gets the same hold (``hold_after_checkpoint``);
    tunix's GRPO learner already fast-forwards its data on resume.
+11. ``keep_checkpoints`` (monkeypatch): MaxText's SFT trainer builds tunix's checkpoint options
+    from ``checkpoint_period`` alone, so ``max_num_checkpoints_to_keep`` (which train_rl passes on)
+    was ignored and every checkpoint stayed on disk. tunix's checkpoint manager now gets it as
+    Orbax's ``max_to_keep``; Orbax deletes the older steps only after the newer one is committed,
+    so the latest complete checkpoint is always there to resume from.
 
 For both converters:
 
@@ -489,6 +494,28 @@ def hold_after_checkpoint(hold_after: int | None) -> None:
     checkpoint_manager.CheckpointManager.save = save_then_hold
 
 
+def keep_checkpoints(argv: list[str]) -> None:
+    """Patch 11: tunix's checkpoint manager keeps ``max_num_checkpoints_to_keep`` steps (Orbax's
+    ``max_to_keep``). Patched in tunix, which MaxText imports: train_sft itself runs as __main__, a
+    copy of its module that a patch of ``train_sft.get_tunix_config`` would not reach."""
+    import dataclasses
+
+    from tunix.sft import checkpoint_manager
+
+    value = _arg_value(argv, "max_num_checkpoints_to_keep")
+    if value is None or value.lower() in ("none", "null", ""):
+        return
+    kept = int(value)
+    init = checkpoint_manager.CheckpointManager.__init__
+
+    def init_keeping(self: Any, root_directory: str | None = None, options: Any = None) -> None:
+        if options is not None:
+            options = dataclasses.replace(options, max_to_keep=kept)
+        init(self, root_directory, options)
+
+    checkpoint_manager.CheckpointManager.__init__ = init_keeping
+
+
 def collect_young_garbage() -> None:
     """Patch 10: ``gc.collect()`` without a generation collects generations 0 and 1 only."""
     import gc
@@ -513,6 +540,7 @@ def apply(module: str, argv: list[str]) -> Callable[[], None]:
         honour_checkpoint_storage(argv)
     if module == TRAIN_SFT:
         hold_after = hold_after_step()
+        keep_checkpoints(argv)
         resume_data_position()
         stop_on_sigterm(hold_after)
     elif module in TRAINERS:

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpipe.errors import ConfigError
-from mtpipe.maxtext import commands
+from mtpipe.maxtext import budget, commands
 from mtpipe.maxtext.runner import child_env
 from mtpipe.pipeline import overrides, toolchain
 from mtpipe.pipeline.config import BRANCH_STAGES, ROOT, View, stage_view
@@ -284,9 +284,11 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def run(sets: list[str], usd_per_chip_hour: float, root: Path = ROOT,
         branches: tuple[str, ...] = tuple(BRANCH_STAGES), committed: bool = False,
-        price_basis: str = "") -> list[dict[str, Any]]:
-    """:func:`check`, then raise ConfigError (naming the keys to change) if a branch does not fit."""
-    rows = check(sets, usd_per_chip_hour, root, branches, committed, price_basis)
+        price_basis: str = "", machine: budget.Machine | None = None) -> list[dict[str, Any]]:
+    """:func:`check`, then raise ConfigError (naming the keys to change) if a branch does not fit;
+    a run that does not fit the machine's disks or memory stops before anything compiles.
+    ``machine``: conf/vm.yaml's boot disk and run environment (default: read from it)."""
+    rows = check(sets, usd_per_chip_hour, root, branches, committed, price_basis, machine, refuse=True)
     for row in rows:
         check_fits(row)
     return rows
@@ -294,7 +296,7 @@ def run(sets: list[str], usd_per_chip_hour: float, root: Path = ROOT,
 
 def check(sets: list[str], usd_per_chip_hour: float, root: Path = ROOT,
           branches: tuple[str, ...] = tuple(BRANCH_STAGES), committed: bool = False,
-          price_basis: str = "") -> list[dict[str, Any]]:
+          price_basis: str = "", machine: budget.Machine | None = None, refuse: bool = False) -> list[dict[str, Any]]:
     """Preflight the branches of params.yaml (+ ``--set`` overrides, as ``dvc exp run -S``) that target a TPU.
 
     ``usd_per_chip_hour``: the chip price of conf/vm.yaml's mode (mtpipe.cloud.prices), which the cost
@@ -302,12 +304,15 @@ def check(sets: list[str], usd_per_chip_hour: float, root: Path = ROOT,
     reservation, that its commitment pays).
     ``committed``: HEAD's params.yaml (what vm_run ships) instead of the workspace's. Prints a table,
     writes ``work/preflight/<branch>-<preset>.json`` per branch and returns the rows.
+    First the machine budget of the TPU VM's branches (:func:`machine_budget`; ``refuse``: raise when
+    it does not fit, before anything compiles).
     """
     params_yaml = overrides.committed_params(root) if committed else (root / "params.yaml").read_bytes()
     params = overrides.apply_sets(params_yaml, sets)
     composed = {branch: compose_checked(branch, params) for branch in branches}  # all config errors first
     views = {branch: stage_view(cfg, TRAINING_STAGE[branch]) for branch, cfg in composed.items()}
     work = root / "work" / "preflight"
+    machine_budget(composed, views, machine or budget.Machine.from_vm_yaml(), root, work, refuse)
     rows = []
     for branch, cfg in views.items():
         topo = topology(cfg)
@@ -333,6 +338,52 @@ def check(sets: list[str], usd_per_chip_hour: float, root: Path = ROOT,
               f"reports in {work}/<branch>-<preset>.json")
         print(versions_line())
     return rows
+
+
+BUDGET_STAGES = {"sft": ("hf_download", "train_sft", "to_huggingface"),
+                 "rl": ("hf_download", "train_sft", "train_rl", "to_huggingface")}
+
+
+def machine_budget(composed: dict[str, Any], views: dict[str, View], machine: budget.Machine, root: Path,
+                   work: Path, refuse: bool) -> dict[str, Any] | None:
+    """Print the budget of the branches that run on one TPU VM (backend local): disk peaks per file
+    system and host memory next to the VM's capacity (mtpipe/maxtext/budget.py), from the compiled
+    train state where a compile is cached, else from the model's files. Written to
+    ``work/preflight/budget.json`` and returned (None when no branch runs on a TPU VM); ``refuse``:
+    raise ConfigError naming the key to change when it does not fit."""
+    on_vm = [b for b, cfg in views.items() if topology(cfg) and cfg.hardware.backend == "local"]
+    if not on_vm:
+        return None
+    topo = topology(views[on_vm[0]])
+    if topo not in budget.HOSTS:
+        raise ConfigError(f"{on_vm[0]}.hardware", f"the machine budget knows no host for {topo}",
+                          "add it to mtpipe/maxtext/budget.py HOSTS")
+    stages = {b: {s: stage_view(composed[b], s) for s in BUDGET_STAGES[b]} for b in on_vm}
+    missing = [str(root / cfg.model.source.path) for b in on_vm for cfg in [stages[b]["hf_download"]]
+               if cfg.model.source.kind == "local" and not (root / cfg.model.source.path).is_dir()]
+    if missing:
+        print(f"mtpipe preflight: machine budget skipped: {', '.join(missing)} not generated "
+              "(`dvc repro make_embedded`)")
+        return None
+    compiled = {}
+    for b in on_vm:
+        cmd = stage_command(views[b])
+        cache = work / f"{compile_digest(cmd.module, compile_args(cmd, topo))}.json"
+        if cache.is_file():
+            compiled[b] = json.loads(cache.read_text())
+    place = budget.Placement.from_env(machine.env)
+    plan = budget.plan(stages, place, compiled, root)
+    rep = budget.report(plan, topo, machine.boot_disk_gb) | {
+        "run_dirs": place.run_dirs, "compiled_branches": sorted(compiled), "boot_disk_gb": machine.boot_disk_gb}
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "budget.json").write_text(json.dumps(rep, indent=1) + "\n")
+    print(f"mtpipe preflight: machine budget of {'+'.join(on_vm)} on one {topo} VM (run directories: "
+          f"{place.run_dirs}; sizes from {'the compiled train state' if compiled else 'the model files'}; "
+          f"each peak x {1 + budget.MARGIN:.2f} must fit):\n{budget.table(rep)}\nitems: {work}/budget.json",
+          flush=True)
+    if refuse:
+        budget.check(plan, rep, place)
+    return rep
 
 
 def versions_line(vm_lock: Path = ROOT / "requirements-vm.lock") -> str:

@@ -3,10 +3,14 @@
 MaxText resumes a run by its name: it restores the latest complete checkpoint under
 ``<base_output_directory>/<run_name>/checkpoints``. Run names are input digests (mtpipe.pipeline.stage), so
 the same inputs find the same run directory. By default it is ``work/<stage>/<run_name>``: a killed
-stage resumes on the same machine. With ``MTPIPE_WORK_BUCKET=gs://BUCKET[/PREFIX]`` it is
+stage resumes on the same machine; ``MTPIPE_WORK_DIR=/ABSOLUTE/PATH`` moves it to
+``<path>/<stage>/<run_name>`` (the TPU VM's conf/vm.yaml sets /dev/shm/mtpipe-work, where the
+tutorials write: the boot disk holds no checkpoints; /dev/shm dies with the VM, so a replacement VM
+resumes only from a work bucket). With ``MTPIPE_WORK_BUCKET=gs://BUCKET[/PREFIX]`` it is
 ``gs://BUCKET/PREFIX/<stage>/<run_name>``: a stage started with the same inputs on any machine (a
 new VM after a Spot preemption, a fresh clone) resumes from the bucket. The variable is not a DVC
-param because where scratch state lives changes no stage's result (docs/decisions.md).
+param because where scratch state lives changes no stage's result (docs/decisions.md); neither is
+MTPIPE_WORK_DIR.
 
 Files only this machine needs stay in ``work/<stage>/<run_name>`` (the scratch directory): the rl
 warm-up's chat parquet, and MaxText's ``metrics_file``, which it appends to with ``open()``; the
@@ -36,6 +40,7 @@ if TYPE_CHECKING:
     import gcsfs
 
 WORK_BUCKET_ENV = "MTPIPE_WORK_BUCKET"
+WORK_DIR_ENV = "MTPIPE_WORK_DIR"
 KEEP_ENV = "MTPIPE_WORK_BUCKET_KEEP"
 BUCKET_URL = re.compile(r"gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[^\s]*)?")
 MIRROR_EVERY_S = 5.0
@@ -51,6 +56,18 @@ def work_bucket() -> str | None:
     if not BUCKET_URL.fullmatch(value.rstrip("/")):
         raise ConfigError(WORK_BUCKET_ENV, f"{value!r} is not a gs://BUCKET[/PREFIX] URL", BUCKET_FIX)
     return value.rstrip("/")
+
+
+def work_dir() -> Path:
+    """Where local run directories live: MTPIPE_WORK_DIR (an absolute path), else this checkout's work/."""
+    value = os.environ.get(WORK_DIR_ENV, "").strip()
+    if not value:
+        return WORK
+    if not os.path.isabs(value):
+        raise ConfigError(WORK_DIR_ENV, f"{value!r} is not an absolute path",
+                          f"export {WORK_DIR_ENV}=/dev/shm/mtpipe-work (or another absolute path), "
+                          "or unset it to keep run directories in work/")
+    return Path(value)
 
 
 def gcs() -> gcsfs.GCSFileSystem:
@@ -103,12 +120,13 @@ class RunDir:
         return max(steps, default=None)
 
     def take(self, path: str, dest: Path) -> None:
-        """Move (local) or download (bucket) ``<run dir>/<path>`` to ``dest``, the same bytes wherever
-        the run directory was (:func:`mtpipe.maxtext.checkpoints.normalise_orbax_metadata`)."""
+        """Move (local: a rename, or a copy from another file system such as /dev/shm) or download
+        (bucket) ``<run dir>/<path>`` to ``dest``, the same bytes wherever the run directory was
+        (:func:`mtpipe.maxtext.checkpoints.normalise_orbax_metadata`)."""
         if self.in_bucket:
             gcs().get(f"{self.url}/{path}", str(dest), recursive=True)
         else:
-            os.replace(Path(self.url) / path, dest)
+            shutil.move(Path(self.url) / path, dest)
         normalise_orbax_metadata(dest)
 
     @contextlib.contextmanager
@@ -160,10 +178,13 @@ class RunDir:
 
 
 def run_dir(stage: str, run_name: str) -> RunDir:
-    """Where ``stage`` keeps run ``run_name``: in the work bucket, checked writable, else in work/."""
-    scratch, bucket = WORK / stage / run_name, work_bucket()
+    """Where ``stage`` keeps run ``run_name``: in the work bucket, checked writable, else in
+    :func:`work_dir` (then the scratch directory is the run directory itself)."""
+    bucket = work_bucket()
     if bucket is None:
-        return RunDir(str(WORK / stage), run_name, scratch)
+        local = work_dir() / stage
+        return RunDir(str(local), run_name, local / run_name)
+    scratch = WORK / stage / run_name
     run = RunDir(f"{bucket}/{stage}", run_name, scratch)
     check_writable(run.url)
     return run

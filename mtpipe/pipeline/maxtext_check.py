@@ -27,10 +27,12 @@ from mtpipe.pipeline.schema import Fix, SftBranch
 MAXTEXT_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
     "to_maxtext": ("MaxTextConfig", ("scan_layers", "use_multimodal")),
     "train_sft": ("MaxTextConfig", ("steps", "per_device_batch_size", "max_target_length", "learning_rate",
-                                    "num_epoch", "checkpoint_period", "eval_interval", "eval_steps", "profiler")),
+                                    "num_epoch", "checkpoint_period", "max_num_checkpoints_to_keep", "eval_interval",
+                                    "eval_steps", "profiler")),
     "train_rl": ("RLConfig", ("chips_per_vm", "num_batches", "num_test_batches", "batch_size", "num_generations",
                               "rollout_data_parallelism", "rollout_tensor_parallelism", "grpo_beta",
-                              "grpo_epsilon", "learning_rate", "max_prefill_predict_length", "max_target_length")),
+                              "grpo_epsilon", "learning_rate", "max_prefill_predict_length", "max_target_length",
+                              "max_num_checkpoints_to_keep")),
     "to_huggingface": ("MaxTextConfig", ("scan_layers", "use_multimodal", "weight_dtype")),
 }
 # The free-form MaxText mappings each stage passes on, every key as it is.

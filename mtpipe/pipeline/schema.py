@@ -153,6 +153,8 @@ class TrainSft(Section):
     learning_rate: Optional[LearningRate]
     num_epoch: Optional[PositiveInt]
     checkpoint_period: PositiveInt         # a killed run resumes from the last multiple of this
+    max_num_checkpoints_to_keep: Optional[Annotated[int, Ge(1), Words(
+        why="null: MaxText's default, every checkpoint; the latest is always kept, so a killed run resumes")]]
     eval_interval: Optional[Annotated[int, Ge(0), Words(why="0 or null: no evaluation")]]
     eval_steps: Optional[Annotated[int, Ge(-1), Words(why="-1: the whole eval split")]]
     profiler: Literal["", "xplane", "nsys"]
@@ -183,6 +185,8 @@ class TrainRl(Section):
     learning_rate: Optional[LearningRate]
     max_prefill_predict_length: Optional[PositiveInt]
     max_target_length: Optional[PositiveInt]
+    max_num_checkpoints_to_keep: Optional[Annotated[int, Ge(1), Words(
+        why="null: MaxText's rl.yml, 10; the latest is always kept, so a killed run resumes")]]
     extra_args: dict[str, Any]
 
 

@@ -1,0 +1,165 @@
+"""The machine budget (mtpipe/maxtext/budget.py): disk peaks per file system and host memory of a
+run on its TPU VM, before the VM exists; and its forecast against what the embedded default wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mtpipe.errors import ConfigError
+from mtpipe.maxtext import budget, preflight
+from mtpipe.maxtext.run_dir import run_dir
+from mtpipe.pipeline import overrides
+from mtpipe.pipeline.config import ROOT, compose, stage_view
+from mtpipe.pipeline.maxtext_check import compose_checked
+
+pytestmark = pytest.mark.first_contact
+
+TUTORIALS = ["sft.preset=gemma3-4b-ultrachat-v6e8", "rl.preset=llama3.1-8b-gsm8k-v6e8"]
+FIXTURES = {"google/gemma-3-4b-it": ("gemma-3-4b-it", "gemma3-4b"),
+            "meta-llama/Llama-3.1-8B-Instruct": ("Llama-3.1-8B-Instruct", "llama3.1-8b")}
+SHM_ENV = {"MTPIPE_WORK_DIR": "/dev/shm/mtpipe-work"}
+
+
+def budget_of(sets: list[str], machine: budget.Machine, tmp_path: Path) -> dict | None:
+    """preflight's machine budget of params.yaml + ``sets`` (refusing what does not fit)."""
+    params = overrides.apply_sets((ROOT / "params.yaml").read_bytes(), sets)
+    composed = {b: compose_checked(b, params) for b in ("sft", "rl")}
+    views = {b: stage_view(cfg, preflight.TRAINING_STAGE[b]) for b, cfg in composed.items()}
+    return preflight.machine_budget(composed, views, machine, ROOT, tmp_path, refuse=True)
+
+
+def test_hub_model_sizes_are_the_published_indexes() -> None:
+    """HUB_MODELS against tests/fixtures/ (the Hub indexes' tensor inventories and total_size)."""
+    for repo_id, (fixture, maxtext_name) in FIXTURES.items():
+        index = json.loads((ROOT / "tests" / "fixtures" / fixture / "tensors.json").read_text())
+        lm = {k: v for k, v in index["tensors"].items() if budget.is_language_model(k)}
+        hub = budget.HUB_MODELS[repo_id]
+        assert hub.total_bytes == index["total_size"]
+        assert hub.lm_params == sum(math.prod(shape) for _, shape in lm.values())
+        assert hub.lm_arrays == budget.maxtext_arrays(list(lm), maxtext_name)
+
+
+def test_the_shipped_tutorial_presets_fit_their_vm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    """Both tutorials on one v6e-8 with conf/vm.yaml as shipped: run directories on /dev/shm, the
+    latest checkpoint kept; every place keeps its margin free."""
+    monkeypatch.delenv("MTPIPE_VM_CONFIG", raising=False)
+    machine = budget.Machine.from_vm_yaml()
+    assert machine.env == SHM_ENV
+    rep = budget_of(TUTORIALS, machine, tmp_path)
+    assert rep == json.loads((tmp_path / "budget.json").read_text())
+    lines = capsys.readouterr().out
+    places = rep["places"]
+    assert set(places) == {budget.BOOT, budget.SHM, "host memory"} and all(p["fits"] for p in places.values())
+    assert places[budget.BOOT]["capacity_gb"] == machine.boot_disk_gb
+    # Gemma 3 4B: 3.88e9 params x (f32 weights + f32 Adam mu and nu) = 46.6 GB per checkpoint; the
+    # latest kept, so at most 2 while the newer is written. Llama 3.1 8B: 8.03e9 x (bf16 x 3) = 48.2 GB.
+    runs = {i["stage"]: i for i in rep["items"] if i["where"] == budget.SHM}
+    assert runs["train_sft@sft"]["gb"] == pytest.approx(2 * 46.6, rel=0.01)
+    assert runs["train_rl"]["gb"] == pytest.approx(2 * 48.2, rel=0.01)
+    assert places[budget.SHM]["peak_gb"] == pytest.approx(96.4, rel=0.01)
+    for place in ("boot disk", "/dev/shm", "host memory"):
+        assert place in lines
+    assert f"{places[budget.BOOT]['capacity_gb']:.0f}" in lines and "825" in lines and "1649" in lines
+
+
+def test_every_checkpoint_kept_on_the_boot_disk_is_refused_before_anything_compiles(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """checkpoint_period 50 of 1000 steps, all kept (21 checkpoints of 46.6 GB), run directories on
+    the 200 GB boot disk: refused naming the key, before the AOT compile (and so before any VM)."""
+    (tmp_path / "params.yaml").write_bytes((ROOT / "params.yaml").read_bytes())
+    monkeypatch.setattr(preflight, "compile_step", lambda *a: pytest.fail("compiled a run that cannot fit"))
+    sets = [TUTORIALS[0], "sft.train_sft.checkpoint_period=50", "sft.train_sft.max_num_checkpoints_to_keep=21"]
+    with pytest.raises(ConfigError) as err:
+        preflight.run(sets, 2.70, tmp_path, machine=budget.Machine(200, {}))
+    assert err.value.key == "sft.train_sft.max_num_checkpoints_to_keep"
+    assert "boot disk" in err.value.problem and "21 of 21 checkpoints" in err.value.problem
+    for key in ("sft.train_sft.checkpoint_period", "MTPIPE_WORK_DIR", "boot_disk_gb"):
+        assert key in err.value.fix
+    # the fix it names: the preset's latest-only checkpoint, and the same period fits the boot disk
+    budget_of(sets[:2], budget.Machine(200, {}), tmp_path)
+
+
+def test_run_directories_on_dev_shm_are_refused_past_the_host_memory(tmp_path: Path) -> None:
+    """/dev/shm is host memory: every checkpoint of a 20-step period kept there does not fit."""
+    sets = [TUTORIALS[1], "rl.train_rl.max_num_checkpoints_to_keep=50", "rl.train_rl.num_batches=100",
+            "+rl.train_rl.extra_args.checkpoint_period=2"]
+    with pytest.raises(ConfigError) as err:
+        budget_of(sets, budget.Machine(200, SHM_ENV), tmp_path)
+    assert err.value.key == "rl.train_rl.max_num_checkpoints_to_keep" and "/dev/shm" in err.value.problem
+    assert "MTPIPE_WORK_BUCKET" in err.value.fix
+
+
+def test_checkpoints_written_and_held() -> None:
+    """Orbax saves the first step, every period and the last; it holds the kept ones plus the one
+    being written."""
+    assert [budget.saves(steps, period) for steps, period in ((150, 50), (400, 400), (1000, 200), (16, 50))] == \
+        [4, 2, 6, 2]
+
+
+def test_run_directories_follow_mtpipe_work_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MTPIPE_WORK_DIR moves local run directories (and their scratch files); final params leave
+    them for the checkout even from another file system (shutil.move); a relative path is refused."""
+    monkeypatch.delenv("MTPIPE_WORK_BUCKET", raising=False)
+    monkeypatch.setenv("MTPIPE_WORK_DIR", str(tmp_path / "shm"))
+    run = run_dir("train_sft", "r1")
+    assert run.url == str(tmp_path / "shm" / "train_sft" / "r1")
+    assert run.scratch == tmp_path / "shm" / "train_sft" / "r1"
+    monkeypatch.setenv("MTPIPE_WORK_DIR", "shm")
+    with pytest.raises(ConfigError, match="MTPIPE_WORK_DIR"):
+        run_dir("train_sft", "r1")
+
+
+@pytest.mark.slow
+def test_forecast_bytes_are_what_each_stage_wrote(pipeline_repo: Path) -> None:
+    """The budget of the embedded default against `du -sb` of each stage's output in the shared
+    pipeline (DVC's cache hardlinks them: counted once), within 10%."""
+    params = overrides.apply_sets((pipeline_repo / "params.yaml").read_bytes(), [])
+    stages = {b: {s: stage_view(compose(b, params), s) for s in preflight.BUDGET_STAGES[b]} for b in ("sft", "rl")}
+    place = budget.Placement(budget.BOOT, dvc_links=budget.dvc_cache_links(pipeline_repo))
+    assert place.dvc_links
+    plan = budget.plan(stages, place, None, pipeline_repo)
+    forecast = {i.stage: i.bytes for i in plan.items if i.where == budget.BOOT and not i.transient}
+    outputs = {"hf_download@sft": ["sft/model", "sft/dataset"], "to_maxtext@sft": ["sft/maxtext"],
+               "train_sft@sft": ["sft/trained"], "to_huggingface@sft": ["sft/hf"],
+               "hf_download@rl": ["rl/model", "rl/dataset"], "to_maxtext@rl": ["rl/maxtext"],
+               "train_sft@rl": ["rl/warmup"], "train_rl": ["rl/trained"], "to_huggingface@rl": ["rl/hf"]}
+    measured = {stage: sum(budget.tree_bytes(pipeline_repo / "artifacts" / d) for d in dirs)
+                for stage, dirs in outputs.items()}
+    print("\nstage  forecast  du -sb  ratio")
+    for stage, du in measured.items():
+        print(f"{stage}  {forecast[stage]}  {du}  {forecast[stage] / du:.3f}")
+    assert {s: round(forecast[s] / du, 2) for s, du in measured.items() if abs(forecast[s] / du - 1) > 0.10} == {}
+    # counted once: the outputs are hardlinks into DVC's cache, not copies
+    weights = next((pipeline_repo / "artifacts" / "sft" / "hf").glob("*.safetensors"))
+    assert weights.stat().st_nlink >= 2
+
+
+@pytest.mark.slow
+def test_sft_keeps_max_num_checkpoints_to_keep(tmp_path: Path) -> None:
+    """Adapter patch 11, as `apply` sets it up for train_sft (in a child process: it patches tunix):
+    the checkpoint manager the trainer makes gets max_num_checkpoints_to_keep as Orbax's max_to_keep
+    (unpatched: None, every checkpoint kept)."""
+    code = f"""
+import orbax.checkpoint as ocp
+from tunix.sft import checkpoint_manager
+from mtpipe.maxtext import maxtext_adapter
+
+def options():
+    manager = checkpoint_manager.CheckpointManager({str(tmp_path)!r}, ocp.CheckpointManagerOptions(save_interval_steps=50))
+    return manager._checkpoint_manager._options
+
+print(options().max_to_keep)
+maxtext_adapter.apply(maxtext_adapter.TRAIN_SFT, ["steps=100", "max_num_checkpoints_to_keep=2"])
+print(options().save_interval_steps, options().max_to_keep)
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-3:] == ["None", "50", "2"], out.stdout
