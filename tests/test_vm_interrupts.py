@@ -86,7 +86,7 @@ def test_an_insert_interrupted_leaves_no_vm_unrecorded(world: Env, forks: DoitFo
     w.fake.on_insert = lambda body: recorded_at_insert.append(json.loads((w.repo / ".vm_state.json").read_text()))
     w.fake.hold_inserts()
     run = start(forks, w, "vm_up")
-    until(run, "the insert", w.fake.inserts)
+    until(run, "the insert", lambda: recorded_at_insert)   # the request is recorded before on_insert runs
     labels = w.fake.inserts()[0].json()["labels"]
     (record,) = recorded_at_insert
     assert record["name"] == "mt-test" and record["zone"] == "us-east5-b" and record["insert_sent"]
