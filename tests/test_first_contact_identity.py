@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from fakes.fake_iam import FakeIam, running_fake_iam
@@ -94,7 +93,7 @@ def test_remote_only_in_an_uncommitted_edit_is_refused(iw) -> None:
     text = uncommit_remote(w)
     (w.repo / ".dvc" / "config").write_text(text)
     out = w.doit("vm_run", ok=False).stdout
-    assert f"is only in an uncommitted edit of .dvc/config" in out and "`git commit .dvc/config`" in out
+    assert "is only in an uncommitted edit of .dvc/config" in out and "`git commit .dvc/config`" in out
     nothing_created(w)
 
 

@@ -12,7 +12,6 @@ gcp.explained words them as it words Compute's.
 from __future__ import annotations
 
 import os
-from typing import Any
 from urllib.parse import quote
 
 import google.auth.transport.requests
