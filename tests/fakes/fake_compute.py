@@ -54,11 +54,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import parse_qs, urlsplit
 
 from fakes.discovery import Contract
 from fakes.fake_org import FakeOrg, disabled
+from fakes.loopback import send, serving
 
 PREFIX = "/compute/v1/projects/"
 
@@ -620,13 +621,8 @@ def _handler(fake: FakeCompute) -> type[BaseHTTPRequestHandler]:
                 else:
                     recorded.api_method = method.id
                     code, out = contract.answer(method, *serve(self.command, self.path, json.loads(raw) if raw else {}))
-            data = json.dumps(out).encode()
             try:
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json; charset=UTF-8")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                send(self, code, json.dumps(out).encode())
             except (BrokenPipeError, ConnectionResetError):   # the client gave up (interrupted)
                 pass
 
@@ -642,14 +638,8 @@ def _handler(fake: FakeCompute) -> type[BaseHTTPRequestHandler]:
 def running_fake(fake: FakeCompute | None = None) -> Iterator[FakeCompute]:
     """Serve a FakeCompute on 127.0.0.1 (free port) in a thread."""
     fake = fake or FakeCompute()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(fake))
-    fake.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    try:
+    with serving(_handler(fake)) as host:
+        fake.url = f"http://{host}"
         yield fake
         fake.contract.check()   # on leaving the with-block normally (a fixture's teardown included)
         fake.org.check()
-    finally:
-        server.shutdown()
-        server.server_close()

@@ -19,10 +19,11 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import urlsplit
 
 from fakes.discovery import Contract, api
+from fakes.loopback import send, serving
 
 
 @dataclass
@@ -96,12 +97,7 @@ def _handler(fake: FakeIam) -> type[BaseHTTPRequestHandler]:
                 code, out = refusal
             else:
                 code, out = contract.answer(method, *fake.handle(self.command, urlsplit(self.path).path))
-            data = json.dumps(out).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json; charset=UTF-8")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            send(self, code, json.dumps(out).encode())
 
         do_GET = do_POST = _serve
 
@@ -115,14 +111,8 @@ def _handler(fake: FakeIam) -> type[BaseHTTPRequestHandler]:
 def running_fake_iam(fake: FakeIam | None = None) -> Iterator[FakeIam]:
     """Serve a FakeIam on 127.0.0.1 (free port) in a thread."""
     fake = fake or FakeIam()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(fake))
-    fake.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    try:
+    with serving(_handler(fake)) as host:
+        fake.url = f"http://{host}"
         yield fake
         fake.crm.check()
         fake.iam.check()
-    finally:
-        server.shutdown()
-        server.server_close()

@@ -12,13 +12,13 @@ Compute API created.
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 from fakes.gcs_emulator import SA_TOKEN_PREFIX
+from fakes.loopback import send, serving
 
 ACCOUNT = "/computeMetadata/v1/instance/service-accounts/default/"
 
@@ -55,21 +55,11 @@ def running_metadata(fake: FakeMetadata) -> Iterator[FakeMetadata]:
         def do_GET(self) -> None:
             fake.requests.append(self.path)
             code, kind, body = fake.answer(self.path.split("?")[0], self.headers.get("Metadata-Flavor"))
-            data = body.encode()
-            self.send_response(code)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            send(self, code, body.encode(), kind)
 
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    fake.host = f"127.0.0.1:{server.server_address[1]}"
-    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
-    try:
+    with serving(Handler) as host:
+        fake.host = host
         yield fake
-    finally:
-        server.shutdown()
-        server.server_close()
