@@ -302,7 +302,7 @@ def test_real_training_on_spot_survives_two_preemptions(project_world: Env, gcs_
     thread = threading.Thread(target=preempter, daemon=True)
     thread.start()
     try:
-        out = w.doit("vm_run", "--set=sft.train_sft.checkpoint_period=25", "--set=sft.evaluate.num_problems=16",
+        out = w.doit("vm_run", "--set=sft.train_sft.checkpoint_period=25", "--set=+sft.evaluate.num_problems=16",
                      "--target=evaluate@sft",
                      "--exp-name=spot", "--down").stdout
     finally:
