@@ -13,9 +13,8 @@ from mtpipe.pipeline.stage import run_stage
 
 def main() -> None:
     params = load_params()
-    for branch in BRANCH_STAGES:
-        compose_checked(branch, params)
-    for path in write_resolved(params):
+    composed = {branch: compose_checked(branch, params) for branch in BRANCH_STAGES}
+    for path in write_resolved(composed):
         print(f"  {path.relative_to(path.parents[2])}")
 
 

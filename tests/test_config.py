@@ -36,7 +36,7 @@ def test_null_keeps_preset_and_value_overrides():
 
 def test_group_override_swaps_a_part():
     cfg = config.compose("sft", params(hardware="v6e-8"))
-    assert cfg.hardware.env.TPU_TOPOLOGY == "2x4"
+    assert cfg.hardware.env["TPU_TOPOLOGY"] == "2x4"
     assert cfg.model.name == "gemma3-tiny"
 
 
@@ -83,8 +83,8 @@ def test_unpinned_hub_revision_rejected(tmp_path, monkeypatch):
 
 def test_views_change_only_for_the_stages_that_read_a_value(tmp_path):
     base = config.load_params()
-    config.write_resolved(base, tmp_path / "a")
-    config.write_resolved(OmegaConf.merge(base, {"steps": 7}), tmp_path / "b")
+    config.write_resolved(config.compose_all(base), tmp_path / "a")
+    config.write_resolved(config.compose_all(OmegaConf.merge(base, {"steps": 7})), tmp_path / "b")
     changed = {
         f"{p.parent.name}/{p.stem}"
         for p in (tmp_path / "a").rglob("*.yaml")
@@ -96,10 +96,10 @@ def test_views_change_only_for_the_stages_that_read_a_value(tmp_path):
 def test_configure_fails_early_and_keeps_existing_views(tmp_path):
     """A bad value stops `configure` with the key and the fix; the files already written stay."""
     good = config.load_params()
-    config.write_resolved(good, tmp_path)
+    config.write_resolved(config.compose_all(good), tmp_path)
     before = {p: p.read_text() for p in tmp_path.rglob("*.yaml")}
     with pytest.raises(ConfigError):
-        config.write_resolved(OmegaConf.merge(good, {"steps": 0}), tmp_path)
+        config.write_resolved(config.compose_all(OmegaConf.merge(good, {"steps": 0})), tmp_path)
     assert {p: p.read_text() for p in tmp_path.rglob("*.yaml")} == before
 
 

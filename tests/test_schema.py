@@ -133,15 +133,15 @@ def test_a_range_error_says_what_to_set():
 
 @pytest.mark.parametrize("preset", config.available("preset"))
 def test_every_shipped_preset_passes(preset):
-    branch = "rl" if "train_rl" in config.load_yaml(config.CONF_DIR / "preset" / f"{preset}.yaml") else "sft"
+    branch = "rl" if "train_rl" in config.load_preset(preset, "preset") else "sft"
     cfg = compose(branch, {branch: {"preset": preset}})
     assert cfg.branch == branch
-    assert isinstance(schema.check_branch(OmegaConf.to_container(cfg), preset), schema.BRANCHES[branch])
+    assert isinstance(schema.check_branch(cfg.model_dump(by_alias=True), preset), schema.BRANCHES[branch])
 
 
 def test_both_tutorial_presets_resolve_together(tmp_path):
     params = OmegaConf.merge(config.load_params(), {"sft": {"preset": "gemma3-4b-ultrachat-v6e8"}, "rl": TUTORIAL_RL})
-    written = config.write_resolved(params, tmp_path)
+    written = config.write_resolved(config.compose_all(params), tmp_path)
     assert yaml.safe_load((tmp_path / "config" / "rl" / "train_rl.yaml").read_text())["train_rl"]["chips_per_vm"] == 8
     assert len(written) == 15  # 13 stage views, make_embedded's code-only view and config/run.yaml
 
@@ -193,7 +193,7 @@ def edit(path: Path, change) -> None:
      "every answer reward would be 0", "conf/dataset/gsm8k-tiny.yaml"),
     ("dataset/gsm8k-tiny.yaml", lambda d: d.update(eval_files=None), {"rl": {}}, "rl.train_rl.num_test_batches",
      "no eval_files", "conf/dataset/gsm8k-tiny.yaml"),
-    ("preset/embedded-sft.yaml", lambda d: d["train_sft"].pop("num_epoch"), {}, "sft.train_sft.num_epoch",
+    ("preset/embedded-sft.yaml", lambda d: d["train_sft"].pop("checkpoint_period"), {}, "sft.train_sft.checkpoint_period",
      "is missing", "conf/preset/embedded-sft.yaml"),
     ("preset/embedded-sft.yaml", lambda d: d.update(train_rl={}), {}, "sft.train_rl", "not a key of sft",
      "train_sft"),

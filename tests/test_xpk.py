@@ -56,9 +56,9 @@ def resolved(branch: str, preset: str, stage: str, **xpk_keys) -> OmegaConf:
     params = OmegaConf.create({"steps": None, "sft": {"preset": "embedded-sft"}, "rl": {"preset": "embedded-rl"}})
     params[branch].preset = preset
     cfg = config.compose(branch, params)
-    if cfg.hardware.get("xpk") is not None:
-        for key, value in {**FILLED, **xpk_keys}.items():
-            cfg.hardware.xpk[key] = value
+    if cfg.hardware.xpk is not None:
+        xpk = cfg.hardware.xpk.model_copy(update={**FILLED, **xpk_keys})
+        cfg = cfg.model_copy(update={"hardware": cfg.hardware.model_copy(update={"xpk": xpk})})
     return config.stage_view(cfg, stage)
 
 
@@ -210,7 +210,7 @@ def test_workload_names_fit_xpk_and_pathways():
 def test_backend_xpk_needs_its_section_and_one_process_per_host():
     params = OmegaConf.create({"steps": None, "sft": {"preset": "gemma3-4b-ultrachat-v6e32"},
                                "rl": {"preset": "embedded-rl"}})
-    composed = OmegaConf.to_container(config.compose("sft", params), resolve=True)
+    composed = config.compose("sft", params).model_dump(by_alias=True)
     with pytest.raises(ConfigError, match=r"^sft.hardware.xpk: is missing.*Fix: add an xpk: section to "
                                           r"conf/hardware/v6e-32.yaml"):
         schema.check_branch({**composed, "hardware": {**composed["hardware"], "xpk": None}}, "p")

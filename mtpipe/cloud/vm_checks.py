@@ -34,6 +34,7 @@ from mtpipe.cloud.gcp import Compute, reservation_path
 from mtpipe.data import hub
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline import config, maxtext_check, overrides
+from mtpipe.pipeline.schema import SftBranch
 
 
 def before_spending(cfg: DictConfig, compute: Compute, root: Path,
@@ -135,22 +136,22 @@ def check_project(cfg: DictConfig, root: Path, experiments: list[list[str]]) -> 
     check_remote_writable(root, float(cfg.remote_probe_timeout_s))
 
 
-def composed_branches(root: Path, sets: list[str]) -> dict[str, DictConfig]:
+def composed_branches(root: Path, sets: list[str]) -> dict[str, SftBranch]:
     """Every branch composed from HEAD's params.yaml with `sets` applied as `dvc exp run -S` does."""
     params = overrides.apply_sets(overrides.committed_params(root), sets)
     return {branch: maxtext_check.compose_checked(branch, params) for branch in config.BRANCH_STAGES}
 
 
-def check_hub_tokens(branches: Iterable[DictConfig]) -> None:
+def check_hub_tokens(branches: Iterable[SftBranch]) -> None:
     """HF_TOKEN is set when a Hub model or dataset of a branch is gated (the Hub's model info says)."""
     seen: set[tuple[str, str, str]] = set()
     for cfg in branches:
         for repo_type in ("model", "dataset"):
-            source = cfg[repo_type].source
+            source = getattr(cfg, repo_type).source
             if source.kind != "hub" or (repo_type, source.repo_id, source.revision) in seen:
                 continue
             seen.add((repo_type, source.repo_id, source.revision))
-            access = hub.gated(source, repo_type)
+            access = hub.gated(source.model_dump(), repo_type)
             if access and not os.environ.get("HF_TOKEN"):
                 raise ConfigError("HF_TOKEN", f"{source.repo_id} ({cfg.branch}.{repo_type}) is gated "
                                   f"({access}) and HF_TOKEN is not set",

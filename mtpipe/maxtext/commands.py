@@ -2,8 +2,10 @@
 
 Each function returns a :class:`MaxTextCommand`: the MaxText module and its ``key=value`` arguments,
 in the tutorial's order, followed by what the pipeline adds (local files instead of Hub names, the
-shrunk dims of a tiny model, checkpointing and metrics). ``tests/test_tutorial_commands.py`` compares
-them with the tutorials' commands argument by argument; docs/decisions.md explains each difference.
+shrunk dims of a tiny model, checkpointing and metrics). A stage's own keys that MaxText reads under
+their own names are the schema's fields marked ``MAXTEXT`` (:func:`mtpipe.pipeline.schema.maxtext_args`):
+a new one needs no change here. ``tests/test_tutorial_commands.py`` compares the commands with the
+tutorials' argument by argument; docs/decisions.md explains each difference.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpipe.pipeline.config import View
-from mtpipe.pipeline.schema import TrainSft
+from mtpipe.pipeline.schema import maxtext_args
 
 TO_MAXTEXT = "maxtext.checkpoint_conversion.to_maxtext"
 TO_HUGGINGFACE = "maxtext.checkpoint_conversion.to_huggingface"
@@ -43,9 +45,9 @@ class MaxTextCommand:
 
 
 def fmt(value: Any) -> str:
-    """Format a value the way MaxText's key=value parser reads it."""
+    """Format a value the way MaxText's key=value parser (YAML) reads it; booleans as the tutorials spell them."""
     if isinstance(value, bool):
-        return "true" if value else "false"
+        return "True" if value else "False"
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(repr(v) for v in value) + "]"
     return str(value)
@@ -54,6 +56,12 @@ def fmt(value: Any) -> str:
 def kv(mapping: Mapping[str, Any]) -> list[str]:
     """``key=value`` for every non-null entry, in order."""
     return [f"{k}={fmt(v)}" for k, v in mapping.items() if v is not None]
+
+
+def take(mapping: dict[str, Any], *keys: str) -> dict[str, Any]:
+    """Remove ``keys`` from ``mapping`` (those it has) and return them in that order: arguments the
+    tutorial places early."""
+    return {k: mapping.pop(k) for k in keys if k in mapping}
 
 
 def _storage_flags(storage: str) -> list[str]:
@@ -73,8 +81,7 @@ def to_maxtext(cfg: View, hf_dir: Path, out_dir: Path) -> MaxTextCommand:
     args = [
         f"model_name={cfg.model.maxtext_name}",
         f"base_output_directory={out_dir}",
-        f"scan_layers={opts.scan_layers}",
-        f"use_multimodal={opts.use_multimodal}",
+        *kv(maxtext_args(opts)),
         "hardware=cpu",
         "skip_jax_distributed_system=true",
         *_storage_flags(opts.checkpoint_storage),
@@ -91,28 +98,21 @@ def train_sft(
     tokenizer_dir: Path, base_output: Path | str, run_name: str, metrics_file: Path, jax_cache_dir: Path,
 ) -> MaxTextCommand:
     """Supervised fine-tuning on local chat data (parquet files from hf_download, never the Hub)."""
-    t = cfg.train_sft
+    t, keys = cfg.train_sft, maxtext_args(cfg.train_sft)
     args = [
         f"run_name={run_name}",
         f"base_output_directory={base_output}",
         f"model_name={cfg.model.maxtext_name}",
         f"load_parameters_path={ckpt}",
-        f"per_device_batch_size={t.per_device_batch_size}",
-        f"steps={t.steps}",
+        *kv(take(keys, "per_device_batch_size", "steps")),
         "hf_path=parquet",
         "train_split=train",
         f"train_data_columns={fmt(columns)}",
-        *([f"profiler={t.profiler}"] if t.profiler else []),
+        *kv(take(keys, "profiler")),
         f"hf_train_files={train_files}",
         f"tokenizer_path={tokenizer_dir}",
-        *kv({
-            "max_target_length": t.max_target_length,
-            "learning_rate": t.learning_rate,
-            "num_epoch": t.num_epoch,
-            "checkpoint_period": t.checkpoint_period,
-            "max_num_checkpoints_to_keep": t.max_num_checkpoints_to_keep,
-        }),
-        *(_eval_args(t, eval_files, columns)),
+        *kv(keys),
+        *(_eval_files(eval_files, columns) if t.eval_interval and eval_files else []),
         *TRAINED_STORAGE,
         f"metrics_file={metrics_file}",
         f"jax_cache_dir={jax_cache_dir}",
@@ -123,16 +123,8 @@ def train_sft(
     return MaxTextCommand(TRAIN_SFT, args, env=dict(cfg.hardware.env))
 
 
-def _eval_args(t: TrainSft, eval_files: str | None, columns: list[str]) -> list[str]:
-    if not t.eval_interval or not eval_files:
-        return []
-    return [
-        f"hf_eval_files={eval_files}",
-        "hf_eval_split=train",
-        f"eval_data_columns={fmt(columns)}",
-        f"eval_interval={t.eval_interval}",
-        f"eval_steps={t.eval_steps}",
-    ]
+def _eval_files(eval_files: str, columns: list[str]) -> list[str]:
+    return [f"hf_eval_files={eval_files}", "hf_eval_split=train", f"eval_data_columns={fmt(columns)}"]
 
 
 def train_rl(
@@ -146,25 +138,11 @@ def train_rl(
         f"load_parameters_path={ckpt}",
         f"run_name={run_name}",
         f"base_output_directory={base_output}",
-        f"chips_per_vm={t.chips_per_vm}",
-        f"num_batches={t.num_batches}",
-        f"num_test_batches={t.num_test_batches}",
-        f"rollout_data_parallelism={t.rollout_data_parallelism}",
-        f"rollout_tensor_parallelism={t.rollout_tensor_parallelism}",
+        *kv(maxtext_args(t)),
         f"dataset_name={cfg.dataset.hf_name}",
         f"hf_train_files={train_files}",
         f"hf_eval_files={eval_files}",
         f"tokenizer_path={tokenizer_dir}",
-        *kv({
-            "batch_size": t.batch_size,
-            "num_generations": t.num_generations,
-            "grpo_beta": t.grpo_beta,
-            "grpo_epsilon": t.grpo_epsilon,
-            "learning_rate": t.learning_rate,
-            "max_prefill_predict_length": t.max_prefill_predict_length,
-            "max_target_length": t.max_target_length,
-            "max_num_checkpoints_to_keep": t.max_num_checkpoints_to_keep,
-        }),
         *TRAINED_STORAGE,
         f"jax_cache_dir={jax_cache_dir}",
         *kv(cfg.hardware.maxtext_args),
@@ -182,9 +160,7 @@ def to_huggingface(cfg: View, *, params: Path, hf_src_dir: Path, out_dir: Path) 
         f"model_name={cfg.model.export_name}",
         f"load_parameters_path={params}",
         f"base_output_directory={out_dir}",
-        f"scan_layers={opts.scan_layers}",
-        f"use_multimodal={opts.use_multimodal}",
-        f"weight_dtype={opts.weight_dtype}",
+        *kv(maxtext_args(opts)),
         "hardware=cpu",
         "skip_jax_distributed_system=true",
         f"--hf_model_path={hf_src_dir}",

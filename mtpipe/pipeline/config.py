@@ -96,18 +96,19 @@ def _load_named(group: str, name: Any, key: str) -> DictConfig:
     return load_yaml(path)
 
 
-def compose(branch: str, params: DictConfig) -> DictConfig:
-    """Compose one branch: its preset's parts, the preset, then non-null params overrides; then check it.
+def compose(branch: str, params: DictConfig) -> schema.SftBranch:
+    """Compose one branch: its preset's parts, the preset, then non-null params overrides; checked once.
 
     params.yaml is checked against the schema (mtpipe/pipeline/schema.py) before the merge, the composed
-    branch after it, so every error names the key and says where to fix it.
+    branch after it, so every error names the key and says where to fix it. The result is the branch's
+    typed model (:class:`~mtpipe.pipeline.schema.SftBranch` or ``RlBranch``), schema defaults filled in.
     """
     if branch not in params or not isinstance(params[branch], DictConfig):
         raise ConfigError(branch, "missing section in params.yaml", f"restore the `{branch}:` section from git")
     schema.check_params(OmegaConf.to_container(params, resolve=True))
     branch_params = params[branch]
     preset_name = branch_params.get("preset")
-    preset = _load_named("preset", preset_name, f"{branch}.preset")
+    preset = load_preset(preset_name, f"{branch}.preset")
     defaults = preset.pop("defaults", {})
     parts = {}
     for group in schema.GROUPS:
@@ -121,8 +122,28 @@ def compose(branch: str, params: DictConfig) -> DictConfig:
         cfg.train_sft.steps = params.steps
     cfg.branch = branch
     reject_secrets(cfg, branch)
-    schema.check_branch(OmegaConf.to_container(cfg, resolve=True), preset_name)
-    return cfg
+    return schema.check_branch(OmegaConf.to_container(cfg, resolve=True), preset_name)
+
+
+def compose_all(params: DictConfig) -> dict[str, schema.SftBranch]:
+    """Every branch, composed and checked (:func:`compose`)."""
+    return {branch: compose(branch, params) for branch in BRANCH_STAGES}
+
+
+def load_preset(name: Any, key: str, heirs: tuple[str, ...] = ()) -> DictConfig:
+    """``conf/preset/<name>.yaml`` over the preset it inherits (``defaults: {preset: <parent>}``), merged key
+    by key, its ``defaults`` mapping too: conf/preset/*-v6e32.yaml are their v6e-8 presets on other hardware."""
+    preset = _load_named("preset", name, key)
+    parent = preset.get("defaults", {}).get("preset")
+    if parent is None:
+        return preset
+    where = f"conf/preset/{name}.yaml"
+    if parent in (name, *heirs):
+        raise ConfigError(f"{where} defaults.preset", f"inherits from itself ({' -> '.join((*heirs, name, parent))})",
+                          "make the chain of defaults.preset end at a preset without one")
+    merged = OmegaConf.merge(load_preset(parent, f"{where} defaults.preset", (*heirs, name)), preset)
+    merged.defaults.pop("preset")
+    return merged
 
 
 def _drop_nulls(tree: Any) -> Any:
@@ -168,8 +189,10 @@ def view_model(branch: str, stage: str) -> type[View]:
     return create_model(f"View_{branch}_{stage}", __base__=View, **fields)
 
 
-def _view_tree(cfg: DictConfig, stage: str) -> DictConfig:
-    return OmegaConf.create({s: cfg[s] for s in STAGE_SECTIONS[stage] if s in cfg} | {"branch": cfg.branch})
+def _view_tree(cfg: schema.SftBranch, stage: str) -> dict:
+    """The sections of a composed branch that ``stage`` reads, as plain data (YAML's spelling of the keys)."""
+    return {s: getattr(cfg, s).model_dump(by_alias=True) for s in STAGE_SECTIONS[stage] if hasattr(cfg, s)} \
+        | {"branch": cfg.branch}
 
 
 def split_run_keys(tree: dict, stage: str) -> dict:
@@ -196,9 +219,9 @@ def with_run_keys(address: dict, run: dict) -> dict:
     return out
 
 
-def stage_view(cfg: DictConfig, stage: str) -> View:
+def stage_view(cfg: schema.SftBranch, stage: str) -> View:
     """The part of a composed branch that one stage reads, typed (without ``code``)."""
-    return view_model(cfg.branch, stage).model_validate(OmegaConf.to_container(_view_tree(cfg, stage)))
+    return view_model(cfg.branch, stage).model_validate(_view_tree(cfg, stage))
 
 
 def resolved_path(branch: str, stage: str, root: Path = ROOT) -> Path:
@@ -215,11 +238,10 @@ def _write_if_changed(path: Path, text: str) -> None:
         os.replace(tmp, path)
 
 
-def write_resolved(params: DictConfig, root: Path = ROOT) -> list[Path]:
-    """Compose every branch (all validation first), then write each stage's address view and the run keys
-    of all of them (``config/run.yaml``)."""
-    composed = {branch: compose(branch, params) for branch in BRANCH_STAGES}
-    views = {(branch, stage): OmegaConf.to_container(_view_tree(cfg, stage)) for branch, cfg in composed.items()
+def write_resolved(composed: dict[str, schema.SftBranch], root: Path = ROOT) -> list[Path]:
+    """Write each stage's address view of the composed branches (:func:`compose_all`) and the run keys of
+    all of them (``config/run.yaml``)."""
+    views = {(branch, stage): _view_tree(cfg, stage) for branch, cfg in composed.items()
              for stage in BRANCH_STAGES[branch]}
     views |= {view: {} for view in CODE_ONLY_VIEWS}
     written, run = [], {}

@@ -13,7 +13,7 @@ import functools
 
 from typing import Annotated
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from mtpipe.errors import ConfigError
@@ -21,20 +21,6 @@ from mtpipe.pipeline import config, schema
 from mtpipe.pipeline.schema import Fix, SftBranch
 
 
-# The MaxText config class (maxtext/configs/types.py) each stage's command line is read into, and the
-# stage's keys passed to MaxText under their own names (commands.py; lazy_load_tensors and
-# checkpoint_storage become other flags).
-MAXTEXT_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "to_maxtext": ("MaxTextConfig", ("scan_layers", "use_multimodal")),
-    "train_sft": ("MaxTextConfig", ("steps", "per_device_batch_size", "max_target_length", "learning_rate",
-                                    "num_epoch", "checkpoint_period", "max_num_checkpoints_to_keep", "eval_interval",
-                                    "eval_steps", "profiler")),
-    "train_rl": ("RLConfig", ("chips_per_vm", "num_batches", "num_test_batches", "batch_size", "num_generations",
-                              "rollout_data_parallelism", "rollout_tensor_parallelism", "grpo_beta",
-                              "grpo_epsilon", "learning_rate", "max_prefill_predict_length", "max_target_length",
-                              "max_num_checkpoints_to_keep")),
-    "to_huggingface": ("MaxTextConfig", ("scan_layers", "use_multimodal", "weight_dtype")),
-}
 # The free-form MaxText mappings each stage passes on, every key as it is.
 MAXTEXT_MAPPINGS: dict[str, tuple[str, ...]] = {
     "to_maxtext": ("model.maxtext_overrides",),
@@ -61,19 +47,20 @@ def maxtext_types(config: str) -> dict[str, list[TypeAdapter]]:
 
 
 def maxtext_errors(cfg: SftBranch, fix: Fix) -> list[ConfigError]:
-    """Values passed to MaxText that MaxText's own types refuse: the keys of :data:`MAXTEXT_KEYS` and
-    every key of :data:`MAXTEXT_MAPPINGS` that MaxText declares, each as MaxText reads it (not strictly:
-    its command line is text). The schema's own ranges are as strict or stricter; this catches the
-    free-form keys and a MaxText whose types became stricter."""
+    """Values passed to MaxText that MaxText's own types refuse: each stage's keys marked ``MAXTEXT`` in the
+    schema (:func:`mtpipe.pipeline.schema.maxtext_keys`) and every key of :data:`MAXTEXT_MAPPINGS` that
+    MaxText declares, each as MaxText reads it (not strictly: its command line is text). The schema's own
+    ranges are as strict or stricter; this catches the free-form keys and a MaxText whose types became stricter."""
     errors = []
-    for stage, (config_class, keys) in MAXTEXT_KEYS.items():
+    for stage, mappings in MAXTEXT_MAPPINGS.items():
         section = getattr(cfg, stage, None)
         if section is None or (stage == "train_sft" and section.steps == 0):  # a skipped warm-up passes nothing
             continue
-        given = {f"{cfg.branch}.{stage}.{k}": (k, getattr(section, k)) for k in keys}
-        for mapping in MAXTEXT_MAPPINGS[stage]:
+        given = {f"{cfg.branch}.{stage}.{k}": (k, v) for k, v in schema.maxtext_args(section).items()}
+        for mapping in mappings:
             group, name = mapping.split(".")
             given |= {f"{cfg.branch}.{mapping}.{k}": (k, v) for k, v in getattr(getattr(cfg, group), name).items()}
+        config_class = section.maxtext_config
         for key, (name, value) in given.items():
             for adapter in maxtext_types(config_class).get(name, []) if value is not None else []:
                 try:
@@ -84,16 +71,14 @@ def maxtext_errors(cfg: SftBranch, fix: Fix) -> list[ConfigError]:
     return errors
 
 
-def check(cfg: DictConfig, preset: str) -> None:
+def check(cfg: SftBranch, preset: str) -> None:
     """Raise the first value of a composed branch (of ``preset``) that MaxText's own types refuse."""
-    composed = OmegaConf.to_container(cfg, resolve=True)
-    fix = schema.fix_for(composed, preset)
-    errors = maxtext_errors(schema.validate(schema.BRANCHES[cfg.branch], composed, cfg.branch, fix), fix)
+    errors = maxtext_errors(cfg, schema.fix_for(cfg.model_dump(by_alias=True), preset))
     if errors:
         raise errors[0]
 
 
-def compose_checked(branch: str, params: DictConfig) -> DictConfig:
+def compose_checked(branch: str, params: DictConfig) -> SftBranch:
     """:func:`mtpipe.pipeline.config.compose`, then :func:`check`."""
     cfg = config.compose(branch, params)
     check(cfg, params[branch].preset)

@@ -25,7 +25,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union, get_args, get_origin
 
 from annotated_types import Ge, Gt, Le, Lt
 from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError,
@@ -43,6 +43,16 @@ class Words:
     why: str | None = None
     fix: str | None = None
     key: str | None = None
+
+
+@dataclass(frozen=True)
+class MaxTextKey:
+    """Marks a stage key that is passed to MaxText under its own name (``key=value``): the command builders
+    (mtpipe/maxtext/commands.py) and the check against MaxText's own types (mtpipe/pipeline/maxtext_check.py)
+    find it here, through :func:`maxtext_args`. Null is not passed: MaxText's default applies."""
+
+
+MAXTEXT = MaxTextKey()
 
 
 def _keep_int(value: Any, handler: Callable[[Any], Any]) -> Any:
@@ -137,84 +147,96 @@ class HfDownload(Section):
 
 
 class ToMaxtext(Section):
-    scan_layers: bool
-    use_multimodal: bool
-    lazy_load_tensors: bool
-    checkpoint_storage: Literal["ocdbt", "plain"]  # plain: byte-reproducible; ocdbt: the tutorial's (random file names)
-    shards: Optional[PositiveInt]          # chunks per tensor (MaxText --simulated_cpu_devices_count; null: its 16)
+    maxtext_config: ClassVar[str] = "MaxTextConfig"
+
+    scan_layers: Annotated[bool, MAXTEXT] = True
+    use_multimodal: Annotated[bool, MAXTEXT] = False
+    lazy_load_tensors: bool = True         # torch-free numpy loader (the tutorial: false, which needs torch)
+    checkpoint_storage: Literal["ocdbt", "plain"] = "plain"  # plain: byte-reproducible; ocdbt: the tutorial's (random file names)
+    shards: Optional[PositiveInt] = None   # chunks per tensor (MaxText --simulated_cpu_devices_count; null: its 16)
 
 
 class TrainSft(Section):
     """SFT of the sft branch. ``steps`` is top level in params.yaml (``dvc exp run -S steps=N``)."""
 
-    steps: Annotated[int, Ge(1), Words(key="steps", fix="set e.g. `dvc exp run -S steps=200`")]
-    per_device_batch_size: PositiveInt
-    max_target_length: Optional[Annotated[int, Ge(16), Words(why="room for a chat template and an answer")]]
-    learning_rate: Optional[LearningRate]
-    num_epoch: Optional[PositiveInt]
-    checkpoint_period: PositiveInt         # a killed run resumes from the last multiple of this
-    max_num_checkpoints_to_keep: Optional[Annotated[int, Ge(1), Words(
-        why="null: MaxText's default, every checkpoint; the latest is always kept, so a killed run resumes")]]
-    eval_interval: Optional[Annotated[int, Ge(0), Words(why="0 or null: no evaluation")]]
-    eval_steps: Optional[Annotated[int, Ge(-1), Words(why="-1: the whole eval split")]]
-    profiler: Literal["", "xplane", "nsys"]
-    extra_args: dict[str, Any]             # free-form MaxText keys
+    maxtext_config: ClassVar[str] = "MaxTextConfig"
+
+    steps: Annotated[int, Ge(1), MAXTEXT, Words(key="steps", fix="set e.g. `dvc exp run -S steps=200`")]
+    per_device_batch_size: Annotated[PositiveInt, MAXTEXT]
+    max_target_length: Annotated[Optional[Annotated[int, Ge(16), Words(
+        why="room for a chat template and an answer")]], MAXTEXT] = None
+    learning_rate: Annotated[Optional[LearningRate], MAXTEXT] = None
+    num_epoch: Annotated[Optional[PositiveInt], MAXTEXT] = None
+    checkpoint_period: Annotated[PositiveInt, MAXTEXT]  # a killed run resumes from the last multiple of this
+    max_num_checkpoints_to_keep: Annotated[Optional[Annotated[int, Ge(1), Words(
+        why="null: MaxText's default, every checkpoint; the latest is always kept, so a killed run resumes")]],
+        MAXTEXT] = None
+    eval_interval: Annotated[Optional[Annotated[int, Ge(0), Words(why="0 or null: no evaluation")]], MAXTEXT] = None
+    eval_steps: Annotated[Optional[Annotated[int, Ge(-1), Words(why="-1: the whole eval split")]], MAXTEXT] = None
+    profiler: Annotated[Literal["", "xplane", "nsys"], MAXTEXT] = ""
+    extra_args: dict[str, Any] = {}        # free-form MaxText keys
 
 
 class WarmupTrainSft(TrainSft):
     """The rl branch's SFT warm-up: 0 steps skips it, and then its other keys may be null."""
 
-    steps: Annotated[int, Ge(0), Words(fix="0 starts GRPO from the converted model, "
-                                           "N > 0 warms it up with N SFT steps")]
-    per_device_batch_size: Optional[PositiveInt]
-    checkpoint_period: Optional[PositiveInt]
+    steps: Annotated[int, Ge(0), MAXTEXT, Words(fix="0 starts GRPO from the converted model, "
+                                                    "N > 0 warms it up with N SFT steps")]
+    per_device_batch_size: Annotated[Optional[PositiveInt], MAXTEXT] = None
+    checkpoint_period: Annotated[Optional[PositiveInt], MAXTEXT] = None
 
 
 class TrainRl(Section):
+    maxtext_config: ClassVar[str] = "RLConfig"
+
     rollout_backend: Literal["cpu_jax", "vllm"]  # vllm: MaxText's (TPU); cpu_jax: mtpipe.maxtext.rollout_cpu
-    chips_per_vm: PositiveInt
-    num_batches: PositiveInt
-    num_test_batches: PositiveInt
-    batch_size: Optional[PositiveInt]
-    num_generations: Optional[Annotated[int, Ge(2), Words(
-        why="GRPO's advantage compares each completion with the others of its prompt")]]
-    rollout_data_parallelism: Annotated[int, Ge(-1), Words(why="-1: as many as fit")]
-    rollout_tensor_parallelism: Annotated[int, Ge(-1), Words(why="-1: as many as fit")]
-    grpo_beta: Optional[Annotated[float, Ge(0), KEEP_INT, Words(why="the weight of a KL penalty")]]
-    grpo_epsilon: Optional[Annotated[float, Gt(0), Lt(1), KEEP_INT, Words(why="the ratio is clipped to [1-e, 1+e]")]]
-    learning_rate: Optional[LearningRate]
-    max_prefill_predict_length: Optional[PositiveInt]
-    max_target_length: Optional[PositiveInt]
-    max_num_checkpoints_to_keep: Optional[Annotated[int, Ge(1), Words(
-        why="null: MaxText's rl.yml, 10; the latest is always kept, so a killed run resumes")]]
-    extra_args: dict[str, Any]
+    chips_per_vm: Annotated[PositiveInt, MAXTEXT]
+    num_batches: Annotated[PositiveInt, MAXTEXT]
+    num_test_batches: Annotated[PositiveInt, MAXTEXT]
+    batch_size: Annotated[Optional[PositiveInt], MAXTEXT] = None
+    num_generations: Annotated[Optional[Annotated[int, Ge(2), Words(
+        why="GRPO's advantage compares each completion with the others of its prompt")]], MAXTEXT] = None
+    rollout_data_parallelism: Annotated[int, Ge(-1), MAXTEXT, Words(why="-1: as many as fit")]
+    rollout_tensor_parallelism: Annotated[int, Ge(-1), MAXTEXT, Words(why="-1: as many as fit")]
+    grpo_beta: Annotated[Optional[Annotated[float, Ge(0), KEEP_INT, Words(
+        why="the weight of a KL penalty")]], MAXTEXT] = None
+    grpo_epsilon: Annotated[Optional[Annotated[float, Gt(0), Lt(1), KEEP_INT, Words(
+        why="the ratio is clipped to [1-e, 1+e]")]], MAXTEXT] = None
+    learning_rate: Annotated[Optional[LearningRate], MAXTEXT] = None
+    max_prefill_predict_length: Annotated[Optional[PositiveInt], MAXTEXT] = None
+    max_target_length: Annotated[Optional[PositiveInt], MAXTEXT] = None
+    max_num_checkpoints_to_keep: Annotated[Optional[Annotated[int, Ge(1), Words(
+        why="null: MaxText's rl.yml, 10; the latest is always kept, so a killed run resumes")]], MAXTEXT] = None
+    extra_args: dict[str, Any] = {}
 
 
 class ToHuggingface(Section):
-    scan_layers: bool
-    use_multimodal: bool
-    weight_dtype: Literal["float32", "bfloat16"]
+    maxtext_config: ClassVar[str] = "MaxTextConfig"
+
+    scan_layers: Annotated[bool, MAXTEXT] = True
+    use_multimodal: Annotated[bool, MAXTEXT] = False
+    weight_dtype: Annotated[Literal["float32", "bfloat16"], MAXTEXT] = "float32"
 
 
 class Evaluate(Section):
     """The evaluate stages (mtpipe/evaluation): GSM8K through lm-eval (rl), held-out loss (sft)."""
 
     backend: Literal["cpu", "vllm"]        # the model server: ours (numpy, the CPU) | vLLM's (a TPU VM)
-    num_problems: Optional[PositiveInt]    # the first N test problems / conversations; null: all of them
-    num_fewshot: Annotated[int, Ge(0)]     # rl: few-shot examples as chat turns (gsm8k_cot_llama: 8)
-    max_new_tokens: PositiveInt            # rl: the longest answer generated
+    num_problems: Optional[PositiveInt] = None  # the first N test problems / conversations; null: all of them
+    num_fewshot: Annotated[int, Ge(0)] = 0  # rl: few-shot examples as chat turns (gsm8k_cot_llama: 8)
+    max_new_tokens: PositiveInt = 256       # rl: the longest answer generated (lm-eval's default)
     max_length: Annotated[int, Ge(16)]     # vLLM's --max-model-len; sft: conversations are cut to it
-    tensor_parallel_size: PositiveInt      # vllm: chips per model replica
-    server_timeout_s: Annotated[float, Gt(0), KEEP_INT]  # how long the server may take to load the model
+    tensor_parallel_size: PositiveInt = 1  # vllm: chips per model replica
+    server_timeout_s: Annotated[float, Gt(0), KEEP_INT] = 600  # how long the server may take to load the model
 
 
 # ---- a whole branch, and params.yaml ---------------------------------------------------------------
 
 class SftStages(Section):
-    hf_download: HfDownload
-    to_maxtext: ToMaxtext
+    hf_download: HfDownload = HfDownload()
+    to_maxtext: ToMaxtext = ToMaxtext()
     train_sft: TrainSft
-    to_huggingface: ToHuggingface
+    to_huggingface: ToHuggingface = ToHuggingface()
     evaluate: Evaluate
 
 
@@ -363,12 +385,12 @@ def _strip_none(hint: Any) -> Any:
 
 
 def _split(hint: Any) -> tuple[Any, tuple]:
-    """(type, metadata) of a hint, ``Optional`` left out."""
-    hint = _strip_none(hint)
-    if get_origin(hint) is Annotated:
-        base, *meta = get_args(hint)
-        return base, tuple(meta)
-    return hint, ()
+    """(type, metadata) of a hint: ``Optional`` left out, nested ``Annotated`` layers' metadata together."""
+    meta: tuple = ()
+    while get_origin(hint := _strip_none(hint)) is Annotated:
+        hint, *more = get_args(hint)
+        meta += tuple(more)
+    return hint, meta
 
 
 def _section(hint: Any) -> type[BaseModel] | None:
@@ -423,6 +445,20 @@ def partial(model: type[Section]) -> type[Section]:
     return create_model(f"Partial{model.__name__}", __base__=Section, **{
         name: (loose(_fields(model)[f.alias or name]), Field(None, alias=f.alias))
         for name, f in model.model_fields.items()})
+
+
+# ---- the keys passed to MaxText -------------------------------------------------------------------------
+
+@functools.cache
+def maxtext_keys(section: type[Section]) -> tuple[str, ...]:
+    """The keys of a stage's section marked :data:`MAXTEXT`, in the order they are declared."""
+    return tuple(name for name, hint in _fields(section).items() if MAXTEXT in _split(hint)[1])
+
+
+def maxtext_args(section: Section) -> dict[str, Any]:
+    """The :func:`maxtext_keys` of a section with the values MaxText gets: a null or empty value (MaxText's
+    own default, e.g. ``profiler: ""``) is left out."""
+    return {key: value for key in maxtext_keys(type(section)) if (value := getattr(section, key)) not in (None, "")}
 
 
 # ---- rules that involve several keys ---------------------------------------------------------------
