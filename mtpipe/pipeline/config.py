@@ -1,9 +1,11 @@
 """Configuration: params.yaml + OmegaConf presets in conf/, resolved once per stage.
 
 A branch (``sft`` or ``rl``) names a preset in ``conf/preset/``. The preset composes a model, a
-dataset and a hardware preset (its ``defaults:`` mapping) and holds one section per stage. Values in
-``params.yaml`` override the preset; ``null`` there keeps the preset's value. Every key is checked
-against the typed schema in :mod:`mtpipe.pipeline.schema` (type, range, combinations).
+dataset and a hardware preset (its ``defaults:`` mapping; ``defaults.preset`` names a preset it
+inherits) and holds one section per stage, with the keys that differ from the schema's defaults.
+Values in ``params.yaml`` override the preset; ``null`` there keeps the preset's value. Every key is
+checked against the typed schema in :mod:`mtpipe.pipeline.schema` (type, range, combinations), once:
+:func:`compose` returns the validated branch.
 
 The ``configure`` stage resolves everything and writes ``config/<branch>/<stage>.yaml``: exactly what
 that stage reads, nothing more, plus the fingerprints of the code it runs (``code:``,

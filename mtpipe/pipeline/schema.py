@@ -4,8 +4,9 @@ One pydantic model per section of a composed branch (``model``, ``dataset``, ``h
 one per stage from the preset and params.yaml). A field's type says what a value may be; annotated_types
 constraints in ``Annotated[...]`` (``Ge(1)``, ``Gt(0), Le(1)``) give its range, :class:`Words` how an
 error describes it, and ``Optional`` means ``null`` is allowed (null: the key is not passed, MaxText uses
-its own default). A field without a default must be present; one with a default (only in ``Source``,
-whose keys depend on ``kind``) may be left out.
+its own default). A field without a default must be present; one with a default may be left out of
+a preset. A stage key that MaxText reads under its own name is marked :data:`MAXTEXT`; its default is
+null (MaxText's own) or MaxText's value (tests/test_maxtext_keys.py checks them).
 
 Every model is strict (a string is never taken for a number, a bool never for an int) and forbids
 unknown keys. The rules that involve several keys (:func:`combination_errors`) are the branch models'
@@ -15,10 +16,9 @@ follow what MaxText 0.2.5 (``configs/types.py``, ``base.yml``, ``post_train/rl.y
 accept; docs/decisions.md ("Config schema") gives the reasons.
 
 Keys checked against MaxText's own pydantic types as well (:mod:`mtpipe.pipeline.maxtext_check`, MaxText's
-``MaxTextConfig``, ``RLConfig`` for train_rl): ``to_maxtext`` and ``to_huggingface``'s ``scan_layers``,
-``use_multimodal`` (and ``weight_dtype``); every ``train_sft`` and ``train_rl`` key passed to MaxText
-under its own name (:data:`MAXTEXT_KEYS`); and every key of the free-form ``model.maxtext_overrides``,
-``hardware.maxtext_args`` and ``extra_args`` that MaxText declares.
+``MaxTextConfig``, ``RLConfig`` for train_rl, a section's ``maxtext_config``): every key marked
+:data:`MAXTEXT`, and every key of the free-form ``model.maxtext_overrides``, ``hardware.maxtext_args``
+and ``extra_args`` that MaxText declares.
 """
 
 import functools
