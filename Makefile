@@ -41,7 +41,8 @@ demo: $(VENV)/.installed
 	  wait $$sft && test $$rl = 0
 	dvc repro
 	dvc metrics show
-	dvc plots show --out dvc_plots >/dev/null && echo "loss curves: dvc_plots/index.html"
+	dvc plots show --out dvc_plots >/dev/null && echo "loss curves: dvc_plots/index.html (draws offline)"
+	python -m mtpipe.reporting.report --out reports/latest
 
 # two pytest-xdist workers: one builds the shared pipeline while the other runs what needs none
 # (tests/conftest.py, docs/testing.md); WORKERS=0 runs everything in one process
