@@ -112,3 +112,9 @@ def test_no_stage_runs_the_report_code():
         modules = fingerprint.stage_modules(script.stem)
         assert not [m for m in modules if m.startswith("mtpipe/reporting/")], script.stem
 
+
+
+def test_a_run_of_one_branch_has_that_branchs_figures():
+    """`dvc exp run to_huggingface@sft` and the like: the report names what ran, nothing else."""
+    sft_only = {stage: values for stage, values in report.metrics(ROOT).items() if stage.endswith("@sft")}
+    assert set(report.headlines(sft_only)) == {"train_sft@sft", "evaluate@sft"}

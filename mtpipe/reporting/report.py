@@ -65,23 +65,28 @@ def metrics(root: Path) -> dict[str, dict[str, Any]]:
 
 
 def headlines(m: dict[str, dict[str, Any]]) -> dict[str, str]:
-    """The figures people quote (README.md's stage table), keyed by stage."""
-    sft, warmup, rl = m["train_sft@sft"], m["train_sft@rl"], m["train_rl@rl"]
-    gsm8k, heldout = m["evaluate@rl"], m["evaluate@sft"]
-    return {
-        "train_sft@sft": f"{sft['steps']} steps: loss {short(sft['loss_first'])} -> {short(sft['loss_last'])} "
-                         f"(eval {short(sft['eval_loss_first'])} -> {short(sft['eval_loss_last'])})",
-        "train_sft@rl": f"{warmup['steps']} steps: loss {short(warmup['loss_first'])} -> {short(warmup['loss_last'])}",
-        "train_rl": f"eval accuracy {fixed(rl['eval_pre_accuracy'], 1)}% before / {fixed(rl['eval_post_accuracy'], 1)}% "
-                    f"after on {rl['eval_post_total']} prompts",
-        "evaluate@rl": f"base {fixed(gsm8k['base']['flexible_accuracy'], 1)}%, trained "
-                       f"{fixed(gsm8k['trained']['flexible_accuracy'], 1)}%, gain "
-                       f"{signed(gsm8k['gain']['flexible_gain'], 1)} points [95%: +/-{fixed(gsm8k['gain']['flexible_gain_ci95'], 1)}]",
-        "evaluate@rl strict": f"base {fixed(gsm8k['base']['strict_accuracy'], 1)}%, trained "
-                              f"{fixed(gsm8k['trained']['strict_accuracy'], 1)}%",
-        "evaluate@sft": f"base {fixed(heldout['base']['loss'], 2)}, trained {fixed(heldout['trained']['loss'], 2)}, "
-                        f"gain {fixed(heldout['gain']['loss_gain'], 2)} [+/-{fixed(heldout['gain']['loss_gain_ci95'], 2)}]",
-    }
+    """The figures people quote (README.md's stage table), keyed by stage; those of the stages that ran."""
+    figures = {}
+    if sft := m.get("train_sft@sft"):
+        figures["train_sft@sft"] = (f"{sft['steps']} steps: loss {short(sft['loss_first'])} -> {short(sft['loss_last'])} "
+                                    f"(eval {short(sft['eval_loss_first'])} -> {short(sft['eval_loss_last'])})")
+    if warmup := m.get("train_sft@rl"):
+        figures["train_sft@rl"] = f"{warmup['steps']} steps: loss {short(warmup['loss_first'])} -> {short(warmup['loss_last'])}"
+    if rl := m.get("train_rl@rl"):
+        figures["train_rl"] = (f"eval accuracy {fixed(rl['eval_pre_accuracy'], 1)}% before / "
+                               f"{fixed(rl['eval_post_accuracy'], 1)}% after on {rl['eval_post_total']} prompts")
+    if gsm8k := m.get("evaluate@rl"):
+        base, trained, gain = gsm8k["base"], gsm8k["trained"], gsm8k["gain"]
+        figures["evaluate@rl"] = (f"base {fixed(base['flexible_accuracy'], 1)}%, trained "
+                                  f"{fixed(trained['flexible_accuracy'], 1)}%, gain {signed(gain['flexible_gain'], 1)} "
+                                  f"points [95%: +/-{fixed(gain['flexible_gain_ci95'], 1)}]")
+        figures["evaluate@rl strict"] = (f"base {fixed(base['strict_accuracy'], 1)}%, "
+                                         f"trained {fixed(trained['strict_accuracy'], 1)}%")
+    if heldout := m.get("evaluate@sft"):
+        base, trained, gain = heldout["base"], heldout["trained"], heldout["gain"]
+        figures["evaluate@sft"] = (f"base {fixed(base['loss'], 2)}, trained {fixed(trained['loss'], 2)}, "
+                                   f"gain {fixed(gain['loss_gain'], 2)} [+/-{fixed(gain['loss_gain_ci95'], 2)}]")
+    return figures
 
 
 def read_headlines(report: Path) -> dict[str, str]:
@@ -196,6 +201,8 @@ def write(out: Path, root: Path = ROOT, timings: Path | None = None) -> Path:
     m = metrics(root)
     pictures = []
     for title, x, ys in curve_files(root):
+        if not all((root / path).is_file() for path in ys):
+            continue                         # a stage this run did not reach
         name = title.lower().replace(" ", "_").replace("-", "_") + ".png"
         draw(root, title, x, ys, out / name)
         pictures.append(f"![{title}]({name})")
