@@ -13,6 +13,8 @@ BIN := $(CURDIR)/$(VENV)/bin
 # Python 3.12 (MaxText needs >= 3.12): a working python3.12 on PATH, else pyenv's, else say how to get one.
 PY312 := $(shell for p in python3.12 $$(pyenv root 2>/dev/null)/versions/3.12*/bin/python; do \
 	  $$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { command -v $$p; break; }; done)
+# headless Chromium: tests/test_plots_page.py opens the plots page in it with the network off
+CHROMIUM := /usr/bin/chromium
 export PATH := $(BIN):$(PATH)
 export GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT := false
 export NO_GCE_CHECK := true
@@ -39,15 +41,22 @@ demo: $(VENV)/.installed
 	  wait $$sft && test $$rl = 0
 	dvc repro
 	dvc metrics show
-	dvc plots show --out dvc_plots >/dev/null && echo "loss curves: dvc_plots/index.html"
+	dvc plots show --out dvc_plots >/dev/null && echo "loss curves: dvc_plots/index.html (draws offline)"
+	python -m mtpipe.reporting.report --out reports/latest
 
 # two pytest-xdist workers: one builds the shared pipeline while the other runs what needs none
 # (tests/conftest.py, docs/testing.md); WORKERS=0 runs everything in one process
-test: $(VENV)/.installed
+test: $(VENV)/.installed $(CHROMIUM)
 	python -m pytest -n $(or $(WORKERS),2) --dist loadgroup --no-loadscope-reorder
 
-test-fast: $(VENV)/.installed
+test-fast: $(VENV)/.installed $(CHROMIUM)
 	python -m pytest -m "not slow"
+
+# Debian's chromium, installed when missing (needs root)
+$(CHROMIUM):
+	@test "$$(id -u)" = 0 || { echo "$(CHROMIUM) is missing: install Debian's chromium package (sudo apt-get install chromium)" >&2; exit 1; }
+	apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 
 bench: $(VENV)/.installed
 	python benchmarks/bench_dvc.py
