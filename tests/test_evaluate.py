@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 
 from mtpipe.data import embedded
 from mtpipe.evaluation import gsm8k, heldout, numpy_forward, serving
+import families
 
 pytestmark = pytest.mark.evaluate_publish
 
@@ -175,9 +176,9 @@ def test_heldout_loss_is_the_mean_token_nll_of_each_conversation(data, tmp_path)
 def test_the_tpu_server_is_vllms_openai_server_for_the_grpo_tutorial():
     """Golden: the GRPO tutorial preset's evaluate stage serves the export with vLLM on the v6e-8's 8
     chips and scores all 1,319 GSM8K test problems, 8-shot, through the same lm-eval call."""
-    from mtpipe.pipeline.config import compose, load_params
+    from mtpipe.pipeline.config import compose
 
-    params = load_params()
+    params = families.load_params()
     params.rl.preset = "llama3.1-8b-gsm8k-v6e8"
     e = compose("rl", params).evaluate
     command = serving.server_command(e.backend, Path("artifacts/rl/hf"), 8123, e)
