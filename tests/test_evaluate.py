@@ -54,13 +54,18 @@ def post(url: str, body: dict) -> tuple[int, dict]:
         return err.code, json.load(err)
 
 
-def test_cached_decoding_is_greedy_decoding_of_the_full_forward(data):
-    """The KV cache: each generated token is the argmax of the full forward over everything before it."""
-    model = numpy_forward.Model(data["gemma"])  # sliding-window layers: the cache must respect the window
+@pytest.mark.families
+@pytest.mark.parametrize("name", families.TWINS)
+def test_cached_decoding_is_greedy_decoding_of_the_full_forward(name, tmp_path):
+    """The KV cache: each generated token is the argmax of the full forward over everything before it
+    (70 prompt tokens: past Gemma 3's 64-token window, which the cache must respect)."""
+    hf_dir = tmp_path / name
+    families.twins()[name].write(hf_dir)
+    model = numpy_forward.Model(hf_dir)
     prompt = list(np.random.default_rng(0).integers(3, embedded.TINY_VOCAB, 70))
     generated = model.generate(prompt, 8)
     for i, token in enumerate(generated):
-        assert token == int(np.argmax(numpy_forward.logits(data["gemma"], prompt + generated[:i])[-1])), i
+        assert token == int(np.argmax(numpy_forward.logits(hf_dir, prompt + generated[:i])[-1])), i
 
 
 def test_the_server_answers_like_an_openai_completions_endpoint(data, llama_server):
