@@ -42,7 +42,10 @@ def env() -> dict[str, str]:
 
 
 def copy_project(dest: Path) -> Path:
-    """Copy the project into ``dest`` (a new git repo with one commit) and return it."""
+    """Copy the project into ``dest`` (a new git repo with one commit) and return it. Its params.yaml is
+    the committed one: a `dvc exp run -S ...` in the workspace rewrites that file (tests/families.py)."""
+    from families import committed_params_text
+
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
                             cwd=ROOT, capture_output=True, check=True).stdout.decode().split("\0")
     for name in filter(None, listed):
@@ -50,6 +53,7 @@ def copy_project(dest: Path) -> Path:
         if src.is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / name)
+    (dest / "params.yaml").write_text(committed_params_text())
     cache = ROOT / "work" / "jax_cache"
     cache.mkdir(parents=True, exist_ok=True)
     (dest / "work").mkdir(exist_ok=True)

@@ -18,6 +18,7 @@ from mtpipe.maxtext.run_dir import run_dir
 from mtpipe.pipeline import overrides
 from mtpipe.pipeline.config import ROOT, compose, stage_view
 from mtpipe.pipeline.maxtext_check import compose_checked
+import families
 
 pytestmark = pytest.mark.first_contact
 
@@ -29,7 +30,7 @@ SHM_ENV = {"MTPIPE_WORK_DIR": "/dev/shm/mtpipe-work"}
 
 def budget_of(sets: list[str], machine: budget.Machine, tmp_path: Path) -> dict | None:
     """preflight's machine budget of params.yaml + ``sets`` (refusing what does not fit)."""
-    params = overrides.apply_sets((ROOT / "params.yaml").read_bytes(), sets)
+    params = overrides.apply_sets(families.committed_params_text().encode(), sets)
     composed = {b: compose_checked(b, params) for b in ("sft", "rl")}
     views = {b: stage_view(cfg, preflight.TRAINING_STAGE[b]) for b, cfg in composed.items()}
     return preflight.machine_budget(composed, views, machine, ROOT, tmp_path, refuse=True)
@@ -74,7 +75,7 @@ def test_every_checkpoint_kept_on_the_boot_disk_is_refused_before_anything_compi
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """checkpoint_period 50 of 1000 steps, all kept (21 checkpoints of 46.6 GB), run directories on
     the 200 GB boot disk: refused naming the key, before the AOT compile (and so before any VM)."""
-    (tmp_path / "params.yaml").write_bytes((ROOT / "params.yaml").read_bytes())
+    (tmp_path / "params.yaml").write_text(families.committed_params_text())
     monkeypatch.setattr(preflight, "compile_step", lambda *a: pytest.fail("compiled a run that cannot fit"))
     sets = [TUTORIALS[0], "sft.train_sft.checkpoint_period=50", "sft.train_sft.max_num_checkpoints_to_keep=21"]
     with pytest.raises(ConfigError) as err:

@@ -8,22 +8,23 @@ from omegaconf import OmegaConf
 
 from mtpipe.pipeline import config
 from mtpipe.errors import ConfigError
+import families
 
 
 def params(**sft) -> OmegaConf:
-    base = config.load_params()
+    base = families.load_params()
     return OmegaConf.merge(base, {"sft": sft}) if sft else base
 
 
 def test_default_params_compose_both_branches():
-    p = config.load_params()
+    p = families.load_params()
     sft, rl = config.compose("sft", p), config.compose("rl", p)
     assert (sft.model.name, sft.dataset.name, sft.hardware.name) == ("gemma3-tiny", "ultrachat-tiny", "cpu")
     assert (rl.model.name, rl.dataset.name) == ("llama3.1-tiny", "gsm8k-tiny")
 
 
 def test_top_level_steps_overrides_the_preset():
-    p = OmegaConf.merge(config.load_params(), {"steps": 2000})
+    p = OmegaConf.merge(families.load_params(), {"steps": 2000})
     assert config.compose("sft", p).train_sft.steps == 2000
 
 
@@ -60,11 +61,11 @@ def test_bad_input_names_key_and_fix(override, key, fix):
 @pytest.mark.parametrize("steps", [0, -5, "ten", 2.5])
 def test_bad_steps_rejected(steps):
     with pytest.raises(ConfigError, match=r"^steps: must be a positive integer.*Fix: set e.g. `dvc exp run"):
-        config.compose("sft", OmegaConf.merge(config.load_params(), {"steps": steps}))
+        config.compose("sft", OmegaConf.merge(families.load_params(), {"steps": steps}))
 
 
 def test_bad_rollout_backend_rejected():
-    p = OmegaConf.merge(config.load_params(), {"rl": {"train_rl": {"rollout_backend": "sglang"}}})
+    p = OmegaConf.merge(families.load_params(), {"rl": {"train_rl": {"rollout_backend": "sglang"}}})
     with pytest.raises(ConfigError, match="rollout_backend"):
         config.compose("rl", p)
 
@@ -82,7 +83,7 @@ def test_unpinned_hub_revision_rejected(tmp_path, monkeypatch):
 
 
 def test_views_change_only_for_the_stages_that_read_a_value(tmp_path):
-    base = config.load_params()
+    base = families.load_params()
     config.write_resolved(config.compose_all(base), tmp_path / "a")
     config.write_resolved(config.compose_all(OmegaConf.merge(base, {"steps": 7})), tmp_path / "b")
     changed = {
@@ -95,7 +96,7 @@ def test_views_change_only_for_the_stages_that_read_a_value(tmp_path):
 
 def test_configure_fails_early_and_keeps_existing_views(tmp_path):
     """A bad value stops `configure` with the key and the fix; the files already written stay."""
-    good = config.load_params()
+    good = families.load_params()
     config.write_resolved(config.compose_all(good), tmp_path)
     before = {p: p.read_text() for p in tmp_path.rglob("*.yaml")}
     with pytest.raises(ConfigError):
@@ -121,7 +122,8 @@ def test_configure_stage_exit_message(tmp_path):
     assert {p: p.read_text() for p in (repo / "config").rglob("*.yaml")} == before
 
 
-@pytest.mark.parametrize("model", ["gemma3-tiny", "llama3.1-tiny"])
+@pytest.mark.families
+@pytest.mark.parametrize("model", families.TWINS)
 def test_tiny_model_dims_match_the_generator(model):
     from mtpipe.data import embedded
 

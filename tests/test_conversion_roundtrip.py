@@ -18,8 +18,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import maxtext_forward
+from families import TWINS, twins
 from mtpipe.evaluation import numpy_forward
-from mtpipe.data import embedded
 
 from mtpipe.maxtext import maxtext_adapter
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,16 +29,17 @@ VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> Path:
+    """Every tiny twin (tests/families.py), in root/<name>."""
     root = tmp_path_factory.mktemp("models")
-    embedded.write_gemma3_tiny(root / "gemma3-tiny")
-    embedded.write_llama31_tiny(root / "llama3.1-tiny")
+    for twin in twins().values():
+        twin.write(root / twin.name)
     return root
 
 
 def model_args(name: str) -> list[str]:
-    overrides = embedded.MAXTEXT_OVERRIDES[name]
-    values = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in overrides.items()}
-    return [f"model_name={embedded.MAXTEXT_MODEL_NAME[name]}", *(f"{k}={v}" for k, v in values.items())]
+    twin = twins()[name]
+    values = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in twin.overrides.items()}
+    return [f"model_name={twin.maxtext_name}", *(f"{k}={v}" for k, v in values.items())]
 
 
 def to_maxtext_args(name: str, hf_dir: Path, out: Path) -> list[str]:
@@ -78,7 +79,8 @@ def read_tensors(model_dir: Path) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gemma3-tiny", "llama3.1-tiny"])
+@pytest.mark.families
+@pytest.mark.parametrize("name", TWINS)
 def test_round_trip_is_bit_exact(models, tmp_path, name, record_property):
     from transformers import AutoConfig, AutoTokenizer
 
@@ -98,7 +100,8 @@ def test_round_trip_is_bit_exact(models, tmp_path, name, record_property):
     # tower copied from the source by the adapter, so the export is a complete checkpoint.
     source, export = read_tensors(src), read_tensors(hf)
     assert set(export) == set(source)
-    assert any(k.startswith(VISION_PREFIXES) for k in source) == name.startswith("gemma3")
+    multimodal = "vision_config" in json.loads((src / "config.json").read_text())
+    assert any(k.startswith(VISION_PREFIXES) for k in source) == multimodal
     for key, want in source.items():
         got = export[key]
         assert (got.dtype, got.shape) == (want.dtype, want.shape), key
@@ -106,9 +109,9 @@ def test_round_trip_is_bit_exact(models, tmp_path, name, record_property):
 
     # MaxText's own forward of the converted checkpoint equals an independent numpy forward of the
     # source (docs/logit-check.md; 100 tokens, past gemma3's 64-token sliding window).
-    ids = np.random.default_rng(0).integers(4, embedded.TINY_VOCAB, size=100)
-    overrides = maxtext_forward.as_args(embedded.MAXTEXT_OVERRIDES[name])
-    ours = maxtext_forward.logits(items, embedded.MAXTEXT_MODEL_NAME[name], ids, overrides)
+    twin = twins()[name]
+    ids = np.random.default_rng(0).integers(4, twin.overrides["vocab_size"], size=100)
+    ours = maxtext_forward.logits(items, twin.maxtext_name, ids, maxtext_forward.as_args(twin.overrides))
     ref = numpy_forward.logits(src, ids, match_maxtext=True)
     assert ref.std() > 0.1
     diff = float(np.abs(ours - ref).max())
@@ -119,12 +122,12 @@ def test_round_trip_is_bit_exact(models, tmp_path, name, record_property):
     assert json.loads((hf / "config.json").read_text()) == json.loads((src / "config.json").read_text())
     cfg = AutoConfig.from_pretrained(hf)
     assert type(cfg) is type(AutoConfig.from_pretrained(src))
-    if name.startswith("gemma3"):
+    if cfg.model_type == "gemma3":
         assert cfg.text_config.rope_parameters["full_attention"]["rope_theta"] == 1e6
         assert cfg.text_config.hidden_activation == "gelu_pytorch_tanh"
     assert json.loads((hf / "generation_config.json").read_text()) == json.loads((src / "generation_config.json").read_text())
     tok = AutoTokenizer.from_pretrained(hf)
-    assert tok.chat_template == AutoTokenizer.from_pretrained(src).chat_template and len(tok) == embedded.TINY_VOCAB
+    assert tok.chat_template == AutoTokenizer.from_pretrained(src).chat_template and len(tok) == twin.overrides["vocab_size"]
 
 
 def test_gemma3_mapping_uses_the_checkpoint_names(models, monkeypatch):

@@ -15,6 +15,7 @@ import yaml
 from dvc.repo import Repo
 
 from mtpipe.pipeline import config, fingerprint
+import families
 
 ROOT = config.ROOT
 MAXTEXT_STAGES = {"to_maxtext", "train_sft", "train_rl", "to_huggingface"}
@@ -86,7 +87,7 @@ def test_each_stage_declares_its_resolved_config(name):
 
 
 def test_configure_declares_every_params_key():
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params = yaml.safe_load(families.committed_params_text())
     declared = {p for dep in STAGES["configure"].deps for p in getattr(dep, "params", None) or []}
     assert declared == set(params)
     outs = {str(o.def_path) for o in STAGES["configure"].outs}

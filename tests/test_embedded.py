@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from families import TWINS, twins
 from mtpipe.data import embedded
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,13 +96,15 @@ def test_llama31_tiny_has_the_llama_3_1_layout(emb):
     assert len([n for n in w if n.startswith("model.layers.")]) == 9 * cfg.num_hidden_layers
 
 
-@pytest.mark.parametrize("name", ["gemma3-tiny", "llama3.1-tiny"])
+@pytest.mark.families
+@pytest.mark.parametrize("name", TWINS)
 def test_maxtext_overrides_match_the_config(emb, name):
+    """conf/model/<name>.yaml's shrunk dims are the written twin's."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(emb / name)
     t = getattr(cfg, "text_config", cfg)
-    o = embedded.MAXTEXT_OVERRIDES[name]
+    o = twins()[name].overrides
     assert o["override_model_config"] is True
     assert (o["base_emb_dim"], o["base_mlp_dim"], o["head_dim"]) == (t.hidden_size, t.intermediate_size, t.head_dim)
     assert (o["base_num_query_heads"], o["base_num_kv_heads"]) == (t.num_attention_heads, t.num_key_value_heads)
@@ -139,38 +142,51 @@ def test_gsm8k_tiny_schema_and_answers(emb):
         assert int(final) == int(calcs[-1][1])
 
 
-@pytest.mark.parametrize(
-    ("name", "expected"),
-    [
-        ("gemma3-tiny", "<bos><start_of_turn>user\nWhat is 2 plus 3?<end_of_turn>\n<start_of_turn>model\n"
-                        "2 plus 3 is 5.<end_of_turn>\n<start_of_turn>user\nThanks<end_of_turn>\n<start_of_turn>model\n"),
-        ("llama3.1-tiny", "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nWhat is 2 plus 3?<|eot_id|>"
-                          "<|start_header_id|>assistant<|end_header_id|>\n\n2 plus 3 is 5.<|eot_id|>"
-                          "<|start_header_id|>user<|end_header_id|>\n\nThanks<|eot_id|>"
-                          "<|start_header_id|>assistant<|end_header_id|>\n\n"),
-    ],
-)  # fmt: skip
-def test_tokenizer_chat_template_and_round_trip(emb, name, expected):
+# The real models' templates rendered (a twin carries its family's template verbatim); a new family's
+# twin gets the checks below without one.
+CHAT_RENDERED = {
+    "gemma3-tiny": "<bos><start_of_turn>user\nWhat is 2 plus 3?<end_of_turn>\n<start_of_turn>model\n"
+                   "2 plus 3 is 5.<end_of_turn>\n<start_of_turn>user\nThanks<end_of_turn>\n<start_of_turn>model\n",
+    "llama3.1-tiny": "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nWhat is 2 plus 3?<|eot_id|>"
+                     "<|start_header_id|>assistant<|end_header_id|>\n\n2 plus 3 is 5.<|eot_id|>"
+                     "<|start_header_id|>user<|end_header_id|>\n\nThanks<|eot_id|>"
+                     "<|start_header_id|>assistant<|end_header_id|>\n\n",
+}  # fmt: skip
+
+
+@pytest.mark.families
+@pytest.mark.parametrize("name", TWINS)
+def test_tokenizer_chat_template_and_round_trip(emb, name):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(emb / name)
-    assert len(tok) == embedded.TINY_VOCAB and tok.pad_token_id is not None
+    assert len(tok) == twins()[name].overrides["vocab_size"] and tok.pad_token_id is not None
     chat = [
         {"role": "user", "content": "What is 2 plus 3?"},
         {"role": "assistant", "content": "2 plus 3 is 5."},
         {"role": "user", "content": "Thanks"},
     ]
     text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-    assert text == expected
+    assert text == CHAT_RENDERED.get(name, text)
+    at = 0
+    for turn in chat:  # every turn's content, in order, and a generation prompt after the last
+        at = text.index(turn["content"], at) + len(turn["content"])
+    assert len(text) > at
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert tok.decode(ids) == text
     assert len(ids) < len(text) / 2  # the trained merges compress the chat format
     plain = 'Reverse the word "lantern". Ana has 12 coins.\n#### 7 é'
     assert tok.decode(tok(plain, add_special_tokens=False)["input_ids"]) == plain
-    assert tok(plain)["input_ids"][0] == tok.bos_token_id
+    # A BOS token (Gemma, Llama) starts every encoding; a tokenizer without one (Qwen 3) adds nothing in front.
+    with_specials, without = tok(plain)["input_ids"], tok(plain, add_special_tokens=False)["input_ids"]
+    if tok.bos_token_id is None:
+        assert with_specials[: len(without)] == without
+    else:
+        assert with_specials[0] == tok.bos_token_id and with_specials[1 : len(without) + 1] == without
 
 
-@pytest.mark.parametrize("name", ["gemma3-tiny", "llama3.1-tiny"])
+@pytest.mark.families
+@pytest.mark.parametrize("name", TWINS)
 def test_maxtext_sft_masking_finds_completions(emb, name):
     """MaxText's SFT splits each turn into prompt/completion with the template; it must find the split."""
     from transformers import AutoTokenizer

@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 
 from mtpipe.data import embedded
 from mtpipe.evaluation import gsm8k, heldout, numpy_forward, serving
+import families
 
 pytestmark = pytest.mark.evaluate_publish
 
@@ -53,13 +54,18 @@ def post(url: str, body: dict) -> tuple[int, dict]:
         return err.code, json.load(err)
 
 
-def test_cached_decoding_is_greedy_decoding_of_the_full_forward(data):
-    """The KV cache: each generated token is the argmax of the full forward over everything before it."""
-    model = numpy_forward.Model(data["gemma"])  # sliding-window layers: the cache must respect the window
+@pytest.mark.families
+@pytest.mark.parametrize("name", families.TWINS)
+def test_cached_decoding_is_greedy_decoding_of_the_full_forward(name, tmp_path):
+    """The KV cache: each generated token is the argmax of the full forward over everything before it
+    (70 prompt tokens: past Gemma 3's 64-token window, which the cache must respect)."""
+    hf_dir = tmp_path / name
+    families.twins()[name].write(hf_dir)
+    model = numpy_forward.Model(hf_dir)
     prompt = list(np.random.default_rng(0).integers(3, embedded.TINY_VOCAB, 70))
     generated = model.generate(prompt, 8)
     for i, token in enumerate(generated):
-        assert token == int(np.argmax(numpy_forward.logits(data["gemma"], prompt + generated[:i])[-1])), i
+        assert token == int(np.argmax(numpy_forward.logits(hf_dir, prompt + generated[:i])[-1])), i
 
 
 def test_the_server_answers_like_an_openai_completions_endpoint(data, llama_server):
@@ -175,9 +181,9 @@ def test_heldout_loss_is_the_mean_token_nll_of_each_conversation(data, tmp_path)
 def test_the_tpu_server_is_vllms_openai_server_for_the_grpo_tutorial():
     """Golden: the GRPO tutorial preset's evaluate stage serves the export with vLLM on the v6e-8's 8
     chips and scores all 1,319 GSM8K test problems, 8-shot, through the same lm-eval call."""
-    from mtpipe.pipeline.config import compose, load_params
+    from mtpipe.pipeline.config import compose
 
-    params = load_params()
+    params = families.load_params()
     params.rl.preset = "llama3.1-8b-gsm8k-v6e8"
     e = compose("rl", params).evaluate
     command = serving.server_command(e.backend, Path("artifacts/rl/hf"), 8123, e)

@@ -13,30 +13,27 @@ on a sequence longer than Gemma 3's sliding window. See docs/logit-check.md for 
 from __future__ import annotations
 
 import json
-import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from families import TWINS, twins
 from mtpipe.evaluation import numpy_forward
 from mtpipe.data import embedded
 
 SEQ_LEN = 100  # > the tiny Gemma 3's sliding window (64), so local layers really are local
 
-TWINS: dict[str, Callable[[str | os.PathLike], None]] = {
-    "gemma3-tiny": embedded.write_gemma3_tiny,
-    "llama3.1-tiny": embedded.write_llama31_tiny,
-}
 
-
-@pytest.fixture(scope="module", params=sorted(TWINS))
+@pytest.fixture(scope="module", params=TWINS)
 def twin(request, tmp_path_factory) -> tuple[str, Path]:
-    """(name, directory) of a tiny twin written by mtpipe.data.embedded."""
+    """(name, directory) of every tiny twin (tests/families.py), written by mtpipe.data.embedded."""
     out = tmp_path_factory.mktemp(request.param) / "hf"
-    TWINS[request.param](out)
+    twins()[request.param].write(out)
     return request.param, out
 
 
@@ -125,6 +122,91 @@ def test_unknown_architecture_fails_early(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     with pytest.raises(ValueError, match="model_type='bert'"):
         numpy_forward.logits(tmp_path, [1, 2, 3])
+
+
+# ----------------------------------------------------------------------------- a family from flags alone
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("llama") / "hf"
+    embedded.write_llama31_tiny(out)
+    return out
+
+
+def _as_qwen3(src: Path, dst: Path, *, tied: bool = False, edit_tensors: Callable[[dict], None] = lambda t: None) -> Path:
+    """The Llama twin as a Qwen 3 checkpoint: q/k norms per layer (weights near 1), a tiny eps, optionally tied."""
+    rng = np.random.default_rng(3)
+
+    def to_qwen3(config: dict) -> None:
+        config.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], rms_norm_eps=1e-12,
+                      tie_word_embeddings=tied)
+
+    def add_qk_norms(tensors: dict) -> None:
+        d = tensors["model.layers.0.self_attn.k_proj.weight"].shape[0] // 2  # 2 kv heads
+        for i in range(4):
+            for name in ("q_norm", "k_norm"):
+                tensors[f"model.layers.{i}.self_attn.{name}.weight"] = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+        if tied:
+            del tensors["lm_head.weight"]
+        edit_tensors(tensors)
+
+    return _rewrite(src, dst, to_qwen3, add_qk_norms)
+
+
+def _scale_qk(factor: float) -> Callable[[dict], None]:
+    def scale(tensors: dict) -> None:
+        for name in [n for n in tensors if n.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight"))]:
+            tensors[name] = tensors[name] * np.float32(factor)
+    return scale
+
+
+@pytest.mark.families
+def test_qwen3_normalises_query_and_key_heads(llama_dir, tmp_path):
+    """Qwen 3 is Llama plus an RMSNorm over each q and k head (qwen3:Qwen3Attention), served from the config
+    alone: its logits do not move when q_proj and k_proj are scaled, while Llama's (no such norm) do."""
+    ids = _tokens(4)
+    qwen3 = numpy_forward.logits(_as_qwen3(llama_dir, tmp_path / "q"), ids)
+    scaled = numpy_forward.logits(_as_qwen3(llama_dir, tmp_path / "q8", edit_tensors=_scale_qk(8.0)), ids)
+    np.testing.assert_allclose(scaled, qwen3, rtol=0, atol=1e-9)
+    llama_scaled = _rewrite(llama_dir, tmp_path / "l8", lambda config: None, _scale_qk(8.0))
+    assert np.abs(numpy_forward.logits(llama_scaled, ids) - numpy_forward.logits(llama_dir, ids)).max() > 1e-3
+
+
+@pytest.mark.families
+def test_a_tied_table_is_rounded_to_bfloat16_as_maxtext_does_for_any_family(llama_dir, tmp_path):
+    """match_maxtext: a tied non-Gemma table is cast to bfloat16 (MaxText attend_on_embedding; no logit
+    normalisation): it changes the logits of a float32 table, and nothing when the table is bf16 already."""
+    ids = _tokens(5)
+    tied = _as_qwen3(llama_dir, tmp_path / "tied", tied=True)
+    plain, rounded = numpy_forward.logits(tied, ids), numpy_forward.logits(tied, ids, match_maxtext=True)
+    assert np.abs(plain - rounded).max() > 1e-4
+
+    def to_bf16(tensors: dict) -> None:
+        name = "model.embed_tokens.weight"
+        tensors[name] = tensors[name].astype(ml_dtypes.bfloat16).astype(np.float32)
+
+    on_grid = _as_qwen3(llama_dir, tmp_path / "bf16", tied=True, edit_tensors=to_bf16)
+    np.testing.assert_array_equal(numpy_forward.logits(on_grid, ids, match_maxtext=True),
+                                  numpy_forward.logits(on_grid, ids))
+
+
+@pytest.mark.families
+@pytest.mark.parametrize(("edit", "problem"), [
+    ({"model_type": "mixtral"}, "model_type='mixtral': only gemma3, gemma3_text, llama, qwen3 are supported"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                          "original_max_position_embeddings": 32768}}, "rope_type 'yarn' is not implemented"),
+    ({"hidden_act": "relu"}, "activation 'relu' is not implemented"),
+])  # fmt: skip
+def test_a_config_the_forward_cannot_serve_is_refused_naming_the_key(llama_dir, tmp_path, edit, problem):
+    """numpy_forward.unsupported (also what configure asks, mtpipe/evaluation/cpu_backend.py) names the key."""
+    from transformers import AutoConfig
+
+    config = json.loads((llama_dir / "config.json").read_text()) | {"model_type": "qwen3"} | edit
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert any(problem in p for p in numpy_forward.unsupported(AutoConfig.from_pretrained(tmp_path)))
+    with pytest.raises(ValueError, match=re.escape(problem.split(":")[0])):
+        numpy_forward.Model(tmp_path)
 
 
 # MaxText against this reference: tests/test_conversion_roundtrip.py (the converted tiny twins,

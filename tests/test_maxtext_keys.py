@@ -12,6 +12,8 @@ from mtpipe.errors import ConfigError
 from mtpipe.maxtext import commands
 from mtpipe.pipeline import config, schema
 
+import families
+
 pytestmark = pytest.mark.content_address
 
 # What a user adds to pass MaxText's warmup_steps_fraction: one line in the schema, one in params.yaml.
@@ -73,7 +75,7 @@ def test_every_marked_key_is_a_key_of_maxtext_and_every_stage_key_reaches_the_co
     """The marked keys exist in the MaxText config class their stage runs; the tutorial commands carry them all."""
     from mtpipe.pipeline.maxtext_check import maxtext_types
 
-    cfg = config.compose("rl", OmegaConf.merge(config.load_params(), {"rl": {"preset": "llama3.1-8b-gsm8k-v6e8"}}))
+    cfg = config.compose("rl", OmegaConf.merge(families.load_params(), {"rl": {"preset": "llama3.1-8b-gsm8k-v6e8"}}))
     for stage in ("to_maxtext", "train_sft", "train_rl", "to_huggingface"):
         section = getattr(cfg, stage)
         keys = schema.maxtext_keys(type(section))
@@ -99,7 +101,7 @@ def test_schema_defaults_of_maxtext_keys_are_maxtexts():
 
 def test_a_preset_inherits_its_parent(tmp_path, monkeypatch):
     """v6e-32 presets are their v6e-8 presets with other hardware and the keys they set; a cycle is refused."""
-    params = config.load_params()
+    params = families.load_params()
     for child, parent in (("gemma3-4b-ultrachat-v6e32", "gemma3-4b-ultrachat-v6e8"),
                           ("llama3.1-8b-gsm8k-v6e32", "llama3.1-8b-gsm8k-v6e8")):
         branch = "rl" if "gsm8k" in child else "sft"

@@ -7,7 +7,6 @@ so the tiny models' training steps compile for the tutorials' TPU in about a min
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from mtpipe.pipeline import overrides
 from mtpipe.pipeline.toolchain import lock_pins
 from mtpipe.pipeline.config import ROOT, View, compose, stage_view
 from mtpipe.errors import ConfigError
+import families
 
 pytestmark = pytest.mark.preflight
 
@@ -26,7 +26,7 @@ ON_V6E = ["sft.hardware=v6e-8", "rl.hardware=v6e-8"]
 REPORT_KEYS = {"hbm_gib_per_chip", "hbm_gib_available", "fits", "flops_per_step", "est_train_s", "est_total_usd"}
 
 
-PARAMS = (ROOT / "params.yaml").read_bytes()
+PARAMS = families.committed_params_text().encode()
 
 
 def sft_view(params) -> View:
@@ -37,7 +37,7 @@ def sft_view(params) -> View:
 @pytest.fixture()
 def root(tmp_path: Path) -> Path:
     """A directory holding this project's params.yaml; preflight writes its work/ there."""
-    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    (tmp_path / "params.yaml").write_bytes(PARAMS)
     return tmp_path
 
 

@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from mtpipe.pipeline import config, maxtext_check, schema
 from mtpipe.errors import ConfigError
+import families
 
 pytestmark = pytest.mark.vm_experiments
 
@@ -19,7 +20,7 @@ TUTORIAL_RL = {"preset": "llama3.1-8b-gsm8k-v6e8"}
 
 def compose(branch: str, overrides: dict):
     """Compose ``branch`` from params.yaml with ``overrides`` merged in (as a user would edit it)."""
-    return maxtext_check.compose_checked(branch, OmegaConf.merge(config.load_params(), overrides))
+    return maxtext_check.compose_checked(branch, OmegaConf.merge(families.load_params(), overrides))
 
 
 def rejected(branch: str, overrides: dict) -> ConfigError:
@@ -140,7 +141,7 @@ def test_every_shipped_preset_passes(preset):
 
 
 def test_both_tutorial_presets_resolve_together(tmp_path):
-    params = OmegaConf.merge(config.load_params(), {"sft": {"preset": "gemma3-4b-ultrachat-v6e8"}, "rl": TUTORIAL_RL})
+    params = OmegaConf.merge(families.load_params(), {"sft": {"preset": "gemma3-4b-ultrachat-v6e8"}, "rl": TUTORIAL_RL})
     written = config.write_resolved(config.compose_all(params), tmp_path)
     assert yaml.safe_load((tmp_path / "config" / "rl" / "train_rl.yaml").read_text())["train_rl"]["chips_per_vm"] == 8
     assert len(written) == 15  # 13 stage views, make_embedded's code-only view and config/run.yaml
@@ -151,7 +152,7 @@ def test_dvc_set_values_keep_their_types(tmp_path):
     from dvc.utils.hydra import apply_overrides
 
     params = tmp_path / "params.yaml"
-    shutil.copy(config.ROOT / "params.yaml", params)
+    params.write_text(families.committed_params_text())
     apply_overrides(params, ["steps=2000", "sft.train_sft.learning_rate=5e-4", "rl.train_rl.grpo_beta=0",
                              "rl.train_rl.num_generations=4", "sft.to_huggingface.weight_dtype=bfloat16"])
     p = config.load_params(params)

@@ -1,8 +1,8 @@
 """Full-size structure check: the real checkpoints through the project's conversion path, no weights.
 
-google/gemma-3-4b-it and meta-llama/Llama-3.1-8B-Instruct are described by small fixtures
-(tests/fixtures/<model>/: the Hub's config.json and the tensor inventory of its safetensors, see
-tests/fixtures/README.md). Each goes through what `to_maxtext` and `to_huggingface` run for the
+Every full-size model with a fixture (tests/fixtures/<model>/: the Hub's config.json and the tensor
+inventory of its safetensors, see tests/fixtures/README.md; found by tests/families.py, with a shipped
+preset that converts it) goes through what `to_maxtext` and `to_huggingface` run for the
 tutorial presets (mtpipe.maxtext.commands builds the arguments, mtpipe.maxtext.maxtext_adapter patches MaxText as
 `mtpipe.maxtext.launch` does), with MaxText's own mapping, hook and stacking functions evaluated under
 `jax.eval_shape`: shapes and dtypes only, nothing is allocated or downloaded. It checks that
@@ -24,26 +24,14 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from families import REAL_MODELS, RealModel, real_models
 from mtpipe.maxtext import commands, maxtext_adapter
 from mtpipe.pipeline import config
 
-pytestmark = [pytest.mark.preflight, pytest.mark.slow]
+pytestmark = [pytest.mark.preflight, pytest.mark.slow, pytest.mark.families]
 
 FIXTURES = Path(__file__).parent / "fixtures"
 VISION_PREFIXES = maxtext_adapter.UNTRAINED_PREFIXES
-
-
-@dataclass(frozen=True)
-class RealModel:
-    fixture: str  # tests/fixtures/<fixture>/
-    branch: str
-    preset: str  # the tutorial preset that converts it
-
-
-REAL_MODELS = {
-    "gemma-3-4b-it": RealModel("gemma-3-4b-it", "sft", "gemma3-4b-ultrachat-v6e8"),
-    "Llama-3.1-8B-Instruct": RealModel("Llama-3.1-8B-Instruct", "rl", "llama3.1-8b-gsm8k-v6e8"),
-}
 
 
 @dataclass
@@ -178,7 +166,7 @@ def abstract_model_shapes(cmd: commands.MaxTextCommand) -> tuple[dict[str, tuple
 
 @pytest.fixture(scope="module", params=sorted(REAL_MODELS))
 def conversion(request, tmp_path_factory) -> tuple[RealModel, Conversion]:
-    model = REAL_MODELS[request.param]
+    model = real_models()[request.param]
     tmp = tmp_path_factory.mktemp(model.fixture)
     hf_dir = tmp / "files"
     source = hub_dir_without_weights(model, hf_dir)
@@ -264,12 +252,18 @@ EXPECTED_TEXT_CONFIG = {
 
 
 def test_the_exported_config_is_the_real_one(conversion):
+    """The file itself: every key an older reader looks at (rope_scaling, rope_theta, torch_dtype) is kept."""
+    model, conv = conversion
+    real = FIXTURES / model.fixture / "config.json"
+    assert json.loads(conv.exported_config.read_text()) == json.loads(real.read_text())
+
+
+@pytest.mark.parametrize("conversion", sorted(EXPECTED_TEXT_CONFIG), indirect=True)
+def test_transformers_reads_the_published_values_from_the_export(conversion):
+    """The values a family's published model card states, as transformers reads them from the export."""
     from transformers import AutoConfig
 
     model, conv = conversion
-    real = FIXTURES / model.fixture / "config.json"
-    # The file itself: every key an older reader looks at (rope_scaling, rope_theta, torch_dtype) is kept.
-    assert json.loads(conv.exported_config.read_text()) == json.loads(real.read_text())
     exported = AutoConfig.from_pretrained(conv.exported_config.parent)
     text = getattr(exported, "text_config", exported)
     assert {k: getattr(text, k) for k in EXPECTED_TEXT_CONFIG[model.fixture]} == EXPECTED_TEXT_CONFIG[model.fixture]

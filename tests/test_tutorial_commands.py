@@ -14,7 +14,9 @@ from omegaconf import OmegaConf
 from mtpipe.maxtext import commands
 
 
+import families
 from mtpipe.pipeline import config
+
 TUTORIAL_TO_MAXTEXT = """python3 -m maxtext.checkpoint_conversion.to_maxtext model_name="${MODEL_NAME}" \
   hf_access_token="${HF_TOKEN}" base_output_directory="${MODEL_CHECKPOINT_DIRECTORY}" \
   scan_layers=True use_multimodal=False hardware=cpu skip_jax_distributed_system=true \
@@ -178,7 +180,7 @@ def test_rl_export_uses_the_base_model_name():
 
 
 def test_embedded_rl_uses_the_cpu_rollout_backend():
-    cmd = rl_command(config.stage_view(config.compose("rl", config.load_params()), "train_rl"))
+    cmd = rl_command(config.stage_view(config.compose("rl", families.load_params()), "train_rl"))
     assert cmd.launcher == "mtpipe.maxtext.rollout_cpu"
     assert cmd.argv()[1:4] == ["-m", "mtpipe.maxtext.rollout_cpu", commands.TRAIN_RL]
 

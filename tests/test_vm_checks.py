@@ -29,6 +29,7 @@ from mtpipe.cloud import gcp, vm_checks, vm_config, vm_state
 from mtpipe.maxtext import preflight
 from mtpipe.pipeline.config import load_yaml
 from mtpipe.errors import ConfigError
+import families
 
 pytestmark = pytest.mark.vm_experiments
 
@@ -93,7 +94,7 @@ def world(tmp_path: Path, gcs_emulator: GcsEmulator,
     repo = tmp_path / "repo"
     (repo / "conf" / "hardware").mkdir(parents=True)
     shutil.copy(ROOT / "conf" / "hardware" / "v6e-8.yaml", repo / "conf" / "hardware")
-    shutil.copy(ROOT / "params.yaml", repo)
+    (repo / "params.yaml").write_text(families.committed_params_text())
     subprocess.run(["git", "init", "-q", "-b", "main"], cwd=repo, check=True)
     (repo / ".dvc").mkdir()   # what `dvc init` makes that matters here, without its 2 s start-up
     (repo / ".dvc" / ".gitignore").write_text("/config.local\n/tmp\n/cache\n")

@@ -1,10 +1,14 @@
-"""An independent float64 numpy forward pass of Gemma 3 (text) and Llama 3.1 Hugging Face checkpoints.
+"""An independent float64 numpy forward pass of Gemma 3 (text), Llama 3.x and Qwen 3 Hugging Face checkpoints.
 
 It reads `config.json` with transformers' own config classes (no torch needed), so defaults and legacy
 keys (`rope_scaling`, `rope_local_base_freq`, `sliding_window_pattern`) mean exactly what they mean to
 transformers, and `*.safetensors` with the numpy backend. The math re-implements transformers 5.12
 `models/gemma3/modeling_gemma3.py` and `models/llama/modeling_llama.py` (cited below as gemma3:<class>
 and llama:<class>) in float64, so it serves as the ground truth an exported directory is checked against.
+One decoder serves every family: what a family's modeling file fixes in code is an :class:`Architecture`
+in :data:`ARCHITECTURES` (norm offset, scaled embedding, q/k norms, sandwich norms, tensor names); the
+rest is read from the config (rope type and scaling per layer type, sliding window, activation,
+softcapping, tied output table). :func:`unsupported` says why a config cannot be served.
 
     logits(hf_dir, token_ids) -> np.ndarray of shape (len(token_ids), vocab_size)
     Model(hf_dir).generate(prompt_ids, max_new_tokens, stop_ids)  # greedy, with a KV cache
@@ -23,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +35,6 @@ import ml_dtypes  # also registers bfloat16 with numpy, so safetensors can read 
 import numpy as np
 from safetensors import safe_open
 from scipy.special import erf
-
-# Where the Gemma 3 language model's tensors live, by checkpoint layout (first match wins).
-_GEMMA3_PREFIXES = (
-    "language_model.model.",  # Hub on-disk layout of Gemma3ForConditionalGeneration (google/gemma-3-4b-it)
-    "model.language_model.",  # transformers 5 in-memory names (what MaxText's to_huggingface writes)
-    "model.",  # text-only Gemma3ForCausalLM
-)
-_GEMMA3_LM_HEADS = ("language_model.lm_head.weight", "lm_head.weight")
-
 
 class Weights:
     """Lazy float64 view of every tensor in a directory's `*.safetensors` files (one layer at a time)."""
@@ -79,14 +75,7 @@ def _rms(x: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
-def gemma_rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """gemma3:Gemma3RMSNorm: normalise, then scale by (1 + w)."""
-    return _rms(x, eps) * (1.0 + w)
-
-
-def llama_rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """llama:LlamaRMSNorm: normalise, then scale by w."""
-    return _rms(x, eps) * w
+ACTIVATIONS = ("gelu_pytorch_tanh", "gelu", "silu")  # what activation implements
 
 
 def activation(name: str, x: np.ndarray) -> np.ndarray:
@@ -215,101 +204,177 @@ def _cached(cache: list | None, i: int, k: np.ndarray, v: np.ndarray) -> tuple[n
     return cache[i]
 
 
-def _gemma3(cfg: Any, w: Weights, ids: np.ndarray, match_maxtext: bool, cache: list | None = None,
-            start: int = 0) -> np.ndarray:
-    text = cfg.text_config if cfg.model_type == "gemma3" else cfg
-    if text.use_bidirectional_attention:
-        raise ValueError("text_config.use_bidirectional_attention=true is not implemented here")
-    prefix = next((p for p in _GEMMA3_PREFIXES if f"{p}embed_tokens.weight" in w), None)
+# ----------------------------------------------------------------------------- families
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What a family's transformers modeling file fixes in code; everything else is read from config.json.
+
+    A Llama-like family is one entry of :data:`ARCHITECTURES` (Qwen 3 is Llama with q/k norms); a family
+    whose layers compute something else (mixture of experts, another attention) needs forward code here.
+    """
+
+    norm_offset: float = 0.0  # RMSNorm scales by (offset + w): 1 in gemma3:Gemma3RMSNorm, 0 in llama:LlamaRMSNorm
+    scaled_embedding: bool = False  # gemma3:Gemma3TextScaledWordEmbedding: embeddings times sqrt(hidden)
+    qk_norm: bool = False  # an RMSNorm over each query and key head before rope (gemma3:, qwen3:Qwen3Attention)
+    sandwich_norms: bool = False  # gemma3:Gemma3DecoderLayer: norms after attention and MLP too
+    prefixes: tuple[str, ...] = ("model.",)  # where the language model's tensors live (first match wins)
+    lm_heads: tuple[str, ...] = ("lm_head.weight",)  # an untied output table, first match wins
+
+
+_LLAMA = Architecture()
+_GEMMA3 = Architecture(
+    norm_offset=1.0, scaled_embedding=True, qk_norm=True, sandwich_norms=True,
+    prefixes=(
+        "language_model.model.",  # Hub on-disk layout of Gemma3ForConditionalGeneration (google/gemma-3-4b-it)
+        "model.language_model.",  # transformers 5 in-memory names (what MaxText's to_huggingface writes)
+        "model.",  # text-only Gemma3ForCausalLM
+    ),
+    lm_heads=("language_model.lm_head.weight", "lm_head.weight"),
+)  # fmt: skip
+
+# The families this forward serves, by config.json `model_type`. A new Llama-like family is one line here.
+ARCHITECTURES: dict[str, Architecture] = {
+    "gemma3": _GEMMA3,
+    "gemma3_text": _GEMMA3,
+    "llama": _LLAMA,
+    "qwen3": replace(_LLAMA, qk_norm=True),  # qwen3:Qwen3Attention: q_norm/k_norm (Qwen3RMSNorm: w) on head_dim
+}
+ROPE_TYPES = ("default", "linear", "llama3")  # what inv_freq implements
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _text(cfg: Any) -> Any:
+    """The language model's config: `text_config` of a multimodal config, else the config itself."""
+    return getattr(cfg, "text_config", None) or cfg
+
+
+def _activation_name(text: Any) -> str:
+    return getattr(text, "hidden_activation", None) or text.hidden_act  # gemma3 spells it hidden_activation
+
+
+def _layer_types(text: Any) -> list[str]:
+    """Each layer's attention kind (configs without `layer_types` have global layers only)."""
+    return list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
+
+
+def _rope_parameters(text: Any, layer_type: str) -> dict[str, Any]:
+    """One layer type's rope_parameters (gemma3 keys them by layer type; others have one for all layers)."""
+    rope = text.rope_parameters
+    return rope[layer_type] if layer_type in rope else rope
+
+
+def unsupported(cfg: Any) -> list[str]:
+    """Why this forward cannot serve a transformers config (its config.json keys); empty if it can."""
+    if cfg.model_type not in ARCHITECTURES:
+        return [f"model_type={cfg.model_type!r}: only {', '.join(sorted(ARCHITECTURES))} are supported"]
+    text = _text(cfg)
+    problems = []
+    if getattr(text, "use_bidirectional_attention", False):
+        problems.append("use_bidirectional_attention=true is not implemented here")
+    if getattr(text, "sliding_window", None) and not getattr(text, "layer_types", None):
+        problems.append(f"sliding_window={text.sliding_window} without layer_types is not implemented here")
+    for layer_type in dict.fromkeys(_layer_types(text)):
+        if layer_type not in LAYER_TYPES:
+            problems.append(f"layer_types entry {layer_type!r} is not implemented here (only {', '.join(LAYER_TYPES)})")
+        elif (kind := _rope_parameters(text, layer_type).get("rope_type", "default")) not in ROPE_TYPES:
+            problems.append(f"rope_type {kind!r} is not implemented here (only {', '.join(ROPE_TYPES)})")
+    if (act := _activation_name(text)) not in ACTIVATIONS:
+        problems.append(f"activation {act!r} is not implemented here (only {', '.join(ACTIVATIONS)})")
+    return problems
+
+
+def _forward(cfg: Any, arch: Architecture, w: Weights, ids: np.ndarray, match_maxtext: bool,
+             cache: list | None = None, start: int = 0) -> np.ndarray:
+    """The decoder of gemma3:Gemma3ForCausalLM / llama:LlamaForCausalLM, switched by ``arch`` and the config."""
+    text = _text(cfg)
+    prefix = next((p for p in arch.prefixes if f"{p}embed_tokens.weight" in w), None)
     if prefix is None:
-        raise KeyError(f"no Gemma 3 embed_tokens.weight under any of {_GEMMA3_PREFIXES}")
-    eps, d = text.rms_norm_eps, text.head_dim
+        raise KeyError(f"no embed_tokens.weight under any of {arch.prefixes}")
+    eps, offset = text.rms_norm_eps, arch.norm_offset
+    d = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads  # llama:LlamaAttention
 
-    # gemma3:Gemma3TextScaledWordEmbedding: weight * sqrt(hidden) cast to the weight (model) dtype.
+    def norm(x: np.ndarray, name: str) -> np.ndarray:  # gemma3:Gemma3RMSNorm (1 + w) / llama:LlamaRMSNorm (w)
+        return _rms(x, eps) * (offset + w[name])
+
     embed_raw = w.raw(f"{prefix}embed_tokens.weight")
-    scale = float(_round(text.hidden_size**0.5, _model_dtype(cfg, embed_raw)))
     embed = embed_raw.astype(np.float64)
-    h = embed[ids] * scale
+    # gemma3:Gemma3TextScaledWordEmbedding: weight * sqrt(hidden) cast to the weight (model) dtype.
+    scale = float(_round(text.hidden_size**0.5, _model_dtype(cfg, embed_raw))) if arch.scaled_embedding else 1.0
+    h = embed[ids] * scale if arch.scaled_embedding else embed[ids]
 
-    # gemma3:Gemma3RotaryEmbedding: one rope_parameters entry per layer type.
-    freqs = {t: inv_freq(text.rope_parameters[t], d) for t in set(text.layer_types)}
-    for i, layer_type in enumerate(text.layer_types[: text.num_hidden_layers]):
+    layer_types = _layer_types(text)
+    # gemma3:Gemma3RotaryEmbedding / llama:LlamaRotaryEmbedding (attention_scaling is 1 for these rope types)
+    freqs = {t: inv_freq(_rope_parameters(text, t), d) for t in set(layer_types)}
+    scaling = (getattr(text, "query_pre_attn_scalar", None) or d) ** -0.5
+    softcap = getattr(text, "attn_logit_softcapping", None)
+    act = _activation_name(text)
+    for i, layer_type in enumerate(layer_types[: text.num_hidden_layers]):
         p = f"{prefix}layers.{i}."
-        # gemma3:Gemma3Attention
-        x = gemma_rmsnorm(h, w[f"{p}input_layernorm.weight"], eps)
-        q = gemma_rmsnorm(_heads(_linear(x, w, f"{p}self_attn.q_proj"), d), w[f"{p}self_attn.q_norm.weight"], eps)
-        k = gemma_rmsnorm(_heads(_linear(x, w, f"{p}self_attn.k_proj"), d), w[f"{p}self_attn.k_norm.weight"], eps)
-        v = _heads(_linear(x, w, f"{p}self_attn.v_proj"), d)
+        x = norm(h, f"{p}input_layernorm.weight")
+        q = _heads(_linear(x, w, f"{p}self_attn.q_proj"), d)
+        k = _heads(_linear(x, w, f"{p}self_attn.k_proj"), d)
+        if arch.qk_norm:
+            q, k = norm(q, f"{p}self_attn.q_norm.weight"), norm(k, f"{p}self_attn.k_norm.weight")
         q, k = apply_rope(q, freqs[layer_type], start), apply_rope(k, freqs[layer_type], start)
-        k, v = _cached(cache, i, k, v)
+        k, v = _cached(cache, i, k, _heads(_linear(x, w, f"{p}self_attn.v_proj"), d))
         window = text.sliding_window if layer_type == "sliding_attention" else None
-        a = attention(q, k, v, text.query_pre_attn_scalar**-0.5, window, text.attn_logit_softcapping)
-        # gemma3:Gemma3DecoderLayer: sandwich norms around attention and MLP
-        h = h + gemma_rmsnorm(_linear(a, w, f"{p}self_attn.o_proj"), w[f"{p}post_attention_layernorm.weight"], eps)
-        x = _mlp(gemma_rmsnorm(h, w[f"{p}pre_feedforward_layernorm.weight"], eps), w, f"{p}mlp.", text.hidden_activation)
-        h = h + gemma_rmsnorm(x, w[f"{p}post_feedforward_layernorm.weight"], eps)
-    h = gemma_rmsnorm(h, w[f"{prefix}norm.weight"], eps)
+        a = _linear(attention(q, k, v, scaling, window, softcap), w, f"{p}self_attn.o_proj")
+        if arch.sandwich_norms:  # gemma3:Gemma3DecoderLayer: sandwich norms around attention and MLP
+            h = h + norm(a, f"{p}post_attention_layernorm.weight")
+            x = _mlp(norm(h, f"{p}pre_feedforward_layernorm.weight"), w, f"{p}mlp.", act)
+            h = h + norm(x, f"{p}post_feedforward_layernorm.weight")
+        else:  # llama:LlamaDecoderLayer: pre-norm attention and MLP with residuals
+            h = h + a
+            h = h + _mlp(norm(h, f"{p}post_attention_layernorm.weight"), w, f"{p}mlp.", act)
+    h = norm(h, f"{prefix}norm.weight")
 
     # Tying follows the top-level config (modeling_utils.get_expanded_tied_weights_keys).
     if cfg.tie_word_embeddings:
-        table = _output_table(embed, scale, text.hidden_size) if match_maxtext else embed
+        table = _output_table(embed, scale, text.hidden_size, arch.scaled_embedding) if match_maxtext else embed
     else:
-        head = next((n for n in _GEMMA3_LM_HEADS if n in w), None)
+        head = next((n for n in arch.lm_heads if n in w), None)
         if head is None:
-            raise KeyError(f"tie_word_embeddings=false but none of {_GEMMA3_LM_HEADS} is in the checkpoint")
+            raise KeyError(f"tie_word_embeddings=false but none of {arch.lm_heads} is in the checkpoint")
         table = w[head]
     out = h @ table.T
-    if text.final_logit_softcapping is not None:  # gemma3:Gemma3ForCausalLM.forward
-        out = np.tanh(out / text.final_logit_softcapping) * text.final_logit_softcapping
+    if (cap := getattr(text, "final_logit_softcapping", None)) is not None:  # gemma3:Gemma3ForCausalLM.forward
+        out = np.tanh(out / cap) * cap
     return out
 
 
-def _output_table(embed: np.ndarray, scale: float, hidden: int) -> np.ndarray:
-    """The tied output table as MaxText uses it, as float64.
+def _output_table(embed: np.ndarray, scale: float, hidden: int, scaled_embedding: bool) -> np.ndarray:
+    """A tied output table as MaxText uses it, as float64.
 
-    MaxText stores the Gemma embedding pre-multiplied by bf16(sqrt(hidden)) (checkpoint_conversion/utils/
-    param_mapping.py pad_and_scale_embedding), casts the table to bfloat16 for the logits
-    (layers/embeddings.py attend_on_embedding) and divides the logits by the exact sqrt(hidden)
-    (layers/nnx_decoders.py, normalize_embedding_logits). With hidden a power of 4 this is just bf16(embed).
+    MaxText casts any tied table to bfloat16 for the logits (layers/embeddings.py attend_on_embedding).
+    For Gemma it stores the embedding pre-multiplied by bf16(sqrt(hidden)) (checkpoint_conversion/utils/
+    param_mapping.py pad_and_scale_embedding) and divides the logits by the exact sqrt(hidden)
+    (layers/nnx_decoders.py, normalize_embedding_logits); with hidden a power of 4 this is just bf16(embed).
+    Other families (Qwen 3, Llama 3.2) set normalize_embedding_logits: false: bf16(embed).
     """
-    return _round(embed * scale, "bfloat16") / math.sqrt(hidden)
-
-
-def _llama(cfg: Any, w: Weights, ids: np.ndarray, cache: list | None = None, start: int = 0) -> np.ndarray:
-    eps = cfg.rms_norm_eps
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads  # llama:LlamaAttention
-    freq = inv_freq(cfg.rope_parameters, d)  # llama:LlamaRotaryEmbedding (attention_scaling is 1 for llama3)
-    h = w["model.embed_tokens.weight"][ids]
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        # llama:LlamaDecoderLayer: pre-norm attention and MLP with residuals
-        x = llama_rmsnorm(h, w[f"{p}input_layernorm.weight"], eps)
-        q = apply_rope(_heads(_linear(x, w, f"{p}self_attn.q_proj"), d), freq, start)
-        k = apply_rope(_heads(_linear(x, w, f"{p}self_attn.k_proj"), d), freq, start)
-        k, v = _cached(cache, i, k, _heads(_linear(x, w, f"{p}self_attn.v_proj"), d))
-        h = h + _linear(attention(q, k, v, d**-0.5), w, f"{p}self_attn.o_proj")
-        h = h + _mlp(llama_rmsnorm(h, w[f"{p}post_attention_layernorm.weight"], eps), w, f"{p}mlp.", cfg.hidden_act)
-    h = llama_rmsnorm(h, w["model.norm.weight"], eps)
-    # llama:LlamaForCausalLM: lm_head, tied to embed_tokens when tie_word_embeddings
-    return h @ w["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"].T
+    if scaled_embedding:
+        return _round(embed * scale, "bfloat16") / math.sqrt(hidden)
+    return _round(embed, "bfloat16")
 
 
 class Model:
-    """A Gemma 3 or Llama 3.1 Hugging Face directory, loaded once: logits and greedy generation."""
+    """A Hugging Face directory of a family in :data:`ARCHITECTURES`, loaded once: logits and greedy generation."""
 
     def __init__(self, hf_dir: str | Path, *, match_maxtext: bool = False) -> None:
         hf_dir = Path(hf_dir)
-        self.model_type = json.loads((hf_dir / "config.json").read_text()).get("model_type")
-        if self.model_type not in ("gemma3", "gemma3_text", "llama"):
-            raise ValueError(f"{hf_dir}/config.json model_type={self.model_type!r}: only gemma3, gemma3_text and "
-                             "llama are supported")
-        self.cfg, self.weights, self.match_maxtext = _config(hf_dir), Weights(hf_dir), match_maxtext
+        model_type = json.loads((hf_dir / "config.json").read_text()).get("model_type")
+        if model_type not in ARCHITECTURES:  # before transformers is asked to read an unknown config
+            raise ValueError(f"{hf_dir}/config.json model_type={model_type!r}: only "
+                             f"{', '.join(sorted(ARCHITECTURES))} are supported")
+        self.cfg = _config(hf_dir)
+        if problems := unsupported(self.cfg):
+            raise ValueError(f"{hf_dir}/config.json: {'; '.join(problems)}")
+        self.arch, self.weights, self.match_maxtext = ARCHITECTURES[model_type], Weights(hf_dir), match_maxtext
 
     def forward(self, ids: np.ndarray, cache: list | None = None, start: int = 0) -> np.ndarray:
         """Logits of positions start.. for ``ids``; ``cache`` (a list, filled here) holds earlier positions."""
-        if self.model_type == "llama":
-            return _llama(self.cfg, self.weights, ids, cache, start)
-        return _gemma3(self.cfg, self.weights, ids, self.match_maxtext, cache, start)
+        return _forward(self.cfg, self.arch, self.weights, ids, self.match_maxtext, cache, start)
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """float64 logits, shape (len(token_ids), vocab), for one sequence."""
@@ -335,6 +400,6 @@ class Model:
 def logits(hf_dir: str | Path, token_ids: Sequence[int], *, match_maxtext: bool = False) -> np.ndarray:
     """float64 logits, shape (len(token_ids), vocab), of the HF model in `hf_dir` for one sequence.
 
-    match_maxtext: for a tied Gemma 3, use the output table as MaxText rounds it (`_output_table`).
+    match_maxtext: for a tied output table, use it as MaxText rounds it (`_output_table`).
     """
     return Model(hf_dir, match_maxtext=match_maxtext).logits(token_ids)
