@@ -42,7 +42,6 @@ STUB_PYTHON = '#!/bin/sh\necho "noop_repro: a stage tried to run: python $*" >&2
 class Copy:
     """One commit's clone and its timings; `skipped` says why it was not timed."""
 
-    rev: str
     commit: str
     subject: str
     path: Path
@@ -92,7 +91,7 @@ def clone(repo: Path, rev: str, role: str, scratch: Path) -> Copy:
     path = scratch / role
     git(repo, "clone", "--quiet", "--shared", "--no-checkout", str(repo), str(path))
     git(path, "checkout", "--quiet", "--detach", commit)
-    return Copy(rev, commit, git(path, "log", "-1", "--format=%s"), path)
+    return Copy(commit, git(path, "log", "-1", "--format=%s"), path)
 
 
 def check_out_outputs(copy: Copy, cache: Path, env: dict[str, str]) -> None:
