@@ -83,7 +83,7 @@ def real_models() -> dict[str, RealModel]:
     """Every full-size fixture, by directory name: tests/fixtures/*/config.json."""
     models = {Path(c["source"]["repo_id"]).name: p.stem for p in sorted((config.CONF_DIR / "model").glob("*.yaml"))
               if (c := _model_conf(p))["source"]["kind"] == "hub"}
-    presets = {p.stem: OmegaConf.to_container(config.load_yaml(p))
+    presets = {p.stem: OmegaConf.to_container(config.load_preset(p.stem, "preset"))
                for p in sorted((config.CONF_DIR / "preset").glob("*.yaml"))}
     found = {}
     for fixture in sorted(d.name for d in FIXTURES.iterdir() if (d / "config.json").is_file()):
