@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from mtpipe.maxtext import maxtext_adapter
+from mtpipe.pipeline import metrics
 from mtpipe.pipeline.metrics import loss_curve, missing_steps, pass_at_k, rl_eval
 
 
@@ -65,6 +67,7 @@ format_accuracy=100.0%, mean_reward=0.5000
 
 @pytest.mark.rl_learns
 def test_rl_eval_reads_pass_at_k_of_the_evals_before_and_after_grpo() -> None:
+    assert maxtext_adapter.EVAL_SAMPLES_LINE == metrics.EVAL_SAMPLES_LINE  # what the launcher logs is what is parsed
     evals = rl_eval(EVAL_LOG)
     pre, post = evals["pre"], evals["post"]
     assert pre["samples_per_prompt"] == post["samples_per_prompt"] == 4

@@ -92,14 +92,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from mtpipe.pipeline.metrics import EVAL_SAMPLES_LINE
-
 TO_MAXTEXT = "maxtext.checkpoint_conversion.to_maxtext"
 TO_HUGGINGFACE = "maxtext.checkpoint_conversion.to_huggingface"
 TRAIN_SFT = "maxtext.trainers.post_train.sft.train_sft"
 TRAINERS = (TRAIN_SFT, "maxtext.trainers.post_train.rl.train_rl")
 HOLD_ENV = "MTPIPE_HOLD_AFTER_STEP"
 STOPPED_STATUS = 128 + signal.SIGTERM  # the exit status of a run that SIGTERM stopped after its save
+# Patch 12's log line; mtpipe.pipeline.metrics parses it (its own copy: an import would make every stage
+# that launches MaxText depend on metrics.py's code; tests/test_metrics.py checks the two are equal)
+EVAL_SAMPLES_LINE = "mtpipe eval: right samples per prompt:"
 
 # transformers in-memory name prefix -> on-disk (legacy) prefix, for Gemma3ForConditionalGeneration.
 GEMMA3_LEGACY_PREFIXES = (
