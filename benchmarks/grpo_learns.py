@@ -20,6 +20,11 @@ difference is the policy's, not the dice's:
 * reward under sampling: the mean reward (the training reward functions, with the preset's
   weights: 1.0 for the exact format, 1.0 for the right answer) per sampled completion;
 * accuracy: the fraction of sampled completions with the right answer (pass@1 estimate);
+* pass@k (k = 1, 2, 4, 8 up to the samples per prompt): the chance that at least one of k samples
+  of a prompt is right, estimated without bias from the prompt's n samples, c of them right
+  (1 - C(n-c, k) / C(n, k)), averaged over prompts (train_rl's metrics, mtpipe.pipeline.metrics).
+  pass@k far above pass@1 before GRPO is room GRPO can use: it makes right answers the model can
+  already sample more likely;
 * format: the fraction of sampled completions in the exact answer format (the format reward's test);
 * training reward: the mean reward per completion of GRPO's own samples (other
   prompts at each step) over its first and last 5 steps, in the eval's units (the sum of the reward
@@ -48,7 +53,10 @@ from scipy import stats
 
 PROJECT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(PROJECT / "tests"))
+sys.path.insert(0, str(PROJECT))
 from pipeline import copy_project, dvc  # noqa: E402  (the tests' throwaway project copy)
+
+from mtpipe.pipeline.metrics import PASS_AT_K  # noqa: E402
 
 PRESET = "embedded-rl-bench"
 EDGE_STEPS = 5  # training reward: mean over the first and the last this many GRPO steps
@@ -98,7 +106,8 @@ def run_seed(repo: Path, seed: int, sets: list[str]) -> dict:
             "train_reward_last": statistics.fmean(rewards[-EDGE_STEPS:]),
             "kl_last": statistics.fmean(float(row["kl"]) for row in curve[-EDGE_STEPS:]),
             **{f"{key}_{when}": metrics[f"eval_{when}_{key}"] for when in ("pre", "post")
-               for key in ("mean_reward", "accuracy", "format_accuracy")}}
+               for key in ("mean_reward", "accuracy", "format_accuracy", *(f"pass_at_{k}" for k in PASS_AT_K))
+               if f"eval_{when}_{key}" in metrics}}
 
 
 def print_table(runs: list[dict], warmup_s: float) -> None:
@@ -112,9 +121,16 @@ def print_table(runs: list[dict], warmup_s: float) -> None:
               f"{r['accuracy_post']:.1f}% | {r['format_accuracy_pre']:.1f}% / {r['format_accuracy_post']:.1f}% | "
               f"{r['train_reward_first']:.3f} / {r['train_reward_last']:.3f} | {r['kl_last']:.3f} | "
               f"{r['seconds'] / 60:.1f} |")
+    ks = [k for k in PASS_AT_K if all(f"pass_at_{k}_pre" in r for r in runs)]
+    if ks:
+        print("\n| seed | " + " | ".join(f"pass@{k} before / after" for k in ks) + " |")
+        print("| --- |" + " --- |" * len(ks))
+        for r in runs:
+            print(f"| {r['seed']} | " + " | ".join(f"{r[f'pass_at_{k}_pre']:.1f}% / {r[f'pass_at_{k}_post']:.1f}%" for k in ks) + " |")
     print()
     for what, key, unit in (("eval reward under sampling", "mean_reward", ""), ("eval accuracy (pass@1)", "accuracy", " points"),
-                            ("eval format", "format_accuracy", " points")):
+                            ("eval format", "format_accuracy", " points"),
+                            *((f"eval pass@{k}", f"pass_at_{k}", " points") for k in ks)):
         mean, low, high = mean_ci([r[f"{key}_post"] - r[f"{key}_pre"] for r in runs])
         verdict = "excludes 0" if low > 0 or high < 0 else "includes 0"
         print(f"gain in {what}: {mean:+.3f}{unit}, 95% CI [{low:+.3f}, {high:+.3f}] over {len(runs)} seeds ({verdict})")

@@ -6,7 +6,8 @@ MaxText ships it), cpu_jax elsewhere (mtpipe.maxtext.rollout_cpu samples with th
 The run directory lives in work/ or the MTPIPE_WORK_BUCKET bucket under a run name that is its recipe's digest, as
 for train_sft (mtpipe.maxtext.run_dir).
 Writes artifacts/rl/trained/model_params, metrics/rl/train_rl.json (reward and eval accuracy before
-and after GRPO) and plots/rl/train_rl.csv (reward per function, KL, loss per step).
+and after GRPO, and pass@k for k up to the eval's samples per prompt: mtpipe.pipeline.metrics.rl_eval)
+and plots/rl/train_rl.csv (reward per function, KL, loss per step).
 Run: dvc repro train_rl   (or: python -m stages.train_rl)
 """
 

@@ -1,9 +1,14 @@
-"""The loss curve of a run resumed after a preemption, from MaxText's metrics_file (JSONL)."""
+"""The loss curve of a run resumed after a preemption, from MaxText's metrics_file (JSONL); pass@k of train_rl's eval."""
 
+import itertools
 import json
 from pathlib import Path
 
-from mtpipe.pipeline.metrics import loss_curve, missing_steps
+import pytest
+
+from mtpipe.maxtext import maxtext_adapter
+from mtpipe.pipeline import metrics
+from mtpipe.pipeline.metrics import loss_curve, missing_steps, pass_at_k, rl_eval
 
 
 def write_jsonl(path: Path, steps: list[int]) -> None:
@@ -31,3 +36,56 @@ def test_a_curve_that_starts_late_is_named_from_its_expected_first_step() -> Non
     a resumed run's curve starting after step 1."""
     rows = [{"step": s} for s in range(9, 17)]
     assert missing_steps(rows) == [] and missing_steps(rows, first=1) == list(range(1, 9))
+
+
+@pytest.mark.rl_learns
+@pytest.mark.parametrize("samples", [1, 2, 4, 8])
+def test_pass_at_k_is_the_share_of_k_subsets_with_a_right_sample(samples: int) -> None:
+    """The closed form against brute force: every k-subset of n samples, c of them right."""
+    for right in range(samples + 1):
+        outcomes = [True] * right + [False] * (samples - right)
+        for k in range(1, samples + 1):
+            subsets = list(itertools.combinations(outcomes, k))
+            expected = sum(any(subset) for subset in subsets) / len(subsets)
+            assert pass_at_k(samples, right, k) == pytest.approx(expected, abs=1e-12), (samples, right, k)
+    with pytest.raises(ValueError, match="pass@4 needs at least 4 samples"):
+        pass_at_k(2, 1, 4)
+
+
+EVAL_LOG = """\
+0it [00:00, ?it/s]I1205 01:48:23 rollout_cpu.py:229] cpu_jax rollout: 3 prompts
+W1205 01:48:42 maxtext_adapter.py:500] mtpipe eval: right samples per prompt: 0/4 1/4 4/4
+W1205 01:48:42 train_rl.py:743] Pre RL Training: corr=0.4166, total=3, accuracy=41.66%, partial_accuracy=50.0%, \
+format_accuracy=100.0%, mean_reward=0.4125
+W1205 01:49:00 maxtext_adapter.py:500] mtpipe eval: right samples per prompt: 4/4 4/4 4/4
+W1205 01:49:00 hooks.py:99] Intermediate Eval (step=10): corr=3.0, total=3, accuracy=100.0%
+W1205 01:49:58 maxtext_adapter.py:500] mtpipe eval: right samples per prompt: 2/4 0/4 3/4
+W1205 01:50:00 train_rl.py:781] Post RL Training: corr=0.4166, total=3, accuracy=41.66%, partial_accuracy=50.0%, \
+format_accuracy=100.0%, mean_reward=0.5000
+"""
+
+
+@pytest.mark.rl_learns
+def test_rl_eval_reads_pass_at_k_of_the_evals_before_and_after_grpo() -> None:
+    assert maxtext_adapter.EVAL_SAMPLES_LINE == metrics.EVAL_SAMPLES_LINE  # what the launcher logs is what is parsed
+    evals = rl_eval(EVAL_LOG)
+    pre, post = evals["pre"], evals["post"]
+    assert pre["samples_per_prompt"] == post["samples_per_prompt"] == 4
+    assert "pass_at_8" not in pre  # 4 samples per prompt: pass@k for k <= 4 only
+    # before: prompts 0/4, 1/4, 4/4 right; pass@1 is the share of samples right, as MaxText's pass_at_1 accuracy
+    assert pre["pass_at_1"] == pytest.approx(100 * (0 + 1 / 4 + 1) / 3, abs=1e-3)
+    assert pre["pass_at_2"] == pytest.approx(100 * (0 + 1 / 2 + 1) / 3, abs=1e-3)  # 1 - C(3,2)/C(4,2) = 1/2
+    assert pre["pass_at_4"] == pytest.approx(100 * 2 / 3, abs=1e-3)
+    # after: 2/4, 0/4, 3/4 (the intermediate eval's 4/4s belong to no one)
+    assert post["pass_at_1"] == pytest.approx(100 * (2 / 4 + 0 + 3 / 4) / 3, abs=1e-3)
+    assert post["pass_at_2"] == pytest.approx(100 * (5 / 6 + 0 + 1) / 3, abs=1e-3)
+    assert post["pass_at_4"] == pytest.approx(100 * 2 / 3, abs=1e-3)
+    assert post["mean_reward"] == 0.5
+
+
+@pytest.mark.rl_learns
+def test_rl_eval_without_the_counts_has_no_pass_at_k() -> None:
+    """A log from before the counts were logged still gives MaxText's totals."""
+    log = "\n".join(line for line in EVAL_LOG.splitlines() if "mtpipe eval:" not in line)
+    assert set(rl_eval(log)) == {"pre", "post"}
+    assert not any(key.startswith("pass_at") for row in rl_eval(log).values() for key in row)

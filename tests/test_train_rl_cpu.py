@@ -67,6 +67,64 @@ def test_maxtext_reward_functions_on_hand_written_completions(tmp_path):
     assert scores["check_numbers"] == [1.0, 0.0, 1.0, 0.0]
 
 
+EVAL_CHILD = r"""
+import json, sys
+from types import SimpleNamespace
+from omegaconf import OmegaConf
+from mtpipe.maxtext import maxtext_adapter
+
+maxtext_adapter.log_right_samples_per_prompt()  # what the launchers apply before train_rl is imported
+from maxtext.trainers.post_train.rl import evaluate_rl
+
+rl = OmegaConf.load(sys.argv[1])
+cfg = SimpleNamespace(**{k: rl[k] for k in rl if k.startswith(("reward_", "penalty_", "reasoning_", "solution_"))},
+                      generation_configs=OmegaConf.to_container(rl.generation_configs), eval_sampling_strategy="liberal",
+                      max_target_length=224, max_prefill_predict_length=160, eval_mode=sys.argv[2], debug=False,
+                      math_verify_timeout=60, math_verify_num_procs=1)
+passes = json.loads(sys.argv[3])  # per eval pass, one completion per prompt
+
+
+class Rollout:
+    calls = 0
+
+    def generate(self, prompts, rollout_config):
+        Rollout.calls += 1
+        return SimpleNamespace(text=passes[Rollout.calls - 1])
+
+
+batch = {"prompts": ["p7", "p12"], "question": ["q7", "q12"], "answer": ['["7"]', '["12"]']}
+(corr, total, accuracy, *_), _ = evaluate_rl.evaluate(cfg, [batch], SimpleNamespace(rollout=Rollout()), num_passes=len(passes))
+print(json.dumps({"corr": corr, "total": total, "accuracy": accuracy}), flush=True)
+import os; os._exit(0)  # the math-verify process pool hangs a normal interpreter exit
+"""
+
+
+@pytest.mark.rl_learns
+@pytest.mark.parametrize("eval_mode", ["pass_at_1", "pass"])
+def test_each_eval_logs_how_many_samples_of_each_prompt_maxtext_scored_right(eval_mode):
+    """maxtext_adapter's patch 12 around MaxText's real eval and scoring, on hand-written completions:
+    the per-prompt counts behind pass@k, in both eval modes (pass_at_1 gives the share, pass one verdict)."""
+    import importlib.util
+
+    from mtpipe.pipeline.metrics import right_samples
+
+    rl_yml = Path(importlib.util.find_spec("maxtext").origin).parent / "configs" / "post_train" / "rl.yml"
+    right7, right12 = "<reasoning>3 + 4 = 7</reasoning><answer>7</answer>", "<reasoning>5 + 7</reasoning><answer>12</answer>"
+    wrong = "<reasoning>3 + 4 = 8</reasoning><answer>8</answer>"
+    passes = [[right7, wrong], [wrong, wrong], ["<reasoning>7</reasoning> <answer>7.0</answer>", right12],
+              ["The answer is 7.", wrong]]  # prompt 7: 2 of 4 right; prompt 12: 1 of 4
+    env = dict(os.environ, JAX_PLATFORMS="cpu", DECOUPLE_GCLOUD="TRUE", PYTHONPATH=str(REPO))
+    run = subprocess.run([sys.executable, "-c", EVAL_CHILD, str(rl_yml), eval_mode, json.dumps(passes)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert summary["total"] == 2
+    if eval_mode == "pass_at_1":
+        assert summary["corr"] == pytest.approx(2 / 4 + 1 / 4)  # MaxText's own share, which the counts reproduce
+    counts = right_samples(run.stderr + f"\nPre RL Training: corr={summary['corr']}")
+    assert counts == {"pre": [(2, 4), (1, 4)]}, run.stderr[-3000:]
+
+
 # ----------------------------------------------------------------------------- the real run
 
 REWARDS_PY = '''
@@ -82,7 +140,7 @@ def length_signal(prompts, completions, tmvp_config, **kwargs):
 @pytest.mark.slow
 def test_train_rl_runs_two_grpo_steps_on_cpu(tmp_path):
     from mtpipe.data import embedded
-    from mtpipe.pipeline.metrics import read_tensorboard
+    from mtpipe.pipeline.metrics import read_tensorboard, rl_eval
 
     env = dict(os.environ, JAX_PLATFORMS="cpu", DECOUPLE_GCLOUD="TRUE", PYTHONPATH=str(REPO))
     cache = f"jax_cache_dir={REPO / 'work' / 'jax_cache'}"
@@ -107,6 +165,7 @@ def test_train_rl_runs_two_grpo_steps_on_cpu(tmp_path):
         "max_prefill_predict_length=160", "max_target_length=176", "weight_dtype=float32", "dtype=float32",
         "learning_rate=1e-3", "adam_weight_decay=0.0", f"reward_functions_path={tmp_path / 'rewards.py'}",
         "reward_functions=match_format_exactly,match_format_approximately,check_numbers,length_signal", cache,
+        "eval_sampling_strategy=liberal", "num_eval_passes=2", "eval_mode=pass_at_1",  # 2 samples: pass@1, pass@2
     ]
     run = subprocess.run([sys.executable, "-m", "mtpipe.maxtext.rollout_cpu", *argv], env=env, capture_output=True, text=True,
                          timeout=900)
@@ -114,8 +173,13 @@ def test_train_rl_runs_two_grpo_steps_on_cpu(tmp_path):
     assert run.returncode == 0, log[-4000:]
 
     # eval before and after training, on stderr (absl warnings)
-    assert re.search(r"Pre RL Training: corr=\d+, total=1, accuracy=", log), log[-4000:]
-    assert re.search(r"Post RL Training: corr=\d+, total=1, accuracy=", log)
+    assert re.search(r"Pre RL Training: corr=[\d.]+, total=1, accuracy=", log), log[-4000:]
+    assert re.search(r"Post RL Training: corr=[\d.]+, total=1, accuracy=", log)
+    evals = rl_eval(log)  # what the stage's metrics carry: pass@k from the per-prompt counts
+    for when in ("pre", "post"):
+        assert evals[when]["samples_per_prompt"] == 2, evals
+        assert evals[when]["pass_at_1"] == pytest.approx(evals[when]["accuracy"]), evals  # pass_at_1 mode: the same share
+        assert evals[when]["pass_at_2"] >= evals[when]["pass_at_1"], evals
     assert len(re.findall(r"cpu_jax rollout: 2 prompts", log)) == 2  # one rollout per GRPO step
 
     params = tmp_path / "out" / "rl" / "checkpoints" / "actor" / "2" / "model_params"

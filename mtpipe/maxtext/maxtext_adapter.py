@@ -60,6 +60,15 @@ For ``maxtext.trainers.post_train.sft.train_sft``:
     Orbax's ``max_to_keep``; Orbax deletes the older steps only after the newer one is committed,
     so the latest complete checkpoint is always there to resume from.
 
+For ``maxtext.trainers.post_train.rl.train_rl``:
+
+12. ``log_right_samples_per_prompt`` (monkeypatch, observation only): MaxText's eval logs totals
+    (the share of samples right), from which pass@k cannot be computed. Each eval (before and
+    after GRPO, and the intermediate ones) now also logs, just before MaxText's own summary line,
+    how many of each prompt's samples were right (``EVAL_SAMPLES_LINE``); the scores are MaxText's
+    own (``evaluate_rl.score_responses``), and what the eval returns is unchanged.
+    ``mtpipe.pipeline.metrics.rl_eval`` turns the counts into pass@k.
+
 For both converters:
 
 10. ``collect_young_garbage`` (monkeypatch): the converters call ``gc.collect()`` after every tensor,
@@ -89,6 +98,9 @@ TRAIN_SFT = "maxtext.trainers.post_train.sft.train_sft"
 TRAINERS = (TRAIN_SFT, "maxtext.trainers.post_train.rl.train_rl")
 HOLD_ENV = "MTPIPE_HOLD_AFTER_STEP"
 STOPPED_STATUS = 128 + signal.SIGTERM  # the exit status of a run that SIGTERM stopped after its save
+# Patch 12's log line; mtpipe.pipeline.metrics parses it (its own copy: an import would make every stage
+# that launches MaxText depend on metrics.py's code; tests/test_metrics.py checks the two are equal)
+EVAL_SAMPLES_LINE = "mtpipe eval: right samples per prompt:"
 
 # transformers in-memory name prefix -> on-disk (legacy) prefix, for Gemma3ForConditionalGeneration.
 GEMMA3_LEGACY_PREFIXES = (
@@ -494,6 +506,37 @@ def hold_after_checkpoint(hold_after: int | None) -> None:
     checkpoint_manager.CheckpointManager.save = save_then_hold
 
 
+def log_right_samples_per_prompt() -> None:
+    """Patch 12: each train_rl eval logs its prompts' right-sample counts (``c/n`` each) for pass@k.
+
+    Patched before train_rl is imported: it takes ``evaluate`` by name from ``evaluate_rl``.
+    """
+    import multiprocessing.pool  # noqa: F401  (MaxText's utils_rl needs it imported first)
+
+    from maxtext.trainers.post_train.rl import evaluate_rl
+    from maxtext.utils import max_logging
+
+    score, evaluate = evaluate_rl.score_responses, evaluate_rl.evaluate
+    counts: list[str] = []
+
+    def score_and_count(tmvp_config: Any, question: str, responses: list[str], answers: list[str]) -> tuple:
+        result = score(tmvp_config, question, responses, answers)
+        if len(responses) == 1 or getattr(tmvp_config, "eval_mode", "pass") == "pass_at_1":
+            right = round(float(result[0]) * len(responses))  # pass_at_1: the share of samples right
+        else:  # "pass" / "maj" give one verdict per prompt: score each sample alone
+            right = sum(bool(score(tmvp_config, question, [r], answers)[0]) for r in responses)
+        counts.append(f"{right}/{len(responses)}")
+        return result
+
+    def evaluate_and_log(*args: Any, **kwargs: Any) -> tuple:
+        counts.clear()
+        result = evaluate(*args, **kwargs)
+        max_logging.warning(f"{EVAL_SAMPLES_LINE} {' '.join(counts)}")
+        return result
+
+    evaluate_rl.score_responses, evaluate_rl.evaluate = score_and_count, evaluate_and_log
+
+
 def keep_checkpoints(argv: list[str]) -> None:
     """Patch 11: tunix's checkpoint manager keeps ``max_num_checkpoints_to_keep`` steps (Orbax's
     ``max_to_keep``). Patched in tunix, which MaxText imports: train_sft itself runs as __main__, a
@@ -545,6 +588,7 @@ def apply(module: str, argv: list[str]) -> Callable[[], None]:
         stop_on_sigterm(hold_after)
     elif module in TRAINERS:
         hold_after_checkpoint(hold_after_step())
+        log_right_samples_per_prompt()
     if module not in (TO_MAXTEXT, TO_HUGGINGFACE):
         return lambda: None
     args = parse_conversion_args(module, argv)

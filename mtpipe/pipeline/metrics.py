@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import re
 from pathlib import Path
 
@@ -102,6 +103,12 @@ def read_tensorboard(log_dir: Path | str) -> dict[str, list[tuple[int, float]]]:
 
 RL_EVAL = re.compile(r"(Pre|Post) RL Training: corr=([\d.]+), total=(\d+), accuracy=([\d.]+)%, "
                      r"partial_accuracy=([\d.]+)%, format_accuracy=([\d.]+)%, mean_reward=([-\d.]+)")
+# train_rl's eval, per prompt: right samples / samples (logged by mtpipe.maxtext.maxtext_adapter, patch 12)
+EVAL_SAMPLES_LINE = "mtpipe eval: right samples per prompt:"
+# an eval's per-prompt counts, then any eval's summary line (pre, post, intermediate)
+RL_EVAL_EVENTS = re.compile(re.escape(EVAL_SAMPLES_LINE) + r" ([\d/ ]*)$|(Pre|Post) RL Training: |Intermediate Eval",
+                            re.MULTILINE)
+PASS_AT_K = (1, 2, 4, 8)
 RL_CURVES = {  # plot column -> tensorboard tag
     "reward_mean": "rewards/train/mean",
     "reward_exact_format": "rewards/train/match_format_exactly",
@@ -113,14 +120,47 @@ RL_CURVES = {  # plot column -> tensorboard tag
 }
 
 
+def pass_at_k(samples: int, right: int, k: int) -> float:
+    """Chance that at least one of k samples, drawn without replacement from `samples` of which
+    `right` are right, is right: the unbiased pass@k estimate 1 - C(n-c, k) / C(n, k)."""
+    if not 1 <= k <= samples:
+        raise ValueError(f"pass@{k} needs at least {k} samples per prompt, got {samples}")
+    return 1.0 - math.comb(samples - right, k) / math.comb(samples, k)
+
+
+def right_samples(log_text: str) -> dict[str, list[tuple[int, int]]]:
+    """(right, samples) per prompt of the evals before and after GRPO: the counts line logged just
+    before each eval's summary line (maxtext_adapter patch 12); {} for a log without them."""
+    found, counts = {}, None
+    for event in RL_EVAL_EVENTS.finditer(log_text):
+        if event.group(1) is not None:
+            counts = [tuple(map(int, item.split("/"))) for item in event.group(1).split()]
+        else:
+            if event.group(2) and counts is not None:
+                found[event.group(2).lower()] = counts
+            counts = None
+    return found
+
+
 def rl_eval(log_text: str) -> dict[str, dict]:
-    """train_rl's eval before and after GRPO, from its log: {"pre": {...}, "post": {...}}."""
+    """train_rl's eval before and after GRPO, from its log: {"pre": {...}, "post": {...}}.
+
+    With the per-prompt counts (maxtext_adapter patch 12) each also has `samples_per_prompt` and
+    `pass_at_K` (percent, mean over prompts) for each K in PASS_AT_K up to the samples drawn.
+    """
     found = {}
     for when, corr, total, acc, partial, fmt, reward in RL_EVAL.findall(log_text):
         found[when.lower()] = {"correct": float(corr) if "." in corr else int(corr),  # float: eval_mode pass_at_1
                                "total": int(total), "accuracy": float(acc),
                                "partial_accuracy": float(partial), "format_accuracy": float(fmt),
                                "mean_reward": float(reward)}
+    for when, counts in right_samples(log_text).items():
+        if when not in found:
+            continue
+        samples = min(n for _, n in counts)
+        found[when]["samples_per_prompt"] = samples
+        for k in (k for k in PASS_AT_K if k <= samples):
+            found[when][f"pass_at_{k}"] = round(100 * sum(pass_at_k(n, c, k) for c, n in counts) / len(counts), 4)
     return found
 
 
