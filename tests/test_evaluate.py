@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from omegaconf import OmegaConf
 
 from mtpipe.data import embedded
 from mtpipe.evaluation import gsm8k, heldout, numpy_forward, serving
@@ -191,4 +190,4 @@ def test_the_tpu_server_is_vllms_openai_server_for_the_grpo_tutorial():
                            "--served-model-name", "mtpipe", "--host", "127.0.0.1", "--port", "8123",
                            "--tensor-parallel-size", "8", "--max-model-len", "4096", "--seed", "0"]
     assert (e.num_problems, e.num_fewshot, e.max_new_tokens) == (None, 8, 512)
-    assert OmegaConf.to_container(compose("rl", params).dataset)["eval_files"] == "main/test-*.parquet"
+    assert compose("rl", params).dataset.eval_files == "main/test-*.parquet"

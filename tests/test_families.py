@@ -65,8 +65,8 @@ def test_the_cpu_backend_is_refused_for_a_family_the_forward_cannot_serve(conf):
     assert err.key == "sft.evaluate.backend"
     assert f"model_type='{UNSERVED['model_type']}'" in err.problem
     assert "evaluate.backend: vllm" in err.fix and "mtpipe/evaluation/numpy_forward.py" in err.fix
-    cfg.evaluate.backend = "vllm"
-    assert cpu_backend.cpu_forward_errors(cfg) == []
+    vllm = cfg.model_copy(update={"evaluate": cfg.evaluate.model_copy(update={"backend": "vllm"})})
+    assert cpu_backend.cpu_forward_errors(vllm) == []
 
 
 def test_a_llama_like_family_needs_no_forward_code(conf):
