@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -27,7 +28,7 @@ import yaml
 from fakes.gcs_emulator import GcsEmulator
 from fakes.webhook import webhook
 from pipeline import md5_tree
-from vm_world import Env, assert_deleted, experiments, loopback_world, make_repo, sh
+from vm_world import ROOT, Env, assert_deleted, experiments, loopback_world, make_repo, sh
 
 from mtpipe.cloud import notify
 from mtpipe.pipeline.stage import STAMP
@@ -203,14 +204,59 @@ def test_max_recoveries_exceeded_deletes_the_vm(spot: Env) -> None:
     assert_deleted(w)
 
 
+# The stand-in training through mtpipe's runner (tests/fakes/fake_maxtext.py: 4 steps, 0.2 s each),
+# in a stage's log directory of the checkout on the VM, then a wait for the test's go-ahead.
+TRAINING = (
+    'echo /work/ >> .git/info/exclude; export PYTHONPATH="$PYTHONPATH:' + str(ROOT / "tests") + '"; '
+    'source "$HOME/venv/bin/activate" && python -c "from pathlib import Path; from mtpipe.maxtext import runner; '
+    'from mtpipe.maxtext.commands import MaxTextCommand; '
+    "runner.run(MaxTextCommand('train', ['4', '0.2'], launcher='fakes.fake_maxtext'), "
+    "Path('work/logs/sft/train_sft.log'), total_steps=10)\" && "
+    'for i in $(seq 600); do [ -e "$MTPIPE_WORK_BUCKET/go-on" ] && break; sleep 0.1; done; ')
+
+
+def vm_status_when(w: Env, ready: Callable[[], bool], result: list[str]) -> threading.Thread:
+    """`doit vm_status` from another terminal (a process of its own) once ``ready()``, its output
+    appended to ``result``; then the go-ahead for the stand-in training to end."""
+
+    def read() -> None:
+        deadline = time.monotonic() + 120
+        try:
+            while not ready():
+                if time.monotonic() > deadline:
+                    result.append("the stand-in training never reached the step")
+                    return
+                time.sleep(0.1)
+            proc = subprocess.run([sys.executable, "-m", "doit", "-f", str(ROOT / "dodo.py"), "-d", str(w.repo),
+                                   "vm_status"], env=w.env, capture_output=True, text=True, timeout=120)
+            result.append(proc.stdout + proc.stderr)
+        finally:
+            (bucket(w) / "go-on").touch()
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
+
+
 @pytest.mark.explains
 def test_failure_on_a_running_spot_vm_is_not_retried(spot: Env) -> None:
     """A pipeline that fails on a VM that still runs is the pipeline's failure: no recovery, and
-    one notice: failed."""
-    spot.configure(run__command='echo x >> "$MTPIPE_WORK_BUCKET/attempts"; exit 3')
+    one notice: failed. While it trains, `doit vm_status` from another terminal shows the stage,
+    step, loss and ETA on the VM and the spend so far."""
+    spot.configure(run__command='echo x >> "$MTPIPE_WORK_BUCKET/attempts"; ' + TRAINING + 'exit 3')
+    progress_file = spot.sshd.home / "mtpipe" / "work" / "logs" / "sft" / "train_sft.progress.json"
+    status: list[str] = []
+    reader = vm_status_when(spot, lambda: progress_file.exists() and
+                            json.loads(progress_file.read_text())["step"] >= 3, status)
     with webhook() as (url, notices):
         spot.env[notify.NOTIFY_URL_ENV] = url
         proc = spot.doit("vm_run", ok=False)
+    reader.join()
+    assert re.search(r"training: train_sft@sft: step 3/10, loss 2\.7, ETA 0:0\d \(written \d+ s ago\)",
+                     status[0]), status[0]
+    assert "VM mt-test in proj-1/us-east5-b: RUNNING" in status[0]
+    assert "this run's VMs: 1; " in status[0] and "USD" in status[0]
+    assert not re.search(r"Traceback|Warning|WARNING", status[0]), status[0]
     assert [(n["title"], n["type"]) for n in notices] == [("mtpipe vm_run on mt-test: failed", "failure")]
     assert "the pipeline failed on the VM (exit 3)" in notices[0]["message"]
     assert "the pipeline failed on the VM (exit 3)" in proc.stdout + proc.stderr

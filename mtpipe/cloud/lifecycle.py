@@ -21,8 +21,8 @@ from typing import Any, Protocol
 
 from omegaconf import DictConfig, OmegaConf
 
-from mtpipe.cloud import (interrupts, notify, prices, ssh_route, vm_checks, vm_config, vm_experiments,
-                          vm_identity, vm_setup, vm_ssh, vm_state)
+from mtpipe.cloud import (interrupts, notify, prices, run_status, ssh_route, vm_checks, vm_config,
+                          vm_experiments, vm_identity, vm_setup, vm_ssh, vm_state)
 from mtpipe.cloud.gcp import SETTLING, CapacityError, Compute, GcpError, MaxRunDurationRefused
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import preflight as preflight_checks
@@ -493,8 +493,9 @@ class VmLifecycle:
         return came_back
 
     def status(self) -> list[str]:
-        """The VM and firewall rule as the cloud sees them, with what the run has cost, then the
-        other VMs in the zone labelled with `labels` (app: mtpipe), each with its cost so far."""
+        """The VM and firewall rule as the cloud sees them, with what the run has cost and, over SSH,
+        where its run is (stage, step, loss, ETA: mtpipe.cloud.run_status), then the other VMs in
+        the zone labelled with `labels` (app: mtpipe), each with its cost so far."""
         cfg, state = self.cfg, vm_state.read_state(self.root)
         cloud = self.cloud
         instance, rule = cloud.get_instance(cfg.name), cloud.get_firewall(cfg.firewall.name)
@@ -523,6 +524,8 @@ class VmLifecycle:
                   for e in recorded.get("vms", [])[:-1]]
         if recorded.get("vms"):
             lines.append(f"  {spend_line(recorded)}")
+        if instance is not None and instance.status == "RUNNING" and recorded.get("host_key"):
+            lines += run_status.run_lines(self.remote(recorded), self.cfg.run.remote_dir)
         others = [i for i in self.labelled() if i.name != cfg.name]
         if others:
             lines.append(f"other VMs labelled {_labels(cfg)} in {cfg.project}/{cfg.zone}:")
