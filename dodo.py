@@ -23,19 +23,18 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from doit import doit_cmd
 from doit.exceptions import TaskFailed
 
-from mtpipe.cloud import prices, vm_config, vm_experiments, vm_ssh, vm_state
-from mtpipe.cloud.gcp import GcpError
-from mtpipe.cloud.lifecycle import VmLifecycle, spend_line
-from mtpipe.cloud.vm_setup import setup as setup_vm   # the task function below is named vm_setup
-from mtpipe.data import publish as hub_publish
-from mtpipe.errors import ConfigError
-from mtpipe.maxtext import budget
-from mtpipe.maxtext import preflight as preflight_checks
+from mtpipe.cloud.vm_env import ENV_KEYS
+
+if TYPE_CHECKING:
+    from mtpipe.cloud.lifecycle import VmLifecycle
+
+# `doit list` and `doit help` import this file and run no action: each action imports what it uses
+# (Google's clients, MaxText, JAX, DVC take seconds to import; docs/decisions.md, "A quick CLI").
 
 
 def refuse_split_values() -> None:
@@ -54,11 +53,17 @@ refuse_split_values()
 
 DOIT_CONFIG = {"default_tasks": ["vm_status"], "verbosity": 2, "backend": "json",
                "dep_file": ".doit.db.json"}
+# Every action runs on the process's own stdout/stderr, not doit's per-action capture streams: the
+# libraries an action imports bind to the streams of that moment and keep them (DVC's import wraps
+# sys.stdout/sys.stderr with colorama, absl's log handler keeps sys.stderr and closes it at exit: a
+# captured stream gave "Exception ignored in atexit callback ... 'Writer' object has no attribute
+# 'close'"). verbosity 2 shows the output live anyway; doit prints captured output only below it.
+NO_CAPTURE = {"capture": False}
 
 TARGET_PARAMS = [
     {"name": key, "long": key, "type": str, "default": None,
      "help": f"{key} (else env {var}, else conf/vm.yaml, else .vm_state.json)"}
-    for key, var in vm_config.ENV_KEYS.items()
+    for key, var in ENV_KEYS.items()
 ]
 KEEP = {"name": "keep", "long": "keep", "type": bool, "default": False,
         "help": "keep the VM when this task fails or is interrupted"}
@@ -72,9 +77,13 @@ def _task_action(fn: Callable[..., None]) -> Callable[..., TaskFailed | None]:
 
     @functools.wraps(fn)
     def wrapper(**kwargs: Any) -> TaskFailed | None:
+        from mtpipe.cloud.gcp import GcpError
+        from mtpipe.cloud.vm_config import VmError
+        from mtpipe.errors import ConfigError
+
         try:
             fn(**kwargs)
-        except (ConfigError, GcpError, vm_config.VmError) as e:
+        except (ConfigError, GcpError, VmError) as e:
             return TaskFailed(f"{type(e).__name__}: {e}")
         return None
 
@@ -83,18 +92,26 @@ def _task_action(fn: Callable[..., None]) -> Callable[..., TaskFailed | None]:
 
 def _target(params: dict[str, Any], keep: bool = False) -> VmLifecycle:
     """The VM the options, the environment, conf/vm.yaml and .vm_state.json name."""
+    from mtpipe.cloud import vm_config, vm_experiments, vm_state
+    from mtpipe.cloud.lifecycle import VmLifecycle
+
     root = vm_experiments.repo_root()
     return VmLifecycle(vm_config.load_config(params, vm_state.read_state(root)), root, keep)
 
 
 @_task_action
 def vm_up(keep: bool, **params: Any) -> None:
+    from mtpipe.cloud import vm_config, vm_experiments
+    from mtpipe.cloud.lifecycle import VmLifecycle
+
     root = vm_experiments.repo_root()
     VmLifecycle(vm_config.load_config(params), root, keep).ensure([[]], may_create=True)
 
 
 @_task_action
 def vm_setup(keep: bool, **params: Any) -> None:
+    from mtpipe.cloud.vm_setup import setup as setup_vm
+
     life = _target(params, keep)
     remote = life.remote()
     life.guarded(lambda: setup_vm(remote, life.cfg, life.root))
@@ -103,6 +120,9 @@ def vm_setup(keep: bool, **params: Any) -> None:
 @_task_action
 def vm_run(keep: bool, down: bool, recreate: bool, target: str | None, set: list[str],
            exp_name: str | None, queue: bool, no_preflight: bool, **params: Any) -> None:
+    from mtpipe.cloud import vm_experiments, vm_state
+    from mtpipe.cloud.lifecycle import spend_line
+
     life = _target(params, keep)
     experiments = vm_experiments.experiments(set, queue)
     names = vm_experiments.experiment_names(exp_name, len(experiments))
@@ -121,8 +141,10 @@ def vm_run(keep: bool, down: bool, recreate: bool, target: str | None, set: list
 def vm_down(**params: Any) -> None:
     """The VM .vm_state.json records, or the one --name / NAME names; with neither (a fresh clone,
     another laptop), this user's VMs that Compute lists in the zone by their labels."""
+    from mtpipe.cloud import vm_state
+
     life = _target(params)
-    if vm_state.read_state(life.root) or params.get("name") or os.environ.get(vm_config.ENV_KEYS["name"]):
+    if vm_state.read_state(life.root) or params.get("name") or os.environ.get(ENV_KEYS["name"]):
         life.delete()
     else:
         life.delete_labelled()
@@ -139,6 +161,8 @@ def vm_status(**params: Any) -> None:
 
 @_task_action
 def vm_shell(**params: Any) -> None:
+    from mtpipe.cloud import vm_config, vm_ssh
+
     remote = _target(params).remote()
     with tempfile.TemporaryDirectory() as tmp:
         rc = subprocess.call(vm_ssh.shell_argv(remote, Path(tmp) / "known_hosts"))
@@ -151,18 +175,18 @@ def vm_shell(**params: Any) -> None:
 
 def task_vm_up() -> dict:
     """Check, then create the TPU v6e-8 VM + SSH firewall rule (reuses an existing one); prints the cost."""
-    return {"actions": [vm_up], "params": TARGET_PARAMS + [PROVISIONING, KEEP]}
+    return {"actions": [vm_up], "io": NO_CAPTURE, "params": TARGET_PARAMS + [PROVISIONING, KEEP]}
 
 
 def task_vm_setup() -> dict:
     """Install uv, Python 3.12, MaxText and DVC on the VM (once; a rerun is a no-op)."""
-    return {"actions": [vm_setup], "params": TARGET_PARAMS + [KEEP]}
+    return {"actions": [vm_setup], "io": NO_CAPTURE, "params": TARGET_PARAMS + [KEEP]}
 
 
 def task_vm_run() -> dict:
     """Run the pipeline on the VM as a DVC experiment (creating + setting up the VM when needed)."""
     return {
-        "actions": [vm_run],
+        "actions": [vm_run], "io": NO_CAPTURE,
         "params": TARGET_PARAMS + [
             PROVISIONING,
             KEEP,
@@ -188,18 +212,18 @@ def task_vm_run() -> dict:
 
 def task_vm_status() -> dict:
     """Show the VM and firewall rule, how long the VM has existed and the run's cost so far."""
-    return {"actions": [vm_status], "params": TARGET_PARAMS}
+    return {"actions": [vm_status], "io": NO_CAPTURE, "params": TARGET_PARAMS}
 
 
 def task_vm_shell() -> dict:
     """Open an interactive ssh session on the VM."""
-    return {"actions": [vm_shell], "params": TARGET_PARAMS}
+    return {"actions": [vm_shell], "io": NO_CAPTURE, "params": TARGET_PARAMS}
 
 
 def task_vm_down() -> dict:
     """Delete the VM and its firewall rule (fine when already gone); without .vm_state.json or a name,
     your VMs labelled app=mtpipe in the zone."""
-    return {"actions": [vm_down], "params": TARGET_PARAMS}
+    return {"actions": [vm_down], "io": NO_CAPTURE, "params": TARGET_PARAMS}
 
 
 # ---------------------------------------------------------------- preflight
@@ -209,6 +233,10 @@ def task_vm_down() -> dict:
 def preflight(set: list[str]) -> None:
     """The machine budget (disks, host memory) of the TPU VM's branches, then each one's training step
     AOT-compiled on this CPU for HBM, time and cost; fail when one does not fit."""
+    from mtpipe.cloud import prices, vm_config, vm_experiments
+    from mtpipe.maxtext import budget
+    from mtpipe.maxtext import preflight as preflight_checks
+
     cfg = vm_config.load_config()
     rate = prices.vm_rate(cfg)
     machine = budget.Machine(cfg.boot_disk_gb, {k: str(v) for k, v in cfg.run.env.items()})
@@ -218,7 +246,7 @@ def preflight(set: list[str]) -> None:
 def task_preflight() -> dict:
     """Will the TPU run fit (disks, host memory, HBM), how long, what cost: before any VM exists (cached)."""
     return {
-        "actions": [preflight],
+        "actions": [preflight], "io": NO_CAPTURE,
         "params": [{"name": "set", "long": "set", "type": list, "default": [],
                     "help": "params override as `dvc exp run -S`: --set=sft.preset=NAME (repeatable)"}],
         "verbosity": 2,
@@ -231,6 +259,10 @@ def task_preflight() -> dict:
 @_task_action
 def publish(exp: str | None, repo: str | None, branch: str, public: bool) -> None:
     """An experiment's export to the Hugging Face Hub with its model card (mtpipe/data/publish.py)."""
+    from mtpipe.cloud import vm_experiments
+    from mtpipe.data import publish as hub_publish
+    from mtpipe.errors import ConfigError
+
     if not exp or not repo:
         raise ConfigError("--exp/--repo", "both are needed", "doit publish --exp NAME --repo ORG/NAME")
     print(hub_publish.publish(vm_experiments.repo_root(), exp, repo, branch, private=not public,
@@ -240,7 +272,7 @@ def publish(exp: str | None, repo: str | None, branch: str, public: bool) -> Non
 def task_publish() -> dict:
     """Upload an experiment's exported model to the Hub (private), with its lineage and scores."""
     return {
-        "actions": [publish],
+        "actions": [publish], "io": NO_CAPTURE,
         "params": [
             {"name": "exp", "long": "exp", "type": str, "default": None, "help": "the experiment (dvc exp show)"},
             {"name": "repo", "long": "repo", "type": str, "default": None, "help": "the Hub repo, ORG/NAME"},

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -25,9 +26,11 @@ from typing import TYPE_CHECKING
 import pytest
 import yaml
 from fakes.gcs_emulator import GcsEmulator
+from fakes.webhook import webhook
 from pipeline import md5_tree
-from vm_world import Env, assert_deleted, experiments, loopback_world, make_repo, sh
+from vm_world import ROOT, Env, assert_deleted, experiments, loopback_world, make_repo, sh
 
+from mtpipe.cloud import notify
 from mtpipe.pipeline.stage import STAMP
 
 if TYPE_CHECKING:
@@ -121,18 +124,33 @@ def preempt(w: Env, delete: bool) -> None:
     w.fake.preempt("proj-1", "us-east5-b", "mt-test", delete=delete, then=vm_gone)
 
 
-def test_spot_run_preempted_twice_completes(spot: Env) -> None:
+@pytest.mark.explains
+def test_spot_run_preempted_twice_completes(spot: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     """Preempted at step 2 (TERMINATED) and step 4 (deleted): two recoveries, three inserts of a
     Spot VM, each setting up again; the training resumes where the bucket says and the experiment
-    comes back; vm_status adds up all three VMs; nothing is left after vm_down."""
+    comes back; vm_status adds up all three VMs; nothing is left after vm_down. The loopback webhook
+    receives the notices: budget passed once, preempted and recovered twice, then finished."""
     w = spot
+    monkeypatch.setattr(notify, "BUDGET_POLL_S", 0.2)
+    w.configure(budget_usd=0.001)   # 0.83 s of a 4.32 USD/h Spot VM
     preempter = Preempter(w, [(1, 2, False), (2, 4, True)])
     preempter.start()
-    try:
-        out = w.doit("vm_run", "--set=steps=7", "--exp-name=spot").stdout
-    finally:
-        preempter.stop.set()
+    with webhook() as (url, notices):
+        w.env[notify.NOTIFY_URL_ENV] = url
+        try:
+            out = w.doit("vm_run", "--set=steps=7", "--exp-name=spot").stdout
+        finally:
+            preempter.stop.set()
     assert preempter.done == 2
+    titles = [n["title"].removeprefix("mtpipe vm_run on mt-test: ") for n in notices]
+    assert titles.count("budget passed") == 1 and "past budget_usd 0.00" in out, titles
+    assert [t for t in titles if t != "budget passed"] == ["preempted and recovered"] * 2 + ["finished"]
+    assert [n["type"] for n in notices if n["title"].endswith("finished")] == ["success"]
+    recovered = [n["message"] for n in notices if n["title"].endswith("recovered")]
+    assert "recovery 1 of 3" in recovered[0] and "was preempted (status TERMINATED)" in recovered[0]
+    assert "experiments spot are back" in notices[-1]["message"]
+    assert "this run's VMs: 3, 2 of them replaced" in notices[-1]["message"]
+    assert url.split("//")[1] not in out   # the URL (it may hold a token) is never printed
     assert "recovery 1 of 3: VM mt-test was preempted (status TERMINATED)" in out, out
     assert "recovery 2 of 3: VM mt-test was preempted and deleted by Compute" in out, out
     inserts = w.fake.inserts()
@@ -186,10 +204,61 @@ def test_max_recoveries_exceeded_deletes_the_vm(spot: Env) -> None:
     assert_deleted(w)
 
 
+# The stand-in training through mtpipe's runner (tests/fakes/fake_maxtext.py: 4 steps, 0.2 s each),
+# in a stage's log directory of the checkout on the VM, then a wait for the test's go-ahead.
+TRAINING = (
+    'echo /work/ >> .git/info/exclude; export PYTHONPATH="$PYTHONPATH:' + str(ROOT / "tests") + '"; '
+    'source "$HOME/venv/bin/activate" && python -c "from pathlib import Path; from mtpipe.maxtext import runner; '
+    'from mtpipe.maxtext.commands import MaxTextCommand; '
+    "runner.run(MaxTextCommand('train', ['4', '0.2'], launcher='fakes.fake_maxtext'), "
+    "Path('work/logs/sft/train_sft.log'), total_steps=10)\" && "
+    'for i in $(seq 600); do [ -e "$MTPIPE_WORK_BUCKET/go-on" ] && break; sleep 0.1; done; ')
+
+
+def vm_status_when(w: Env, ready: Callable[[], bool], result: list[str]) -> threading.Thread:
+    """`doit vm_status` from another terminal (a process of its own) once ``ready()``, its output
+    appended to ``result``; then the go-ahead for the stand-in training to end."""
+
+    def read() -> None:
+        deadline = time.monotonic() + 120
+        try:
+            while not ready():
+                if time.monotonic() > deadline:
+                    result.append("the stand-in training never reached the step")
+                    return
+                time.sleep(0.1)
+            proc = subprocess.run([sys.executable, "-m", "doit", "-f", str(ROOT / "dodo.py"), "-d", str(w.repo),
+                                   "vm_status"], env=w.env, capture_output=True, text=True, timeout=120)
+            result.append(proc.stdout + proc.stderr)
+        finally:
+            (bucket(w) / "go-on").touch()
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.explains
 def test_failure_on_a_running_spot_vm_is_not_retried(spot: Env) -> None:
-    """A pipeline that fails on a VM that still runs is the pipeline's failure: no recovery."""
-    spot.configure(run__command='echo x >> "$MTPIPE_WORK_BUCKET/attempts"; exit 3')
-    proc = spot.doit("vm_run", ok=False)
+    """A pipeline that fails on a VM that still runs is the pipeline's failure: no recovery, and
+    one notice: failed. While it trains, `doit vm_status` from another terminal shows the stage,
+    step, loss and ETA on the VM and the spend so far."""
+    spot.configure(run__command='echo x >> "$MTPIPE_WORK_BUCKET/attempts"; ' + TRAINING + 'exit 3')
+    progress_file = spot.sshd.home / "mtpipe" / "work" / "logs" / "sft" / "train_sft.progress.json"
+    status: list[str] = []
+    reader = vm_status_when(spot, lambda: progress_file.exists() and
+                            json.loads(progress_file.read_text())["step"] >= 3, status)
+    with webhook() as (url, notices):
+        spot.env[notify.NOTIFY_URL_ENV] = url
+        proc = spot.doit("vm_run", ok=False)
+    reader.join()
+    assert re.search(r"training: train_sft@sft: step 3/10, loss 2\.7, ETA 0:0\d \(written \d+ s ago\)",
+                     status[0]), status[0]
+    assert "VM mt-test in proj-1/us-east5-b: RUNNING" in status[0]
+    assert "this run's VMs: 1; " in status[0] and "USD" in status[0]
+    assert not re.search(r"Traceback|Warning|WARNING", status[0]), status[0]
+    assert [(n["title"], n["type"]) for n in notices] == [("mtpipe vm_run on mt-test: failed", "failure")]
+    assert "the pipeline failed on the VM (exit 3)" in notices[0]["message"]
     assert "the pipeline failed on the VM (exit 3)" in proc.stdout + proc.stderr
     assert "recovery" not in proc.stdout and len(spot.fake.inserts()) == 1
     assert _lines(bucket(spot) / "attempts") == ["x"]
@@ -215,10 +284,14 @@ def test_vm_past_max_run_duration_is_not_replaced(spot: Env) -> None:
     assert_deleted(w)
 
 
+@pytest.mark.explains
 def test_sweep_resumes_after_the_finished_experiments(spot: Env) -> None:
     """A three-experiment sweep preempted during the second: the replacement VM runs the second
-    and the third only (the first came back before the VM was lost)."""
+    and the third only (the first came back before the VM was lost). The notice URL is dead: each
+    notice is one line, and the run succeeds."""
     w = spot
+    with webhook() as (url, _):   # a URL whose server is gone
+        w.env[notify.NOTIFY_URL_ENV] = url
     w.configure(run__command='echo x >> "$MTPIPE_WORK_BUCKET/attempts"; '
                              'sleep 1; source "$HOME/venv/bin/activate" && '
                              'dvc pull --allow-missing && {dvc} && dvc push')
@@ -231,6 +304,10 @@ def test_sweep_resumes_after_the_finished_experiments(spot: Env) -> None:
         preempter.stop.set()
     assert preempter.done == 1 and len(w.fake.inserts()) == 2
     assert "recovery 1 of 3: VM mt-test was preempted and deleted by Compute" in out, out
+    for event in ("preempted and recovered", "finished"):
+        assert f"mtpipe: notice '{event}' not sent to MTPIPE_NOTIFY_URL (the service refused it or was " \
+               "unreachable); the run goes on" in out, out
+    assert url.split("//")[1] not in out
     assert [line.rsplit(": ", 1)[1] for line in out.splitlines()
             if line.startswith("mtpipe: experiment ") and " of 3: " in line] == [
         "steps=1", "steps=2", "steps=2", "steps=3"]

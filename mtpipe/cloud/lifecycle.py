@@ -21,8 +21,8 @@ from typing import Any, Protocol
 
 from omegaconf import DictConfig, OmegaConf
 
-from mtpipe.cloud import (interrupts, prices, ssh_route, vm_checks, vm_config, vm_experiments, vm_identity,
-                          vm_setup, vm_ssh, vm_state)
+from mtpipe.cloud import (interrupts, notify, prices, run_status, ssh_route, vm_checks, vm_config,
+                          vm_experiments, vm_identity, vm_setup, vm_ssh, vm_state)
 from mtpipe.cloud.gcp import SETTLING, CapacityError, Compute, GcpError, MaxRunDurationRefused
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import preflight as preflight_checks
@@ -415,19 +415,57 @@ class VmLifecycle:
                 _say(f"recovery {recovery} of {limit}: VM {cfg.name} {why} ({e}); deleting "
                      f"it and creating a new {cfg.provisioning} VM, then setup and the pipeline again")
                 remote = self.replace()
+                notify.send(notify.Event.RECOVERED, cfg.name, f"VM {cfg.name} {why}; recovery {recovery} of "
+                            f"{limit}: a new {cfg.provisioning} VM is ready and runs setup and the pipeline "
+                            "again, resuming from the bucket.", _say)
 
     # ------------------------------------------------------------ running and reporting
 
     def run_experiments(self, experiments: list[list[str]], names: list[str | None], target: str | None,
                         may_create: bool, preflight: bool) -> None:
         """Each experiment as a DVC experiment on the VM, brought back into this repository; a
-        replacement VM runs only what is left."""
+        replacement VM runs only what is left. The end of the run, a recovery and a spend past
+        budget_usd are notices (mtpipe.cloud.notify)."""
+        watch = self._budget_watch()
+        try:
+            got = self._run_experiments(experiments, names, target, may_create, preflight)
+        except BaseException as e:
+            what = "interrupted" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
+            notify.send(notify.Event.FAILED, self.cfg.name, f"{what}\n{self._spent()}", _say)
+            raise
+        finally:
+            watch.stop()
+        notify.send(notify.Event.FINISHED, self.cfg.name,
+                    f"experiments {', '.join(got) or '(none made)'} are back in the repository "
+                    f"(`dvc exp show`)\n{self._spent()}", _say)
+
+    def _spent(self) -> str:
+        state = vm_state.read_state(self.root)
+        return spend_line(state) if state.get("vms") else "no VM of this run is left running"
+
+    def _budget_watch(self) -> notify.BudgetWatch:
+        """A running watch that notifies once this run's VMs cost more than budget_usd (billed, and
+        the on-demand equivalent of a reservation's); one that never fires without a budget."""
+
+        def spent() -> float:
+            total = vm_state.spend(vm_state.read_state(self.root))
+            return total.usd + total.reserved_usd
+
+        budget = self.cfg.budget_usd
+        watch = notify.BudgetWatch(float(budget) if budget is not None else float("inf"), spent, self.cfg.name, _say)
+        if budget is not None:
+            watch.start()
+        return watch
+
+    def _run_experiments(self, experiments: list[list[str]], names: list[str | None], target: str | None,
+                         may_create: bool, preflight: bool) -> list[str]:
+        """:meth:`run_experiments`' work; the names of the experiments that came back."""
         cfg, root = self.cfg, self.root
         secret_lines, secret_data = vm_experiments.secrets_stdin(list(cfg.run.secrets))
         scripts = [vm_experiments.run_script(cfg, root, vm_experiments.dvc_command(target, sets, name), secret_lines, name)
                    for sets, name in zip(experiments, names)]
         remote = self.ensure(experiments, may_create, preflight)  # will it fit the TPU? (docs/preflight.md)
-        todo = list(zip(experiments, scripts))
+        todo, came_back = list(zip(experiments, scripts)), []
 
         def attempt(remote: vm_ssh.Remote) -> None:
             _say(f"setting up VM {cfg.name} (once per VM)")
@@ -443,6 +481,7 @@ class VmLifecycle:
                 _say(f"bringing the experiment back from VM {cfg.name}")
                 got = vm_experiments.fetch_experiments(remote, root, cfg.run.remote_dir, commit)
                 todo.pop(0)
+                came_back.extend(got)
                 if got:
                     _say(f"experiment {', '.join(got)} (baseline {commit[:7]}) is now in this "
                          "repository: `dvc exp show` lists it, `dvc exp apply NAME && dvc pull` brings "
@@ -451,10 +490,12 @@ class VmLifecycle:
                     _say("the run made no DVC experiment (run.command without {dvc}?)")
 
         self.guarded(lambda: self.with_recovery(remote, attempt))
+        return came_back
 
     def status(self) -> list[str]:
-        """The VM and firewall rule as the cloud sees them, with what the run has cost, then the
-        other VMs in the zone labelled with `labels` (app: mtpipe), each with its cost so far."""
+        """The VM and firewall rule as the cloud sees them, with what the run has cost and, over SSH,
+        where its run is (stage, step, loss, ETA: mtpipe.cloud.run_status), then the other VMs in
+        the zone labelled with `labels` (app: mtpipe), each with its cost so far."""
         cfg, state = self.cfg, vm_state.read_state(self.root)
         cloud = self.cloud
         instance, rule = cloud.get_instance(cfg.name), cloud.get_firewall(cfg.firewall.name)
@@ -483,6 +524,8 @@ class VmLifecycle:
                   for e in recorded.get("vms", [])[:-1]]
         if recorded.get("vms"):
             lines.append(f"  {spend_line(recorded)}")
+        if instance is not None and instance.status == "RUNNING" and recorded.get("host_key"):
+            lines += run_status.run_lines(self.remote(recorded), self.cfg.run.remote_dir)
         others = [i for i in self.labelled() if i.name != cfg.name]
         if others:
             lines.append(f"other VMs labelled {_labels(cfg)} in {cfg.project}/{cfg.zone}:")

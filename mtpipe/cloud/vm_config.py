@@ -16,12 +16,11 @@ from pydantic import model_validator
 
 from mtpipe.cloud import prices
 from mtpipe.cloud.gcp import SHARED_RESERVATION
+from mtpipe.cloud.vm_env import CONFIG_ENV, ENV_KEYS
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline.schema import KEEP_INT, PositiveInt, Section, validate
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG_ENV = "MTPIPE_VM_CONFIG"
-ENV_KEYS = {"project": "PROJECT", "zone": "ZONE", "reservation": "RESERVATION", "name": "NAME"}
 PROVISIONING = ("reservation", "spot", "on-demand")   # how the VM is paid for (conf/vm.yaml)
 RESERVATION_MODELS = ("auto", "bound", "standard")    # how a reservation's VMs are provisioned
 # TPU machine types whose VMs take Hyperdisk only (cloud.google.com/tpu/docs/storage-options-compute)
@@ -108,6 +107,7 @@ class VmConfig(Section):
     max_run_duration_s: int                # 0 disables it
     labels: dict[str, str]
     max_recoveries: int
+    budget_usd: Optional[Annotated[float, Gt(0)]]   # vm_run's notice when the run's VMs cost more; null: none
     stockout: Stockout
     operation_timeout_s: Seconds
     recreate: bool

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mtpipe.errors import ConfigError
+from mtpipe.maxtext import progress
 from mtpipe.maxtext.commands import MaxTextCommand
 from mtpipe.pipeline.stage import HUB_TOKEN_ENV
 
@@ -83,9 +84,8 @@ def format_progress(step: int, total: int | None, loss: str, tps: str | None, el
     line = f"  step {step}" + (f"/{total}" if total else "") + f"  loss {loss}"
     if tps:
         line += f"  tokens/s/device {float(tps):.0f}"
-    done = step - first_step
-    if total and done > 0:
-        eta = elapsed / done * (total - step)
+    eta = progress.eta_s(step, total, elapsed, first_step)
+    if eta is not None:
         line += f"  ETA {int(eta // 60)}:{int(eta % 60):02d}"
     return line
 
@@ -177,7 +177,8 @@ def run(cmd: MaxTextCommand, log_path: Path, total_steps: int | None = None, pro
 
 
 def _follow(child: _Child, cmd: MaxTextCommand, processes: int, total_steps: int | None, start: float) -> None:
-    """Copy one process's output into its log (redacted); process 0's steps become console progress."""
+    """Copy one process's output into its log (redacted); process 0's steps become console progress
+    and the stage's progress file (mtpipe.maxtext.progress)."""
     first_step = None
     with open(child.log_path, "a", encoding="utf8", buffering=1) as log:
         log.write(f"$ {redact(cmd.as_tutorial())}\n# launched as: python -m {cmd.launcher} {cmd.module} ..."
@@ -191,8 +192,11 @@ def _follow(child: _Child, cmd: MaxTextCommand, processes: int, total_steps: int
             if match:
                 step = int(match["step"])
                 first_step = step if first_step is None else first_step
-                print(format_progress(step, total_steps, match["loss"], match["tps"],
-                                      time.monotonic() - start, first_step), flush=True)
+                elapsed = time.monotonic() - start
+                print(format_progress(step, total_steps, match["loss"], match["tps"], elapsed, first_step),
+                      flush=True)
+                progress.write(child.log_path, step, total_steps, match["loss"], match["tps"],
+                               progress.eta_s(step, total_steps, elapsed, first_step))
 
 
 def _wait_all(children: list[_Child], sigterm: threading.Event, stop_timeout: float,
