@@ -104,6 +104,20 @@ def test_twin_matches_the_real_model_but_for_sizes_and_tokens(twins, name):
     assert layer_free(index["weight_map"]) == layer_free(hub)
 
 
+@pytest.mark.parametrize("name", TWINS)
+def test_tokenizer_has_the_family_s_specials(twins, name):
+    """A BOS token is prepended only where the family has one (Qwen3 has none)."""
+    from transformers import AutoTokenizer
+
+    family, tok = embedded.FAMILIES[name], AutoTokenizer.from_pretrained(twins / name)
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == (family.bos, family.eos, family.pad)
+    assert len(tok) == embedded.TINY_VOCAB
+    ids = tok("What is 2 plus 3?").input_ids
+    assert (ids[0] == tok.bos_token_id) == (family.bos is not None)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert all(t in tok.get_vocab() for t in family.specials) and "hi" in prompt
+
+
 def test_unknown_override_key_is_refused(monkeypatch):
     overrides = {**embedded.MAXTEXT_OVERRIDES["llama3.1-tiny"], "rope_max_timescale": 10}
     monkeypatch.setitem(embedded.MAXTEXT_OVERRIDES, "llama3.1-tiny", overrides)

@@ -48,6 +48,8 @@ LLAMA_SPECIALS = [
     "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>",
 ]  # fmt: skip
 
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
 # google/gemma-3-4b-it's chat template, verbatim.
 GEMMA3_CHAT_TEMPLATE = """{{ bos_token }}
 {%- if messages[0]['role'] == 'system' -%}
@@ -99,6 +101,15 @@ LLAMA31_CHAT_TEMPLATE = """{{- bos_token }}
 {%- endfor %}
 {%- if add_generation_prompt %}
     {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{%- endif %}
+"""
+
+# ChatML as Qwen3 writes it, without its tool-calling and <think> blocks (as the Llama template above).
+QWEN3_CHAT_TEMPLATE = """{%- for message in messages %}
+    {{- '<|im_start|>' + message['role'] + '\n' + message['content'] | trim + '<|im_end|>\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
 {%- endif %}
 """
 
@@ -389,6 +400,16 @@ FAMILIES: dict[str, Family] = {
             "pad_token_id": "<|finetune_right_pad_id|>", "do_sample": True, "temperature": 0.6, "top_p": 0.9,
         },
         seed=SEED + 20,
+    ),
+    "qwen3-tiny": Family(  # no BOS token; <|endoftext|> pads
+        specials=QWEN_SPECIALS, bos=None, eos="<|im_end|>", pad="<|endoftext|>", unk=None,
+        chat_template=QWEN3_CHAT_TEMPLATE,
+        config={"bos_token_id": "<|endoftext|>", "eos_token_id": "<|im_end|>", "architectures": ["Qwen3ForCausalLM"]},
+        generation={
+            "bos_token_id": "<|endoftext|>", "eos_token_id": ["<|im_end|>", "<|endoftext|>"],
+            "pad_token_id": "<|endoftext|>", "do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95,
+        },
+        seed=SEED + 30,
     ),
 }
 
