@@ -9,6 +9,11 @@ Everything here is deterministic (same bytes on every run) and needs no network:
   remainder layers, the structure of the real 34-layer model (5 blocks + 4 remainder layers).
 * ``llama3.1-tiny``: the architecture and layout of ``meta-llama/Llama-3.1-8B-Instruct``
   (llama3 rope scaling, untied embeddings, Llama 3 chat template), shrunk.
+
+A twin (``write_twin``) is built from MaxText's own tables for its ``maxtext_name``
+(``HF_MODEL_CONFIGS``, ``HF_SHAPE``, ``PARAM_MAPPING`` in ``maxtext.checkpoint_conversion.utils``)
+with the sizes in conf/model/<name>.yaml, the one place they are written; ``FAMILIES`` holds per
+family only what MaxText cannot know (tokenizer, chat template, Hub layout, config fixes).
 * ``ultrachat-tiny``: ``HuggingFaceH4/ultrachat_200k`` schema and layout (SFT chat data).
 * ``gsm8k-tiny``: ``openai/gsm8k`` schema and layout (``main`` config, answers end ``#### N``).
 
@@ -24,6 +29,8 @@ import hashlib
 import json
 import os
 import random
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,32 +38,6 @@ import numpy as np
 
 TINY_VOCAB = 512
 SEED = 20251129
-
-# MaxText model names and command-line overrides that shrink them to the tiny twins.
-MAXTEXT_MODEL_NAME = {"gemma3-tiny": "gemma3-4b", "llama3.1-tiny": "llama3.1-8b"}
-MAXTEXT_OVERRIDES: dict[str, dict[str, Any]] = {
-    "gemma3-tiny": {
-        "override_model_config": True,
-        "base_emb_dim": 64,
-        "base_num_query_heads": 4,
-        "base_num_kv_heads": 2,
-        "head_dim": 32,
-        "base_mlp_dim": 256,
-        "base_num_decoder_layers": 8,
-        "vocab_size": TINY_VOCAB,
-        "sliding_window_size": 64,
-    },
-    "llama3.1-tiny": {
-        "override_model_config": True,
-        "base_emb_dim": 64,
-        "base_num_query_heads": 4,
-        "base_num_kv_heads": 2,
-        "head_dim": 16,
-        "base_mlp_dim": 256,
-        "base_num_decoder_layers": 4,
-        "vocab_size": TINY_VOCAB,
-    },
-}
 
 GEMMA_SPECIALS = [
     "<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>",
@@ -66,6 +47,8 @@ LLAMA_SPECIALS = [
     "<|begin_of_text|>", "<|end_of_text|>", "<|finetune_right_pad_id|>", "<|start_header_id|>",
     "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>",
 ]  # fmt: skip
+
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 # google/gemma-3-4b-it's chat template, verbatim.
 GEMMA3_CHAT_TEMPLATE = """{{ bos_token }}
@@ -118,6 +101,15 @@ LLAMA31_CHAT_TEMPLATE = """{{- bos_token }}
 {%- endfor %}
 {%- if add_generation_prompt %}
     {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{%- endif %}
+"""
+
+# ChatML as Qwen3 writes it, without its tool-calling and <think> blocks (as the Llama template above).
+QWEN3_CHAT_TEMPLATE = """{%- for message in messages %}
+    {{- '<|im_start|>' + message['role'] + '\n' + message['content'] | trim + '<|im_end|>\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
 {%- endif %}
 """
 
@@ -283,7 +275,7 @@ def _corpus() -> list[str]:
     return texts
 
 
-def build_tokenizer(specials: list[str], bos: str, eos: str, pad: str, unk: str | None, chat_template: str):
+def build_tokenizer(specials: list[str], bos: str | None, eos: str, pad: str, unk: str | None, chat_template: str):
     """Train a byte-level BPE of TINY_VOCAB tokens and wrap it in PreTrainedTokenizerFast."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -309,7 +301,7 @@ def build_tokenizer(specials: list[str], bos: str, eos: str, pad: str, unk: str 
         unk_token=unk,
         extra_special_tokens=[s for s in specials if s not in (bos, eos, pad, unk)],
         chat_template=chat_template,
-        add_bos_token=True,
+        add_bos_token=bos is not None,
         model_max_length=131072,
         clean_up_tokenization_spaces=False,
     )
@@ -344,201 +336,241 @@ def _save_sharded(out: Path, tensors: dict[str, np.ndarray], n_shards: int = 2) 
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def _gemma3_config(tokenizer):
-    from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
+@dataclass(frozen=True)
+class Family:
+    """What MaxText's tables cannot know about a twin: its tokenizer, chat template and Hub layout.
 
-    ids = tokenizer.convert_tokens_to_ids
-    text = Gemma3TextConfig(
-        vocab_size=TINY_VOCAB,
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        hidden_activation="gelu_pytorch_tanh",
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-6,
-        query_pre_attn_scalar=32,
-        sliding_window=64,
-        rope_parameters={
-            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    ``config`` sets dotted keys of config.json over MaxText's table (``text_config.x``): token ids
+    (keys ending ``_token_id`` or ``_token_index``, given as tokens) and the settings where the table
+    departs from the real model's config.json. ``generation`` is generation_config.json, tokens alike.
+    """
+
+    specials: list[str]
+    bos: str | None
+    eos: str
+    pad: str
+    unk: str | None
+    chat_template: str
+    config: dict[str, Any]
+    generation: dict[str, Any]
+    hub_names: dict[str, str] = field(default_factory=dict)  # MaxText's HF name prefix -> the Hub's
+    rms_norm_center: float = 1.0  # RMSNorm weights' centre: 0 where the model scales by (1 + w)
+    seed: int = SEED
+
+
+FAMILIES: dict[str, Family] = {
+    "gemma3-tiny": Family(
+        specials=GEMMA_SPECIALS, bos="<bos>", eos="<eos>", pad="<pad>", unk="<unk>",
+        chat_template=GEMMA3_CHAT_TEMPLATE,
+        config={
+            "text_config.pad_token_id": "<pad>", "text_config.bos_token_id": "<bos>",
+            "text_config.eos_token_id": "<eos>", "eos_token_id": ["<eos>", "<end_of_turn>"],
+            "boi_token_index": "<start_of_image>", "eoi_token_index": "<end_of_image>",
+            "image_token_index": "<image_soft_token>",
+            # google/gemma-3-4b-it takes Gemma3TextConfig's defaults here; MaxText's table does not.
+            "text_config.hidden_activation": "gelu_pytorch_tanh",
+            "text_config.max_position_embeddings": 131072,
+            "text_config.rope_parameters.full_attention.rope_theta": 1_000_000.0,
+            "text_config.cache_implementation": None,
+            "text_config.sliding_window_pattern": None,
+            # A minimal vision tower: MaxText trains the text model and copies these tensors as they are.
+            "vision_config.hidden_size": 32, "vision_config.intermediate_size": 64,
+            "vision_config.num_hidden_layers": 1, "vision_config.num_attention_heads": 2,
+            "vision_config.image_size": 28, "mm_tokens_per_image": 4,
         },
-        pad_token_id=ids("<pad>"),
-        bos_token_id=ids("<bos>"),
-        eos_token_id=ids("<eos>"),
-        tie_word_embeddings=True,
-    )
-    vision = SiglipVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=28,
-        patch_size=14,
-        vision_use_head=False,
-        layer_norm_eps=1e-6,
-    )
-    return Gemma3Config(
-        text_config=text,
-        vision_config=vision,
-        mm_tokens_per_image=4,
-        boi_token_index=ids("<start_of_image>"),
-        eoi_token_index=ids("<end_of_image>"),
-        image_token_index=ids("<image_soft_token>"),
-        eos_token_id=[ids("<eos>"), ids("<end_of_turn>")],
-        architectures=["Gemma3ForConditionalGeneration"],
-        dtype="float32",
-    )
+        generation={
+            "bos_token_id": "<bos>", "eos_token_id": ["<eos>", "<end_of_turn>"], "pad_token_id": "<pad>",
+            "cache_implementation": "hybrid", "do_sample": True, "top_k": 64, "top_p": 0.95,
+        },
+        # google/gemma-3-4b-it keeps the legacy names MaxText's table has renamed.
+        hub_names={"model.language_model.": "language_model.model.", "model.vision_tower.": "vision_tower.",
+                   "model.multi_modal_projector.": "multi_modal_projector."},
+        rms_norm_center=0.0,
+        seed=SEED + 10,
+    ),
+    "llama3.1-tiny": Family(
+        specials=LLAMA_SPECIALS, bos="<|begin_of_text|>", eos="<|eot_id|>", pad="<|finetune_right_pad_id|>",
+        unk=None, chat_template=LLAMA31_CHAT_TEMPLATE,
+        config={
+            "bos_token_id": "<|begin_of_text|>", "eos_token_id": ["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"],
+            "architectures": ["LlamaForCausalLM"],
+        },
+        generation={
+            "bos_token_id": "<|begin_of_text|>", "eos_token_id": ["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"],
+            "pad_token_id": "<|finetune_right_pad_id|>", "do_sample": True, "temperature": 0.6, "top_p": 0.9,
+        },
+        seed=SEED + 20,
+    ),
+    "qwen3-tiny": Family(  # no BOS token; <|endoftext|> pads
+        specials=QWEN_SPECIALS, bos=None, eos="<|im_end|>", pad="<|endoftext|>", unk=None,
+        chat_template=QWEN3_CHAT_TEMPLATE,
+        config={"bos_token_id": "<|endoftext|>", "eos_token_id": "<|im_end|>", "architectures": ["Qwen3ForCausalLM"]},
+        generation={
+            "bos_token_id": "<|endoftext|>", "eos_token_id": ["<|im_end|>", "<|endoftext|>"],
+            "pad_token_id": "<|endoftext|>", "do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95,
+        },
+        seed=SEED + 30,
+    ),
+}
+
+# A twin's sizes: MaxText override key (conf/model/<name>-tiny.yaml) -> Hugging Face config key.
+SIZE_KEYS = {
+    "base_emb_dim": "hidden_size",
+    "base_num_query_heads": "num_attention_heads",
+    "base_num_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "base_mlp_dim": "intermediate_size",
+    "base_num_decoder_layers": "num_hidden_layers",
+    "vocab_size": "vocab_size",
+    "sliding_window_size": "sliding_window",
+}
 
 
-def _gemma3_tensors(cfg) -> dict[str, np.ndarray]:
-    """Random weights under the legacy on-disk names of google/gemma-3-4b-it."""
-    rng = np.random.default_rng(SEED + 10)
-    t, v = cfg.text_config, cfg.vision_config
-    h, hd, inter = t.hidden_size, t.head_dim, t.intermediate_size
-    q, kv = t.num_attention_heads * hd, t.num_key_value_heads * hd
-    w: dict[str, np.ndarray] = {
-        "language_model.model.embed_tokens.weight": _normal(rng, (t.vocab_size, h), h**-0.5),
-        "language_model.model.norm.weight": _on_grid(rng, (h,), 0.0),
-    }
-    for i in range(t.num_hidden_layers):
-        p = f"language_model.model.layers.{i}."
-        w[p + "self_attn.q_proj.weight"] = _normal(rng, (q, h), h**-0.5)
-        w[p + "self_attn.k_proj.weight"] = _normal(rng, (kv, h), h**-0.5)
-        w[p + "self_attn.v_proj.weight"] = _normal(rng, (kv, h), h**-0.5)
-        w[p + "self_attn.o_proj.weight"] = _normal(rng, (h, q), q**-0.5)
-        w[p + "self_attn.q_norm.weight"] = _on_grid(rng, (hd,), 0.0)
-        w[p + "self_attn.k_norm.weight"] = _on_grid(rng, (hd,), 0.0)
-        w[p + "mlp.gate_proj.weight"] = _normal(rng, (inter, h), h**-0.5)
-        w[p + "mlp.up_proj.weight"] = _normal(rng, (inter, h), h**-0.5)
-        w[p + "mlp.down_proj.weight"] = _normal(rng, (h, inter), inter**-0.5)
-        for norm in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
-            w[p + norm + "_layernorm.weight"] = _on_grid(rng, (h,), 0.0)
-    vh, vi, patch = v.hidden_size, v.intermediate_size, v.patch_size
-    vp = "vision_tower.vision_model."
-    w[vp + "embeddings.patch_embedding.weight"] = _normal(rng, (vh, v.num_channels, patch, patch))
-    w[vp + "embeddings.patch_embedding.bias"] = _normal(rng, (vh,))
-    w[vp + "embeddings.position_embedding.weight"] = _normal(rng, ((v.image_size // patch) ** 2, vh))
-    for i in range(v.num_hidden_layers):
-        p = f"{vp}encoder.layers.{i}."
-        for ln in ("layer_norm1", "layer_norm2"):
-            w[p + ln + ".weight"] = _on_grid(rng, (vh,), 1.0)
-            w[p + ln + ".bias"] = _normal(rng, (vh,))
-        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            w[p + f"self_attn.{proj}.weight"] = _normal(rng, (vh, vh))
-            w[p + f"self_attn.{proj}.bias"] = _normal(rng, (vh,))
-        w[p + "mlp.fc1.weight"], w[p + "mlp.fc1.bias"] = _normal(rng, (vi, vh)), _normal(rng, (vi,))
-        w[p + "mlp.fc2.weight"], w[p + "mlp.fc2.bias"] = _normal(rng, (vh, vi)), _normal(rng, (vh,))
-    w[vp + "post_layernorm.weight"] = _on_grid(rng, (vh,), 1.0)
-    w[vp + "post_layernorm.bias"] = _normal(rng, (vh,))
-    w["multi_modal_projector.mm_input_projection_weight"] = _normal(rng, (vh, h))
-    w["multi_modal_projector.mm_soft_emb_norm.weight"] = _on_grid(rng, (vh,), 0.0)
+def twin_conf(name: str) -> dict[str, Any]:
+    """conf/model/<name>.yaml as a dict: ``maxtext_name`` and the sizes in ``maxtext_overrides``."""
+    from omegaconf import OmegaConf
+
+    from mtpipe.pipeline.config import CONF_DIR, load_yaml
+
+    return OmegaConf.to_container(load_yaml(CONF_DIR / "model" / f"{name}.yaml"))
+
+
+# The twins' MaxText model and sizes, read from conf/model/<name>.yaml, the one place they are written.
+MAXTEXT_MODEL_NAME = {name: twin_conf(name)["maxtext_name"] for name in FAMILIES}
+MAXTEXT_OVERRIDES = {name: twin_conf(name)["maxtext_overrides"] for name in FAMILIES}
+
+
+def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set a dotted key, or remove it where the value is None (a key the Hub's file does not have)."""
+    *parents, key = dotted.split(".")
+    for part in parents:
+        tree = tree[part]
+    if value is None:
+        tree.pop(key, None)
+    else:
+        tree[key] = value
+
+
+def _resolve_tokens(values: dict[str, Any], tokenizer) -> dict[str, Any]:
+    """Token names under ``*_token_id`` / ``*_token_index`` keys replaced by their ids."""
+    ids = tokenizer.convert_tokens_to_ids
+    out = {}
+    for key, value in values.items():
+        if key.endswith(("_token_id", "_token_index")) and value is not None:
+            value = [ids(v) for v in value] if isinstance(value, list) else ids(value)
+        out[key] = value
+    return out
+
+
+def twin_config(name: str, tokenizer):
+    """The twin's Hugging Face config: MaxText's table for its model, the yaml's sizes, the family's keys."""
+    from maxtext.checkpoint_conversion.utils.hf_model_configs import HF_MODEL_CONFIGS
+
+    family = FAMILIES[name]
+    table = HF_MODEL_CONFIGS[MAXTEXT_MODEL_NAME[name]]
+    tree = table.to_dict()
+    tree.pop("transformers_version", None)
+    text = tree.get("text_config", tree)
+    text.pop("layer_types", None)  # recomputed from the layer count
+    full_head_dim = text["head_dim"]
+    for key, value in MAXTEXT_OVERRIDES[name].items():
+        if key in SIZE_KEYS:
+            text[SIZE_KEYS[key]] = value
+        elif key != "override_model_config":
+            raise ValueError(f"conf/model/{name}.yaml: maxtext_overrides.{key} has no Hugging Face twin; "
+                             f"map it in SIZE_KEYS of mtpipe/data/embedded.py or drop it")
+    if text.get("query_pre_attn_scalar") == full_head_dim:  # the query scale follows head_dim
+        text["query_pre_attn_scalar"] = text["head_dim"]
+    for key, value in _resolve_tokens(family.config, tokenizer).items():
+        _set(tree, key, value)
+    tree["dtype"] = "float32"
+    return type(table).from_dict(tree)
+
+
+# Parts of the model in the order they draw random values (see _draw_key).
+_TOP_ORDER = ["embed_tokens", "norm", "lm_head", "patch_embedding", "position_embedding"]
+_LAYER_ORDER = ["layer_norm1", "layer_norm2", "q_proj", "k_proj", "v_proj", "o_proj", "out_proj", "q_norm",
+                "k_norm", "gate_proj", "up_proj", "down_proj", "fc1", "fc2", "input_layernorm",
+                "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"]
+
+
+def _draw_key(name: str) -> tuple:
+    """The order tensors draw from the random generator (it fixes the twins' bytes): the language
+    model before the vision tower; embeddings and final norm, then layer by layer, then the rest;
+    within a layer in _LAYER_ORDER; a weight before its bias."""
+    tower = int("vision" in name or "multi_modal" in name)
+    layer = re.search(r"\.layers\.(\d+)\.", name)
+    part = name.rsplit(".", 2)[-2]
+    if layer:
+        return tower, 1, int(layer.group(1)), _LAYER_ORDER.index(part), name.endswith(".bias"), name
+    if "post_layernorm" in name or "multi_modal_projector" in name:  # a vision tower's output side
+        return tower, 2, 0, "multi_modal_projector" in name, name.endswith(".bias"), name
+    return tower, 0, 0, _TOP_ORDER.index(part), name.endswith(".bias"), name
+
+
+def twin_shapes(name: str, cfg) -> dict[str, tuple[int, ...]]:
+    """The tensors MaxText's conversion reads for the twin's model (PARAM_MAPPING), shaped by HF_SHAPE,
+    under MaxText's Hugging Face names; a tied output table is not stored."""
+    from maxtext.checkpoint_conversion.utils.hf_shape import HF_SHAPE
+    from maxtext.checkpoint_conversion.utils.param_mapping import PARAM_MAPPING
+
+    model = MAXTEXT_MODEL_NAME[name]
+    tree = cfg.to_dict()
+    shapes = HF_SHAPE[model](tree)
+    read = set()
+    for hf in PARAM_MAPPING[model](tree, None, scan_layers=False).values():
+        read.update(hf if isinstance(hf, list) else [hf])
+    if cfg.tie_word_embeddings:
+        read.discard("lm_head.weight")
+    return {n: tuple(shapes[n]) for n in sorted(read & set(shapes), key=_draw_key)}
+
+
+def twin_tensors(name: str, cfg) -> dict[str, np.ndarray]:
+    """Random float32 weights under the Hub's names: linear maps with std 1/sqrt(fan-in) (0.02 in a
+    vision tower), RMSNorm weights on a grid around the family's centre, LayerNorm weights around 1."""
+    family = FAMILIES[name]
+    rng = np.random.default_rng(family.seed)
+    shapes = twin_shapes(name, cfg)
+    w = {}
+    for n, shape in shapes.items():
+        vision = "vision" in n or "multi_modal" in n
+        if "norm" in n and n.endswith(".weight"):
+            layer_norm = n.removesuffix(".weight") + ".bias" in shapes
+            w[n] = _on_grid(rng, shape, 1.0 if layer_norm else family.rms_norm_center)
+        else:
+            w[n] = _normal(rng, shape, 0.02 if vision or n.endswith(".bias") else shape[-1] ** -0.5)
+    for old, new in family.hub_names.items():
+        w = {new + n.removeprefix(old) if n.startswith(old) else n: t for n, t in w.items()}
     return w
+
+
+def write_twin(name: str, out_dir: str | os.PathLike) -> None:
+    """A tiny twin of conf/model/<name>.yaml's ``maxtext_name``: config, generation config, tokenizer,
+    sharded safetensors, laid out as the real model on the Hub."""
+    from transformers import GenerationConfig
+
+    family = FAMILIES[name]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(family.specials, family.bos, family.eos, family.pad, family.unk, family.chat_template)
+    cfg = twin_config(name, tokenizer)
+    if cfg.get_text_config().vocab_size != len(tokenizer):
+        raise ValueError(f"conf/model/{name}.yaml: maxtext_overrides.vocab_size must be {len(tokenizer)}, "
+                         f"the tiny tokenizer's size (TINY_VOCAB in mtpipe/data/embedded.py)")
+    cfg.save_pretrained(out)
+    GenerationConfig(**_resolve_tokens(family.generation, tokenizer)).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    _save_sharded(out, twin_tensors(name, cfg))
 
 
 def write_gemma3_tiny(out_dir: str | os.PathLike) -> None:
     """An 8-layer Gemma 3 (multimodal config, minimal vision tower) in the gemma-3-4b-it layout."""
-    from transformers import GenerationConfig
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(GEMMA_SPECIALS, "<bos>", "<eos>", "<pad>", "<unk>", GEMMA3_CHAT_TEMPLATE)
-    cfg = _gemma3_config(tokenizer)
-    cfg.save_pretrained(out)
-    ids = tokenizer.convert_tokens_to_ids
-    GenerationConfig(
-        bos_token_id=ids("<bos>"),
-        eos_token_id=[ids("<eos>"), ids("<end_of_turn>")],
-        pad_token_id=ids("<pad>"),
-        cache_implementation="hybrid",
-        do_sample=True,
-        top_k=64,
-        top_p=0.95,
-    ).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    _save_sharded(out, _gemma3_tensors(cfg))
-
-
-def _llama31_config(tokenizer):
-    from transformers import LlamaConfig
-
-    ids = tokenizer.convert_tokens_to_ids
-    return LlamaConfig(
-        vocab_size=TINY_VOCAB,
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        hidden_act="silu",
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 500_000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-        bos_token_id=ids("<|begin_of_text|>"),
-        eos_token_id=[ids("<|end_of_text|>"), ids("<|eom_id|>"), ids("<|eot_id|>")],
-        tie_word_embeddings=False,
-        attention_bias=False,
-        mlp_bias=False,
-        architectures=["LlamaForCausalLM"],
-        dtype="float32",
-    )
-
-
-def _llama31_tensors(cfg) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(SEED + 20)
-    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    w: dict[str, np.ndarray] = {
-        "model.embed_tokens.weight": _normal(rng, (cfg.vocab_size, h), h**-0.5),
-        "model.norm.weight": _on_grid(rng, (h,), 1.0),
-        "lm_head.weight": _normal(rng, (cfg.vocab_size, h), h**-0.5),
-    }
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        w[p + "self_attn.q_proj.weight"] = _normal(rng, (q, h), h**-0.5)
-        w[p + "self_attn.k_proj.weight"] = _normal(rng, (kv, h), h**-0.5)
-        w[p + "self_attn.v_proj.weight"] = _normal(rng, (kv, h), h**-0.5)
-        w[p + "self_attn.o_proj.weight"] = _normal(rng, (h, q), q**-0.5)
-        w[p + "mlp.gate_proj.weight"] = _normal(rng, (inter, h), h**-0.5)
-        w[p + "mlp.up_proj.weight"] = _normal(rng, (inter, h), h**-0.5)
-        w[p + "mlp.down_proj.weight"] = _normal(rng, (h, inter), inter**-0.5)
-        w[p + "input_layernorm.weight"] = _on_grid(rng, (h,), 1.0)
-        w[p + "post_attention_layernorm.weight"] = _on_grid(rng, (h,), 1.0)
-    return w
+    write_twin("gemma3-tiny", out_dir)
 
 
 def write_llama31_tiny(out_dir: str | os.PathLike) -> None:
     """A 4-layer Llama 3.1 (llama3 rope scaling, untied embeddings) in the Llama-3.1-8B-Instruct layout."""
-    from transformers import GenerationConfig
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(
-        LLAMA_SPECIALS, "<|begin_of_text|>", "<|eot_id|>", "<|finetune_right_pad_id|>", None, LLAMA31_CHAT_TEMPLATE
-    )
-    cfg = _llama31_config(tokenizer)
-    cfg.save_pretrained(out)
-    ids = tokenizer.convert_tokens_to_ids
-    GenerationConfig(
-        bos_token_id=ids("<|begin_of_text|>"),
-        eos_token_id=[ids("<|end_of_text|>"), ids("<|eom_id|>"), ids("<|eot_id|>")],
-        pad_token_id=ids("<|finetune_right_pad_id|>"),
-        do_sample=True,
-        temperature=0.6,
-        top_p=0.9,
-    ).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    _save_sharded(out, _llama31_tensors(cfg))
+    write_twin("llama3.1-tiny", out_dir)
 
 
 WRITERS: dict[str, Callable[[str | os.PathLike], None]] = {
