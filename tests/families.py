@@ -39,7 +39,7 @@ class Twin:
 
     def write(self, out: str | Path) -> None:
         """Write the twin's Hugging Face directory (config, tokenizer, weights) to ``out``."""
-        embedded.WRITERS[self.name](out)
+        embedded.write_twin(self.name, out)
 
 
 def _model_conf(path: Path) -> dict[str, Any]:

@@ -123,15 +123,6 @@ def test_configure_stage_exit_message(tmp_path):
 
 
 @pytest.mark.families
-@pytest.mark.parametrize("model", families.TWINS)
-def test_tiny_model_dims_match_the_generator(model):
-    from mtpipe.data import embedded
-
-    conf = OmegaConf.to_container(config.load_yaml(config.CONF_DIR / "model" / f"{model}.yaml"))
-    assert conf["maxtext_overrides"] == embedded.MAXTEXT_OVERRIDES[model]
-    assert conf["source"] == {**conf["source"], "kind": "local", "path": f"embedded/{model}"}
-
-
 @pytest.mark.parametrize("where", [
     {"train_sft": {"extra_args": {"hf_access_token": "x"}}},
     {"train_sft": {"extra_args": {"tokenizer_path": "hf_" + "a" * 30}}},

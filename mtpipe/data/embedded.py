@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import functools
 import os
 import random
 import re
@@ -573,15 +574,15 @@ def write_llama31_tiny(out_dir: str | os.PathLike) -> None:
     write_twin("llama3.1-tiny", out_dir)
 
 
+# Every twin of FAMILIES, then the data sets: what make_embedded writes under embedded/.
 WRITERS: dict[str, Callable[[str | os.PathLike], None]] = {
-    "gemma3-tiny": write_gemma3_tiny,
-    "llama3.1-tiny": write_llama31_tiny,
+    **{name: functools.partial(write_twin, name) for name in FAMILIES},
     "ultrachat-tiny": write_ultrachat_tiny,
     "gsm8k-tiny": write_gsm8k_tiny,
 }
 
 
 def write_all(root: str | os.PathLike) -> None:
-    """Write root/{gemma3-tiny,llama3.1-tiny,ultrachat-tiny,gsm8k-tiny}."""
+    """Write root/<name> for every entry of :data:`WRITERS`."""
     for name, write in WRITERS.items():
         write(Path(root) / name)
