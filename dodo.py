@@ -234,13 +234,12 @@ def preflight(set: list[str]) -> None:
     """The machine budget (disks, host memory) of the TPU VM's branches, then each one's training step
     AOT-compiled on this CPU for HBM, time and cost; fail when one does not fit."""
     from mtpipe.cloud import prices, vm_config, vm_experiments
-    from mtpipe.maxtext import budget
     from mtpipe.maxtext import preflight as preflight_checks
 
     cfg = vm_config.load_config()
     rate = prices.vm_rate(cfg)
-    machine = budget.Machine(cfg.boot_disk_gb, {k: str(v) for k, v in cfg.run.env.items()})
-    preflight_checks.run(set, rate.price.usd, vm_experiments.repo_root(), price_basis=rate.per_chip(), machine=machine)
+    preflight_checks.run(set, rate.price.usd, vm_config.budget_machine(cfg), vm_experiments.repo_root(),
+                         price_basis=rate.per_chip())
 
 
 def task_preflight() -> dict:

@@ -29,11 +29,12 @@ def main() -> int:
                         help="only this branch (repeatable; default: sft, then rl)")
     parser.add_argument("--set", action="append", default=[], help="more params overrides, KEY=VALUE")
     args = parser.parse_args()
-    rows, rate = [], prices.vm_rate(vm_config.load_config())
+    cfg = vm_config.load_config()
+    rows, rate, machine = [], prices.vm_rate(cfg), vm_config.budget_machine(cfg)
     for branch in args.branch or ["sft", "rl"]:
         start = time.monotonic()
         # check reports, it never raises on a misfit
-        rows += preflight.check([TUTORIALS[branch], *args.set], rate.price.usd, branches=(branch,),
+        rows += preflight.check([TUTORIALS[branch], *args.set], rate.price.usd, machine, branches=(branch,),
                                 price_basis=rate.per_chip())
         print(f"{branch}: preflight took {time.monotonic() - start:.0f} s", flush=True)
     print("\nfull-size tutorial presets, AOT-compiled for v6e-8 on this CPU:")

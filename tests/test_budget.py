@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from mtpipe.cloud import vm_config
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import budget, preflight
 from mtpipe.maxtext.run_dir import run_dir
@@ -52,7 +53,7 @@ def test_the_shipped_tutorial_presets_fit_their_vm(tmp_path: Path, monkeypatch: 
     """Both tutorials on one v6e-8 with conf/vm.yaml as shipped: run directories on /dev/shm, the
     latest checkpoint kept; every place keeps its margin free."""
     monkeypatch.delenv("MTPIPE_VM_CONFIG", raising=False)
-    machine = budget.Machine.from_vm_yaml()
+    machine = vm_config.budget_machine(vm_config.load_config())
     assert machine.env == SHM_ENV
     rep = budget_of(TUTORIALS, machine, tmp_path)
     assert rep == json.loads((tmp_path / "budget.json").read_text())
@@ -79,7 +80,7 @@ def test_every_checkpoint_kept_on_the_boot_disk_is_refused_before_anything_compi
     monkeypatch.setattr(preflight, "compile_step", lambda *a: pytest.fail("compiled a run that cannot fit"))
     sets = [TUTORIALS[0], "sft.train_sft.checkpoint_period=50", "sft.train_sft.max_num_checkpoints_to_keep=21"]
     with pytest.raises(ConfigError) as err:
-        preflight.run(sets, 2.70, tmp_path, machine=budget.Machine(200, {}))
+        preflight.run(sets, 2.70, budget.Machine(200, {}), tmp_path)
     assert err.value.key == "sft.train_sft.max_num_checkpoints_to_keep"
     assert "boot disk" in err.value.problem and "21 of 21 checkpoints" in err.value.problem
     for key in ("sft.train_sft.checkpoint_period", "MTPIPE_WORK_DIR", "boot_disk_gb"):

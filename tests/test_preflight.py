@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from mtpipe.cloud import vm_config
 from mtpipe.maxtext import commands, preflight
 
 from mtpipe.pipeline import overrides
@@ -23,6 +24,7 @@ import families
 pytestmark = pytest.mark.preflight
 
 ON_V6E = ["sft.hardware=v6e-8", "rl.hardware=v6e-8"]
+MACHINE = vm_config.budget_machine(vm_config.load_config())  # conf/vm.yaml as shipped
 REPORT_KEYS = {"hbm_gib_per_chip", "hbm_gib_available", "fits", "flops_per_step", "est_train_s", "est_total_usd"}
 
 
@@ -79,7 +81,7 @@ def test_compile_args_are_the_stage_args_without_paths() -> None:
 
 
 def test_cpu_presets_have_nothing_to_check(root: Path, capsys: pytest.CaptureFixture) -> None:
-    assert preflight.run([], 2.70, root) == []
+    assert preflight.run([], 2.70, MACHINE, root) == []
     assert "no TPU to check" in capsys.readouterr().out
     assert not (root / "work" / "preflight").exists()
 
@@ -114,7 +116,7 @@ def test_a_step_too_large_for_hbm_names_the_keys_to_change() -> None:
 @pytest.mark.slow
 @pytest.mark.environment
 def test_tiny_presets_compile_for_v6e8_and_the_second_run_is_cached(root: Path, capsys: pytest.CaptureFixture) -> None:
-    rows = preflight.run(ON_V6E, 2.70, root)
+    rows = preflight.run(ON_V6E, 2.70, MACHINE, root)
     assert [r["branch"] for r in rows] == ["sft", "rl"]
     out = capsys.readouterr().out
     assert "HBM GiB/chip" in out and "embedded-sft" in out and "embedded-rl" in out
@@ -138,6 +140,6 @@ def test_tiny_presets_compile_for_v6e8_and_the_second_run_is_cached(root: Path, 
     assert rl["maxtext_config"]["global_batch_size_to_train_on"] == 4 * 8  # batch_size x num_generations
     assert set(rl["hbm_parts_gib"]) >= {"reference_weights", "rollout_kv_cache_min"}
     start = time.monotonic()
-    again = preflight.run(ON_V6E, 2.70, root)
+    again = preflight.run(ON_V6E, 2.70, MACHINE, root)
     assert time.monotonic() - start < 20 and all(r["compile_cached"] for r in again)
     assert [r["hbm_gib_per_chip"] for r in again] == [r["hbm_gib_per_chip"] for r in rows]

@@ -18,6 +18,7 @@ from mtpipe.cloud import prices
 from mtpipe.cloud.gcp import SHARED_RESERVATION
 from mtpipe.cloud.vm_env import CONFIG_ENV, ENV_KEYS
 from mtpipe.errors import ConfigError
+from mtpipe.maxtext.budget import Machine
 from mtpipe.pipeline.schema import KEEP_INT, PositiveInt, Section, validate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -235,3 +236,9 @@ def check_create(cfg: DictConfig) -> None:
     """The settings vm_up needs, before any request (vm_checks asks Compute about the rest)."""
     reservation = ["reservation"] if cfg.provisioning == "reservation" else []
     require(cfg, "project", "zone", *reservation, "name")
+
+
+def budget_machine(cfg: DictConfig) -> Machine:
+    """What the machine budget (mtpipe.maxtext.budget) reads of a loaded VM config: the boot disk's size
+    and the run's environment."""
+    return Machine(int(cfg.boot_disk_gb), {str(k): str(v) for k, v in cfg.run.env.items()})

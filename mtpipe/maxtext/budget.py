@@ -387,17 +387,6 @@ class Machine:
     boot_disk_gb: int
     env: dict[str, str]
 
-    @classmethod
-    def from_vm_yaml(cls) -> Machine:
-        """conf/vm.yaml, overlaid by $MTPIPE_VM_CONFIG as mtpipe.cloud's loader does (only these two
-        keys, which no doit option or environment variable sets)."""
-        from omegaconf import OmegaConf
-
-        cfg = OmegaConf.load(ROOT / "conf" / "vm.yaml")
-        if os.environ.get("MTPIPE_VM_CONFIG"):
-            cfg = OmegaConf.merge(cfg, OmegaConf.load(os.environ["MTPIPE_VM_CONFIG"]))
-        return cls(int(cfg.boot_disk_gb), {str(k): str(v) for k, v in cfg.run.env.items()})
-
 
 
 def capacities(topology: str, boot_disk_gb: int) -> dict[str, float]:

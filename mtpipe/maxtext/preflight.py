@@ -282,21 +282,21 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(line, widths)).rstrip() for line in lines)
 
 
-def run(sets: list[str], usd_per_chip_hour: float, root: Path = ROOT,
+def run(sets: list[str], usd_per_chip_hour: float, machine: budget.Machine, root: Path = ROOT,
         branches: tuple[str, ...] = tuple(BRANCH_STAGES), committed: bool = False,
-        price_basis: str = "", machine: budget.Machine | None = None) -> list[dict[str, Any]]:
+        price_basis: str = "") -> list[dict[str, Any]]:
     """:func:`check`, then raise ConfigError (naming the keys to change) if a branch does not fit;
     a run that does not fit the machine's disks or memory stops before anything compiles.
-    ``machine``: conf/vm.yaml's boot disk and run environment (default: read from it)."""
-    rows = check(sets, usd_per_chip_hour, root, branches, committed, price_basis, machine, refuse=True)
+    ``machine``: the VM config's boot disk and run environment (mtpipe.cloud.vm_config.budget_machine)."""
+    rows = check(sets, usd_per_chip_hour, machine, root, branches, committed, price_basis, refuse=True)
     for row in rows:
         check_fits(row)
     return rows
 
 
-def check(sets: list[str], usd_per_chip_hour: float, root: Path = ROOT,
+def check(sets: list[str], usd_per_chip_hour: float, machine: budget.Machine, root: Path = ROOT,
           branches: tuple[str, ...] = tuple(BRANCH_STAGES), committed: bool = False,
-          price_basis: str = "", machine: budget.Machine | None = None, refuse: bool = False) -> list[dict[str, Any]]:
+          price_basis: str = "", refuse: bool = False) -> list[dict[str, Any]]:
     """Preflight the branches of params.yaml (+ ``--set`` overrides, as ``dvc exp run -S``) that target a TPU.
 
     ``usd_per_chip_hour``: the chip price of conf/vm.yaml's mode (mtpipe.cloud.prices), which the cost
@@ -312,7 +312,7 @@ def check(sets: list[str], usd_per_chip_hour: float, root: Path = ROOT,
     composed = {branch: compose_checked(branch, params) for branch in branches}  # all config errors first
     views = {branch: stage_view(cfg, TRAINING_STAGE[branch]) for branch, cfg in composed.items()}
     work = root / "work" / "preflight"
-    machine_budget(composed, views, machine or budget.Machine.from_vm_yaml(), root, work, refuse)
+    machine_budget(composed, views, machine, root, work, refuse)
     rows = []
     for branch, cfg in views.items():
         topo = topology(cfg)
