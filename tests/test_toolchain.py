@@ -90,8 +90,8 @@ def test_each_view_records_the_versions_of_the_tools_its_stage_runs(tmp_path: Pa
     assert MAXTEXT_STACK <= set(tools["rl", "train_rl"])
     # the download runs the Hub client and reads parquet; it compiles nothing
     assert set(tools["sft", "hf_download"]) == {"huggingface-hub", "pyarrow"}
-    assert {"safetensors", "transformers", "pyarrow"} <= set(tools["embedded", "make_embedded"])
-    assert not {"jax", "maxtext", "orbax-checkpoint"} & set(tools["embedded", "make_embedded"])
+    # the twins' configs and tensor shapes come from MaxText's tables: MaxText and what it requires
+    assert {"safetensors", "transformers", "pyarrow", "maxtext", "jax"} <= set(tools["embedded", "make_embedded"])
 
 
 def test_a_stage_refuses_to_run_under_other_tool_versions(tmp_path: Path):
