@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from mtpipe.data import embedded
+from mtpipe.reporting.report import flatten
 
 pytestmark = pytest.mark.families
 
@@ -29,17 +30,6 @@ def twins(tmp_path_factory) -> Path:
     for name in TWINS:
         embedded.write_twin(name, root / name)
     return root
-
-
-def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
-    """{"a": {"b": 1}} -> {"a.b": 1}."""
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def _text_prefix(tree: dict) -> str:
@@ -73,8 +63,8 @@ def test_config_is_maxtexts_table_but_for_sizes_and_the_family_keys(twins, name)
     from maxtext.checkpoint_conversion.utils.hf_model_configs import HF_MODEL_CONFIGS
     from transformers import AutoConfig
 
-    table = _flat(HF_MODEL_CONFIGS[embedded.MAXTEXT_MODEL_NAME[name]].to_dict())
-    twin = _flat(AutoConfig.from_pretrained(twins / name).to_dict())
+    table = flatten(HF_MODEL_CONFIGS[embedded.MAXTEXT_MODEL_NAME[name]].to_dict())
+    twin = flatten(AutoConfig.from_pretrained(twins / name).to_dict())
     text = _text_prefix(json.loads((twins / name / "config.json").read_text()))
     allowed = {text + k for k in (*embedded.SIZE_KEYS.values(), "layer_types", "query_pre_attn_scalar")}
     allowed |= set(embedded.FAMILIES[name].config) | {"dtype", "transformers_version", "_name_or_path"}
@@ -89,8 +79,8 @@ def test_twin_matches_the_real_model_but_for_sizes_and_tokens(twins, name):
     from transformers import AutoConfig
 
     fixture = _hub_fixture(name)
-    real = _flat(AutoConfig.from_pretrained(fixture).get_text_config().to_dict())
-    twin = _flat(AutoConfig.from_pretrained(twins / name).get_text_config().to_dict())
+    real = flatten(AutoConfig.from_pretrained(fixture).get_text_config().to_dict())
+    twin = flatten(AutoConfig.from_pretrained(twins / name).get_text_config().to_dict())
     ignored = {*embedded.SIZE_KEYS.values(), "layer_types", "query_pre_attn_scalar", "dtype",
                "transformers_version", "_name_or_path", "bos_token_id", "eos_token_id", "pad_token_id"}
     differing = {k for k in real.keys() | twin.keys() if real.get(k, MISSING) != twin.get(k, MISSING)}
