@@ -41,7 +41,7 @@ maxtext_overrides:
   base_emb_dim: 64
   base_num_query_heads: 4
   base_num_kv_heads: 2
-  head_dim: 16                   # Qwen 2 derives it: base_emb_dim / base_num_query_heads
+  head_dim: 16
   base_mlp_dim: 256
   base_num_decoder_layers: 4
   vocab_size: 512

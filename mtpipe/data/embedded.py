@@ -476,20 +476,14 @@ def twin_config(name: str, tokenizer):
     tree.pop("transformers_version", None)
     text = tree.get("text_config", tree)
     text.pop("layer_types", None)  # recomputed from the layer count
-    full_head_dim = text.get("head_dim")  # None: the family derives it (hidden_size // num_attention_heads)
+    full_head_dim = text.get("head_dim")  # None: the family derives it (Qwen 2), the twin's config sets it
     for key, value in MAXTEXT_OVERRIDES[name].items():
         if key in SIZE_KEYS:
             text[SIZE_KEYS[key]] = value
         elif key != "override_model_config":
             raise ValueError(f"conf/model/{name}.yaml: maxtext_overrides.{key} has no Hugging Face twin; "
                              f"map it in SIZE_KEYS of mtpipe/data/embedded.py or drop it")
-    if full_head_dim is None:
-        derived = text["hidden_size"] // text["num_attention_heads"]
-        if text.pop("head_dim", derived) != derived:
-            raise ValueError(f"conf/model/{name}.yaml: maxtext_overrides.head_dim must be base_emb_dim // "
-                             f"base_num_query_heads = {derived}: {MAXTEXT_MODEL_NAME[name]}'s config.json "
-                             "has no head_dim, its attention derives it")
-    elif text.get("query_pre_attn_scalar") == full_head_dim:  # the query scale follows head_dim
+    if full_head_dim is not None and text.get("query_pre_attn_scalar") == full_head_dim:  # follows head_dim
         text["query_pre_attn_scalar"] = text["head_dim"]
     for key, value in _resolve_tokens(family.config, tokenizer).items():
         _set(tree, key, value)
