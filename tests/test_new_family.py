@@ -22,7 +22,8 @@ import yaml
 from families import committed_params_text
 from pipeline import copy_project, dvc, env, git, ran_stages
 
-pytestmark = [pytest.mark.families, pytest.mark.slow]
+# One worker runs the file: its tests share one project copy (and embedded/, built once).
+pytestmark = [pytest.mark.families, pytest.mark.slow, pytest.mark.xdist_group("new-family-copy")]
 
 NEW = "qwen2.5-tiny"
 SHIPPED = "qwen3-tiny"  # a shipped twin: every test parametrized with it must also be with NEW
