@@ -355,6 +355,9 @@ class Family:
     config: dict[str, Any]
     generation: dict[str, Any]
     hub_names: dict[str, str] = field(default_factory=dict)  # MaxText's HF name prefix -> the Hub's
+    # Tensors MaxText's PARAM_MAPPING lists for the model that it does not have (a mapping shared by the
+    # variants of a decoder, e.g. q_norm/k_norm where the model's MaxText config sets use_qk_norm: false).
+    absent: tuple[str, ...] = ()  # parts of a tensor's name: "q_norm" drops model.layers.*.self_attn.q_norm.weight
     rms_norm_center: float = 1.0  # RMSNorm weights' centre: 0 where the model scales by (1 + w)
     seed: int = SEED
 
@@ -473,14 +476,14 @@ def twin_config(name: str, tokenizer):
     tree.pop("transformers_version", None)
     text = tree.get("text_config", tree)
     text.pop("layer_types", None)  # recomputed from the layer count
-    full_head_dim = text["head_dim"]
+    full_head_dim = text.get("head_dim")  # None: the family derives it (Qwen 2), the twin's config sets it
     for key, value in MAXTEXT_OVERRIDES[name].items():
         if key in SIZE_KEYS:
             text[SIZE_KEYS[key]] = value
         elif key != "override_model_config":
             raise ValueError(f"conf/model/{name}.yaml: maxtext_overrides.{key} has no Hugging Face twin; "
                              f"map it in SIZE_KEYS of mtpipe/data/embedded.py or drop it")
-    if text.get("query_pre_attn_scalar") == full_head_dim:  # the query scale follows head_dim
+    if full_head_dim is not None and text.get("query_pre_attn_scalar") == full_head_dim:  # follows head_dim
         text["query_pre_attn_scalar"] = text["head_dim"]
     for key, value in _resolve_tokens(family.config, tokenizer).items():
         _set(tree, key, value)
@@ -523,6 +526,7 @@ def twin_shapes(name: str, cfg) -> dict[str, tuple[int, ...]]:
         read.update(hf if isinstance(hf, list) else [hf])
     if cfg.tie_word_embeddings:
         read.discard("lm_head.weight")
+    read = {n for n in read if n.rsplit(".", 2)[-2] not in FAMILIES[name].absent}
     return {n: tuple(shapes[n]) for n in sorted(read & set(shapes), key=_draw_key)}
 
 
