@@ -38,7 +38,7 @@ def test_every_fixture_is_found_with_a_preset_that_converts_it():
     fixtures = {d.name for d in families.FIXTURES.iterdir() if (d / "config.json").is_file()}
     assert set(families.REAL_MODELS) == fixtures and {"gemma-3-4b-it", "Llama-3.1-8B-Instruct"} <= fixtures
     for model in families.real_models().values():
-        preset = config.load_yaml(config.CONF_DIR / "preset" / f"{model.preset}.yaml")
+        preset = config.load_preset(model.preset, "preset")
         assert preset.defaults.model == model.model
 
 

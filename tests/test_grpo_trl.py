@@ -16,7 +16,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
+from omegaconf import OmegaConf
+
+from mtpipe.pipeline import config
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -24,7 +26,8 @@ import grpo_trl  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.rl_learns]
 
-BENCH_TRAIN_RL = yaml.safe_load((REPO / "conf/preset/embedded-rl-bench.yaml").read_text())["train_rl"]
+# the benchmark preset's train_rl section with what it inherits from embedded-rl
+BENCH_TRAIN_RL = OmegaConf.to_container(config.load_preset("embedded-rl-bench", "preset"))["train_rl"]
 
 COMPLETIONS = [  # (completion, gold answer)
     ("<reasoning>3 + 4 = 7</reasoning><answer>7</answer>", "7"),  # right, in format
