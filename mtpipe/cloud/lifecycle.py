@@ -193,7 +193,8 @@ class VmLifecycle:
         if preflight:
             rate = prices.vm_rate(cfg)
             for sets in experiments:
-                preflight_checks.run(sets, rate.price.usd, root, committed=True, price_basis=rate.per_chip())
+                preflight_checks.run(sets, rate.price.usd, vm_config.budget_machine(cfg), root, committed=True,
+                                     price_basis=rate.per_chip())
         if created:
             state = {}
             instance = self._create(state)
