@@ -1,7 +1,7 @@
 """GRPO by TRL (GRPOTrainer, torch on the CPU) from the RL branch's warm-up, with MaxText's settings:
 the independent reference for MaxText's GRPO path (docs/grpo-benchmark.md).
 
-    python benchmarks/grpo_trl.py --repo PROJECT_COPY [--seed 1] [--steps N] [--out DIR]
+    python benchmarks/grpo_trl.py --repo PROJECT_COPY [--seed 1] [--steps N] [--model HF_DIR] [--out DIR]
 
 PROJECT_COPY is a project checkout whose RL branch ran up to train_sft@rl (artifacts/rl/warmup,
 model, dataset and config/rl/train_rl.yaml: the copy benchmarks/grpo_learns.py keeps with --keep,
@@ -106,19 +106,6 @@ def export_warmup(repo: Path, out: Path) -> Path:
     if done.returncode != 0 or not (out / "config.json").exists():
         raise RuntimeError(f"exporting the warm-up failed:\n{done.stderr[-3000:]}")
     return out
-    cfg = yaml.safe_load((repo / "config" / "rl" / "to_huggingface.yaml").read_text())
-    opts, model = cfg["to_huggingface"], cfg["model"]
-    overrides = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in model["maxtext_overrides"].items()]
-    cmd = [sys.executable, "-m", "mtpipe.maxtext.launch", "maxtext.checkpoint_conversion.to_huggingface",
-           f"model_name={model['export_name']}", f"load_parameters_path={repo / 'artifacts/rl/warmup/model_params'}",
-           f"base_output_directory={out}", f"scan_layers={opts['scan_layers']}", f"use_multimodal={opts['use_multimodal']}",
-           f"weight_dtype={opts['weight_dtype']}", "hardware=cpu", "skip_jax_distributed_system=true",
-           f"--hf_model_path={repo / 'artifacts/rl/model/files'}", *overrides]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(PROJECT))
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    if done.returncode != 0 or not (out / "config.json").exists():
-        raise RuntimeError(f"exporting the warm-up failed:\n{done.stderr[-3000:]}")
-    return out
 
 
 def prompts(files: list[Path], tokenizer_dir: Path, count: int, settings: dict, seed: int) -> list[dict]:
@@ -146,7 +133,7 @@ def make_spec(s: dict, model: Path, data: tuple[list[Path], list[Path]], seed: i
               eval_samples: int = 8, threads: int = 1) -> dict:
     """Everything trl_reference.py needs: MaxText's settings `s` (maxtext_settings), the HF model directory
     (its tokenizer builds the prompts) and the (train, test) parquet files."""
-    steps = steps or s["num_batches"]
+    steps = s["num_batches"] if steps is None else steps
     eval_batch = s["eval_batch_size"] if s.get("eval_batch_size", -1) > 0 else s["batch_size"]
     return {
         "model": str(model), "seed": seed, "threads": threads,
@@ -183,7 +170,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repo", type=Path, required=True, help="project copy whose RL branch ran train_sft@rl")
     parser.add_argument("--seed", type=int, default=None, help="data_shuffle_seed (default: train_rl's)")
-    parser.add_argument("--steps", type=int, default=None, help="GRPO steps (default: train_rl's num_batches)")
+    parser.add_argument("--steps", type=int, default=None, help="GRPO steps (default: train_rl's num_batches; 0: eval only)")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="a Hugging Face directory to start from instead of the exported warm-up (with --steps 0: "
+                             "evaluate MaxText's GRPO result, artifacts/rl/hf, as the reference evaluates its own)")
     parser.add_argument("--eval-samples", type=int, default=8, help="sampled completions per held-out prompt")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--out", type=Path, default=PROJECT / "work" / "grpo_trl", help="export, spec and result")
@@ -198,8 +188,8 @@ def main() -> None:
     seed = args.seed if args.seed is not None else settings["data_shuffle_seed"]
     files = repo / "artifacts/rl/dataset/files"
     data = (sorted(files.glob(stage["dataset"]["train_files"])), sorted(files.glob(stage["dataset"]["eval_files"])))
-    spec = make_spec(settings, export_warmup(repo, args.out / "warmup_hf"), data, seed, args.steps, args.eval_samples,
-                     args.threads)
+    model = args.model.resolve() if args.model else export_warmup(repo, args.out / "warmup_hf")
+    spec = make_spec(settings, model, data, seed, args.steps, args.eval_samples, args.threads)
     print_table(run_reference(spec, args.out), spec, time.monotonic() - start)
 
 

@@ -10,7 +10,8 @@ learning rate and schedule, beta, clip, sampling, reward weights). The reward fu
 written from MaxText's description (utils_rl.match_format_exactly, match_format_approximately,
 check_numbers), not imported: tests/test_grpo_trl.py checks that both score hand-written
 completions alike. OUT.json: the held-out eval before and after (greedy accuracy, sampled pass@1,
-format share, reward under sampling) and the reward per GRPO step.
+format share, reward under sampling) and the reward per GRPO step; with 0 steps, the eval of the
+model alone (grpo_trl.py --model: MaxText's GRPO result under the same evaluator).
 """
 
 from __future__ import annotations
@@ -118,7 +119,12 @@ def main(spec_path: str, out_path: str) -> None:
     before = evaluate(model, tokenizer, spec["eval_prompts"], rewards, spec)
     eval_s = time.monotonic() - start
 
+    versions = {m.__name__: m.__version__ for m in (torch, __import__("trl"), __import__("transformers"))}
     g = spec["grpo"]
+    if g["steps"] == 0:  # eval only: the model as it is (grpo_trl.py --model)
+        write_result(out_path, {"before": before, "after": before, "curve": [], "train_seconds": 0.0,
+                                "eval_seconds": eval_s, "versions": versions})
+        return
     config = GRPOConfig(
         output_dir=str(Path(out_path).parent / "trl_run"), max_steps=g["steps"], seed=spec["seed"],
         per_device_train_batch_size=g["prompts_per_step"] * g["num_generations"], gradient_accumulation_steps=1,
@@ -142,8 +148,12 @@ def main(spec_path: str, out_path: str) -> None:
               "reward_answer": row.get("rewards/check_numbers/mean"),
               "completion_length": row.get("completions/mean_length")}
              for row in trainer.state.log_history if "reward" in row]
-    result = {"before": before, "after": after, "curve": curve, "train_seconds": train_s, "eval_seconds": eval_s,
-              "versions": {m.__name__: m.__version__ for m in (torch, __import__("trl"), __import__("transformers"))}}
+    write_result(out_path, {"before": before, "after": after, "curve": curve, "train_seconds": train_s,
+                            "eval_seconds": eval_s, "versions": versions})
+
+
+def write_result(out_path: str, result: dict) -> None:
+    """OUT.json, and its evals and times on stdout."""
     Path(out_path).write_text(json.dumps(result, indent=1))
     print(json.dumps({k: result[k] for k in ("before", "after", "train_seconds", "eval_seconds")}), flush=True)
 

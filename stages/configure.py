@@ -6,6 +6,7 @@ checks, then the values passed to MaxText against MaxText's own types (mtpipe.pi
 Run: dvc repro configure   (or: python -m stages.configure)
 """
 
+from mtpipe.data import embedded
 from mtpipe.evaluation.cpu_backend import check_cpu_forward
 from mtpipe.pipeline.config import BRANCH_STAGES, load_params, write_resolved
 from mtpipe.pipeline.maxtext_check import compose_checked
@@ -17,7 +18,7 @@ def main() -> None:
     composed = {branch: compose_checked(branch, params) for branch in BRANCH_STAGES}
     for cfg in composed.values():
         check_cpu_forward(cfg)  # the CPU model server can run the model
-    for path in write_resolved(composed):
+    for path in write_resolved(composed, embedded.twin_confs()):
         print(f"  {path.relative_to(path.parents[2])}")
 
 

@@ -8,12 +8,16 @@ import sys
 from pathlib import Path
 
 from mtpipe.data import embedded
+from mtpipe.errors import ConfigError
 from mtpipe.pipeline.config import load_stage
 from mtpipe.pipeline.stage import Timer, atomic_dir, run_stage
 
 
 def main(out: str) -> None:
-    load_stage("embedded", "make_embedded")  # holds only the code's fingerprints: fails if they are stale
+    cfg = load_stage("embedded", "make_embedded")  # fails if the code's fingerprints are stale
+    if cfg.twins != embedded.twin_confs():
+        raise ConfigError("config/embedded/make_embedded.yaml", "names other twin sizes than conf/model/*-tiny.yaml",
+                          "run `dvc repro` (it reruns configure first), or `dvc repro configure`")
     timer = Timer()
     with atomic_dir(Path(out)) as partial:
         embedded.write_all(partial)

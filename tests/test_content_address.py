@@ -111,6 +111,21 @@ def test_export_name_and_operational_keys_rerun_only_what_reads_them(pipeline_re
 
 
 @pytest.mark.slow
+def test_a_twin_size_reruns_the_generator_and_what_reads_the_size(pipeline_repo):
+    """A twin's sizes are in make_embedded's view (config/embedded/make_embedded.yaml): after configure
+    the generator is stale, as are the MaxText stages that pass the sizes; the download, whose input is
+    the generator's output, waits for its bytes."""
+    try:
+        edit(pipeline_repo / "conf" / "model" / "llama3.1-tiny.yaml", "base_mlp_dim: 256", "base_mlp_dim: 128")
+        dvc(pipeline_repo, "repro", "configure")
+        stale = dvc(pipeline_repo, "status", "--json").stdout.strip().splitlines()[-1]
+        assert set(yaml.safe_load(stale)) == {"make_embedded", "to_maxtext@rl", "train_sft@rl", "train_rl",
+                                              "to_huggingface@rl"}, stale
+    finally:
+        restore(pipeline_repo)
+
+
+@pytest.mark.slow
 def test_checkpoint_period_reruns_the_training_and_nothing_after_it(pipeline_repo):
     """Other checkpoint periods train the same model: the params are the same bytes, so the export and
     the evaluation are not run again. The run directory is another one (the recipe moved)."""

@@ -92,7 +92,7 @@ def test_configure_declares_every_params_key():
     assert declared == set(params)
     outs = {str(o.def_path) for o in STAGES["configure"].outs}
     assert outs == {f"config/{b}/{s}.yaml" for b, stages in config.BRANCH_STAGES.items() for s in stages} | {
-        f"config/{b}/{s}.yaml" for b, s in config.CODE_ONLY_VIEWS} | {config.RUN_FILE}
+        "config/{}/{}.yaml".format(*config.EMBEDDED_VIEW)} | {config.RUN_FILE}
 
 
 def test_every_resolved_view_is_produced_and_consumed_and_the_run_keys_by_no_stage():

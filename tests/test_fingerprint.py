@@ -8,6 +8,7 @@ import pytest
 from omegaconf import OmegaConf
 
 import families
+from mtpipe.data import embedded
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline import config, fingerprint
 
@@ -138,7 +139,7 @@ def test_rewording_a_schema_message_keeps_its_fingerprint(old, new):
 def test_a_view_written_for_other_code_is_refused(tmp_path: Path):
     """`python -m stages.X` (or `dvc repro -s`) after a code edit, without configure: the stage stops
     before any work and names the module and the fix."""
-    config.write_resolved(config.compose_all(families.load_params()), tmp_path)
+    config.write_resolved(config.compose_all(families.load_params()), embedded.twin_confs(), tmp_path)
     view = config.resolved_path("sft", "to_huggingface", tmp_path)
     assert config.load_stage("sft", "to_huggingface", tmp_path).code == fingerprint.stage_code("to_huggingface")
     cfg = OmegaConf.load(view)
@@ -151,7 +152,7 @@ def test_a_view_written_for_other_code_is_refused(tmp_path: Path):
 
 def test_the_committed_views_hold_the_fingerprints_of_the_committed_code(tmp_path: Path):
     """configure would write config/ as committed: no stage runs under another code's address."""
-    config.write_resolved(config.compose_all(families.load_params()), tmp_path)
+    config.write_resolved(config.compose_all(families.load_params()), embedded.twin_confs(), tmp_path)
     for path in sorted((tmp_path / "config").rglob("*.yaml")):
         committed = config.ROOT / path.relative_to(tmp_path)
         assert path.read_text() == committed.read_text(), f"{committed}: run `dvc repro configure` and commit"

@@ -70,7 +70,7 @@ def test_the_reference_rewards_score_like_maxtexts_with_the_benchmark_weights():
     settings = grpo_trl.maxtext_settings(BENCH_TRAIN_RL)
     keys = [*grpo_trl.REWARD_KEYS, *grpo_trl.TOKEN_KEYS, "reward_white_space_format_match", "reasoning_start_token_in_prompt"]
     maxtext_cfg = {k: settings[k] for k in keys}
-    assert maxtext_cfg["reward_exact_format_match"] == maxtext_cfg["reward_exact_answer"] == 1.0  # the preset's weights
+    assert (maxtext_cfg["reward_exact_format_match"], maxtext_cfg["reward_exact_answer"]) == (0.1, 1.0)  # rl.yml's
     env = dict(os.environ, JAX_PLATFORMS="cpu", DECOUPLE_GCLOUD="TRUE")
     run = subprocess.run([sys.executable, "-c", MAXTEXT_CHILD, json.dumps(maxtext_cfg), json.dumps(COMPLETIONS)],
                          env=env, capture_output=True, text=True, timeout=300)
@@ -85,7 +85,7 @@ def test_the_reference_rewards_score_like_maxtexts_with_the_benchmark_weights():
     assert run.returncode == 0, run.stderr[-3000:]
     reference = json.loads(run.stdout.strip().splitlines()[-1])
 
-    assert maxtext[0] == [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0]  # the exact format, as MaxText scores it
+    assert maxtext[0] == pytest.approx([0.1, 0.1, 0.1, 0.1, 0.1, 0.0, 0.0, 0.1, 0.0])  # the exact format, as MaxText scores it
     assert maxtext[2] == [1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0]  # the right answer, as MaxText scores it
     for name, ours, theirs in zip(("exact format", "partial format", "answer"), reference, maxtext):
         assert ours == pytest.approx(theirs), (name, list(zip(COMPLETIONS, ours, theirs)))

@@ -9,6 +9,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
+from mtpipe.data import embedded
 from mtpipe.pipeline import config, maxtext_check, schema
 from mtpipe.errors import ConfigError
 import families
@@ -142,9 +143,9 @@ def test_every_shipped_preset_passes(preset):
 
 def test_both_tutorial_presets_resolve_together(tmp_path):
     params = OmegaConf.merge(families.load_params(), {"sft": {"preset": "gemma3-4b-ultrachat-v6e8"}, "rl": TUTORIAL_RL})
-    written = config.write_resolved(config.compose_all(params), tmp_path)
+    written = config.write_resolved(config.compose_all(params), embedded.twin_confs(), tmp_path)
     assert yaml.safe_load((tmp_path / "config" / "rl" / "train_rl.yaml").read_text())["train_rl"]["chips_per_vm"] == 8
-    assert len(written) == 15  # 13 stage views, make_embedded's code-only view and config/run.yaml
+    assert len(written) == 15  # 13 stage views, make_embedded's view and config/run.yaml
 
 
 def test_dvc_set_values_keep_their_types(tmp_path):

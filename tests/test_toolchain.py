@@ -16,6 +16,7 @@ import pytest
 from omegaconf import OmegaConf
 from packaging.utils import canonicalize_name
 
+from mtpipe.data import embedded
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline import config, lock_check, requirement_locks, toolchain
 from mtpipe.pipeline.toolchain import lock_pins
@@ -79,7 +80,7 @@ def test_the_laptop_lock_resolves_again_to_the_same_file(tmp_path: Path):
 
 
 def test_each_view_records_the_versions_of_the_tools_its_stage_runs(tmp_path: Path):
-    config.write_resolved(config.compose_all(families.load_params()), tmp_path)
+    config.write_resolved(config.compose_all(families.load_params()), embedded.twin_confs(), tmp_path)
     tools = {(branch, stage): OmegaConf.load(config.resolved_path(branch, stage, tmp_path)).tools
              for branch, stages in [*config.BRANCH_STAGES.items(), ("embedded", ("make_embedded",))]
              for stage in stages}
@@ -97,7 +98,7 @@ def test_each_view_records_the_versions_of_the_tools_its_stage_runs(tmp_path: Pa
 def test_a_stage_refuses_to_run_under_other_tool_versions(tmp_path: Path):
     """A view written for another environment (an upgraded lock not installed, a hand-made venv)
     stops the stage before any work: its outputs would be filed under the wrong versions."""
-    config.write_resolved(config.compose_all(families.load_params()), tmp_path)
+    config.write_resolved(config.compose_all(families.load_params()), embedded.twin_confs(), tmp_path)
     view = config.resolved_path("sft", "to_maxtext", tmp_path)
     cfg = OmegaConf.load(view)
     cfg.tools["orbax-checkpoint"] = "0.0.1"

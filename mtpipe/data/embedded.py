@@ -444,6 +444,13 @@ MAXTEXT_MODEL_NAME = {name: twin_conf(name)["maxtext_name"] for name in FAMILIES
 MAXTEXT_OVERRIDES = {name: twin_conf(name)["maxtext_overrides"] for name in FAMILIES}
 
 
+def twin_confs() -> dict[str, dict[str, Any]]:
+    """What the twins' bytes depend on in conf/: name -> ``maxtext_name`` and ``maxtext_overrides``
+    (make_embedded's view, written by configure)."""
+    return {name: {"maxtext_name": MAXTEXT_MODEL_NAME[name], "maxtext_overrides": MAXTEXT_OVERRIDES[name]}
+            for name in FAMILIES}
+
+
 def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
     """Set a dotted key, or remove it where the value is None (a key the Hub's file does not have)."""
     *parents, key = dotted.split(".")

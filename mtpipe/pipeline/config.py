@@ -66,8 +66,10 @@ BRANCH_STAGES: dict[str, tuple[str, ...]] = {
     "sft": ("hf_download", "to_maxtext", "train_sft", "to_huggingface", "evaluate_base", "evaluate"),
     "rl": ("hf_download", "to_maxtext", "train_sft", "train_rl", "to_huggingface", "evaluate_base", "evaluate"),
 }
-# Stages that read no config: their view holds only the fingerprints of their code.
-CODE_ONLY_VIEWS = (("embedded", "make_embedded"),)
+# The stage outside the branches: make_embedded's view holds the twins it writes (each twin's
+# conf/model/<twin>.yaml `maxtext_name` and sizes, :func:`mtpipe.data.embedded.twin_confs`), so a size
+# edit reruns it and an `export_name` edit does not.
+EMBEDDED_VIEW = ("embedded", "make_embedded")
 # params.yaml keys that are not stage sections of a branch.
 BRANCH_KEYS = ("preset", *schema.GROUPS)
 
@@ -183,9 +185,11 @@ View = schema.Section  # what a stage reads: an instance of view_model(branch, s
 def view_model(branch: str, stage: str) -> type[View]:
     """The typed view of ``stage`` in ``branch``: the sections it reads, typed as the branch's model types
     them, the branch's name, ``code``, the fingerprints of its code, and ``tools``, the versions of its tools
-    (a code-only view holds just those two)."""
+    (make_embedded's view: ``twins``, name -> ``maxtext_name`` and ``maxtext_overrides``, instead of sections)."""
     fields: dict[str, Any] = {"code": (dict[str, str], {}), "tools": (dict[str, str], {})}
-    if (branch, stage) not in CODE_ONLY_VIEWS:
+    if (branch, stage) == EMBEDDED_VIEW:
+        fields["twins"] = (dict[str, dict[str, Any]], ...)
+    else:
         sections = schema.BRANCHES[branch].model_fields
         fields |= {"branch": (str, ...)} | {s: (sections[s].annotation, ...) for s in STAGE_SECTIONS[stage]}
     return create_model(f"View_{branch}_{stage}", __base__=View, **fields)
@@ -240,12 +244,13 @@ def _write_if_changed(path: Path, text: str) -> None:
         os.replace(tmp, path)
 
 
-def write_resolved(composed: dict[str, schema.SftBranch], root: Path = ROOT) -> list[Path]:
-    """Write each stage's address view of the composed branches (:func:`compose_all`) and the run keys of
-    all of them (``config/run.yaml``)."""
+def write_resolved(composed: dict[str, schema.SftBranch], twins: dict[str, dict], root: Path = ROOT) -> list[Path]:
+    """Write each stage's address view of the composed branches (:func:`compose_all`), make_embedded's view
+    of the ``twins`` (:func:`mtpipe.data.embedded.twin_confs`: passed in, so that no stage's code
+    fingerprint holds the generator) and the run keys of all of them (``config/run.yaml``)."""
     views = {(branch, stage): _view_tree(cfg, stage) for branch, cfg in composed.items()
              for stage in BRANCH_STAGES[branch]}
-    views |= {view: {} for view in CODE_ONLY_VIEWS}
+    views[EMBEDDED_VIEW] = {"twins": twins}
     written, run = [], {}
     for (branch, stage), view in views.items():
         if keys := split_run_keys(view, stage):

@@ -169,7 +169,7 @@ def lineage(root: Path) -> list[str]:
     params = yaml.safe_load((root / "params.yaml").read_text())
     presets = ", ".join(f"{branch}: `{params[branch]['preset']}`" for branch in ("sft", "rl"))
     lines = [f"- git HEAD: `{git(root, 'rev-parse', 'HEAD')}`"
-             + (f", with uncommitted changes to {', '.join(sorted(c[3:] for c in changed))}" if changed else ""),
+             + (f", with uncommitted changes to {', '.join(sorted(c.split(maxsplit=1)[1] for c in changed))}" if changed else ""),
              f"- git dvc.lock: last committed in `{git(root, 'log', '-1', '--format=%H', '--', 'dvc.lock')}`",
              f"- presets: {presets}",
              f"- params that differ from the presets: `{json.dumps(overrides(params), sort_keys=True)}`", "",
