@@ -33,7 +33,13 @@ difference is the policy's, not the dice's:
 * KL: GRPO's KL estimate to the warm-up model over the last 5 steps (how far the policy moved);
 * gain: mean over seeds of (after - before), 95% Student-t interval over seeds.
 
-Usage: python benchmarks/grpo_learns.py [--seeds 1,2,3] [--set rl.KEY=VALUE ...] [--keep] [--repo KEPT_COPY]
+With the TRL reference (on unless --no-trl), each seed also gets, under one evaluator (transformers, the
+reference's: greedy accuracy, and pass@1 over 8 samples per prompt at the rollouts' sampling), the
+warm-up, MaxText's GRPO result (exported by to_huggingface@rl) and TRL's GRPOTrainer run from the same
+exported warm-up with the same prompts and settings (benchmarks/grpo_trl.py); gains over seeds with
+95% intervals for both implementations.
+
+Usage: python benchmarks/grpo_learns.py [--seeds 1,2,3] [--set rl.KEY=VALUE ...] [--keep] [--repo KEPT_COPY] [--no-trl]
 """
 
 from __future__ import annotations
@@ -58,6 +64,8 @@ sys.path.insert(0, str(PROJECT))
 from pipeline import copy_project, dvc  # noqa: E402  (the tests' throwaway project copy)
 
 from mtpipe.pipeline.metrics import PASS_AT_K  # noqa: E402
+
+import grpo_trl  # noqa: E402  (benchmarks/: the TRL reference)
 
 PRESET = "embedded-rl-bench"
 EDGE_STEPS = 5  # training reward: mean over the first and the last this many GRPO steps
@@ -111,6 +119,38 @@ def run_seed(repo: Path, seed: int, sets: list[str]) -> dict:
                if f"eval_{when}_{key}" in metrics}}
 
 
+def run_reference(repo: Path, seed: int, out: Path, warmup_hf: Path) -> dict:
+    """The independent reference for one seed (benchmarks/grpo_trl.py): MaxText's GRPO result, exported by
+    to_huggingface@rl, under the reference's evaluator (transformers: greedy, and 8 samples per prompt), and
+    TRL's GRPO from the same exported warm-up with the same prompts and settings, under the same evaluator."""
+    dvc(repo, "repro", "to_huggingface@rl", timeout=3600)
+    _, maxtext = grpo_trl.reference(repo, out / f"maxtext_seed{seed}", seed, steps=0, model=repo / "artifacts/rl/hf")
+    start = time.monotonic()
+    _, trl = grpo_trl.reference(repo, out / f"trl_seed{seed}", seed, model=warmup_hf)
+    return {"seed": seed, "warmup": trl["before"], "maxtext": maxtext["before"], "trl": trl["after"],
+            "trl_kl_last": statistics.fmean(row["kl"] for row in trl["curve"][-EDGE_STEPS:]),
+            "trl_seconds": time.monotonic() - start}
+
+
+def print_reference_table(refs: list[dict]) -> None:
+    print("\nThe same seeds under one evaluator (transformers; benchmarks/grpo_trl.py): the warm-up, MaxText's GRPO "
+          "result, and TRL's GRPOTrainer from the same warm-up with the same prompts and settings")
+    print(f"| seed | greedy: warm-up | MaxText GRPO | TRL GRPO | pass@1 sampled: warm-up | MaxText GRPO | TRL GRPO "
+          f"| TRL KL, last {EDGE_STEPS} | TRL minutes |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in refs:
+        print(f"| {r['seed']} | " + " | ".join(f"{r[who][key]:.1f}%" for key in ("greedy_accuracy", "sampled_pass_at_1")
+                                             for who in ("warmup", "maxtext", "trl"))
+              + f" | {r['trl_kl_last']:.3f} | {r['trl_seconds'] / 60:.1f} |")
+    print()
+    for key, label in (("greedy_accuracy", "greedy accuracy"), ("sampled_pass_at_1", "pass@1 under sampling")):
+        for who, name in (("maxtext", "MaxText"), ("trl", "TRL")):
+            mean, low, high = mean_ci([r[who][key] - r["warmup"][key] for r in refs])
+            verdict = "excludes 0" if low > 0 or high < 0 else "includes 0"
+            print(f"gain in {label}, {name}'s GRPO: {mean:+.3f} points, 95% CI [{low:+.3f}, {high:+.3f}] "
+                  f"over {len(refs)} seeds ({verdict})")
+
+
 def print_table(runs: list[dict], warmup_s: float) -> None:
     print(f"\nGRPO on the embedded default, preset {PRESET}: data, conversion and warm-up (shared) "
           f"{warmup_s / 60:.1f} min")
@@ -150,6 +190,8 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the project copy (its path is printed)")
     parser.add_argument("--repo", type=Path, default=None,
                         help="reuse a project copy kept by --keep: DVC skips what it already ran there")
+    parser.add_argument("--no-trl", action="store_true",
+                        help="skip the TRL reference (its side environment needs PyPI on first use)")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
 
@@ -160,11 +202,17 @@ def main() -> None:
         start = time.monotonic()
         dvc(repo, "repro", "train_sft@rl", timeout=3600)
         warmup_s = time.monotonic() - start
-        runs = []
+        warmup_hf = None if args.no_trl else grpo_trl.export_warmup(repo, base / "trl" / "warmup_hf")
+        runs, refs = [], []
         for seed in seeds:
             runs.append(run_seed(repo, seed, args.set))
             print(json.dumps(runs[-1]), flush=True)
+            if warmup_hf:
+                refs.append(run_reference(repo, seed, base / "trl", warmup_hf))
+                print(json.dumps(refs[-1]), flush=True)
         print_table(runs, warmup_s)
+        if refs:
+            print_reference_table(refs)
     finally:
         if args.keep or args.repo:
             print(f"project copy kept: {base / 'repo'}")

@@ -179,18 +179,26 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=PROJECT / "work" / "grpo_trl", help="export, spec and result")
     args = parser.parse_args()
     start = time.monotonic()
-    repo = args.repo.resolve()
+    spec, result = reference(args.repo, args.out, args.seed, args.steps, args.model, args.eval_samples, args.threads)
+    print_table(result, spec, time.monotonic() - start)
+
+
+def reference(repo: Path, out: Path, seed: int | None = None, steps: int | None = None, model: Path | None = None,
+              eval_samples: int = 8, threads: int = 1) -> tuple[dict, dict]:
+    """TRL's GRPO from `model` (default: the copy's exported warm-up) with train_rl's settings, `steps` of it
+    (0: the eval alone); the spec and the result (trl_reference.py's OUT.json)."""
+    repo = repo.resolve()
     if not (repo / "artifacts/rl/warmup/model_params").is_dir():
         raise SystemExit(f"{repo}/artifacts/rl/warmup/model_params is missing: run `dvc repro train_sft@rl` there first")
-    args.out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     stage = yaml.safe_load((repo / "config" / "rl" / "train_rl.yaml").read_text())
     settings = maxtext_settings(stage["train_rl"])
-    seed = args.seed if args.seed is not None else settings["data_shuffle_seed"]
+    seed = settings["data_shuffle_seed"] if seed is None else seed
     files = repo / "artifacts/rl/dataset/files"
     data = (sorted(files.glob(stage["dataset"]["train_files"])), sorted(files.glob(stage["dataset"]["eval_files"])))
-    model = args.model.resolve() if args.model else export_warmup(repo, args.out / "warmup_hf")
-    spec = make_spec(settings, model, data, seed, args.steps, args.eval_samples, args.threads)
-    print_table(run_reference(spec, args.out), spec, time.monotonic() - start)
+    model = model.resolve() if model else export_warmup(repo, out / "warmup_hf")
+    spec = make_spec(settings, model, data, seed, steps, eval_samples, threads)
+    return spec, run_reference(spec, out)
 
 
 def run_reference(spec: dict, out: Path) -> dict:
