@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
@@ -110,3 +111,19 @@ def test_the_trl_reference_runs_two_grpo_steps_on_the_tiny_twin(tmp_path):
     for when in ("before", "after"):
         assert result[when]["prompts"] == 4 and result[when]["samples_per_prompt"] == 2
         assert 0 <= result[when]["sampled_pass_at_1"] <= 100
+
+
+def test_maxtexts_grpo_penalises_kl_with_tunixs_k1_estimator():
+    """docs/grpo-benchmark.md explains why MaxText's GRPO drifts further from the warm-up than TRL's (KL 2-4x
+    for the same answer gain): MaxText leaves tunix's `kl_loss_mode` at its default, the k1 estimator
+    `logp - ref_logp`, whose gradient as a penalty is zero in expectation; TRL uses k3. A MaxText or tunix
+    that changes this changes that explanation and the reference comparison."""
+    import maxtext
+    from tunix.rl import common
+    from tunix.rl.grpo.grpo_learner import GrpoConfig
+
+    assert GrpoConfig(num_generations=2).kl_loss_mode == "kl"
+    train_rl = Path(maxtext.__file__).parent / "trainers" / "post_train" / "rl" / "train_rl.py"
+    assert "GrpoConfig(" in train_rl.read_text() and "kl_loss_mode" not in train_rl.read_text()
+    logp, ref = np.array([-1.0, -2.0]), np.array([-1.5, -1.0])
+    assert np.allclose(common.compute_kl_divergence(logp, ref, "kl"), logp - ref)
