@@ -115,6 +115,20 @@ def test_unknown_override_key_is_refused(monkeypatch):
         embedded.twin_config("llama3.1-tiny", tokenizer=None)
 
 
+def test_make_embedded_refuses_a_view_written_for_other_twin_sizes(tmp_path, monkeypatch):
+    """conf/model/*-tiny.yaml edited and configure not rerun (`python -m stages.make_embedded` by hand): the
+    stage stops before writing, naming its view and the fix; the committed view matches conf/."""
+    from mtpipe.errors import ConfigError
+    from stages import make_embedded
+
+    assert make_embedded.load_stage("embedded", "make_embedded").twins == embedded.twin_confs()
+    overrides = {**embedded.MAXTEXT_OVERRIDES["llama3.1-tiny"], "base_mlp_dim": 128}
+    monkeypatch.setitem(embedded.MAXTEXT_OVERRIDES, "llama3.1-tiny", overrides)
+    with pytest.raises(ConfigError, match=r"make_embedded\.yaml.*other twin sizes.*dvc repro configure"):
+        make_embedded.main(str(tmp_path / "embedded"))
+    assert not any(tmp_path.iterdir())
+
+
 def test_write_all_reproduces_the_embedded_dir_dvc_lock_records(tmp_path):
     """The bytes the committed pipeline results were made from: write_all's output has the
     directory hash dvc.lock records for make_embedded's `embedded` output."""
