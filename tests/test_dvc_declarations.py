@@ -63,12 +63,12 @@ def test_code_is_fingerprinted_not_declared(name):
 def test_fingerprinted_modules_are_exactly_the_imported_ones(script_name):
     """The modules in a stage's fingerprints are what Python's ModuleFinder says the stage script
     imports, plus the child processes it starts (`python -m mtpipe.maxtext.launch`, for train_rl
-    on CPU `python -m mtpipe.maxtext.rollout_cpu`, for the evaluations `python -m mtpipe.evaluation.server`)."""
+    on CPU `python -m mtpipe.maxtext.launch_rl_cpu`, for the evaluations `python -m mtpipe.evaluation.server`)."""
     expected = {f"stages/{script_name}.py"} | project_modules(ROOT / "stages" / f"{script_name}.py")
     if script_name in MAXTEXT_STAGES:
         expected |= project_modules(ROOT / "mtpipe" / "maxtext" / "launch.py") | {"mtpipe/maxtext/launch.py"}
     if script_name == "train_rl":
-        expected |= project_modules(ROOT / "mtpipe" / "maxtext" / "rollout_cpu.py") | {"mtpipe/maxtext/rollout_cpu.py"}
+        expected |= project_modules(ROOT / "mtpipe" / "maxtext" / "launch_rl_cpu.py") | {"mtpipe/maxtext/launch_rl_cpu.py"}
     if script_name in ("evaluate_base", "evaluate"):  # the CPU model server, `python -m mtpipe.evaluation.server`
         expected |= project_modules(ROOT / "mtpipe" / "evaluation" / "server.py") | {"mtpipe/evaluation/server.py"}
     found = set(fingerprint.stage_modules(script_name))
@@ -106,7 +106,7 @@ def test_every_resolved_view_is_produced_and_consumed_and_the_run_keys_by_no_sta
 @pytest.mark.parametrize(("stage", "backends", "left_out"), [
     ("train_sft", {"hardware.backend": "local"}, {"mtpipe/cloud/xpk.py", "mtpipe/cloud/image.py"}),
     ("train_rl", {"hardware.backend": "local", "train_rl.rollout_backend": "vllm"},
-     {"mtpipe/cloud/xpk.py", "mtpipe/cloud/image.py", "mtpipe/maxtext/rollout_cpu.py"}),
+     {"mtpipe/cloud/xpk.py", "mtpipe/cloud/image.py", "mtpipe/maxtext/launch_rl_cpu.py", "mtpipe/maxtext/rollout_cpu.py"}),
     ("evaluate", {"evaluate.backend": "vllm"}, {"mtpipe/evaluation/server.py", "mtpipe/evaluation/numpy_forward.py"}),
 ], ids=["local_training", "vllm_rollouts", "vllm_server"])
 def test_only_the_backend_in_use_is_in_a_stages_code(stage, backends, left_out):

@@ -16,7 +16,7 @@ def test_every_rl_stage_ran_the_real_tool(pipeline_repo):
     log = (pipeline_repo / "work" / "first_repro.log").read_text()
     assert {"hf_download@rl", "to_maxtext@rl", "train_sft@rl", "train_rl", "to_huggingface@rl"} <= ran_stages(log)
     rl_log = (pipeline_repo / "work/logs/rl/train_rl.log").read_text()
-    assert "# launched as: python -m mtpipe.maxtext.rollout_cpu maxtext.trainers.post_train.rl.train_rl" in rl_log
+    assert "# launched as: python -m mtpipe.maxtext.launch_rl_cpu maxtext.trainers.post_train.rl.train_rl" in rl_log
     assert "cpu_jax rollout:" in rl_log, "the CPU rollout backend sampled the completions"
     assert (pipeline_repo / "artifacts/rl/trained/model_params").is_dir()
     assert (pipeline_repo / "artifacts/rl/warmup/model_params").is_dir()

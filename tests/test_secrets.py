@@ -32,7 +32,7 @@ STAGE = re.compile(r"-m stages\.(\w+)")
 # Every MaxText entry point of the pipeline, as the runner launches it.
 MAXTEXT_CHILDREN = ("mtpipe.maxtext.launch maxtext.checkpoint_conversion.to_maxtext",
                     "mtpipe.maxtext.launch maxtext.trainers.post_train.sft.train_sft",
-                    "mtpipe.maxtext.rollout_cpu maxtext.trainers.post_train.rl.train_rl",
+                    "mtpipe.maxtext.launch_rl_cpu maxtext.trainers.post_train.rl.train_rl",
                     "mtpipe.maxtext.launch maxtext.checkpoint_conversion.to_huggingface")
 
 

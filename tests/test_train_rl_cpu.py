@@ -1,7 +1,7 @@
 """MaxText's GRPO trainer (train_rl) on CPU with the cpu_jax rollout backend, and MaxText's rewards.
 
 The slow test runs the real `maxtext.trainers.post_train.rl.train_rl` (through
-`python -m mtpipe.maxtext.rollout_cpu`) on the tiny Llama 3.1 twin converted by the real converter, for two
+`python -m mtpipe.maxtext.launch_rl_cpu`) on the tiny Llama 3.1 twin converted by the real converter, for two
 GRPO steps on GSM8K-format parquet files, and checks what a stage would rely on: exit status (no hang
 at exit), the actor checkpoint, changed parameters, the tensorboard scalars and the eval lines.
 """
@@ -167,7 +167,7 @@ def test_train_rl_runs_two_grpo_steps_on_cpu(tmp_path):
         "reward_functions=match_format_exactly,match_format_approximately,check_numbers,length_signal", cache,
         "eval_sampling_strategy=liberal", "num_eval_passes=2", "eval_mode=pass_at_1",  # 2 samples: pass@1, pass@2
     ]
-    run = subprocess.run([sys.executable, "-m", "mtpipe.maxtext.rollout_cpu", *argv], env=env, capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-m", "mtpipe.maxtext.launch_rl_cpu", *argv], env=env, capture_output=True, text=True,
                          timeout=900)
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-4000:]

@@ -181,8 +181,8 @@ def test_rl_export_uses_the_base_model_name():
 
 def test_embedded_rl_uses_the_cpu_rollout_backend():
     cmd = rl_command(config.stage_view(config.compose("rl", families.load_params()), "train_rl"))
-    assert cmd.launcher == "mtpipe.maxtext.rollout_cpu"
-    assert cmd.argv()[1:4] == ["-m", "mtpipe.maxtext.rollout_cpu", commands.TRAIN_RL]
+    assert cmd.launcher == "mtpipe.maxtext.launch_rl_cpu"
+    assert cmd.argv()[1:4] == ["-m", "mtpipe.maxtext.launch_rl_cpu", commands.TRAIN_RL]
 
 
 @pytest.mark.parametrize("branch", ["sft", "rl"])

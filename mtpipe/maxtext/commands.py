@@ -33,7 +33,7 @@ class MaxTextCommand:
     module: str
     args: list[str]
     env: dict[str, str] = field(default_factory=dict)
-    launcher: str = "mtpipe.maxtext.launch"  # applies mtpipe.maxtext.maxtext_adapter; train_rl on CPU: mtpipe.maxtext.rollout_cpu
+    launcher: str = "mtpipe.maxtext.launch"  # applies mtpipe.maxtext.maxtext_adapter; train_rl on CPU: mtpipe.maxtext.launch_rl_cpu
 
     def argv(self) -> list[str]:
         """The child process: ``python -m <launcher> <module> <args>``."""
@@ -149,7 +149,7 @@ def train_rl(
         *kv(cfg.model.maxtext_overrides),
         *kv(t.extra_args),
     ]
-    launcher = {"cpu_jax": "mtpipe.maxtext.rollout_cpu", "vllm": "mtpipe.maxtext.launch"}[t.rollout_backend]
+    launcher = {"cpu_jax": "mtpipe.maxtext.launch_rl_cpu", "vllm": "mtpipe.maxtext.launch"}[t.rollout_backend]
     return MaxTextCommand(TRAIN_RL, args, env=dict(cfg.hardware.env), launcher=launcher)
 
 

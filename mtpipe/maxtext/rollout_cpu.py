@@ -10,10 +10,8 @@ imported, and changes nothing else:
   a tunix `BaseRollout` that samples with the MaxText actor model itself, in JAX.
 
 The rest of MaxText and tunix (config, model load, data, rewards, GrpoLearner, eval, checkpoints)
-runs unmodified. `run_train_rl(argv)` is the entry point (`python -m mtpipe.maxtext.rollout_cpu
-[maxtext.trainers.post_train.rl.train_rl] key=value ...`): it installs the backend, runs train_rl's
-`main`, and leaves with `os._exit`, because the math-verify process pool hangs a normal interpreter
-exit.
+runs unmodified. The child process starts in mtpipe.maxtext.launch_rl_cpu, which calls `install()`
+and runs train_rl (it, not this module, is the process's __main__: see there why).
 
 Sampling follows what tunix and vLLM hand back to the GRPO learner: prompts are tokenized like
 tunix (BOS prepended, then deduplicated), left-padded with the pad id to at least the trainer's
@@ -46,10 +44,9 @@ import importlib.util
 import os
 import sys
 import time
-import traceback
 import types
 import zlib
-from typing import Any, Callable, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +61,6 @@ from tunix.rl.rollout import base_rollout
 PARENT_PACKAGE = "maxtext.integration.vllm"
 ROLLOUT_MODULE = "maxtext.integration.vllm.maxtext_vllm_rollout"
 ADAPTER_MODULE = "maxtext.integration.vllm.maxtext_vllm_adapter"
-TRAIN_RL_MODULE = "maxtext.trainers.post_train.rl.train_rl"
 KV_CACHE_ENV = "MTPIPE_ROLLOUT_KV_CACHE"  # "0" switches to the full-forward decoder
 
 # advance(i, tokens sampled at step i-1 or None, per-row keys [B, 2]) -> (tokens [B], logprobs [B])
@@ -436,40 +432,3 @@ def install() -> None:
   for name, module in ((ADAPTER_MODULE, adapter), (ROLLOUT_MODULE, rollout)):
     sys.modules[name] = module
     setattr(parent, name.rsplit(".", 1)[1], module)  # `import a.b.c as x` reads the attribute
-
-
-def run_train_rl(argv: Sequence[str]) -> NoReturn:
-  """Runs MaxText's train_rl with the cpu_jax backend and exits the process with its status.
-
-  `argv` are train_rl's arguments (an optional rl.yml path, then key=value pairs). The process
-  ends with `os._exit` once train_rl's `main` has returned; by then its checkpoints are written
-  (train_rl saves synchronously and waits for the checkpoint manager). A normal interpreter exit
-  hangs once the math-verify process pool has been used.
-  """
-  install()
-  import multiprocessing.pool  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
-
-  from absl import app  # pylint: disable=import-outside-toplevel
-
-  train_rl = importlib.import_module(TRAIN_RL_MODULE)
-  code = 0
-  try:
-    app.run(train_rl.main, argv=[train_rl.__file__, *argv])
-  except SystemExit as exc:
-    code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-  except BaseException:  # pylint: disable=broad-except
-    traceback.print_exc()
-    code = 1
-  sys.stdout.flush()
-  sys.stderr.flush()
-  os._exit(code)  # pylint: disable=protected-access
-
-
-if __name__ == "__main__":
-  # `python -m mtpipe.maxtext.rollout_cpu [maxtext.trainers.post_train.rl.train_rl] <train_rl arguments>`
-  _args = sys.argv[1:]
-  _args = _args[1:] if _args[:1] == [TRAIN_RL_MODULE] else _args
-  from mtpipe.maxtext.maxtext_adapter import apply  # pylint: disable=import-outside-toplevel
-
-  apply(TRAIN_RL_MODULE, _args)  # no token in argv; tunix saves with MaxText's storage flags
-  run_train_rl(_args)

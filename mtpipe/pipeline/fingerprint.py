@@ -31,7 +31,7 @@ PACKAGES = ("mtpipe", "stages")  # the project's own top-level packages; every o
 CHILD_ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "to_maxtext": ("mtpipe/maxtext/launch.py",),
     "train_sft": ("mtpipe/maxtext/launch.py",),
-    "train_rl": ("mtpipe/maxtext/launch.py", "mtpipe/maxtext/rollout_cpu.py"),
+    "train_rl": ("mtpipe/maxtext/launch.py", "mtpipe/maxtext/launch_rl_cpu.py"),
     "to_huggingface": ("mtpipe/maxtext/launch.py",),
     "evaluate_base": ("mtpipe/evaluation/server.py",),  # mtpipe.evaluation.serving.server_command (cpu)
     "evaluate": ("mtpipe/evaluation/server.py",),
@@ -41,7 +41,7 @@ CHILD_ENTRY_POINTS: dict[str, tuple[str, ...]] = {
 # With another value they, and what only they import, are not in the stage's code.
 BACKEND_MODULES: dict[str, dict[str, tuple[str, ...]]] = {
     "hardware.backend": {"xpk": ("mtpipe/cloud/xpk.py",)},
-    "train_rl.rollout_backend": {"cpu_jax": ("mtpipe/maxtext/rollout_cpu.py",)},
+    "train_rl.rollout_backend": {"cpu_jax": ("mtpipe/maxtext/launch_rl_cpu.py",)},
     "evaluate.backend": {"cpu": ("mtpipe/evaluation/server.py",)},
 }
 MESSAGE = ast.Constant("<message>")
