@@ -1,7 +1,7 @@
 """Does GRPO learn on the embedded default? Prints one table: reward and eval accuracy before and
 after GRPO, per seed, and the mean gain across seeds with a 95% confidence interval.
 
-The setup is the preset `embedded-rl-bench` (conf/preset/embedded-rl-bench.yaml): the RL branch's
+The setup is the preset `embedded-rl` (conf/preset/embedded-rl.yaml), the demo's RL branch: the RL branch's
 tiny Llama 3.1 twin on generated GSM8K-style problems, after the demo's 400-step SFT warm-up (the
 answer format learnt, about one sampled answer in four right), then 100 GRPO steps of 8 prompts x 8
 samples: the rewards within a group differ by the answer, and GRPO raises held-out accuracy.
@@ -67,7 +67,7 @@ from mtpipe.pipeline.metrics import PASS_AT_K  # noqa: E402
 
 import grpo_trl  # noqa: E402  (benchmarks/: the TRL reference)
 
-PRESET = "embedded-rl-bench"
+PRESET = "embedded-rl"
 EDGE_STEPS = 5  # training reward: mean over the first and the last this many GRPO steps
 REWARD_COLUMNS = ("reward_exact_format", "reward_approx_format", "reward_answer")  # plots/rl/train_rl.csv
 

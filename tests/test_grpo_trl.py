@@ -28,7 +28,7 @@ import grpo_trl  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.rl_learns]
 
 # the benchmark preset's train_rl section with what it inherits from embedded-rl
-BENCH_TRAIN_RL = OmegaConf.to_container(config.load_preset("embedded-rl-bench", "preset"))["train_rl"]
+BENCH_TRAIN_RL = OmegaConf.to_container(config.load_preset("embedded-rl", "preset"))["train_rl"]
 
 COMPLETIONS = [  # (completion, gold answer)
     ("<reasoning>3 + 4 = 7</reasoning><answer>7</answer>", "7"),  # right, in format

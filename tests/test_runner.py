@@ -1,5 +1,6 @@
 """The runner: progress lines from MaxText's log, secrets redacted, failures loud."""
 
+import json
 import socket
 import sys
 import time
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mtpipe.errors import ConfigError
-from mtpipe.maxtext import runner
+from mtpipe.maxtext import commands, runner
 from mtpipe.maxtext.commands import MaxTextCommand
 
 LINE = ("I1129 completed step: 40, seconds: 0.131, TFLOP/s/device: 0.012, Tokens/s/device: 3907.5, "
@@ -34,6 +35,20 @@ def test_the_child_gets_no_token_and_the_log_masks_it(tmp_path, monkeypatch, cap
     assert "hf_abcdefghijklmnop" not in log + out
     assert "child has None" in log and "echo <HF_TOKEN>" in log
     assert "step 40/150  loss 2.103  tokens/s/device 3908" in out
+
+
+def test_grpo_shows_its_steps_and_sft_each_step_once(tmp_path, monkeypatch, capsys):
+    """train_rl logs tunix's trainer lines only; train_sft logs those and MaxText's, and counts once."""
+    tunix = "I1205 12:06:02.068895 1 peft_trainer.py:488] Train step 69 training loss: 0.004167  - training perplexity: 1.0042"
+    script = tmp_path / "fake_maxtext.py"
+    script.write_text(f"print({tunix!r}); print({LINE!r})")
+    monkeypatch.setattr(MaxTextCommand, "argv", lambda self: [sys.executable, str(script)])
+    runner.run(MaxTextCommand(commands.TRAIN_RL, []), tmp_path / "rl" / "train_rl.log", total_steps=100)
+    assert capsys.readouterr().out.count("  step ") == 1
+    assert json.loads((tmp_path / "rl" / "train_rl.progress.json").read_text())["step"] == 69
+    runner.run(MaxTextCommand(commands.TRAIN_SFT, []), tmp_path / "sft" / "train_sft.log", total_steps=150)
+    out = capsys.readouterr().out
+    assert out.count("  step ") == 1 and "step 40/150  loss 2.103" in out
 
 
 def test_a_failing_tool_fails_the_stage(tmp_path, monkeypatch):

@@ -26,11 +26,14 @@ from pathlib import Path
 
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import progress
-from mtpipe.maxtext.commands import MaxTextCommand
+from mtpipe.maxtext.commands import TRAIN_RL, MaxTextCommand
 from mtpipe.pipeline.stage import HUB_TOKEN_ENV
 
 STEP_LINE = re.compile(r"completed step: (?P<step>\d+), seconds: (?P<sec>[\d.]+)"
                        r"(?:.*?Tokens/s/device: (?P<tps>[\d.]+))?.*?loss: (?P<loss>[\d.naif-]+)")
+# train_rl logs no "completed step": its steps are tunix's trainer lines (GRPO's loss stays near 0 by
+# construction; the rewards go to tensorboard), so its progress is the step and the ETA.
+GRPO_STEP_LINE = re.compile(r"Train step (?P<step>\d+) training loss: (?P<loss>[\d.naif-]+)")
 REDACTED_ENV = (*HUB_TOKEN_ENV, "GOOGLE_APPLICATION_CREDENTIALS")
 COORDINATOR_PORT = 1234  # fixed in MaxText's initialize_jax_for_cpu
 READER_GRACE_S = 10.0
@@ -180,6 +183,7 @@ def _follow(child: _Child, cmd: MaxTextCommand, processes: int, total_steps: int
     """Copy one process's output into its log (redacted); process 0's steps become console progress
     and the stage's progress file (mtpipe.maxtext.progress)."""
     first_step = None
+    step_line = GRPO_STEP_LINE if cmd.module == TRAIN_RL else STEP_LINE  # SFT logs both kinds
     with open(child.log_path, "a", encoding="utf8", buffering=1) as log:
         log.write(f"$ {redact(cmd.as_tutorial())}\n# launched as: python -m {cmd.launcher} {cmd.module} ..."
                   + (f" (process {child.index} of {processes})" if processes > 1 else "") + "\n")
@@ -188,14 +192,13 @@ def _follow(child: _Child, cmd: MaxTextCommand, processes: int, total_steps: int
             line = redact(raw)
             log.write(line)
             child.tail = (child.tail + [line])[-40:]
-            match = STEP_LINE.search(line) if child.index == 0 else None
+            match = step_line.search(line) if child.index == 0 else None
             if match:
-                step = int(match["step"])
+                step, tps = int(match["step"]), match.groupdict().get("tps")
                 first_step = step if first_step is None else first_step
                 elapsed = time.monotonic() - start
-                print(format_progress(step, total_steps, match["loss"], match["tps"], elapsed, first_step),
-                      flush=True)
-                progress.write(child.log_path, step, total_steps, match["loss"], match["tps"],
+                print(format_progress(step, total_steps, match["loss"], tps, elapsed, first_step), flush=True)
+                progress.write(child.log_path, step, total_steps, match["loss"], tps,
                                progress.eta_s(step, total_steps, elapsed, first_step))
 
 
