@@ -113,8 +113,18 @@ def test_no_stage_runs_the_report_code():
         assert not [m for m in modules if m.startswith("mtpipe/reporting/")], script.stem
 
 
-
 def test_a_run_of_one_branch_has_that_branchs_figures():
     """`dvc exp run to_huggingface@sft` and the like: the report names what ran, nothing else."""
     sft_only = {stage: values for stage, values in report.metrics(ROOT).items() if stage.endswith("@sft")}
     assert set(report.headlines(sft_only)) == {"train_sft@sft", "evaluate@sft"}
+
+
+@pytest.mark.rl_learns
+def test_the_committed_demo_run_shows_grpo_raising_answer_accuracy():
+    """metrics/rl/train_rl.json (the committed `make demo`): pass@1 on the same 96 held-out prompts,
+    8 samples each, is higher after GRPO than before it."""
+    rl = json.loads((ROOT / "metrics" / "rl" / "train_rl.json").read_text())
+    assert rl["eval_pre_total"] == rl["eval_post_total"] == 96
+    assert rl["eval_pre_samples_per_prompt"] == rl["eval_post_samples_per_prompt"] == 8
+    assert rl["eval_post_pass_at_1"] > rl["eval_pre_pass_at_1"], rl
+    assert rl["eval_post_accuracy"] == pytest.approx(rl["eval_post_pass_at_1"], abs=0.01)  # what the report quotes

@@ -73,8 +73,10 @@ def headlines(m: dict[str, dict[str, Any]]) -> dict[str, str]:
     if warmup := m.get("train_sft@rl"):
         figures["train_sft@rl"] = f"{warmup['steps']} steps: loss {short(warmup['loss_first'])} -> {short(warmup['loss_last'])}"
     if rl := m.get("train_rl@rl"):
-        figures["train_rl"] = (f"eval accuracy {fixed(rl['eval_pre_accuracy'], 1)}% before / "
-                               f"{fixed(rl['eval_post_accuracy'], 1)}% after on {rl['eval_post_total']} prompts")
+        samples = rl.get("eval_post_samples_per_prompt", 1)
+        score, drawn = ("pass@1", f" x {samples} samples") if samples > 1 else ("accuracy", "")
+        figures["train_rl"] = (f"eval {score} {fixed(rl['eval_pre_accuracy'], 1)}% before / "
+                               f"{fixed(rl['eval_post_accuracy'], 1)}% after on {rl['eval_post_total']} prompts{drawn}")
     if gsm8k := m.get("evaluate@rl"):
         base, trained, gain = gsm8k["base"], gsm8k["trained"], gsm8k["gain"]
         figures["evaluate@rl"] = (f"base {fixed(base['flexible_accuracy'], 1)}%, trained "
