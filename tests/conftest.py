@@ -63,6 +63,7 @@ def pipeline_run(tmp_path_factory) -> PipelineRun:
             build_pipeline(shared / "pipeline")
     repo = tmp_path_factory.mktemp("pipeline") / "repo"
     shutil.copytree(shared / "pipeline" / "repo", repo, symlinks=True)
+    dvc(repo, "checkout", "--relink")  # the copy's outputs are copies: links into its own cache, as after a repro
     restore(repo)
     return PipelineRun(repo, *CanaryEnv.load(shared / "pipeline" / CANARY_RECORD))
 

@@ -137,7 +137,7 @@ def test_tiny_presets_compile_for_v6e8_and_the_second_run_is_cached(root: Path, 
         assert written["compile_cached"] is False
     sft, rl = rows
     assert sft["maxtext_config"]["per_device_batch_size"] == 4  # the preset's value reached the compile
-    assert rl["maxtext_config"]["global_batch_size_to_train_on"] == 4 * 8  # batch_size x num_generations
+    assert rl["maxtext_config"]["global_batch_size_to_train_on"] == 8 * 8  # batch_size x num_generations
     assert set(rl["hbm_parts_gib"]) >= {"reference_weights", "rollout_kv_cache_min"}
     start = time.monotonic()
     again = preflight.run(ON_V6E, 2.70, MACHINE, root)

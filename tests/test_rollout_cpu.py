@@ -228,14 +228,39 @@ def test_an_eval_pass_samples_a_prompt_with_the_same_random_numbers(tiny):
     (same weights, same samples), the 2nd differs; rows repeating one prompt in a call differ."""
     rollout = tiny[0]
     rows = [PROMPTS[0], PROMPTS[0], PROMPTS[1]]
-    rollout._eval_passes, rollout._calls_with = 2, {}
+    rollout._eval_passes, rollout._calls_of = 2, {}
     try:
         first, second, third = (_generate(tiny, rows, temperature=1.0, eos_tokens=[-1]).tokens for _ in range(3))
     finally:
-        rollout._eval_passes, rollout._calls_with = 1, {}
+        rollout._eval_passes, rollout._calls_of = 1, {}
     assert [t.tolist() for t in third] == [t.tolist() for t in first]
     assert [t.tolist() for t in second] != [t.tolist() for t in first]
     assert first[0].tolist() != first[1].tolist(), "two samples of one prompt in a call drew the same numbers"
+
+
+@pytest.mark.slow
+def test_a_grpo_batch_draws_what_it_drew_before_a_resume(tiny):
+    """A resumed run (a new sampler: no earlier calls) draws a training batch's numbers as the
+    uninterrupted run did, though a prompt of it was sampled before the checkpoint; and the eval after
+    training stays paired with the one before, though a training batch held one of its prompts."""
+    rollout = tiny[0]
+    base = jax.random.PRNGKey(0)
+    evals, other = PROMPTS, "Ann has 2 cats and 3 dogs. How many pets?"
+    step = [PROMPTS[0]] * 2 + [other] * 2  # a GRPO batch, 2 samples per prompt: an eval prompt trained on
+    rollout._eval_passes, rollout._calls_of = 2, {}
+    try:
+        before = [np.asarray(rollout._row_keys(base, evals)) for _ in range(2)]
+        rollout._row_keys(base, [other] * 2)  # a step before the checkpoint held `other`
+        uninterrupted = np.asarray(rollout._row_keys(base, step))
+        after = [np.asarray(rollout._row_keys(base, evals)) for _ in range(2)]
+        rollout._calls_of = {}  # the resumed process
+        resumed = np.asarray(rollout._row_keys(base, step))
+    finally:
+        rollout._eval_passes, rollout._calls_of = 1, {}
+    np.testing.assert_array_equal(resumed, uninterrupted)
+    for pass_before, pass_after in zip(before, after):
+        np.testing.assert_array_equal(pass_after, pass_before)
+    assert not np.array_equal(before[0], before[1])
 
 
 @pytest.mark.slow

@@ -123,12 +123,12 @@ def preflight_line(vm_lock: Path) -> str:
 def test_the_record_about_to_be_committed_is_current(tmp_path: Path):
     """dvc.lock records the code, conf/, params and views as they are (what git would commit): the
     committed metrics and plots come from this code. Fails after an edit until `dvc repro` ran."""
-    repo = copy_project(tmp_path / "repo")
+    repo = copy_project(tmp_path / "repo", test_params=False)
     assert lock_check.stale_entries(repo) == [], lock_check.FIX
 
 
 def test_a_stale_record_is_named_and_fails_the_check(tmp_path: Path):
-    repo = copy_project(tmp_path / "repo")
+    repo = copy_project(tmp_path / "repo", test_params=False)
     edits = {
         "mtpipe/pipeline/metrics.py": ("\n\n\ndef ", "\n\n\nTOUCHED = 1\n\n\ndef "),
         "conf/hardware/cpu.yaml": ("\n", "\n# an edit\n"),

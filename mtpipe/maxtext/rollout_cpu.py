@@ -23,12 +23,13 @@ log-probs, so the sampler's and the trainer's distributions agree.
 
 Random numbers are paired: each row draws from its own key, made from the run's seed (MaxText's
 `data_shuffle_seed`), the prompt's text, the row's repeat index among the rows with that prompt in
-the call, and the prompt's eval pass (how many earlier calls held it, modulo MaxText's
-`num_eval_passes`). So the eval before GRPO and the eval after it sample each prompt with the same
-random numbers (common random numbers): where the policy did not change, neither do the samples,
-and the difference between the two evals measures the policy rather than the dice
-(benchmarks/grpo_learns.py). GRPO's training prompts are new at each step, so their draws are as
-independent as before.
+the call, and the call's eval pass (how many earlier calls held exactly the same prompts, modulo
+MaxText's `num_eval_passes`). So the eval before GRPO and the eval after it sample each prompt with
+the same random numbers (common random numbers): where the policy did not change, neither do the
+samples, and the difference between the two evals measures the policy rather than the dice
+(benchmarks/grpo_learns.py). A GRPO step's prompts are a batch no earlier call held, so its draws
+depend on nothing before it: a resumed run draws what the uninterrupted one drew, though it never
+saw the steps before its checkpoint (a prompt that recurs in training, an eval prompt trained on).
 
 Two decoders give the same tokens (tests/test_rollout_cpu.py): MaxText's own KV cache (prefill,
 then one autoregressive step per token; the default), and a full forward over a fixed
@@ -198,7 +199,7 @@ class CpuJaxRollout(base_rollout.BaseRollout):
     # One seed for the run: MaxText's data_shuffle_seed orders the prompts and, here, seeds sampling.
     self._base_key = jax.random.PRNGKey(int(getattr(maxtext_config, "data_shuffle_seed", 0) or 0))
     self._eval_passes = max(1, int(getattr(maxtext_config, "num_eval_passes", 1) or 1))
-    self._calls_with: dict[str, int] = {}  # prompt -> how many earlier calls held it
+    self._calls_of: dict[tuple[str, ...], int] = {}  # prompts of a call -> how many earlier calls held them
     self.last_generate_seconds = 0.0
 
   # -- tunix interface -------------------------------------------------------------------------
@@ -240,16 +241,17 @@ class CpuJaxRollout(base_rollout.BaseRollout):
 
   def _row_keys(self, base: jax.Array, prompts: list[str]) -> jax.Array:
     """One key per row [B, 2]: from `base`, the prompt's text, its repeat index in this call and
-    its eval pass (see the module docstring); counts this call for each prompt in it."""
+    the call's eval pass (see the module docstring); counts this call."""
+    call = tuple(prompts)
+    eval_pass = self._calls_of.get(call, 0) % self._eval_passes
+    self._calls_of[call] = self._calls_of.get(call, 0) + 1
     repeats: dict[str, int] = {}
     keys = []
     for prompt in prompts:
       key = jax.random.fold_in(base, zlib.crc32(prompt.encode()))
       key = jax.random.fold_in(key, repeats.get(prompt, 0))
-      keys.append(jax.random.fold_in(key, self._calls_with.get(prompt, 0) % self._eval_passes))
+      keys.append(jax.random.fold_in(key, eval_pass))
       repeats[prompt] = repeats.get(prompt, 0) + 1
-    for prompt in repeats:
-      self._calls_with[prompt] = self._calls_with.get(prompt, 0) + 1
     return jnp.stack(keys)
 
   def get_per_token_logps(self, prompt_tokens: jax.Array, completion_tokens: jax.Array) -> jax.Array:
