@@ -81,7 +81,7 @@ def _heavy_modules_a_grading_worker_imports(main_module: str) -> list[str]:
 def test_the_grading_workers_do_not_import_jax_or_tunix():
     """train_rl's child process is launched as `python -m mtpipe.maxtext.launch_rl_cpu`; each grading
     worker (one more per 100 graded answers) re-imports that module, and must not pay JAX's, flax's
-    and tunix's import (6.9 s of CPU against 1.0 s on 2 cores). The control: the rollout backend as
+    and tunix's import (benchmarks/grading_workers.py measures the cost). The control: the rollout backend as
     __main__ makes every worker import them. (tests/test_tutorial_commands.py checks the launcher.)"""
     assert _heavy_modules_a_grading_worker_imports("mtpipe.maxtext.launch_rl_cpu") == []
     assert {"jax", "flax", "tunix"} <= set(_heavy_modules_a_grading_worker_imports("mtpipe.maxtext.rollout_cpu"))

@@ -11,8 +11,8 @@ synchronously and waits for orbax before `main` returns, and the streams are flu
 Nothing heavy is imported at module level, and train_rl is imported as a module, not run as
 __main__: MaxText grades answers in a pool of *spawned* processes (math_verify_pool), each worker
 first re-imports the parent's __main__ module, and a worker is replaced after 100 graded answers.
-With the rollout backend as __main__ every worker imported JAX, flax and tunix (6.9 s of CPU against
-1.0 s for what grading needs, on the 2-core machine: docs/rl-rollout.md).
+With the rollout backend as __main__ every worker imported JAX, flax and tunix (7.5x the CPU of a
+worker start from here: benchmarks/grading_workers.py, docs/rl-rollout.md).
 """
 
 from __future__ import annotations
