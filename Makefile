@@ -19,7 +19,7 @@ export PATH := $(BIN):$(PATH)
 export GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT := false
 export NO_GCE_CHECK := true
 
-.PHONY: demo test test-fast bench bench-realsize lock clean-work
+.PHONY: demo test test-fast bench bench-realsize lock lock-check clean-work
 
 $(VENV)/.installed: requirements.lock pyproject.toml Makefile
 	@test -n "$(PY312)" || { echo "Python 3.12 not found: install it (e.g. 'uv python install 3.12' or 'pyenv install 3.12')" >&2; exit 1; }
@@ -71,6 +71,12 @@ bench-realsize: $(VENV)/.installed
 # as of a fixed date. Needs PyPI.
 lock: $(VENV)/.installed
 	python -m mtpipe.pipeline.requirement_locks
+
+# Does the index still give both committed locks? Resolves them again as `make lock` does (into a
+# temporary directory) and names each moved pin and how to relock; exit 1 if one moved. Needs PyPI,
+# about 2 minutes; not part of `make test`, which needs no index.
+lock-check: $(VENV)/.installed
+	python -m mtpipe.pipeline.requirement_locks --check
 
 clean-work:
 	rm -rf work

@@ -71,14 +71,6 @@ def test_doit_prints_no_warning():
     assert not re.findall(r"\w*Warning\b|WARNING|Traceback", out), out
 
 
-@pytest.mark.slow
-def test_the_laptop_lock_resolves_again_to_the_same_file(tmp_path: Path):
-    """`make lock` today gives the committed laptop lock (PyPI as of requirement_locks.INDEX_DATE, the VM's pins)."""
-    out = tmp_path / "requirements.lock"
-    requirement_locks.compile_laptop_lock(out)
-    assert out.read_text() == requirement_locks.LAPTOP_LOCK.read_text(), "requirements.lock is stale: run `make lock`"
-
-
 def test_each_view_records_the_versions_of_the_tools_its_stage_runs(tmp_path: Path):
     config.write_resolved(config.compose_all(families.load_params()), embedded.twin_confs(), tmp_path)
     tools = {(branch, stage): OmegaConf.load(config.resolved_path(branch, stage, tmp_path)).tools

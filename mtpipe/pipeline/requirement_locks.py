@@ -31,8 +31,10 @@ are above the ``tpu-post-train`` ones the tutorial installs (libtpu 0.0.44), so 
 extra's package names and the VM's versions, not the extra's bounds (docs/decisions.md).
 
 Versions come from ``pyproject.toml``: the one place for MaxText's version and the project's pins.
-``--exclude-newer`` fixes the index as of :data:`INDEX_DATE`, so both resolutions are reproducible
-(tests/test_vm_lock.py and tests/test_toolchain.py resolve them again and compare).
+``--exclude-newer`` fixes the index as of :data:`INDEX_DATE`, so both resolutions are reproducible as
+long as the index serves what it served then; a release uploaded later with an older date (the index
+does take such uploads) changes them. ``make lock-check`` (:func:`check`; not part of the test suite,
+which needs no index) resolves both again and names what moved.
 
 ``tpu-post-train`` pins ``torch==2.11.0+cpu`` / ``torchvision==0.26.0+cpu``: builds only the PyTorch
 index serves. They are overridden with the same versions from PyPI (CUDA builds that run on the CPU;
@@ -44,6 +46,7 @@ tpu-inference, a tunix commit) comes from GitHub commits pinned in MaxText's own
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 import sys
@@ -75,6 +78,15 @@ LIFTED_FLOORS = {
     "grpcio": "google-api-core and google-auth deprecate grpcio < 1.83 (no post-quantum TLS) with a "
               "FutureWarning at every import, and announced it as their minimum from October 2026",
 }
+# Packages of the VM lock below their newest release although neither MaxText nor the project chose
+# them: each is held back by a bound of the package named (which the lock's `# via` comments name).
+HELD_BACK = {"chardet": {"mbstrdecoder"}, "flufl-lock": {"dvc"}, "typepy": {"pytablewriter"}}  # <7, <10, <2
+# torch 2.11.0 pins its CUDA 13.0 stack, directly or through cuda-toolkit's own == pins.
+TORCH_PINS = re.compile(r"nvidia-(?!ml-py$)|cuda-toolkit$")
+RELOCK = ("To take the index as it is now: `make lock` (rewrites both locks), `make` (installs the new "
+          "requirements.lock), then `dvc repro`: each stage's view records the versions of the tools it runs, so "
+          "the stages whose tools moved rerun; commit the locks with dvc.lock, config/, metrics/ and plots/. "
+          "Until then the committed locks still install as they are (every file is hash-pinned).")
 
 
 def project_pins() -> dict[str, Requirement]:
@@ -246,7 +258,83 @@ def laptop_header_lines() -> list[str]:
     ]
 
 
+def via(text: str) -> dict[str, set[str]]:
+    """Package -> the packages that require it, from a lock's ``# via`` comments."""
+    out: dict[str, set[str]] = {}
+    name = None
+    for line in text.splitlines():
+        if m := re.match(r"([A-Za-z0-9_.\-]+)==", line):
+            name = canonicalize_name(m[1])
+            out[name] = set()
+        elif name and (m := re.fullmatch(r"\s+#(?: via)?\s+([A-Za-z0-9_.\-]+)", line)):
+            out[name].add(canonicalize_name(m[1]))
+    return out
+
+
+def free_packages(text: str) -> list[str]:
+    """The VM lock's packages that neither MaxText floors (a floor that bounds nothing, or a lifted one,
+    counts as none) nor the project pins: each should be at its newest release (needs PyPI)."""
+    floors = maxtext_floors()
+    untaken = vacuous_floors(floors).keys() | LIFTED_FLOORS.keys()
+    maxtext, rest = vm_inputs()
+    pinned = {canonicalize_name(Requirement(r).name) for r in [maxtext, *rest, *torch_overrides()]}
+    return sorted(lock_pins(text).keys() - (floors.keys() - untaken) - pinned)
+
+
+def behind(text: str, newest: dict[str, str]) -> dict[str, tuple[str, str]]:
+    """name -> (pin, newest release) for each package of ``newest`` that the VM lock ``text`` pins below
+    it, unless a package the lock names holds it back (:data:`HELD_BACK`, :data:`TORCH_PINS`)."""
+    pins, requirers = lock_pins(text), via(text)
+    held = {name: {"torch", "cuda-toolkit"} if TORCH_PINS.match(name) else HELD_BACK.get(name, set())
+            for name in newest}
+    return {name: (pins[name], version) for name, version in sorted(newest.items())
+            if pins[name] != version and not held[name] & requirers[name]}
+
+
+def lock_diff(committed: str, resolved: str) -> list[str]:
+    """``name: committed -> resolved`` for each package whose pin differs (``-``: not in that lock), or one
+    line when only hashes or comments differ (a file added to a release, say)."""
+    old, new = lock_pins(committed), lock_pins(resolved)
+    lines = [f"{name}: {old.get(name, '-')} -> {new.get(name, '-')}"
+             for name in sorted(old.keys() | new.keys()) if old.get(name) != new.get(name)]
+    if not lines and committed != resolved:
+        lines.append("the same versions, other hashes or comments")
+    return lines
+
+
+def report(sections: dict[str, list[str]]) -> str:
+    """Each section with lines under its title and then how to relock; "" when every section is empty."""
+    found = [f"{title}:\n" + "".join(f"  {line}\n" for line in lines) for title, lines in sections.items() if lines]
+    return "".join(found) + RELOCK if found else ""
+
+
+def check() -> int:
+    """Resolve both locks again as ``make lock`` does, into a temporary directory, and apply the newest
+    release rule to the committed VM lock (``make lock-check``; needs PyPI). Prints what moved and how
+    to relock; returns 1 when something moved, else 0."""
+    committed = VM_LOCK.read_text()
+    with tempfile.TemporaryDirectory() as tmp:
+        vm, laptop = Path(tmp) / VM_LOCK.name, Path(tmp) / LAPTOP_LOCK.name
+        compile_vm_lock(vm)
+        compile_laptop_lock(laptop, vm_lock=vm)
+        sections = {
+            f"{VM_LOCK.name} (committed pin -> the index now)": lock_diff(committed, vm.read_text()),
+            f"{LAPTOP_LOCK.name} (committed pin -> the index now)": lock_diff(LAPTOP_LOCK.read_text(),
+                                                                              laptop.read_text()),
+        }
+    free = free_packages(committed)
+    sections[f"{VM_LOCK.name}, below the newest release although nothing chose it (pin -> newest)"] = [
+        f"{name}: {pin} -> {version}" for name, (pin, version) in behind(committed, releases(free, "highest")).items()]
+    text = report(sections)
+    print(text or f"both locks are what the index (PyPI as of {INDEX_DATE}) gives now")
+    return 1 if text else 0
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description="Write both requirement locks (make lock), or check them (make lock-check)")
+    parser.add_argument("--check", action="store_true", help="resolve again and compare; exit 1 if something moved")
+    if parser.parse_args().check:
+        sys.exit(check())
     compile_vm_lock(VM_LOCK)
     compile_laptop_lock(LAPTOP_LOCK)
     print(f"wrote {VM_LOCK.relative_to(ROOT)} and {LAPTOP_LOCK.relative_to(ROOT)}")
