@@ -31,10 +31,10 @@ are above the ``tpu-post-train`` ones the tutorial installs (libtpu 0.0.44), so 
 extra's package names and the VM's versions, not the extra's bounds (docs/decisions.md).
 
 Versions come from ``pyproject.toml``: the one place for MaxText's version and the project's pins.
-``--exclude-newer`` fixes the index as of :data:`INDEX_DATE`, so both resolutions are reproducible as
-long as the index serves what it served then; a release uploaded later with an older date (the index
-does take such uploads) changes them. ``make lock-check`` (:func:`check`; not part of the test suite,
-which needs no index) resolves both again and names what moved.
+``--exclude-newer`` fixes the index as of :data:`INDEX_DATE`, so both resolutions are reproducible
+while the index gets no new release dated before it (semver 3.2.0, uploaded 2026-11-26, came after the
+locks were made). ``make lock-check`` (:func:`check`; not part of the test suite, which needs no
+index) resolves both again and names what moved.
 
 ``tpu-post-train`` pins ``torch==2.11.0+cpu`` / ``torchvision==0.26.0+cpu``: builds only the PyTorch
 index serves. They are overridden with the same versions from PyPI (CUDA builds that run on the CPU;
