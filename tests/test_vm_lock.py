@@ -15,7 +15,8 @@ shell functions defined before the script (the script itself is unchanged):
 
 Everything else runs for real: `uv venv`, and `uv pip sync --require-hashes` of the whole lock (libtpu
 included: it installs anywhere) into a fresh venv, then `pip check`; in that venv ray starts and stops.
-Downloads go through the user's uv cache (about 3.5 GB the first time, then about two minutes).
+uv installs from its cache only (`UV_OFFLINE=1`): `make test` fills it first (tests/prefetch.py,
+about 3.5 GB the first time); the install then takes about two minutes.
 
 The lock keeps MaxText's floors and takes the newest release of what MaxText does not choose
 (mtpipe.pipeline.requirement_locks): the tests check the floors and the rule, without an index;
@@ -180,6 +181,7 @@ def run_setup(home: Path, script: str, files: bytes) -> subprocess.CompletedProc
         "HOME": str(home), "PATH": f"{python312}:/usr/local/bin:/usr/bin:/bin",
         "UV_CACHE_DIR": os.environ.get("UV_CACHE_DIR", str(Path.home() / ".cache" / "uv")),
         "UV_PYTHON_DOWNLOADS": "never", "TEST_UV": str(uv()), "TEST_UV_VERSION": requirement_locks.UV_VERSION,
+        "UV_OFFLINE": "1",   # every file from uv's cache, which tests/prefetch.py filled before the tests
     }  # fmt: skip
     return subprocess.run(["bash", "-c", STANDINS + script], input=files, env=env, capture_output=True)
 

@@ -1,0 +1,64 @@
+"""What the tests would otherwise fetch from a package index while they run, made before they start.
+
+    python tests/prefetch.py      # `make test` runs it (the work/.test-envs target); safe to run twice
+
+* xpk's side environment, ``work/xpk_env`` (tests/xpk_parser.py; tests/test_xpk.py);
+* the TRL side environment, ``work/trl_env`` (benchmarks/grpo_trl.py; tests/test_grpo_trl.py);
+* the uv that tests/test_vm_lock.py runs, ``work/uv-<version>`` (mtpipe.pipeline.requirement_locks.uv);
+* requirements-vm.lock in uv's cache: tests/test_vm_lock.py installs the whole lock into a fresh
+  venv with ``UV_OFFLINE=1``, so uv takes every file from its cache (about 3.5 GB the first time).
+
+Each one is made only when its marker does not name what it holds (the side environments' own
+markers; for the cache, the lock's sha256). The suite then runs with the network cut (tests/offline.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+import grpo_trl  # noqa: E402
+import xpk_parser  # noqa: E402
+
+from mtpipe.pipeline import requirement_locks  # noqa: E402
+
+CACHED_LOCK = ROOT / "work" / "uv-cache-holds-vm-lock"   # the sha256 of the lock last installed through the cache
+
+
+def uv_cache_dir() -> str:
+    """The cache tests/test_vm_lock.py installs from (its run_setup passes the same one)."""
+    return os.environ.get("UV_CACHE_DIR", str(Path.home() / ".cache" / "uv"))
+
+
+def warm_uv_cache() -> None:
+    """Install requirements-vm.lock into a throwaway venv, so that every file of it is in uv's cache."""
+    lock = requirement_locks.VM_LOCK
+    stamp = f"{hashlib.sha256(lock.read_bytes()).hexdigest()} {uv_cache_dir()}"
+    if CACHED_LOCK.exists() and CACHED_LOCK.read_text() == stamp:
+        return
+    uv, env = str(requirement_locks.uv()), {**os.environ, "UV_CACHE_DIR": uv_cache_dir()}
+    with tempfile.TemporaryDirectory(dir=ROOT / "work") as tmp:   # beside the cache's disk: hardlinks
+        venv = Path(tmp) / "venv"
+        subprocess.run([uv, "venv", "--quiet", "--python", sys.executable, str(venv)], env=env, check=True)
+        subprocess.run([uv, "pip", "sync", "--quiet", "--require-hashes", "--python", str(venv / "bin" / "python"),
+                        str(lock)], env=env, check=True)
+    CACHED_LOCK.write_text(stamp)
+
+
+def main() -> None:
+    (ROOT / "work").mkdir(exist_ok=True)
+    for name, make in (("xpk side environment", xpk_parser.side_env), ("TRL side environment", grpo_trl.side_env),
+                       ("requirements-vm.lock in uv's cache", warm_uv_cache)):
+        print(f"prefetch: {name}", flush=True)
+        make()
+
+
+if __name__ == "__main__":
+    main()
