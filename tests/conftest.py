@@ -12,6 +12,7 @@ they start live in tests/fakes/ (docs/testing.md).
 
 import os
 import shutil
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,3 +135,35 @@ def pytest_collection_modifyitems(config, items: list[pytest.Item]) -> None:
         return (1 if item.get_closest_marker("slow") else 3), long
 
     items.sort(key=rank)  # stable: file order within each rank
+
+
+def model_servers(root: Path) -> dict[int, str]:
+    """pid -> command line of each model server (``python -m mtpipe.evaluation.server``) serving a
+    model from under ``root`` (the session's temporary directory: this session's servers only)."""
+    found = {}
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "mtpipe.evaluation.server" in argv and any(arg.startswith(f"{root}{os.sep}") for arg in argv):
+            found[int(cmdline.parent.name)] = " ".join(argv).strip()
+    return found
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Fail the run when a model server a test started outlives the session, and kill it: orphaned, it
+    would serve on for hours. Checked once, after every worker has ended (not in a worker)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    left = model_servers(session.config._tmp_path_factory.getbasetemp())
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if left:
+        lines = "".join(f"\n  {pid}: {argv}" for pid, argv in left.items())
+        session.config.get_terminal_writer().line(
+            f"FAILED: model servers outlived the test session (killed now):{lines}", red=True, bold=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -7,10 +7,13 @@ trained exports)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -127,6 +130,61 @@ with serving.serving(serving.server_command("cpu", Path(sys.argv[1]), port, None
     out = subprocess.run([sys.executable, "-c", script, str(data["llama"]), str(tmp_path / "server.log")],
                          capture_output=True, text=True, timeout=300)
     assert out.stdout.strip() == "served 200", out.stdout + out.stderr[-3000:]
+
+
+STAGE = """
+import os, sys, time
+from pathlib import Path
+from mtpipe.evaluation import serving
+port = serving.free_port()
+with serving.serving(serving.server_command("cpu", Path(sys.argv[1]), port, None), port, Path(sys.argv[2]), 600):
+    print("serving", flush=True)
+    time.sleep(600)
+"""
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (an ended process its new parent has not reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_killed_stage_leaves_no_model_server_behind(data, tmp_path, signum):
+    """The server runs in a session of its own, out of reach of a signal to the stage's process group:
+    a stage stopped by SIGTERM stops it, and one killed by SIGKILL leaves it to end itself."""
+    stage = subprocess.Popen([sys.executable, "-c", STAGE, str(data["llama"]), str(tmp_path / "server.log")],
+                             stdout=subprocess.PIPE, text=True)
+    servers: list[int] = []
+    try:
+        assert stage.stdout.readline().strip() == "serving"
+        servers = children(stage.pid)
+        assert len(servers) == 1, servers
+        os.kill(stage.pid, signum)
+        assert stage.wait(timeout=60) == (-signum if signum == signal.SIGKILL else 128 + signum)
+        deadline = time.monotonic() + 10
+        while running(servers[0]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not running(servers[0]), f"the model server outlived its stage ({signum.name})"
+    finally:
+        stage.kill()
+        for pid in servers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_gsm8k_through_lm_eval_on_the_pinned_files(data, llama_server, tmp_path):

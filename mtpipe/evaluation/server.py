@@ -14,14 +14,20 @@ held-out loss reads, from vLLM as from here); the answer has ``choices[i].text``
 a request asks for (sampling, streaming, unknown fields) gets a 400 naming it, so a client that needs
 more fails loudly instead of being scored on something else.
 
-    python -m mtpipe.evaluation.server HF_DIR --port PORT     # what the evaluate stage starts on the CPU
+    python -m mtpipe.evaluation.server HF_DIR --port PORT [--parent-pid PID]
+
+The evaluate stage starts it with ``--parent-pid`` its own pid: the server ends itself once that
+process is no longer its parent (the stage died, even by SIGKILL, and the server was handed on to
+init), so a killed stage leaves no server behind.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -116,12 +122,25 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
+def exit_with_parent(pid: int, period_s: float = 0.5) -> None:
+    """End this process, from a daemon thread, once ``pid`` is no longer its parent."""
+    def watch() -> None:
+        while os.getppid() == pid:
+            time.sleep(period_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="An OpenAI-compatible completions server over an exported model")
     parser.add_argument("hf_dir", type=Path)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--parent-pid", type=int, help="end when this process is no longer the parent")
     args = parser.parse_args()
+    if args.parent_pid is not None:
+        exit_with_parent(args.parent_pid)
     handler = type("Handler", (_Handler,), {"model": CompletionModel(args.hf_dir)})
     ThreadingHTTPServer((args.host, args.port), handler).serve_forever()
 

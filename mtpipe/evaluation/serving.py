@@ -7,6 +7,11 @@ log-probabilities for the held-out loss) and stops it. Only the server differs:
 * ``cpu``: ``python -m mtpipe.evaluation.server`` (the numpy forward of the export; the laptop, CI);
 * ``vllm``: vLLM's OpenAI server (``vllm.entrypoints.openai.api_server``), the one the TPU VM installs
   with MaxText's post-training extras, over the same Hugging Face directory.
+
+The server runs in a session of its own (so that stopping it stops its workers too), which a signal to
+the stage's process group does not reach. So the stage stops it when the scoring ends, fails, or is
+interrupted (Ctrl-C, SIGTERM, SIGHUP); a stage killed outright (SIGKILL, a lost SSH session) cannot,
+and the CPU server then ends itself: it watches its parent (``--parent-pid``).
 """
 
 from __future__ import annotations
@@ -16,12 +21,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 SERVED_NAME = "mtpipe"
@@ -46,7 +53,8 @@ def free_port() -> int:
 def server_command(backend: str, model_dir: Path, port: int, evaluate: Any) -> list[str]:
     """The server process for ``backend`` (cpu or vllm), serving ``model_dir`` on 127.0.0.1:``port``."""
     if backend == "cpu":
-        return [sys.executable, "-m", "mtpipe.evaluation.server", str(model_dir), "--port", str(port)]
+        return [sys.executable, "-m", "mtpipe.evaluation.server", str(model_dir), "--port", str(port),
+                "--parent-pid", str(os.getpid())]
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
             "--tensor-parallel-size", str(evaluate.tensor_parallel_size), "--max-model-len", str(evaluate.max_length), "--seed", "0"]
@@ -58,31 +66,55 @@ def serving(command: list[str], port: int, log: Path, timeout_s: float) -> Itera
 
     Fails, naming the log and quoting its end, when the server exits or is not up within ``timeout_s``
     (then also saying how much CPU time it got: a starved server and a stuck one read differently).
-    The server gets no Hub token (the model is a local directory) and no stdin."""
+    The server gets no Hub token (the model is a local directory) and no stdin. SIGTERM and SIGHUP
+    raise SystemExit meanwhile (their default would end the stage at once, the server left running)."""
     env = {k: v for k, v in os.environ.items() if k != "HF_TOKEN"}
     log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
+    with _signals_raise():
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    env=env, start_new_session=True)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while not _healthy(port):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the model server exited with {proc.returncode} before serving: "
+                                       f"see {log}{_tail(log)}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the model server did not answer /health on port {port} within "
+                                       f"{timeout_s:.0f} s ({_cpu_report(proc.pid)}): see {log}{_tail(log)}")
+                time.sleep(0.5)
+            yield f"http://127.0.0.1:{port}/v1/completions"
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+
+
+def _exit_on_signal(signum: int, _frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)   # the exit status of a process the signal ended
+
+
+@contextmanager
+def _signals_raise() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise SystemExit while the block runs, where they are not ignored; only in the
+    main thread (the one Python runs signal handlers in)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    for s, old in previous.items():
+        if old != signal.SIG_IGN:
+            signal.signal(s, _exit_on_signal)
     try:
-        deadline = time.monotonic() + timeout_s
-        while not _healthy(port):
-            if proc.poll() is not None:
-                raise RuntimeError(f"the model server exited with {proc.returncode} before serving: "
-                                   f"see {log}{_tail(log)}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the model server did not answer /health on port {port} within "
-                                   f"{timeout_s:.0f} s ({_cpu_report(proc.pid)}): see {log}{_tail(log)}")
-            time.sleep(0.5)
-        yield f"http://127.0.0.1:{port}/v1/completions"
+        yield
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        for s, old in previous.items():
+            signal.signal(s, old)
 
 
 def _tail(log: Path, lines: int = 15) -> str:
