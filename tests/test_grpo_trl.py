@@ -1,7 +1,7 @@
 """The TRL reference for MaxText's GRPO (benchmarks/grpo_trl.py, benchmarks/trl_reference.py).
 
-Slow: the first run builds the TRL side environment (work/trl_env: torch CPU, trl, transformers; a few
-minutes with PyPI). The reference's reward functions are a reimplementation, so they are checked
+Slow. The TRL side environment (work/trl_env: torch CPU, trl, transformers) is made before the tests
+(tests/prefetch.py; a few minutes with PyPI). The reference's reward functions are a reimplementation, so they are checked
 against MaxText's own on hand-written completions, with the benchmark preset's weights; then the
 reference runs two GRPO steps end to end on the tiny Llama twin.
 """
