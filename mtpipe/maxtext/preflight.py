@@ -53,10 +53,19 @@ class Chip:
 
 # v6e (Trillium): 32 GB HBM, of which the runtime reports 33550237184 bytes (31.25 GiB) as its
 # limit; 918 bf16 TFLOP/s; 1640 GB/s (cloud.google.com/tpu/docs/v6e).
-CHIPS = {"v6e": Chip(hbm_gib=31.25, peak_tflops=918.0, hbm_gbps=1640.0)}
+# v5e: 16 GB HBM, of which the lent chip's runtime reports 16909336064 bytes (15.75 GiB) as its limit
+# (benchmarks/on_tpu/records); 197 bf16 TFLOP/s; 819 GB/s (cloud.google.com/tpu/docs/v5e).
+CHIPS = {"v6e": Chip(hbm_gib=31.25, peak_tflops=918.0, hbm_gbps=1640.0),
+         "v5e": Chip(hbm_gib=15.75, peak_tflops=197.0, hbm_gbps=819.0)}
+
+# Measured on one TPU v5e chip: the SFT tutorial's model cut to fit it (benchmarks/on_tpu/records/slices*.json,
+# docs/preflight.md "Calibrated on a TPU chip"); benchmarks/on_tpu/calibrate.py prints forecast vs measurement.
+MFU = 0.45                     # MaxText's published llama3.1-8b pre-training on v6e-8 (seq 8192)
+SFT_TRAINER_EXTRA_BYTES_PER_PARAM = 0.0  # what tunix's SFT trainer holds beside MaxText's compiled step
+HBM_TOLERANCE = 0.10           # a forecast further than this from the chip's peak HBM is a finding
+STEP_TOLERANCE = 0.25          # likewise for the step time
 
 # Assumptions of the time and cost estimates; each lands in the JSON report.
-MFU = 0.45                     # MaxText's published llama3.1-8b pre-training on v6e-8 (seq 8192)
 DECODE_EFFICIENCY = 0.5        # fraction of HBM bandwidth a rollout decode step reaches
 CONVERT_S_PER_BPARAM = 70.0    # to_maxtext: the tutorials' ~5 min for Gemma 3 4B (4.3 B params)
 EXPORT_S_PER_BPARAM = 70.0     # to_huggingface: assumed like the conversion
@@ -175,13 +184,30 @@ def compile_step(module: str, args: list[str], work: Path, log: Path) -> dict[st
 # ---------------------------------------------------------------- parent: the report
 
 
+def hbm_parts(compiled: dict[str, Any], chips: int, module: str) -> dict[str, float]:
+    """GiB per chip of one training step of ``module``: MaxText's compiled train state, temporaries and
+    code, and for tunix's SFT trainer what it holds beside them (measured on a TPU chip)."""
+    mem = compiled["memory"]
+    parts = {"train_state": mem["argument_size_in_bytes"] / GIB, "step_temporaries": mem["temp_size_in_bytes"] / GIB,
+             "code": mem["generated_code_size_in_bytes"] / GIB}
+    if module == commands.TRAIN_SFT:
+        parts["sft_trainer_extra"] = SFT_TRAINER_EXTRA_BYTES_PER_PARAM * compiled["param_count"] / chips / GIB
+    return parts
+
+
+def step_forecast(compiled: dict[str, Any], chip: Chip, chips: int, module: str) -> tuple[float, float]:
+    """(HBM GiB per chip, seconds per step) of one training step of ``module`` (not GRPO's rollout): the
+    parts of :func:`hbm_parts`, and the step's FLOPs (MaxText's count) at :data:`MFU` of the chip's peak."""
+    step_s = compiled["tflops_per_device"] * 1e12 / (chip.peak_tflops * 1e12 * MFU)
+    return sum(hbm_parts(compiled, chips, module).values()), step_s
+
+
 def report(cfg: View, preset: str, compiled: dict[str, Any], chip: Chip, chips: int,
            usd_per_hour: float) -> dict[str, Any]:
     """HBM per chip, fit, FLOPs, time and cost of one branch from its compile result."""
     stage = TRAINING_STAGE[cfg.branch]
-    mem, c = compiled["memory"], compiled["config"]
-    hbm = {"train_state": mem["argument_size_in_bytes"] / GIB, "step_temporaries": mem["temp_size_in_bytes"] / GIB,
-           "code": mem["generated_code_size_in_bytes"] / GIB}
+    c = compiled["config"]
+    hbm = hbm_parts(compiled, chips, commands.TRAIN_SFT if cfg.branch == "sft" else commands.TRAIN_RL)
     # GRPO: the compiled batch is rounded up to a multiple of the chips; FLOPs count the real one
     real_batch = c["grpo_sequences"] / c["global_batch_size_to_train_on"] if cfg.branch == "rl" else 1.0
     flops_per_chip = compiled["tflops_per_device"] * 1e12 * real_batch
@@ -192,7 +218,7 @@ def report(cfg: View, preset: str, compiled: dict[str, Any], chip: Chip, chips: 
         extra, needed, step_s = _grpo_estimate(cfg, compiled, chip, chips, hbm, step_s)
         notes.append(extra)
     else:
-        needed = hbm["train_state"] + hbm["step_temporaries"] + hbm["code"]
+        needed = sum(hbm.values())
     params_b = compiled["param_count"] / 1e9
     train_s = steps * step_s + TRAIN_STARTUP_S
     convert_s, export_s = CONVERT_S_PER_BPARAM * params_b, EXPORT_S_PER_BPARAM * params_b

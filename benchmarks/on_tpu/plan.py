@@ -1,0 +1,208 @@
+"""Plan the runs for the lent TPU chip: this project's own MaxText commands, built here by
+mtpipe.maxtext.commands from the stages' views, with their inputs copied into .tpu-chip/.
+
+    python benchmarks/on_tpu/plan.py [--smoke]      # on the laptop, after `dvc repro to_maxtext@sft to_maxtext@rl`
+
+Writes .tpu-chip/plan.json: groups of runs, each a launcher, a MaxText module, its arguments and its
+environment, with the paths as ``@CHIP@/...`` (the carried .tpu-chip folder) and ``@RUNS@/...`` (run
+directories on the chip), which benchmarks/on_tpu/chip_run.py fills in there. The chip's Python 3.11
+cannot import the stage modules (Python 3.12 syntax), so the commands are built here.
+
+Groups (each fits one call of the chip, 10 minutes):
+* ``sft`` and ``rl``: the embedded default's trainings, as `dvc repro` runs them: train_sft@sft twice
+  (is the chip bitwise repeatable?); train_sft@rl (GRPO's warm-up), then train_rl@rl from its last
+  checkpoint.
+* ``slices``: the SFT tutorial's train_sft (Gemma 3 4B at full width, its sequence length, dtypes and
+  remat policy) with the decoder depth and the vocabulary cut to fit one v5e chip, at two depths, and
+  MaxText's pre-training trainer at the deeper one; tests/test_on_tpu.py compares each with preflight's
+  forecast for topology v5e-1 (:func:`slice_forecast`).
+
+``--smoke``: the same commands with a few steps each, for a rehearsal on the CPU (docs/tpu-chip.md).
+What differs from the stages' commands on the chip is :func:`on_chip`, and only that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from mtpipe.maxtext import commands, preflight  # noqa: E402
+from mtpipe.pipeline import overrides  # noqa: E402
+from mtpipe.pipeline.config import View, stage_view  # noqa: E402
+from mtpipe.pipeline.maxtext_check import compose_checked  # noqa: E402
+from mtpipe.pipeline.stage import ROOT, artifact  # noqa: E402
+from stages.train_sft import chat_files  # noqa: E402
+
+CHIP = ROOT / ".tpu-chip"
+PLAN = CHIP / "plan.json"
+RUNS = Path("/mtpipe-chip-runs")  # stands for @RUNS@
+SFT_TUTORIAL = "gemma3-4b-ultrachat-v6e8"
+# (name, trainer module, decoder layers, vocabulary): two depths separate the cost of a layer from the
+# rest, two vocabularies the embedding's; the pre-training trainer is what preflight compiles
+SLICES = (("sft_d6", commands.TRAIN_SFT, 6, 32768), ("sft_d3", commands.TRAIN_SFT, 3, 32768),
+          ("sft_d3_v64k", commands.TRAIN_SFT, 3, 65536), ("pretrain_d6", "maxtext.trainers.pre_train.train", 6, 32768))
+SLICE_STEPS = 20
+SPLASH_BLOCK = 128  # JAX 0.10.2's splash-attention kernel needs sequence lengths in multiples of this
+
+
+def committed_view(branch: str, stage: str, sets: tuple[str, ...] = ()) -> View:
+    """The view ``stage`` reads, composed from HEAD's params.yaml (+ ``sets``) as configure writes it."""
+    params = overrides.apply_sets(overrides.committed_params(ROOT), list(sets))
+    return stage_view(compose_checked(branch, params), stage)
+
+
+def on_chip(cmd: commands.MaxTextCommand) -> dict[str, Any]:
+    """The command as the chip runs it: the TPU instead of the CPU (no JAX_PLATFORMS=cpu, no
+    hardware=cpu), one process with no coordinator (the chip's machine refuses sockets) and, for a
+    sequence length the chip's splash kernel refuses, dot-product attention."""
+    args = [a for a in cmd.args if a != "hardware=cpu"]
+    if not any(a.startswith("skip_jax_distributed_system=") for a in args):
+        args.append("skip_jax_distributed_system=True")
+    length = next((int(a.split("=", 1)[1]) for a in args if a.startswith("max_target_length=")), None)
+    if length and length % SPLASH_BLOCK:
+        args.append("attention=dot_product")
+    env = {k: v for k, v in cmd.env.items() if k != "JAX_PLATFORMS"}
+    return {"launcher": cmd.launcher, "module": cmd.module, "args": args, "env": env}
+
+
+def chip_path(path: Path | str) -> str:
+    """A local path under .tpu-chip or RUNS as the chip's placeholder."""
+    return str(path).replace(str(CHIP), "@CHIP@").replace(str(RUNS), "@RUNS@")
+
+
+def placeholders(run: dict[str, Any]) -> dict[str, Any]:
+    return run | {"args": [chip_path(a) for a in run["args"]]}
+
+
+def copy_inputs(branch: str) -> Path:
+    """The branch's converted checkpoint, dataset and tokenizer under .tpu-chip/artifacts."""
+    dest = CHIP / "artifacts" / branch
+    for name in ("maxtext", "dataset", "model"):
+        if (dest / name).exists():
+            shutil.rmtree(dest / name)
+        shutil.copytree(artifact(branch, name), dest / name)
+    return dest
+
+
+def set_arg(args: list[str], key: str, value: Any) -> list[str]:
+    """``args`` with ``key=value`` replacing an existing ``key=`` or appended."""
+    kept = [a for a in args if not a.startswith(f"{key}=")]
+    return [*kept, f"{key}={commands.fmt(value)}"]
+
+
+def embedded_runs(smoke: bool) -> list[dict[str, Any]]:
+    """train_sft@sft twice, train_sft@rl, train_rl@rl: the stages' views, the inputs copied."""
+    runs = []
+    sft_in = copy_inputs("sft")
+    cfg = committed_view("sft", "train_sft")
+    train, evals, columns = chat_files(cfg, sft_in / "dataset", CHIP / "artifacts" / "sft")
+    for name in ("sft_a", "sft_b"):
+        cmd = commands.train_sft(
+            cfg, ckpt=sft_in / "maxtext" / "0" / "items", train_files=train, eval_files=evals, columns=columns,
+            tokenizer_dir=sft_in / "model" / "files", base_output=RUNS, run_name=name,
+            metrics_file=RUNS / name / "metrics.jsonl", jax_cache_dir=RUNS / "jax_cache")
+        runs.append(on_chip(cmd) | {"name": name, "stage": "train_sft@sft", "steps": cfg.train_sft.steps})
+    rl_in = copy_inputs("rl")
+    cfg = committed_view("rl", "train_sft")
+    train, evals, columns = chat_files(cfg, rl_in / "dataset", rl_in)
+    cmd = commands.train_sft(
+        cfg, ckpt=rl_in / "maxtext" / "0" / "items", train_files=train, eval_files=evals, columns=columns,
+        tokenizer_dir=rl_in / "model" / "files", base_output=RUNS, run_name="rl_warmup",
+        metrics_file=RUNS / "rl_warmup" / "metrics.jsonl", jax_cache_dir=RUNS / "jax_cache")
+    runs.append(on_chip(cmd) | {"name": "rl_warmup", "stage": "train_sft@rl", "steps": cfg.train_sft.steps})
+    cfg = committed_view("rl", "train_rl")
+    files = rl_in / "dataset" / "files"
+    cmd = commands.train_rl(
+        cfg, ckpt=Path("@START@"), train_files=str(files / cfg.dataset.train_files),
+        eval_files=str(files / cfg.dataset.eval_files), tokenizer_dir=rl_in / "model" / "files", base_output=RUNS,
+        run_name="rl_grpo", jax_cache_dir=RUNS / "jax_cache")
+    runs.append(on_chip(cmd) | {"name": "rl_grpo", "stage": "train_rl@rl", "steps": cfg.train_rl.num_batches,
+                                "start_from": "rl_warmup"})
+    if smoke:
+        runs = [smoke_run(r) for r in runs]
+    return [placeholders(r) for r in runs]
+
+
+def smoke_run(run: dict[str, Any]) -> dict[str, Any]:
+    """A few steps of the same command (a CPU rehearsal of the harness, not a measurement)."""
+    args = run["args"]
+    if run["module"] == commands.TRAIN_RL:
+        for key, value in (("num_batches", 2), ("num_test_batches", 1), ("num_eval_passes", 1)):
+            args = set_arg(args, key, value)
+    else:
+        for key, value in (("steps", 3), ("checkpoint_period", 2), ("eval_steps", 1)):
+            args = set_arg(args, key, value)
+        if "eval_interval=0" not in args:
+            args = set_arg(args, "eval_interval", 2)
+    return run | {"args": args, "steps": 2 if run["module"] == commands.TRAIN_RL else 3}
+
+
+def slice_command(module: str, layers: int, vocab: int, smoke: bool) -> commands.MaxTextCommand:
+    """The SFT tutorial's training command (preflight's, placeholder paths) cut to ``layers`` and ``vocab``."""
+    cmd = preflight.stage_command(committed_view("sft", "train_sft", (f"sft.preset={SFT_TUTORIAL}",)))
+    args = [a for a in cmd.args if not a.startswith(("load_parameters_path=", "profiler=", "checkpoint_period=",
+                                                      "max_num_checkpoints_to_keep="))]
+    cut = {"override_model_config": True, "base_num_decoder_layers": layers, "vocab_size": vocab,
+           "steps": 3 if smoke else SLICE_STEPS, "enable_checkpointing": False}
+    if module != commands.TRAIN_SFT:  # the pre-training trainer: the same model and batch, synthetic data
+        args = [a for a in args if not a.startswith(("hf_path=", "train_split=", "train_data_columns=", "hf_train_files=",
+                                                      "tokenizer_path="))]
+        cut["dataset_type"] = "synthetic"
+    for key, value in cut.items():
+        args = set_arg(args, key, value)
+    if smoke:
+        args = set_arg(set_arg(set_arg(args, "base_emb_dim", 256), "base_mlp_dim", 512), "max_target_length", 128)
+    return commands.MaxTextCommand(module, args, env={"DECOUPLE_GCLOUD": "TRUE"})
+
+
+def slice_runs(smoke: bool) -> list[dict[str, Any]]:
+    """The calibration slices, their data the embedded UltraChat twin and its tokenizer (ids < 512:
+    any vocabulary holds them; an SFT step's cost does not depend on the token values)."""
+    sft_in = CHIP / "artifacts" / "sft"
+    files = {"train": sft_in / "dataset" / "files" / "data" / "train_sft-*.parquet",
+             "tokenizer": sft_in / "model" / "files"}
+    runs = []
+    for name, module, layers, vocab in SLICES:
+        cmd = slice_command(module, layers, vocab, smoke)
+        args = []
+        for arg in cmd.args:
+            key, _, value = arg.partition("=")
+            if value.startswith(preflight.PLACEHOLDER):
+                value = {"run_name": name, "base_output_directory": str(RUNS), "hf_train_files": str(files["train"]),
+                         "tokenizer_path": str(files["tokenizer"]), "metrics_file": str(RUNS / name / "metrics.jsonl"),
+                         "jax_cache_dir": str(RUNS / "jax_cache")}[key]
+            args.append(f"{key}={value}")
+        run = on_chip(commands.MaxTextCommand(module, args, cmd.env))
+        runs.append(placeholders(run | {"name": name, "stage": f"slice of {SFT_TUTORIAL}", "steps": SLICE_STEPS,
+                                        "layers": layers, "vocab": vocab}))
+    return runs
+
+
+def slice_forecast(run: dict[str, Any]) -> list[str]:
+    """The arguments preflight compiles for a slice on topology v5e-1 (paths left out, as preflight does)."""
+    cmd = commands.MaxTextCommand(run["module"], [a for a in run["args"] if "@CHIP@" not in a and "@RUNS@" not in a])
+    return preflight.compile_args(cmd, "v5e-1")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="a few steps per run (CPU rehearsal)")
+    smoke = parser.parse_args().smoke
+    CHIP.mkdir(exist_ok=True)
+    embedded = embedded_runs(smoke)
+    cut = slice_runs(smoke)
+    plan = {"smoke": smoke, "groups": {"sft": embedded[:2], "rl": embedded[2:], "slices": cut[:2], "slices_more": cut[2:]}}
+    PLAN.write_text(json.dumps(plan, indent=1) + "\n")
+    for group, runs in plan["groups"].items():
+        print(f"{group}: " + ", ".join(f"{r['name']} ({r['stage']}, {r['steps']} steps)" for r in runs))
+    print(f"wrote {PLAN.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
