@@ -99,8 +99,11 @@ def test_a_step_too_large_for_hbm_names_the_keys_to_change() -> None:
     chip, chips = preflight.chip_of("v6e-8", "sft", "v6e-8")
     fits = preflight.report(cfg, "p", _compiled(5.4, 4.5), chip, chips, usd_per_hour=21.6)
     preflight.check_fits(fits)
-    assert fits["fits"] and fits["hbm_gib_per_chip"] == pytest.approx(9.9, abs=0.01)
-    # 1000 steps of 100 TFLOP per chip at 45% of 918 TFLOP/s, plus the stated fixed times, at 21.6 USD/h
+    # the compiled step (5.4 + 4.5 GiB) and what tunix's SFT trainer holds beside it (5 B per parameter, sharded)
+    extra = preflight.SFT_TRAINER_EXTRA_BYTES_PER_PARAM * 4_300_000_000 / 8 / 2**30
+    assert extra == pytest.approx(2.5, abs=0.01) and fits["hbm_parts_gib"]["sft_trainer_extra"] == round(extra, 3)
+    assert fits["fits"] and fits["hbm_gib_per_chip"] == pytest.approx(9.9 + extra, abs=0.01)
+    # 1000 steps of 100 TFLOP per chip at MFU of 918 TFLOP/s, plus the stated fixed times, at 21.6 USD/h
     train_s = 1000 * 100 / (918 * preflight.MFU) + preflight.TRAIN_STARTUP_S
     assert fits["est_train_s"] == pytest.approx(train_s, abs=0.1)
     total_s = train_s + preflight.VM_SETUP_S + 2 * 70 * 4.3
