@@ -29,7 +29,10 @@ import pytest
 import yaml
 from fakes import fake_apt
 from pipeline import md5_tree, ran_stages
-from vm_world import TOKEN, Env, assert_deleted, experiments, sh
+from vm_world import ROOT, TOKEN, Env, assert_deleted, experiments, sh
+
+from mtpipe.cloud import vm_tpu
+from mtpipe.maxtext import tpu_check
 
 SFT_DTYPE = "sft.to_huggingface.weight_dtype"
 
@@ -259,6 +262,83 @@ def test_setup_failure_in_vm_run(world: Env, keep: bool) -> None:
         assert world.instance() is not None and (world.repo / ".vm_state.json").exists()
         world.doit("vm_down")
     assert_deleted(world)
+
+
+# The embedded SFT branch with its MaxText on the VM's TPU: the v6e-8 hardware preset (no Hub model,
+# so the checks before spending stay on loopback); preflight's AOT compile is not what these test.
+TPU_RUN = ("--set=sft.hardware=v6e-8", "--no-preflight")
+TPU_CHECK = "python -m mtpipe.maxtext.tpu_check --chips 8 --generation v6e"
+
+
+@pytest.mark.vm_experiments
+@pytest.mark.on_tpu
+def test_which_tpu_the_vm_must_have() -> None:
+    """The check's chips and generation from TPU_ACCELERATOR_TYPE (a v5e VM's type is v5litepod-N, a
+    v5p's number counts TensorCores); the branches on the CPU or on a GKE slice (xpk) need none."""
+    assert [tpu_check.accelerator(t) for t in ("v6e-8", "v5litepod-8", "v5litepod-1", "v5e-4", "v5p-8")] == [
+        ("v6e", 8), ("v5e", 8), ("v5e", 1), ("v5e", 4), ("v5p", 4)]
+    for wrong in ("v4-8", "v6e", "v6e-x"):
+        with pytest.raises(ValueError, match="is none of v5e, v5p, v6e"):
+            tpu_check.accelerator(wrong)
+    found = vm_tpu.targets(ROOT, [[], ["sft.preset=gemma3-4b-ultrachat-v6e32"],
+                                  ["sft.preset=gemma3-4b-ultrachat-v6e8", "rl.preset=llama3.1-8b-gsm8k-v6e8"]])
+    assert [(t.accelerator_type, t.hardware, t.branches, t.command()) for t in found] == [
+        ("v6e-8", "v6e-8", ["sft", "rl"], TPU_CHECK)]
+    assert vm_tpu.targets(ROOT, [[], ["sft.preset=gemma3-4b-ultrachat-v6e32"]]) == []
+
+
+def index_of(commands: list[str | None], text: str) -> int:
+    """The position of the first command the loopback VM received that contains `text`."""
+    return next(i for i, c in enumerate(commands) if c and text in c)
+
+
+@pytest.mark.vm_experiments
+@pytest.mark.on_tpu
+def test_tpu_check_stops_a_run_on_a_vm_without_the_tpu(world: Env) -> None:
+    """A preset that targets a v6e-8 on the loopback VM, whose JAX has only the CPU: the run stops
+    right after the setup with the check's own words, the VM is deleted, no stage started."""
+    proc = world.doit("vm_run", *TPU_RUN, ok=False)
+    out = proc.stdout + proc.stderr
+    assert ("the TPU runtime check failed on VM mt-test (exit 1), before anything was downloaded: sft run on "
+            "hardware v6e-8 (TPU_ACCELERATOR_TYPE v6e-8)") in out
+    assert "expected 8 x 'TPU v6 lite' on backend tpu, found 1 x ['cpu'] on backend 'cpu'" in out
+    assert "fix: check the VM's accelerator type" in out
+    assert_deleted(world)
+    commands = world.sshd.commands
+    assert index_of(commands, "mtpipe: VM set up") < index_of(commands, TPU_CHECK) == len(commands) - 1
+    assert not (world.sshd.home / "probe.json").exists()   # run.command never started: no dvc pull, no stage
+    assert "running the pipeline" not in out and "hf_download" not in out
+
+
+@pytest.mark.vm_experiments
+@pytest.mark.on_tpu
+def test_tpu_check_runs_between_setup_and_the_pipeline(world: Env) -> None:
+    """The check's command line comes after the setup and shipping HEAD, before run.command, in the
+    shipped repo with the hardware preset's environment; vm_run prints its line. The TPU is a stand-in:
+    a `python` first on PATH after the venv, as tests/fakes/fake_apt.py stands in for apt. A run on the
+    CPU presets (params.yaml's embedded ones) sends no check."""
+    w = world
+    shim = w.sshd.home / "tpu" / "python"
+    shim.parent.mkdir(parents=True)
+    shim.write_text('#!/bin/sh\necho "$*|$TPU_ACCELERATOR_TYPE|$PWD" >> "$HOME/tpu-check-calls"\n'
+                    "echo \"TPU runtime ok: 8 x 'TPU v6 lite' (a stand-in)\"\n")
+    shim.chmod(0o755)
+    w.configure(run__tpu_check='source "$HOME/venv/bin/activate" && export PATH="$HOME/tpu:$PATH" && {check}',
+                run__command='echo "run $(git rev-parse HEAD)" >> "$HOME/runs"')
+    out = w.doit("vm_run", *TPU_RUN).stdout
+    commands = w.sshd.commands
+    setup, ship = index_of(commands, "mtpipe: VM set up"), index_of(commands, "git fetch -q .git/mtpipe.bundle")
+    assert setup < ship < index_of(commands, TPU_CHECK) < index_of(commands, '>> "$HOME/runs"')
+    calls = (w.sshd.home / "tpu-check-calls").read_text().splitlines()
+    assert calls == [f"{TPU_CHECK.removeprefix('python ')}|v6e-8|{w.sshd.home / 'mtpipe'}"]
+    assert (f"mtpipe: checking the TPU runtime on VM mt-test: {TPU_CHECK}\n"
+            "mtpipe: TPU runtime ok: 8 x 'TPU v6 lite' (a stand-in)\nmtpipe: shipped ") in out
+    before = len(commands)
+    out = w.doit("vm_run").stdout
+    assert not any(TPU_CHECK in c for c in commands[before:] if c) and "TPU runtime" not in out
+    assert (w.sshd.home / "runs").read_text().count("run ") == 2
+    w.doit("vm_down")
+    assert_deleted(w)
 
 
 def apt_on_the_vm(w: Env, apt_root: Path, timeout_s: int, commands: list[str]) -> None:

@@ -183,6 +183,8 @@ def loopback_world(tmp_path: Path, repo: Path, local_env: dict[str, str]) -> Ite
                                'source "$HOME/venv/bin/activate" && '
                                f'python -c "{PROBE}" > "$HOME/probe.json" && '
                                'dvc pull --allow-missing && {dvc} && dvc push',
+                    # the TPU runtime check in the VM's venv, as conf/vm.yaml's in ~/maxtext_venv
+                    "tpu_check": 'source "$HOME/venv/bin/activate" && {check}',
                     # run directories in the checkout's work/, as before conf/vm.yaml's /dev/shm: the
                     # loopback VM is this machine, whose /dev/shm other tests and checkouts share
                     "env": dict(GCS_TEST_ENV, MTPIPE_WORK_DIR="")},

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from omegaconf import DictConfig, OmegaConf
 
 from mtpipe.cloud import (interrupts, notify, prices, run_status, ssh_route, vm_checks, vm_config,
-                          vm_experiments, vm_identity, vm_setup, vm_ssh, vm_state)
+                          vm_experiments, vm_identity, vm_setup, vm_ssh, vm_state, vm_tpu)
 from mtpipe.cloud.gcp import SETTLING, CapacityError, Compute, GcpError, MaxRunDurationRefused
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import preflight as preflight_checks
@@ -467,12 +467,16 @@ class VmLifecycle:
                    for sets, name in zip(experiments, names)]
         remote = self.ensure(experiments, may_create, preflight)  # will it fit the TPU? (docs/preflight.md)
         todo, came_back = list(zip(experiments, scripts)), []
+        tpus: list[vm_tpu.Target] = []   # the TPUs the branches that run on the VM target
 
         def attempt(remote: vm_ssh.Remote) -> None:
             _say(f"setting up VM {cfg.name} (once per VM)")
             vm_setup.setup(remote, cfg, root)
             _say(f"shipping HEAD to VM {cfg.name}")
             commit = vm_experiments.ship(remote, root, cfg.run.remote_dir)
+            for target in tpus:   # before anything is downloaded; a failure deletes the VM (mtpipe.cloud.vm_tpu)
+                _say(f"checking the TPU runtime on VM {cfg.name}: {target.command()}")
+                _say(vm_tpu.check(remote, cfg, root, target))
             _say(f"shipped {commit[:12]}; running the pipeline on {cfg.name}")
             while todo:
                 sets, script = todo[0]
@@ -490,7 +494,11 @@ class VmLifecycle:
                 else:
                     _say("the run made no DVC experiment (run.command without {dvc}?)")
 
-        self.guarded(lambda: self.with_recovery(remote, attempt))
+        def body() -> None:
+            tpus.extend(vm_tpu.targets(root, experiments))
+            self.with_recovery(remote, attempt)
+
+        self.guarded(body)
         return came_back
 
     def status(self) -> list[str]:

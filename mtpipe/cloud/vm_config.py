@@ -74,6 +74,7 @@ class Setup(Section):
 class Run(Section):
     remote_dir: str
     command: str
+    tpu_check: str                         # {check}: mtpipe.maxtext.tpu_check's command line
     hardware: Optional[str]                # conf/hardware/<this>.yaml
     env: dict[str, str]
     secrets: list[str]

@@ -36,7 +36,12 @@ def hardware_env(root: Path, hardware: str | None) -> dict[str, str]:
     return {k: str(v) for k, v in (OmegaConf.load(path).get("env") or {}).items()}
 
 
-def _export(env: dict[str, str]) -> list[str]:
+def run_env(cfg: DictConfig, root: Path) -> dict[str, str]:
+    """What vm_run exports on the VM: `env:` of `run.hardware`'s preset, then `run.env`."""
+    return {**hardware_env(root, cfg.run.hardware), **{k: str(v) for k, v in cfg.run.env.items()}}
+
+
+def export_lines(env: dict[str, str]) -> list[str]:
     """`export` lines; the hardware presets' "@hostname" becomes the VM's hostname."""
     return [f'export {k}="$(hostname)"' if v == "@hostname" else f"export {k}={shlex.quote(v)}"
             for k, v in env.items()]
@@ -132,11 +137,10 @@ def run_script(cfg: DictConfig, root: Path, dvc: str, secret_lines: list[str],
     what the previous ones computed. The experiment refs present before the run are noted, so that
     :func:`fetch_experiments` brings back only the one this run made.
     """
-    env = {**hardware_env(root, cfg.run.hardware), **{k: str(v) for k, v in cfg.run.env.items()}}
     return "\n".join([
         "set -eo pipefail",
         *secret_lines,
-        *_export(env),
+        *export_lines(run_env(cfg, root)),
         f'cd "$HOME"/{shlex.quote(cfg.run.remote_dir)}',
         "git reset -q --hard && git clean -fdq",
         *_forget_on_vm(exp_name),

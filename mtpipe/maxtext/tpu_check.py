@@ -18,6 +18,19 @@ DEVICE_KINDS = {"v5e": "TPU v5 lite", "v5p": "TPU v5", "v6e": "TPU v6 lite"}
 SIDE = 256
 
 
+def accelerator(accelerator_type: str) -> tuple[str, int]:
+    """(generation, chips) of a Cloud TPU accelerator type as TPU_ACCELERATOR_TYPE and conf/hardware
+    spell it: ``v6e-8`` -> ("v6e", 8). A v5e VM's type is spelled ``v5litepod-8`` -> ("v5e", 8); the
+    number of a v5p type counts TensorCores, two per chip: ``v5p-8`` -> ("v5p", 4). Raise ValueError
+    for a type whose generation :data:`DEVICE_KINDS` does not know."""
+    name, _, count = accelerator_type.partition("-")
+    generation = {"v5litepod": "v5e"}.get(name, name)
+    if generation not in DEVICE_KINDS or not count.isdigit() or int(count) < 1:
+        raise ValueError(f"TPU accelerator type {accelerator_type!r} is none of "
+                         f"{', '.join(sorted(DEVICE_KINDS))} (v5e spelled v5litepod) followed by -<count>")
+    return generation, int(count) // 2 if generation == "v5p" else int(count)
+
+
 def check(chips: int, generation: str) -> str:
     """The line to print when the runtime is right; raise RuntimeError naming what is wrong."""
     t0 = time.time()
