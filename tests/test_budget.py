@@ -165,3 +165,28 @@ print(options().save_interval_steps, options().max_to_keep)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[-3:] == ["None", "50", "2"], out.stdout
+
+
+def test_a_v5e_vm_runs_the_tutorials_on_its_own_tpu(tmp_path: Path) -> None:
+    """conf/hardware/v5e-8.yaml: the VM's accelerator type v5litepod-8 is MaxText's v5e-8 for the
+    compile and the budget, 8 chips of 15.75 GiB at v5e's price; a VM config of another TPU is refused
+    naming vm.machine_type, before anything compiles."""
+    params = overrides.apply_sets(families.committed_params_text().encode(), [TUTORIALS[0], "sft.hardware=v5e-8"])
+    view = stage_view(compose_checked("sft", params), "train_sft")
+    assert preflight.topology(view) == "v5litepod-8" and preflight.maxtext_topology("v5litepod-8") == "v5e-8"
+    chip, chips = preflight.chip_of(preflight.topology(view), "sft", "v5e-8")
+    assert (chip, chips) == (preflight.CHIPS["v5e"], 8) and chip.hbm_gib == 15.75
+    args = preflight.compile_args(preflight.stage_command(view), preflight.maxtext_topology(preflight.topology(view)))
+    assert "compile_topology=v5e-8" in args
+    from maxtext.utils.accelerator_to_spec_map import get_system_characteristics
+    assert get_system_characteristics("v5e-8").chips_per_host_bounds[:2] == (2, 2)  # MaxText's name: no ValueError
+    v5e_vm = vm_config.load_config({"machine_type": "ct5lp-hightpu-8t", "boot_disk_type": "pd-balanced",
+                                    "provisioning": "on-demand"})
+    machine = vm_config.budget_machine(v5e_vm)
+    assert machine.tpu == "v5e-8"
+    rep = budget_of([TUTORIALS[0], "sft.hardware=v5e-8", "rl.hardware=v5e-8"], machine, tmp_path)
+    assert rep["topology"] == "v5e-8" and rep["places"]["host memory"]["capacity_gb"] == pytest.approx(384, abs=1)
+    with pytest.raises(ConfigError) as err:
+        budget_of([TUTORIALS[0], "sft.hardware=v5e-8"], budget.Machine(200, {}, "v6e-8"), tmp_path)
+    assert err.value.key == "vm.machine_type" and "sft.hardware (v5e-8) runs on a v5e-8" in err.value.problem
+    assert "conf/hardware/v5e-8.yaml" in err.value.fix

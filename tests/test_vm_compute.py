@@ -306,6 +306,20 @@ def test_the_price_table_is_checked_and_dated(tmp_path: Path) -> None:
         prices.load(bad)
 
 
+@pytest.mark.cloud_contract
+def test_a_v5e_vm_is_priced_on_demand_and_refused_as_spot_without_a_price() -> None:
+    """ct5lp-hightpu-8t holds 8 v5e chips at v5e's on-demand price; conf/prices.yaml knows no v5e Spot
+    price, so a Spot v5e VM is refused naming the key to set, before any request."""
+    cfg = vm_config.load_config({"machine_type": "ct5lp-hightpu-8t", "boot_disk_type": "pd-balanced",
+                                 "provisioning": "on-demand"})
+    rate = prices.vm_rate(cfg)
+    assert (rate.tpu, rate.chips, rate.usd_per_hour) == ("v5e", 8, pytest.approx(9.60))
+    cfg.provisioning = "spot"
+    with pytest.raises(ConfigError) as err:
+        prices.vm_rate(cfg)
+    assert err.value.key == "prices.tpu.v5e.per_chip_hour.spot" and "conf/prices.yaml" in err.value.fix
+
+
 @pytest.mark.preemption
 def test_spot_needs_no_reservation(fake: FakeCompute, repo: Path,
                                    monkeypatch: pytest.MonkeyPatch) -> None:

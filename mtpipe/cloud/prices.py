@@ -39,7 +39,7 @@ class PerChipHour(Section):
     """One price per provisioning mode that has one (a reservation's commitment pays its VMs)."""
 
     on_demand: ChipPrice = Field(alias="on-demand")
-    spot: ChipPrice
+    spot: ChipPrice | None                   # null: no price known, Spot VMs of this TPU are refused
 
 
 class Tpu(Section):
@@ -49,6 +49,7 @@ class Tpu(Section):
 
 class Tpus(Section):
     v6e: Tpu                                 # TPU v6e (Trillium)
+    v5e: Tpu                                 # TPU v5e
 
 
 class Prices(Section):
@@ -107,18 +108,29 @@ class Rate:
         return basis
 
 
-def vm_rate(cfg: DictConfig) -> Rate:
-    """The rate of the VM ``cfg`` describes: its machine type's chips at its provisioning mode's price
-    (a reservation: the on-demand price, as the equivalent of what the commitment pays)."""
-    family, chips = tpu_chips(cfg.machine_type)
-    table = load()
-    tpus = {name: getattr(table.tpu, name) for name in Tpus.model_fields}
+def machine_tpu(machine_type: str) -> tuple[str, int]:
+    """(TPU, chips) a Compute TPU machine type holds, by conf/prices.yaml's machine families:
+    ct6e-standard-8t -> ("v6e", 8), ct5lp-hightpu-8t -> ("v5e", 8)."""
+    family, chips = tpu_chips(machine_type)
+    tpus = {name: getattr(load().tpu, name) for name in Tpus.model_fields}
     tpu = next((name for name, entry in tpus.items() if entry.machine_family == family), None)
     if tpu is None:
         raise ConfigError("vm.machine_type", f"conf/prices.yaml prices no TPU of machine family {family!r} "
-                          f"({cfg.machine_type})", "use ct6e-standard-8t (TPU v6e), or add the TPU to "
+                          f"({machine_type})", "use ct6e-standard-8t (TPU v6e), or add the TPU to "
                           "conf/prices.yaml and mtpipe/cloud/prices.py Tpus")
+    return tpu, chips
+
+
+def vm_rate(cfg: DictConfig) -> Rate:
+    """The rate of the VM ``cfg`` describes: its machine type's chips at its provisioning mode's price
+    (a reservation: the on-demand price, as the equivalent of what the commitment pays)."""
+    tpu, chips = machine_tpu(cfg.machine_type)
+    tpus = {name: getattr(load().tpu, name) for name in Tpus.model_fields}
     reserved = cfg.provisioning == "reservation"
     reservation = (cfg.reservation or "(RESERVATION not set)") if reserved else None
     mode = "on-demand" if reserved else cfg.provisioning
-    return Rate(chips, tpu, mode, getattr(tpus[tpu].per_chip_hour, mode.replace("-", "_")), reservation)
+    price = getattr(tpus[tpu].per_chip_hour, mode.replace("-", "_"))
+    if price is None:
+        raise ConfigError(f"prices.tpu.{tpu}.per_chip_hour.{mode}", f"is null: no {mode} price of TPU {tpu} is known",
+                          f"set its usd, as_of and source in {PRICES} (the region's price), or use another provisioning")
+    return Rate(chips, tpu, mode, price, reservation)

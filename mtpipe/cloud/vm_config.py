@@ -240,6 +240,7 @@ def check_create(cfg: DictConfig) -> None:
 
 
 def budget_machine(cfg: DictConfig) -> Machine:
-    """What the machine budget (mtpipe.maxtext.budget) reads of a loaded VM config: the boot disk's size
-    and the run's environment."""
-    return Machine(int(cfg.boot_disk_gb), {str(k): str(v) for k, v in cfg.run.env.items()})
+    """What the machine budget (mtpipe.maxtext.budget) reads of a loaded VM config: the boot disk's size,
+    the run's environment and the TPU its machine type holds."""
+    tpu, chips = prices.machine_tpu(cfg.machine_type)
+    return Machine(int(cfg.boot_disk_gb), {str(k): str(v) for k, v in cfg.run.env.items()}, f"{tpu}-{chips}")

@@ -56,8 +56,11 @@ class Host:
 # ct6e-standard-8t: "DRAM per host 1,536 GiB" (cloud.google.com/tpu/docs/v6e, "System architecture");
 # /dev/shm: Linux mounts tmpfs at half of RAM unless told otherwise (mount(8), tmpfs "size"); the
 # TPU image sets no other size (assumed: not measured on a VM).
+# ct5lp-hightpu-8t: 384 GB of RAM per VM (cloud.google.com/tpu/docs/v5e, "VM types"; the host has 512 GiB).
 HOSTS = {"v6e-8": Host(memory_gib=1536.0, shm_gib=768.0,
-                       source="cloud.google.com/tpu/docs/v6e (DRAM per host); tmpfs default: half of RAM")}
+                       source="cloud.google.com/tpu/docs/v6e (DRAM per host); tmpfs default: half of RAM"),
+         "v5e-8": Host(memory_gib=384e9 / 2**30, shm_gib=384e9 / 2**30 / 2,
+                       source="cloud.google.com/tpu/docs/v5e (VM types: ct5lp-hightpu-8t); tmpfs default: half of RAM")}
 
 
 @dataclass(frozen=True)
@@ -382,10 +385,12 @@ def _state_keys(branch: str, stages: dict[str, View]) -> list[str]:
 
 @dataclass(frozen=True)
 class Machine:
-    """What the budget reads of conf/vm.yaml: the boot disk's size and the run's environment."""
+    """What the budget reads of conf/vm.yaml: the boot disk's size, the run's environment and the TPU
+    its machine type holds, as MaxText names it (``v6e-8``; None: not said)."""
 
     boot_disk_gb: int
     env: dict[str, str]
+    tpu: str | None = None
 
 
 

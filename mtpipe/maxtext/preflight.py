@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpipe.errors import ConfigError
-from mtpipe.maxtext import budget, commands
+from mtpipe.maxtext import budget, commands, tpu_check
 from mtpipe.maxtext.runner import child_env
 from mtpipe.pipeline import overrides, toolchain
 from mtpipe.pipeline.config import BRANCH_STAGES, ROOT, View, stage_view
@@ -113,12 +113,22 @@ def usd_per_hour(chips: int, usd_per_chip_hour: float) -> float:
 
 
 def chip_of(topo: str, branch: str, hardware: str) -> tuple[Chip, int]:
-    """(per-chip specs, number of chips) of a topology name such as ``v6e-8``."""
-    generation, _, count = topo.partition("-")
-    if generation not in CHIPS or not count.isdigit():
+    """(per-chip specs, number of chips) of an accelerator type such as ``v6e-8`` or ``v5litepod-8``."""
+    try:
+        generation, chips = tpu_check.accelerator(topo)
+    except ValueError:
+        generation, chips = "", 0
+    if generation not in CHIPS:
         raise ConfigError(f"{branch}.hardware", f"preflight knows no TPU {topo!r} (conf/hardware/{hardware}.yaml)",
-                          f"use one of {sorted(CHIPS)}-<chips>, or add its specs to mtpipe/maxtext/preflight.py CHIPS")
-    return CHIPS[generation], int(count)
+                          f"use one of {sorted(CHIPS)}-<chips> (v5e: v5litepod-<chips>), or add its specs to "
+                          "mtpipe/maxtext/preflight.py CHIPS")
+    return CHIPS[generation], chips
+
+
+def maxtext_topology(topo: str) -> str:
+    """MaxText's name of an accelerator type, for its AOT compile and the machine budget: a v5e VM's
+    ``v5litepod-8`` is MaxText's ``v5e-8``; the others are spelled alike."""
+    return topo.replace("v5litepod-", "v5e-", 1)
 
 
 def stage_command(cfg: View) -> commands.MaxTextCommand:
@@ -363,7 +373,7 @@ def check(sets: list[str], usd_per_chip_hour: float, machine: budget.Machine, ro
             continue
         chip, chips = chip_of(topo, branch, cfg.hardware.name)
         cmd = stage_command(cfg)
-        args = compile_args(cmd, topo)
+        args = compile_args(cmd, maxtext_topology(topo))
         cached = (work / f"{compile_digest(cmd.module, args)}.json").is_file()
         print(f"mtpipe preflight: {branch} ({preset}): "
               + ("compile result cached" if cached else f"compiling the training step for {topo} on the CPU "
@@ -396,7 +406,14 @@ def machine_budget(composed: dict[str, Any], views: dict[str, View], machine: bu
     on_vm = [b for b, cfg in views.items() if topology(cfg) and cfg.hardware.backend == "local"]
     if not on_vm:
         return None
-    topo = topology(views[on_vm[0]])
+    for branch in on_vm:
+        hardware, wanted = views[branch].hardware.name, maxtext_topology(topology(views[branch]))
+        if machine.tpu and wanted != machine.tpu:
+            raise ConfigError("vm.machine_type", f"holds a {machine.tpu}, but {branch}.hardware ({hardware}) runs "
+                              f"on a {wanted}", f"give the VM the branch's TPU (conf/hardware/{hardware}.yaml names its "
+                              "machine type) in a VM config named by $MTPIPE_VM_CONFIG, or set "
+                              f"{branch}.hardware to a preset of the VM's TPU")
+    topo = maxtext_topology(topology(views[on_vm[0]]))
     if topo not in budget.HOSTS:
         raise ConfigError(f"{on_vm[0]}.hardware", f"the machine budget knows no host for {topo}",
                           "add it to mtpipe/maxtext/budget.py HOSTS")
