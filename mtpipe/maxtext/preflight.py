@@ -324,7 +324,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [head]
     for r in rows:
         low, high = step_range(r["est_step_s"])
-        hbm = "compile OOM" if r["compile_oom"] else f"{r['hbm_gib_per_chip']:.1f} ±{HBM_ERROR:.0%}"
+        bar = f" ±{HBM_ERROR:.0%}" if r["branch"] == "sft" else ""  # calibrated for the SFT trainer only
+        hbm = "compile OOM" if r["compile_oom"] else f"{r['hbm_gib_per_chip']:.1f}{bar}"
         lines.append((r["branch"], r["preset"], r["topology"], f"{hbm} / {r['hbm_gib_available']:.2f}",
                       "yes" if r["fits"] else "NO", f"{r['flops_per_step'] / 1e12:.1f}",
                       f"{r['est_step_s']:.3f} ({low:.3f}-{high:.3f})", f"{r['est_train_s'] / 60:.1f}",
