@@ -184,7 +184,7 @@ def test_a_v5e_vm_runs_the_tutorials_on_its_own_tpu(tmp_path: Path) -> None:
                                     "provisioning": "on-demand"})
     machine = vm_config.budget_machine(v5e_vm)
     assert machine.tpu == "v5e-8"
-    rep = budget_of([TUTORIALS[0], "sft.hardware=v5e-8", "rl.hardware=v5e-8"], machine, tmp_path)
+    rep = budget_of([*TUTORIALS, "sft.hardware=v5e-8", "rl.hardware=v5e-8"], machine, tmp_path)
     assert rep["topology"] == "v5e-8" and rep["places"]["host memory"]["capacity_gb"] == pytest.approx(384, abs=1)
     with pytest.raises(ConfigError) as err:
         budget_of([TUTORIALS[0], "sft.hardware=v5e-8"], budget.Machine(200, {}, "v6e-8"), tmp_path)

@@ -77,6 +77,7 @@ def chip_path(path: Path | str) -> str:
 
 
 def placeholders(run: dict[str, Any]) -> dict[str, Any]:
+    """``run`` with its arguments' local paths as the chip's placeholders."""
     return run | {"args": [chip_path(a) for a in run["args"]]}
 
 
