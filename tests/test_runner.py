@@ -89,6 +89,8 @@ def test_processes_get_the_jobset_environment_and_one_failure_stops_all(tmp_path
 def test_a_taken_coordinator_port_fails_before_starting(tmp_path, monkeypatch):
     monkeypatch.setattr(MaxTextCommand, "argv", lambda self: pytest.fail("started a process"))
     with socket.socket() as sock:
+        # as the coordinator itself (gRPC) binds: an earlier test's connections still in TIME_WAIT own no port
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", runner.COORDINATOR_PORT))
         sock.listen()
         with pytest.raises(runner.MaxTextFailed, match="port 1234 on 127.0.0.1 is taken"):
