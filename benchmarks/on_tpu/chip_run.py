@@ -47,6 +47,7 @@ def versions() -> dict[str, str | None]:
 
 
 def fill(value: str, start: str) -> str:
+    """A planned argument with the chip's paths and the checkpoint a run starts from."""
     return value.replace("@CHIP@", str(CHIP)).replace("@RUNS@", str(RUNS)).replace("@START@", start)
 
 

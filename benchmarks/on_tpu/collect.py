@@ -25,11 +25,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mtpipe.maxtext import commands, preflight, runner  # noqa: E402
+from mtpipe.maxtext import commands, runner  # noqa: E402
 from mtpipe.pipeline.metrics import read_steps, read_tensorboard, rl_curve, rl_eval  # noqa: E402
 from mtpipe.pipeline.stage import ROOT, artifact  # noqa: E402
 from mtpipe.evaluation import scoring  # noqa: E402
-from plan import committed_view  # noqa: E402  (benchmarks/on_tpu/plan.py)
+from plan import committed_view, slice_forecast  # noqa: E402  (benchmarks/on_tpu/plan.py)
 
 RECORDS = Path(__file__).resolve().parent / "records"
 STEP_TIME = "perf/step_time_seconds"
@@ -129,7 +129,7 @@ def slices(group: Path, summary: dict[str, Any], plan: dict[str, Any]) -> dict[s
         name = run["name"]
         row = {k: run.get(k) for k in ("status", "process_s", "wall_s", "device_kind")}
         row |= {k: planned[name][k] for k in ("module", "layers", "vocab")}
-        row["compile_args"] = plan_forecast_args(planned[name])
+        row["compile_args"] = slice_forecast(planned[name])
         row["memory"] = run.get("memory")
         if (group / f"{name}.metrics.jsonl").is_file():
             stats = step_stats(group / f"{name}.metrics.jsonl")
@@ -137,11 +137,6 @@ def slices(group: Path, summary: dict[str, Any], plan: dict[str, Any]) -> dict[s
                     "loss": stats["loss"]}
         out["runs"][name] = row
     return out
-
-
-def plan_forecast_args(run: dict[str, Any]) -> list[str]:
-    cmd = commands.MaxTextCommand(run["module"], [a for a in run["args"] if "@CHIP@" not in a and "@RUNS@" not in a])
-    return preflight.compile_args(cmd, "v5e-1")
 
 
 def main() -> None:
