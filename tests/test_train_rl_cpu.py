@@ -30,6 +30,15 @@ from types import SimpleNamespace
 from omegaconf import OmegaConf
 from maxtext.trainers.post_train.rl import utils_rl
 
+if sys.argv[3] == "adapted":  # maxtext_adapter's patch 13, which the launchers apply: grading never polls
+    import time
+    from mtpipe.maxtext import maxtext_adapter
+
+    maxtext_adapter.grade_without_polling()
+
+    def no_polling(seconds):
+        raise AssertionError(f"math_verify_pool slept {seconds} s between polls")
+    time.sleep = no_polling
 rl = OmegaConf.load(sys.argv[1])  # MaxText's own rl.yml: the reward values are read, not copied
 cfg = SimpleNamespace(**{k: rl[k] for k in rl if k.startswith(("reward_", "penalty_", "reasoning_", "solution_"))},
                       debug=False, math_verify_timeout=60, math_verify_num_procs=1)
@@ -46,7 +55,11 @@ os._exit(0)  # the math-verify process pool hangs a normal interpreter exit
 """
 
 
-def test_maxtext_reward_functions_on_hand_written_completions(tmp_path):
+@pytest.mark.fast_rl
+@pytest.mark.parametrize("grading", ["maxtext", "adapted"])
+def test_maxtext_reward_functions_on_hand_written_completions(grading):
+    """MaxText's rewards, with MaxText's math-verify pool and with the adapter's (patch 13), which
+    waits on the pool's results instead of polling them every 0.1 s: the same scores."""
     import importlib.util
 
     rl_yml = Path(importlib.util.find_spec("maxtext").origin).parent / "configs" / "post_train" / "rl.yml"
@@ -56,8 +69,8 @@ def test_maxtext_reward_functions_on_hand_written_completions(tmp_path):
         "<reasoning>3 + 4 = 7</reasoning> <answer>7.0</answer>",  # equal value, other spelling (math-verify)
         "The answer is 7.",  # bad format: no tags at all
     ]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", DECOUPLE_GCLOUD="TRUE")
-    run = subprocess.run([sys.executable, "-c", REWARDS_CHILD, str(rl_yml), json.dumps(completions)], env=env,
+    env = dict(os.environ, JAX_PLATFORMS="cpu", DECOUPLE_GCLOUD="TRUE", PYTHONPATH=str(REPO))
+    run = subprocess.run([sys.executable, "-c", REWARDS_CHILD, str(rl_yml), json.dumps(completions), grading], env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     scores = json.loads(run.stdout.strip().splitlines()[-1])
