@@ -225,11 +225,13 @@ def step_flops(s: dict[str, int]) -> dict[str, float]:
     a forward pass over [rows, max_target] for the reference log-probs, three for the update."""
     emb, mlp, hd = s["base_emb_dim"], s["base_mlp_dim"], s["head_dim"]
     q, kv, layers = s["base_num_query_heads"], s["base_num_kv_heads"], s["base_num_decoder_layers"]
-    rows, prompt, total = s["batch_size"] * s["num_generations"], s["max_prefill_predict_length"], s["max_target_length"]
+    rows = s["batch_size"] * s["num_generations"]
+    prompt, total = s["max_prefill_predict_length"], s["max_target_length"]
     per_token = 2 * layers * (2 * emb * q * hd + 2 * emb * kv * hd + 3 * emb * mlp) + 2 * emb * s["vocab_size"]
     attention = 4 * layers * q * hd  # per token and token of context (scores and weighted values)
     forward = rows * total * (per_token + attention * total)
-    rollout = rows * prompt * (per_token + attention * prompt) + rows * (total - prompt) * (per_token + attention * total)
+    prefill = rows * prompt * (per_token + attention * prompt)
+    rollout = prefill + rows * (total - prompt) * (per_token + attention * total)
     return {"rollout": rollout, "grading": 0.0, "ref logps": forward, "old logps": 0.0, "update": 3 * forward}
 
 
@@ -295,7 +297,8 @@ def table(runs: dict[str, dict[str, Any]], flops: dict[str, float], rate: float)
     lines.append(f"\narithmetic per step: {sum(flops.values()) / 1e9:.1f} GFLOP at {rate / 1e9:.0f} GFLOP/s "
                  "(this machine's JAX on the model's MLP matmul)")
     for s in setups:
-        late = [f"step {i}: {', '.join(st['compiled'])}" for i, st in enumerate(runs[s]["steps"][1:], 2) if st["compiled"]]
+        late = [f"step {i}: {', '.join(st['compiled'])}"
+                for i, st in enumerate(runs[s]["steps"][1:], 2) if st["compiled"]]
         lines.append(f"{s}: compiles after the first step: {'; '.join(late) if late else 'none'}")
     return "\n".join(lines)
 

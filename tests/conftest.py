@@ -123,10 +123,11 @@ def pytest_collection_modifyitems(config, items: list[pytest.Item]) -> None:
         return "pipeline_run" in getattr(item, "fixturenames", ())
 
     for item in items:
-        if uses_pipeline(item):  # what it costs: the shared pipeline's build (the first) or a copy of it
-            item.add_marker(pytest.mark.shared_pipeline)
-            item.add_marker(pytest.mark.slow)
-        if uses_pipeline(item) and not item.get_closest_marker("xdist_group"):
+        if not uses_pipeline(item):
+            continue
+        item.add_marker(pytest.mark.shared_pipeline)  # what it costs: the shared build (the first user) or a copy
+        item.add_marker(pytest.mark.slow)
+        if not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(f"pipeline-{item.path.stem}"))
 
     def rank(item: pytest.Item) -> tuple[int, int]:

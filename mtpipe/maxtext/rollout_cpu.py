@@ -148,8 +148,8 @@ class _CacheModel:
 
   MaxText sizes the autoregressive cache from `micro_batch_size_to_train_on` (train_rl: the prompts
   per step), not from the rollout's rows (prompts x num_generations), so the twin is built from a
-  copy of the config with that field set to `batch` (and the cache in CACHE_AXIS_ORDER). Built abstractly (no parameter memory); its
-  parameters are the actor's arrays at each call.
+  copy of the config with that field set to `batch` (and the cache in CACHE_AXIS_ORDER). Built
+  abstractly (no parameter memory); its parameters are the actor's arrays at each call.
   """
 
   def __init__(self, config: Any, mesh: Any, batch: int):
