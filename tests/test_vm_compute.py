@@ -35,7 +35,9 @@ KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE2fTTNpubliconly mtpipe"
 #   --image-family=ubuntu-accel-2204-amd64-tpu-v5e-v5p-v6e --boot-disk-size=200GB
 #   --maintenance-policy=TERMINATE --instance-termination-action=DELETE
 #   --provisioning-model=RESERVATION_BOUND --reservation-affinity=specific --reservation=v6e-res
-# (the tutorials' reservation is one a future reservation in calendar mode created)
+#   --threads-per-core=1
+# (the tutorials' reservation is one a future reservation in calendar mode created; an 8-chip v6e VM
+# takes one thread per core)
 # plus (docs/tpu-vm.md): a Hyperdisk Balanced boot disk (v6e takes no other), maxRunDuration, labels, the cloud-platform scope, our SSH public key.
 GOLDEN_INSTANCE = {
     "name": "mt-test",
@@ -57,6 +59,7 @@ GOLDEN_INSTANCE = {
                          "scopes": ["https://www.googleapis.com/auth/cloud-platform"]}],
     "labels": {"app": "mtpipe", "mtpipe-run": "1a2b3c4d"},
     "metadata": {"items": [{"key": "ssh-keys", "value": f"mtpipe:{KEY}"}]},
+    "advancedMachineFeatures": {"threadsPerCore": 1},
 }
 GOLDEN_FIREWALL = {
     "name": "mt-test-ssh", "network": "global/networks/default", "direction": "INGRESS",
@@ -119,6 +122,29 @@ def test_insert_bodies_match_the_tutorial(fake: FakeCompute) -> None:
     assert len(fake.calls("POST", "/wait")) == 4
     assert instance.status == "RUNNING" and gcp.external_ip(instance) == "127.0.0.1"
     assert {r.host for r in fake.requests} == {fake.url.removeprefix("http://")}
+
+
+@pytest.mark.first_request
+def test_an_8_chip_v6e_vm_is_single_threaded(fake: FakeCompute) -> None:
+    """ct6e-standard-8t takes one thread per core: mtpipe's body says so and passes Google's discovery
+    document; the same body without it is refused, as Compute refuses it, and nothing is created."""
+    cfg = vm_config.load_config({"provisioning": "on-demand"})
+    compute = gcp.Compute(cfg.project, cfg.zone)
+    body = gcp.instance_body(cfg, cfg.name, KEY, {}, "STANDARD")
+    assert compute.create_instance(body).status == "RUNNING"
+    (insert,) = fake.inserts()
+    assert insert.json()["advancedMachineFeatures"] == {"threadsPerCore": 1}
+    assert insert.api_method == "compute.instances.insert" and not fake.contract.rejected
+    compute.delete_instance(cfg.name)
+
+    del body["advanced_machine_features"]
+    with pytest.raises(gcp.GcpError, match=r"creating VM mt-test: 400 .*'resource.advancedMachineFeatures"
+                                           r".threadsPerCore': ''. Machine type ct6e-standard-8t requires 1 "
+                                           r"thread per core"):
+        compute.create_instance(body)
+    assert len(fake.inserts()) == 2 and not fake.instances
+    cfg.machine_type = "ct6e-standard-4t"
+    assert "advanced_machine_features" not in gcp.instance_body(cfg, cfg.name, KEY, {}, "STANDARD")
 
 
 @pytest.mark.cloud_contract

@@ -215,6 +215,12 @@ def ssh_metadata(cfg: Any, ssh_public_key: str) -> list[dict[str, str]]:
     return [{"key": "ssh-keys", "value": f"{cfg.ssh.user}:{ssh_public_key}"}]
 
 
+# Machine types Compute creates only with one thread per physical core (`--threads-per-core=1`,
+# advancedMachineFeatures.threadsPerCore): the 8-chip v6e VM. SkyPilot sends it for this type ("CT6e
+# 8-chip VMs require single-threaded cores", sky/clouds/gcp.py); docs/tpu-vm.md, "Decisions".
+SINGLE_THREADED = frozenset({"ct6e-standard-8t"})
+
+
 def instance_body(cfg: Any, name: str, ssh_public_key: str, labels: dict[str, str], model: str) -> dict:
     """The instances.insert body: the tutorial's `gcloud compute instances create` flags + safety;
     `model` is the VM's provisioningModel (:meth:`Compute.provisioning_model`)."""
@@ -241,6 +247,8 @@ def instance_body(cfg: Any, name: str, ssh_public_key: str, labels: dict[str, st
     }
     if affinity:
         body["reservation_affinity"] = affinity
+    if cfg.machine_type in SINGLE_THREADED:
+        body["advanced_machine_features"] = {"threads_per_core": 1}
     return body
 
 

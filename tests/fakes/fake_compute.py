@@ -11,9 +11,11 @@ chips of a VM family, `reservedResources` / `inUseResources`), auto-created by a
 projects/OWNER/zones/Z/reservations/NAME, consumed as projects/OWNER/reservations/NAME by the
 projects its shareSettings list. A reservation counts what the VMs consuming it use until they are
 deleted, by a DELETE or by :meth:`FakeCompute.expire` (maxRunDuration running out).
-An insert is refused where Compute documents a refusal: (400) a Spot VM that restarts itself or
-migrates, a RESERVATION_BOUND VM without a specific reservation or consuming one that no future
-reservation in calendar mode created; (operation error) a reservation that does not exist or is not
+An insert is refused where Compute documents a refusal, and (400) an 8-chip v6e VM without one thread
+per core, which SkyPilot's code says Compute requires (:data:`SINGLE_THREADED_TYPES`; the wording is
+the fake's, in Compute's form). Documented: (400) a Spot VM that restarts itself or migrates, a
+RESERVATION_BOUND VM without a specific reservation or consuming one that no future reservation in
+calendar mode created; (operation error) a reservation that does not exist or is not
 shared with the project, whose VMs or chips do not match the VM, or that has no room left.
 :meth:`FakeCompute.preempt` does what a Spot preemption does: the instance is TERMINATED, or deleted
 (termination action DELETE).
@@ -80,6 +82,10 @@ class Recorded:
 # Compute's TPU machine types hold <N> chips of their family: ct6e-standard-8t, 8 chips of ct6e.
 TPU_MACHINE = re.compile(r"(?P<family>[a-z][a-z0-9]*)-[a-z]+-(?P<chips>[0-9]+)t")
 VM_FAMILIES = {"ct6e": "VM_FAMILY_CLOUD_TPU_LITE_POD_SLICE_CT6E", "ct5lp": "VM_FAMILY_CLOUD_TPU_LITE_POD_SLICE_CT5LP"}
+# Machine types Compute creates only with advancedMachineFeatures.threadsPerCore 1: the 8-chip v6e VM
+# (SkyPilot, sky/clouds/gcp.py: "CT6e 8-chip VMs require single-threaded cores"). The fake's own
+# copy of Google's rule, not mtpipe's, so that a body mtpipe gets wrong is refused.
+SINGLE_THREADED_TYPES = {"ct6e-standard-8t"}
 
 
 @dataclass
@@ -384,6 +390,12 @@ class FakeCompute:
                                f"{body['name']}' already exists")
         if refused := self._network_refusal(project, zone, body):
             return refused
+        machine_type = body.get("machineType", "").rsplit("/", 1)[-1]
+        threads = (body.get("advancedMachineFeatures") or {}).get("threadsPerCore")
+        if machine_type in SINGLE_THREADED_TYPES and threads != 1:
+            return _error(400, "Invalid value for field 'resource.advancedMachineFeatures.threadsPerCore': "
+                               f"'{threads if threads is not None else ''}'. Machine type {machine_type} "
+                               "requires 1 thread per core.")
         scheduling, affinity = body.get("scheduling") or {}, body.get("reservationAffinity") or {}
         model = scheduling.get("provisioningModel", "STANDARD")
         if model == "RESERVATION_BOUND" and "maxRunDuration" in scheduling and not self.bound_max_run_duration:
