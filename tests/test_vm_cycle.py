@@ -342,13 +342,15 @@ def test_tpu_check_runs_between_setup_and_the_pipeline(world: Env) -> None:
 
 
 def apt_on_the_vm(w: Env, apt_root: Path, timeout_s: int, commands: list[str]) -> None:
-    """Setup commands that run `apt_get` against the apt-get stand-in (tests/fakes/fake_apt.py):
-    `sudo` runs its command as this user, the stand-in is first on PATH."""
+    """Setup commands that run `apt_get` and `stop_auto_upgrades` against the apt-get and systemctl
+    stand-ins (tests/fakes/fake_apt.py): `sudo` runs its command as this user, the stand-ins are first
+    on PATH."""
     bin_dir = w.sshd.home / "bin"
     bin_dir.mkdir(parents=True, exist_ok=True)
-    (bin_dir / "apt-get").write_text(f'#!/bin/sh\nFAKE_APT_ROOT={apt_root} exec {sys.executable} '
-                                     f'{fake_apt.__file__} apt-get "$@"\n')
-    (bin_dir / "apt-get").chmod(0o755)
+    for tool in ("apt-get", "systemctl"):
+        (bin_dir / tool).write_text(f'#!/bin/sh\nFAKE_APT_ROOT={apt_root} exec {sys.executable} '
+                                    f'{fake_apt.__file__} {tool} "$@"\n')
+        (bin_dir / tool).chmod(0o755)
     w.configure(setup__apt_lock_timeout_s=timeout_s,
                 setup__commands=['sudo() { env "$@"; }', 'export PATH="$HOME/bin:$PATH"', *commands])
 
@@ -372,6 +374,33 @@ def test_setup_waits_for_the_package_lock(world: Env, tmp_path: Path) -> None:
     calls = [line.split() for line in (apt_root / "calls.log").read_text().splitlines()]
     assert [c[2:] for c in calls] == [["update"], ["update"], ["install", "-y", "git"]]
     assert all(c[0] == "-o" and 0 < int(c[1].removeprefix("DPkg::Lock::Timeout=")) <= 30 for c in calls)
+    w.doit("vm_down")
+
+
+@pytest.mark.first_request
+@pytest.mark.cloud_contract
+def test_setup_stops_unattended_upgrades_and_upgrades_nothing(world: Env, tmp_path: Path) -> None:
+    """The shipped setup upgrades none of the image's packages and first stops the apt-daily jobs: on a
+    fresh VM whose apt-daily job fetches the package lists for a minute (the upgrade would follow),
+    `stop_auto_upgrades` ends it, so apt waits for no lock and the upgrade never starts."""
+    shipped = list(yaml.safe_load((ROOT / "conf" / "vm.yaml").read_text())["setup"]["commands"])
+    assert shipped[0] == "stop_auto_upgrades"
+    assert not [c for c in shipped if "upgrade" in c.split()[1:2] or "unattended-upgrade" in c]
+    w, apt_root = world, tmp_path / "apt"
+    apt_on_the_vm(w, apt_root, 10, [c for c in shipped if c.startswith(("stop_auto_upgrades", "apt_get "))])
+    w.doit("vm_up")
+    holder = fake_apt.hold(apt_root, lists_s=60, dpkg_s=120)
+    try:
+        out = w.doit("vm_setup").stdout
+        assert holder.wait(5) is not None   # the apt-daily job was ended, not waited for
+    finally:
+        holder.kill()
+        holder.wait()
+    assert "waiting for the package lock" not in out and "Waiting for cache lock" not in out
+    assert (apt_root / "systemctl.log").read_text().splitlines() == [
+        "disable --now apt-daily.timer apt-daily-upgrade.timer", "stop apt-daily.service apt-daily-upgrade.service"]
+    calls = [line.split()[2] for line in (apt_root / "calls.log").read_text().splitlines()]
+    assert calls == ["update", "install"] and "mtpipe: VM set up" in out
     w.doit("vm_down")
 
 

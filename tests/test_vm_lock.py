@@ -5,8 +5,8 @@ test runs that same script on this machine, in a scratch HOME, so a typo or a br
 and not on a VM that bills by the hour. Three commands cannot run here and are replaced, by name, with
 shell functions defined before the script (the script itself is unchanged):
 
-* `sudo` (the apt-get lines): would change this machine's system packages; the calls are recorded and
-  must be apt-get only.
+* `sudo` (the apt-get and systemctl lines): would change this machine's system packages and services;
+  the calls are recorded and must be stopping the apt-daily jobs, then apt-get only.
 * `curl` (uv's installer from astral.sh, unreachable here): serves an installer that puts the uv of
   the same pinned version (from PyPI) in ~/.local/bin and writes ~/.local/bin/env, as the real one does.
 * `install_tpu_post_train_extra_deps` (MaxText's installer of vLLM for TPU, tpu-inference and a tunix
@@ -237,9 +237,12 @@ def test_the_setup_commands_install_the_lock_into_a_fresh_venv(setup_run: SetupR
     assert "mtpipe: VM set up" in out
 
     assert (home / "extra_deps.log").read_text().strip() == str(venv)
+    sudo_lines = (home / "sudo.log").read_text().splitlines()
+    assert sudo_lines[:2] == ["systemctl disable --now apt-daily.timer apt-daily-upgrade.timer",
+                              "systemctl stop apt-daily.service apt-daily-upgrade.service"]   # stop_auto_upgrades
     sudo = [re.fullmatch(r"DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=\d+ (\w+)( .*)?", line)
-            for line in (home / "sudo.log").read_text().splitlines()]   # apt_get: apt waits for the lock
-    assert [m and m[1] for m in sudo] == ["update", "upgrade", "install"]
+            for line in sudo_lines[2:]]   # apt_get: apt waits for the lock; no upgrade
+    assert [m and m[1] for m in sudo] == ["update", "install"]
 
     version = subprocess.run([python, "-c", "import sys; print(*sys.version_info[:2])"], capture_output=True,
                              text=True, check=True).stdout.split()

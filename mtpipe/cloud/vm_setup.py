@@ -68,12 +68,24 @@ APT_GET = r"""apt_get() {
 }"""
 
 
+# `stop_auto_upgrades` in setup.commands: the image's packages stay the ones it was validated with. On
+# Ubuntu the apt-daily timers start apt-daily.service (package lists) and apt-daily-upgrade.service
+# (`unattended-upgrade`, the upgrades); both timers are disabled and both services stopped, as SkyPilot
+# stops unattended-upgrades before its setup. apt-daily-upgrade.service has KillMode=process: an upgrade
+# already installing packages finishes (dpkg is not cut short), and apt_get waits for its lock.
+STOP_AUTO_UPGRADES = """stop_auto_upgrades() {
+  sudo systemctl disable --now apt-daily.timer apt-daily-upgrade.timer
+  sudo systemctl stop apt-daily.service apt-daily-upgrade.service
+}"""
+
+
 def setup_script(cfg: DictConfig, files: bytes = b"") -> str:
     """The setup commands, skipped when the marker holds their hash and the files' (rerun = no-op).
 
     `files` (from :func:`setup_files`) arrive on stdin and are unpacked into ~/.mtpipe/setup first.
     The commands may call `apt_get` (:data:`APT_GET`), which waits up to `setup.apt_lock_timeout_s`
-    for the package lock and then exits the setup with :data:`APT_LOCK_EXIT`.
+    for the package lock and then exits the setup with :data:`APT_LOCK_EXIT`, and
+    `stop_auto_upgrades` (:data:`STOP_AUTO_UPGRADES`).
     """
     commands = list(cfg.setup.commands)
     digest = hashlib.sha256("\n".join(commands).encode() + files).hexdigest()
@@ -87,6 +99,7 @@ def setup_script(cfg: DictConfig, files: bytes = b"") -> str:
         "fi",
         "set -eo pipefail",
         apt_get,
+        STOP_AUTO_UPGRADES,
         *unpack,
         *commands,
         f"mkdir -p \"$(dirname {marker})\" && echo {digest} > {marker}",

@@ -1,4 +1,5 @@
-"""A stand-in for `apt-get`, and for the unattended-upgrades that holds its locks on a fresh Ubuntu VM.
+"""A stand-in for `apt-get`, for the unattended-upgrades that holds its locks on a fresh Ubuntu VM, and
+for the `systemctl` that stops it.
 
 `fake_apt.py apt-get [-o Key=Value ...] COMMAND ...` behaves like apt 2.4 (Ubuntu 22.04) where
 vm_setup depends on it: `update` takes the lists lock (var/lib/apt/lists/lock) and fails at once when
@@ -12,12 +13,20 @@ $FAKE_APT_ROOT/calls.log.
 `fake_apt.py hold ROOT LISTS_S DPKG_S` holds the lists lock for LISTS_S and the dpkg lock for DPKG_S
 seconds (the apt-daily jobs: lists first, then the upgrade), printing `held` once it holds both;
 :func:`hold` starts it and returns once it does.
+
+`fake_apt.py systemctl ARGS` appends ARGS to $FAKE_APT_ROOT/systemctl.log and does what systemd does to
+those jobs: `stop apt-daily.service` while the holder holds the lists lock (apt-daily.service, the
+package lists, runs) ends the holder, as systemd kills a stopped service's processes, so the upgrade
+after it never starts; once it only holds the dpkg lock (the upgrade runs) stopping
+apt-daily-upgrade.service leaves it running, as that unit's KillMode=process leaves
+`unattended-upgrade` to finish. Enabling or disabling a timer is only recorded.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -89,6 +98,20 @@ def _hold(root: Path, lists_s: float, dpkg_s: float) -> None:
         fcntl.lockf(locks[name], fcntl.LOCK_UN)
 
 
+def systemctl(root: Path, args: list[str]) -> int:
+    """One systemctl call: recorded; `stop apt-daily.service` ends the holder while it holds the lists lock."""
+    with (root / "systemctl.log").open("a") as log:
+        log.write(" ".join(args) + "\n")
+    if args[0] == "stop" and "apt-daily.service" in args[1:]:
+        with _open(root, LISTS_LOCK) as lock:
+            if not _take(lock):   # the package lists are being fetched: kill that job, wait until it is gone
+                os.kill(int((root / LISTS_LOCK).read_text().split()[0]), signal.SIGTERM)
+                while not _take(lock):
+                    time.sleep(0.05)
+            fcntl.lockf(lock, fcntl.LOCK_UN)
+    return 0
+
+
 def hold(root: Path, lists_s: float, dpkg_s: float) -> subprocess.Popen:
     """Start a process holding the locks under ``root`` (see the module docstring); return it once it does."""
     proc = subprocess.Popen([sys.executable, __file__, "hold", str(root), str(lists_s), str(dpkg_s)],
@@ -100,5 +123,7 @@ def hold(root: Path, lists_s: float, dpkg_s: float) -> subprocess.Popen:
 if __name__ == "__main__":
     if sys.argv[1] == "hold":
         _hold(Path(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]))
+    elif sys.argv[1] == "systemctl":
+        sys.exit(systemctl(Path(os.environ["FAKE_APT_ROOT"]), sys.argv[2:]))
     else:
         sys.exit(apt_get(Path(os.environ["FAKE_APT_ROOT"]), sys.argv[2:]))
