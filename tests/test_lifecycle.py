@@ -48,7 +48,7 @@ def test_a_lost_vm_is_replaced_and_only_the_attempt_repeats(here: Env) -> None:
     """The VM is preempted during the attempt: the lifecycle records why, replaces the VM and runs
     the attempt again on the new one; the ledger holds both VMs."""
     w = here
-    w.configure(provisioning="spot")
+    w.configure(provisioning="spot", spot_without_work_bucket=True)   # the attempt keeps no training state
     w.env.pop("RESERVATION")
     os.environ.pop("RESERVATION")
     life = lifecycle(w)

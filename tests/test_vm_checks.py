@@ -27,9 +27,9 @@ from fakes.hf_server import HubServer
 from mtpipe.cloud import gcp, vm_checks, vm_config, vm_state
 
 from mtpipe.maxtext import preflight
-from mtpipe.pipeline.config import load_yaml
 from mtpipe.errors import ConfigError
 import families
+from vm_world import hub_with_tutorial_repos
 
 pytestmark = pytest.mark.vm_experiments
 
@@ -170,23 +170,10 @@ def test_uncommitted_params(world: World) -> None:
     world.nothing_created()
 
 
-def _hub_with_tutorial_repos(root: Path, hub: HubServer) -> None:
-    """The SFT tutorial's model (gated) and dataset (open) at the revisions the presets pin."""
-    for kind, group, name in (("models", "model", "gemma3-4b"),
-                              ("datasets", "dataset", "ultrachat-200k")):
-        source = load_yaml(ROOT / "conf" / group / f"{name}.yaml").source
-        repo = root / kind / source.repo_id
-        (repo / source.revision).mkdir(parents=True)
-        (repo / source.revision / "README.md").write_text("card\n")
-        (repo / "refs").mkdir()
-        (repo / "refs" / "main").write_text(source.revision)
-    hub.gated["google/gemma-3-4b-it"] = "hf_" + "a" * 30
-
-
 def test_gated_model_needs_hf_token(world: World, tmp_path: Path,
                                     monkeypatch: pytest.MonkeyPatch) -> None:
     with HubServer(tmp_path / "hub") as hub:
-        _hub_with_tutorial_repos(hub.root, hub)
+        hub_with_tutorial_repos(hub)
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         out = world.doit("vm_run", SFT_TUTORIAL)
         assert "HF_TOKEN: google/gemma-3-4b-it (sft.model) is gated (manual) and HF_TOKEN is not set" in out
@@ -251,18 +238,58 @@ def test_preset_that_does_not_fit_creates_nothing(world: World, tmp_path: Path,
     arguments (a real full-size compile takes 10+ minutes: benchmarks/preflight_full.py)."""
     sets = ["sft.preset=gemma3-4b-ultrachat-v6e8", "sft.train_sft.per_device_batch_size=64"]
     with HubServer(tmp_path / "hub") as hub:
-        _hub_with_tutorial_repos(hub.root, hub)
+        hub_with_tutorial_repos(hub)
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         monkeypatch.setenv("HF_TOKEN", hub.gated["google/gemma-3-4b-it"])
-        cmd = preflight.stage_command(vm_checks.composed_branches(world.repo, sets)["sft"])
-        args = preflight.compile_args(cmd, "v6e-8")
-        cache = world.repo / "work" / "preflight" / f"{preflight.compile_digest(cmd.module, args)}.json"
-        cache.parent.mkdir(parents=True)
-        cache.write_text(json.dumps({
-            "param_count": 4_300_000_000, "param_bytes": 8_600_000_000, "tflops_per_device": 6000.0,
-            "config": {"steps": 1000}, "memory": {"argument_size_in_bytes": 6 * 2**30,
-                                                  "temp_size_in_bytes": 300 * 2**30,
-                                                  "generated_code_size_in_bytes": 0}}))
+        plant_compile(world, sets, temp_gib=300, tflops_per_device=6000.0)
         out = world.doit("vm_run", *(f"--set={s}" for s in sets))
     assert "sft.train_sft.per_device_batch_size: preset gemma3-4b-ultrachat-v6e8 needs" in out, out
     world.nothing_created()
+
+
+def plant_compile(world: World, sets: list[str], temp_gib: float, tflops_per_device: float) -> None:
+    """A compile result of the sft branch in preflight's own cache, under the digest of the exact
+    arguments (a real full-size compile takes 10+ minutes: benchmarks/preflight_full.py)."""
+    cmd = preflight.stage_command(vm_checks.composed_branches(world.repo, sets)["sft"])
+    args = preflight.compile_args(cmd, "v6e-8")
+    cache = world.repo / "work" / "preflight" / f"{preflight.compile_digest(cmd.module, args)}.json"
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps({
+        "param_count": 4_300_000_000, "param_bytes": 8_600_000_000, "tflops_per_device": tflops_per_device,
+        "config": {"steps": 1000}, "memory": {"argument_size_in_bytes": 6 * 2**30,
+                                              "temp_size_in_bytes": int(temp_gib * 2**30),
+                                              "generated_code_size_in_bytes": 0}}))
+
+
+@pytest.mark.first_request
+@pytest.mark.preflight
+def test_spot_run_without_a_work_bucket_is_refused_with_what_a_preemption_costs(
+        world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Spot run whose checkpoints would go with a preempted VM stops before anything is created,
+    naming the key, the one that accepts it, and each preemption's cost by preflight's forecast (the
+    compile planted: 100 TFLOP per chip and step at 918 TFLOP/s x MFU 33.5% is 0.325 s, 1000 steps
+    + 180 s start-up 8.4 min, 8 chips x 0.54 USD Spot); vm_up, which runs no preflight, says so."""
+    monkeypatch.delenv("RESERVATION")
+    sets = ["sft.preset=gemma3-4b-ultrachat-v6e8"]
+    with HubServer(tmp_path / "hub") as hub:
+        hub_with_tutorial_repos(hub)
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_TOKEN", hub.gated["google/gemma-3-4b-it"])
+        plant_compile(world, sets, temp_gib=4.5, tflops_per_device=100.0)
+        out = world.doit("vm_run", "--provisioning=spot", *(f"--set={s}" for s in sets))
+        step_s = 100 / (918 * preflight.MFU)
+        train_min = (1000 * step_s + preflight.TRAIN_STARTUP_S) / 60
+        assert ("ConfigError: vm.run.env.MTPIPE_WORK_BUCKET: is not set for a Spot run: training keeps its "
+                "checkpoints in /dev/shm/mtpipe-work on the VM") in out, out
+        assert (f"each preemption throws away train_sft of the sft branch up to {train_min:.1f} min (1000 steps x "
+                f"{step_s:.3f} s + 180 s start-up), about {train_min / 60 * 4.32:.2f} USD at 4.32 USD/h") in out
+        assert "spot_without_work_bucket: true" in out and "up to max_recoveries = 3 times" in out
+        world.nothing_created()
+        assert "no forecast without preflight" in world.doit("vm_up", "--provisioning=spot")
+        world.nothing_created()
+
+        overlay = Path(os.environ[vm_config.CONFIG_ENV])
+        overlay.write_text(overlay.read_text() + "spot_without_work_bucket: true\n")
+        out = world.doit("vm_run", "--provisioning=spot", *(f"--set={s}" for s in sets))
+    assert "MTPIPE_WORK_BUCKET" not in out and len(world.fake.inserts()) == 1   # accepted: the VM is created
+    assert not world.fake.instances   # (and deleted again: nothing answers SSH in this world)

@@ -27,6 +27,7 @@ import yaml
 from doit.doit_cmd import DoitMain
 from fakes.fake_compute import FakeCompute, running_fake
 from fakes.gcs_emulator import GCS_TEST_ENV, GcsEmulator, add_dvc_remote, local_remote, missing_git_outputs
+from fakes.hf_server import HubServer
 from fakes.sshd import LoopbackSshd
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -216,6 +217,19 @@ def project_world(tmp_path: Path, gcs_emulator: GcsEmulator, local_env: dict[str
     clone_project(pipeline_repo, repo, gcs_emulator, local_env)
     with loopback_world(tmp_path, repo, local_env) as w:
         yield w
+
+
+def hub_with_tutorial_repos(hub: HubServer) -> None:
+    """The SFT tutorial's model (gated) and dataset (open) on the loopback Hub, at the revisions the
+    presets pin (what the checks before spending ask the Hub about)."""
+    for kind, group, name in (("models", "model", "gemma3-4b"), ("datasets", "dataset", "ultrachat-200k")):
+        source = yaml.safe_load((ROOT / "conf" / group / f"{name}.yaml").read_text())["source"]
+        repo = hub.root / kind / source["repo_id"]
+        (repo / source["revision"]).mkdir(parents=True)
+        (repo / source["revision"] / "README.md").write_text("card\n")
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(source["revision"])
+    hub.gated["google/gemma-3-4b-it"] = "hf_" + "a" * 30
 
 
 def assert_deleted(w: Env) -> None:

@@ -153,7 +153,8 @@ class VmLifecycle:
         Before creating anything the checks before spending run (vm_checks.before_spending) for the
         `--set` values of every experiment; a VM that exists only gets the project checks.
         `preflight` then AOT-compiles the TPU branches (after the quick checks: a compile takes
-        minutes the first time). `may_create` False refuses to replace a VM that .vm_state.json
+        minutes the first time); a Spot run without a work bucket is refused next, with what each
+        preemption would cost by preflight's forecast (vm_checks.check_spot_resume). `may_create` False refuses to replace a VM that .vm_state.json
         records but the cloud no longer has (vm_run without --recreate).
         """
         cfg, root = self.cfg, self.root
@@ -190,11 +191,13 @@ class VmLifecycle:
             _say("checks before spending: Compute, the network and SSH, the presets with the --set values, "
                  "HF_TOKEN, the DVC remote, the VM's service account")
             unproven = vm_checks.before_spending(cfg, cloud, root, experiments)
+        forecasts = []
         if preflight:
             rate = prices.vm_rate(cfg)
             for sets in experiments:
-                preflight_checks.run(sets, rate.price.usd, vm_config.budget_machine(cfg), root, committed=True,
-                                     price_basis=rate.per_chip())
+                forecasts += preflight_checks.run(sets, rate.price.usd, vm_config.budget_machine(cfg), root,
+                                                  committed=True, price_basis=rate.per_chip())
+        vm_checks.check_spot_resume(cfg, forecasts)
         if created:
             state = {}
             instance = self._create(state)

@@ -15,7 +15,9 @@ runs. Each failure is a ConfigError naming the key and the fix:
   model or dataset of a composed preset is gated, the default DVC remote is the one HEAD's
   .dvc/config ships and accepts a write;
 * the VM's identity (mtpipe/cloud/vm_identity.py): its service account may use the DVC remote and
-  the work bucket, as far as the allow policies readable here prove; the rest is probed from the VM.
+  the work bucket, as far as the allow policies readable here prove; the rest is probed from the VM;
+* after preflight (:func:`check_spot_resume`): a Spot run has a work bucket to resume from, or says
+  it does without one.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import threading
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from google.cloud import compute_v1
 from omegaconf import DictConfig
@@ -33,6 +36,8 @@ from mtpipe.cloud import prices, vm_access, vm_identity
 from mtpipe.cloud.gcp import Compute, reservation_path
 from mtpipe.data import hub
 from mtpipe.errors import ConfigError
+from mtpipe.maxtext.preflight import TRAIN_STARTUP_S
+from mtpipe.maxtext.run_dir import WORK_BUCKET_ENV, WORK_DIR_ENV
 from mtpipe.pipeline import config, maxtext_check, overrides
 from mtpipe.pipeline.schema import SftBranch
 
@@ -125,6 +130,30 @@ def _check_chips(cfg: DictConfig, aggregate: compute_v1.AllocationAggregateReser
     if total - used < chips:
         raise ConfigError("vm.reservation", f"{cfg.reservation} has no free VM ({used} of {total} chips "
                           f"in use; a {cfg.machine_type} takes {chips})", FULL_FIX)
+
+
+def check_spot_resume(cfg: DictConfig, forecasts: list[dict[str, Any]]) -> None:
+    """A Spot run keeps its training state in run.env's MTPIPE_WORK_BUCKET, where the VM that replaces
+    a preempted one resumes it, unless `spot_without_work_bucket` accepts that each preemption restarts
+    training from step 0. ``forecasts``: preflight's rows for the run (mtpipe.maxtext.preflight.report),
+    whose training time and price say what each preemption would throw away."""
+    if (cfg.provisioning != "spot" or cfg.spot_without_work_bucket
+            or str(cfg.run.env.get(WORK_BUCKET_ENV) or "").strip()):
+        return
+    costs = [f"{r['stage']} of the {r['branch']} branch up to {r['est_train_s'] / 60:.1f} min ({r['steps']} steps x "
+             f"{r['est_step_s']:.3f} s + {TRAIN_STARTUP_S:.0f} s start-up), about "
+             f"{r['est_train_s'] / 3600 * r['usd_per_hour']:.2f} USD at {r['usd_per_hour']:.2f} USD/h"
+             for r in forecasts]
+    lost = "; ".join(costs) or ("the training done so far (no forecast without preflight: `doit preflight "
+                                "--set ...` prints each TPU branch's)")
+    where = str(cfg.run.env.get(WORK_DIR_ENV) or "").strip() or "work/ on the boot disk"
+    raise ConfigError(
+        f"vm.run.env.{WORK_BUCKET_ENV}", f"is not set for a Spot run: training keeps its checkpoints in {where} "
+        "on the VM, which goes with the VM when Compute preempts it, so training restarts from step 0 on the "
+        f"next VM (up to max_recoveries = {cfg.max_recoveries} times); each preemption throws away {lost}",
+        f"add {WORK_BUCKET_ENV}: gs://BUCKET/work to run.env in conf/vm.yaml (training then resumes from its last "
+        "checkpoint there), or set spot_without_work_bucket: true to accept the restarts, or use "
+        "--provisioning=on-demand or reservation")
 
 
 def check_project(cfg: DictConfig, root: Path, experiments: list[list[str]]) -> None:

@@ -109,6 +109,7 @@ class VmConfig(Section):
     max_run_duration_s: int                # 0 disables it
     labels: dict[str, str]
     max_recoveries: int
+    spot_without_work_bucket: bool         # true: a Spot run may restart training after each preemption
     budget_usd: Optional[Annotated[float, Gt(0)]]   # vm_run's notice when the run's VMs cost more; null: none
     stockout: Stockout
     operation_timeout_s: Seconds
