@@ -69,7 +69,26 @@ def test_the_shipped_tutorial_presets_fit_their_vm(tmp_path: Path, monkeypatch: 
     assert places[budget.SHM]["peak_gb"] == pytest.approx(96.4, rel=0.01)
     for place in ("boot disk", "/dev/shm", "host memory"):
         assert place in lines
-    assert f"{places[budget.BOOT]['capacity_gb']:.0f}" in lines and "825" in lines and "1649" in lines
+    # the VM's RAM in Google's VM-type table (1,440 GB), not the host's 1,536 GiB; /dev/shm half of it
+    assert f"{places[budget.BOOT]['capacity_gb']:.0f}" in lines and "720" in lines and "1440" in lines
+
+
+@pytest.mark.first_request
+def test_a_vm_with_less_than_the_table_fails_the_budget_naming_the_fix(tmp_path: Path) -> None:
+    """The budget before the VM exists uses Google's VM-type table (ct6e-standard-8t: 1,440 GB of RAM,
+    /dev/shm half of it); what the VM says after the setup replaces it: a /dev/shm mounted at 64 GB
+    cannot hold the tutorials' run directories (96.4 GB at the peak), with the keys and the remount."""
+    host = budget.HOSTS["v6e-8"]
+    assert (host.memory_gib * 2**30, host.shm_gib * 2**30) == (1440e9, 720e9)
+    shipped = budget.Machine(200, SHM_ENV, "v6e-8")
+    measured = budget.Host(memory_gib=1340.0, shm_gib=64.0, source="read on VM mt-test after the setup")
+    budget_of(TUTORIALS, budget.Machine(200, SHM_ENV, "v6e-8", budget.Host(1340.0, 670.0, "read")), tmp_path)
+    assert budget_of(TUTORIALS, shipped, tmp_path)["source"] == host.source
+    with pytest.raises(ConfigError) as err:
+        budget_of(TUTORIALS, budget.Machine(200, SHM_ENV, "v6e-8", measured), tmp_path)
+    assert err.value.key == "sft.train_sft.max_num_checkpoints_to_keep"
+    assert "needs 96 GB of the v6e-8 VM's /dev/shm at its peak, which holds 69 GB (read on VM mt-test" in str(err.value)
+    assert "MTPIPE_WORK_BUCKET" in err.value.fix and "sudo mount -o remount,size=SIZE /dev/shm" in err.value.fix
 
 
 def test_every_checkpoint_kept_on_the_boot_disk_is_refused_before_anything_compiles(

@@ -28,8 +28,9 @@ from pathlib import Path
 import pytest
 import yaml
 from fakes import fake_apt
+from fakes.hf_server import HubServer
 from pipeline import md5_tree, ran_stages
-from vm_world import ROOT, TOKEN, Env, assert_deleted, experiments, sh
+from vm_world import ROOT, TOKEN, Env, assert_deleted, experiments, hub_with_tutorial_repos, sh
 
 from mtpipe.cloud import vm_tpu
 from mtpipe.maxtext import tpu_check
@@ -402,6 +403,29 @@ def test_setup_stops_unattended_upgrades_and_upgrades_nothing(world: Env, tmp_pa
     calls = [line.split()[2] for line in (apt_root / "calls.log").read_text().splitlines()]
     assert calls == ["update", "install"] and "mtpipe: VM set up" in out
     w.doit("vm_down")
+
+
+@pytest.mark.first_request
+def test_the_vms_ram_and_dev_shm_are_held_to_the_budget_before_anything_is_shipped(world: Env, tmp_path: Path) -> None:
+    """After the setup vm_run reads the VM's /dev/shm and RAM (the loopback VM: this machine's) and
+    holds the run's machine budget to them: the SFT tutorial's run directories (93 GB at the peak) in
+    this /dev/shm stop the run with the key and the fix, before HEAD is shipped, and the VM is deleted."""
+    w = world
+    shm = int(subprocess.run(["df", "-B1", "--output=size", "/dev/shm"], capture_output=True, text=True,
+                             check=True).stdout.split()[-1])
+    w.configure(run__env__MTPIPE_WORK_DIR="/dev/shm/mtpipe-never-written")
+    with HubServer(tmp_path / "hub") as hub:
+        hub_with_tutorial_repos(hub)
+        w.env.update(HF_ENDPOINT=hub.url, HF_TOKEN=hub.gated["google/gemma-3-4b-it"])
+        proc = w.doit("vm_run", "--set=sft.preset=gemma3-4b-ultrachat-v6e8", "--no-preflight", ok=False)
+    out = proc.stdout + proc.stderr
+    assert (f"ConfigError: sft.train_sft.max_num_checkpoints_to_keep: the run needs 93 GB of the v6e-8 VM's "
+            f"/dev/shm at its peak, which holds {shm / 1e9:.0f} GB (read on VM mt-test after the setup)") in out, out
+    assert "sudo mount -o remount,size=SIZE /dev/shm" in out and "MTPIPE_WORK_BUCKET" in out
+    commands = "\n".join(c for c in w.sshd.commands if c)
+    assert "mtpipe: VM set up" in commands and "MemTotal" in commands
+    assert "git fetch -q .git/mtpipe.bundle" not in commands   # HEAD was never shipped
+    assert_deleted(w)
 
 
 @pytest.mark.cloud_contract

@@ -3,8 +3,9 @@
 :class:`VmLifecycle` holds the rules (checks before spending, one VM per state file, delete on
 failure unless kept, replace a lost VM at most ``max_recoveries`` times, never replace one that ran
 out of time); the cloud behind it is a :class:`Provider` (Compute Engine: mtpipe.cloud.gcp.Compute).
-What happens on the VM over SSH is in vm_ssh (the connection), vm_setup (the environment) and
-vm_experiments (shipping the code, the pipeline as DVC experiments).
+What happens on the VM over SSH is in vm_ssh (the connection), vm_setup (the environment), vm_host
+(its RAM and /dev/shm against the machine budget) and vm_experiments (shipping the code, the
+pipeline as DVC experiments).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any, Protocol
 from omegaconf import DictConfig, OmegaConf
 
 from mtpipe.cloud import (interrupts, notify, prices, run_status, ssh_route, vm_checks, vm_config,
-                          vm_experiments, vm_identity, vm_setup, vm_ssh, vm_state, vm_tpu)
+                          vm_experiments, vm_host, vm_identity, vm_setup, vm_ssh, vm_state, vm_tpu)
 from mtpipe.cloud.gcp import SETTLING, CapacityError, Compute, GcpError, MaxRunDurationRefused
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import preflight as preflight_checks
@@ -475,6 +476,7 @@ class VmLifecycle:
         def attempt(remote: vm_ssh.Remote) -> None:
             _say(f"setting up VM {cfg.name} (once per VM)")
             vm_setup.setup(remote, cfg, root)
+            _say(vm_host.check(remote, cfg, root, experiments))   # before anything is shipped or downloaded
             _say(f"shipping HEAD to VM {cfg.name}")
             commit = vm_experiments.ship(remote, root, cfg.run.remote_dir)
             for target in tpus:   # before anything is downloaded; a failure deletes the VM (mtpipe.cloud.vm_tpu)

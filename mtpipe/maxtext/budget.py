@@ -16,9 +16,9 @@ Answered before any VM exists, from numbers that need no accelerator and no netw
   (``/dev/shm/...``: tmpfs, which is host memory) or in ``MTPIPE_WORK_BUCKET``; everything else on
   the boot disk. DVC's cache links outputs (``cache.type`` hardlink: no second copy) or copies them.
 
-Capacities of the machine are in :data:`HOSTS` with their sources; :func:`check` refuses a plan
-that leaves less than :data:`MARGIN` of a file system or of host memory free, naming the key to
-change. docs/preflight.md, "Machine budget", says which number is measured, compiled or estimated.
+Capacities of the machine are in :data:`HOSTS` with their sources, or what the VM itself says after
+its setup (``Machine.host``, read by mtpipe.cloud.vm_host); :func:`check` refuses a plan that leaves
+less than :data:`MARGIN` of a file system or of host memory free, naming the key to change. docs/preflight.md, "Machine budget", says which number is measured, compiled or estimated.
 """
 
 from __future__ import annotations
@@ -46,21 +46,23 @@ GB = 10**9
 
 @dataclass(frozen=True)
 class Host:
-    """The host a TPU VM type runs on."""
+    """What a TPU VM has of its host: Google's VM-type table, or what was read on the VM."""
 
-    memory_gib: float     # host DRAM
+    memory_gib: float     # the VM's RAM
     shm_gib: float        # /dev/shm (tmpfs), which takes its pages from that memory
     source: str
 
 
-# ct6e-standard-8t: "DRAM per host 1,536 GiB" (cloud.google.com/tpu/docs/v6e, "System architecture");
-# /dev/shm: Linux mounts tmpfs at half of RAM unless told otherwise (mount(8), tmpfs "size"); the
-# TPU image sets no other size (assumed: not measured on a VM).
-# ct5lp-hightpu-8t: 384 GB of RAM per VM (cloud.google.com/tpu/docs/v5e, "VM types"; the host has 512 GiB).
-HOSTS = {"v6e-8": Host(memory_gib=1536.0, shm_gib=768.0,
-                       source="cloud.google.com/tpu/docs/v6e (DRAM per host); tmpfs default: half of RAM"),
+# The VM's RAM, not the host's DRAM. ct6e-standard-8t: 180 vCPUs and 1,440 GB of RAM (the VM-type
+# table of Google's TPU pages; the host has "DRAM per host 1,536 GiB", cloud.google.com/tpu/docs/v6e,
+# "System architecture"). The table's unit is read as GB (10^9 B), the smaller reading: the VM itself
+# is read after the setup (mtpipe.cloud.vm_host). ct5lp-hightpu-8t: 384 GB (cloud.google.com/tpu/docs/v5e,
+# "VM types"; the host has 512 GiB). /dev/shm: Linux mounts tmpfs at half of RAM unless told otherwise
+# (mount(8), tmpfs "size"); the TPU image is assumed to set no other size, and the VM says.
+HOSTS = {"v6e-8": Host(memory_gib=1440e9 / 2**30, shm_gib=1440e9 / 2**30 / 2,
+                       source="Google's VM types: ct6e-standard-8t, 1,440 GB of RAM; tmpfs default: half of RAM"),
          "v5e-8": Host(memory_gib=384e9 / 2**30, shm_gib=384e9 / 2**30 / 2,
-                       source="cloud.google.com/tpu/docs/v5e (VM types: ct5lp-hightpu-8t); tmpfs default: half of RAM")}
+                       source="Google's VM types: ct5lp-hightpu-8t, 384 GB of RAM; tmpfs default: half of RAM")}
 
 
 @dataclass(frozen=True)
@@ -386,23 +388,23 @@ def _state_keys(branch: str, stages: dict[str, View]) -> list[str]:
 @dataclass(frozen=True)
 class Machine:
     """What the budget reads of conf/vm.yaml: the boot disk's size, the run's environment and the TPU
-    its machine type holds, as MaxText names it (``v6e-8``; None: not said)."""
+    its machine type holds, as MaxText names it (``v6e-8``; None: not said); ``host``: the VM's RAM and
+    /dev/shm as read on it (None: :data:`HOSTS`)."""
 
     boot_disk_gb: int
     env: dict[str, str]
     tpu: str | None = None
+    host: Host | None = None
 
 
-
-def capacities(topology: str, boot_disk_gb: int) -> dict[str, float]:
+def capacities(host: Host, boot_disk_gb: int) -> dict[str, float]:
     """Bytes each place holds on the VM: the boot disk (conf/vm.yaml), /dev/shm and host memory."""
-    host = HOSTS[topology]
     return {BOOT: boot_disk_gb * GB, SHM: host.shm_gib * GIB, "host memory": host.memory_gib * GIB}
 
 
-def report(p: Plan, topology: str, boot_disk_gb: int) -> dict[str, Any]:
+def report(p: Plan, topology: str, boot_disk_gb: int, host: Host) -> dict[str, Any]:
     """Peaks next to capacities, each with its fit (``need x (1 + MARGIN) <= capacity``)."""
-    cap = capacities(topology, boot_disk_gb)
+    cap = capacities(host, boot_disk_gb)
     peaks = p.peaks()
     memory, stage = p.memory_peak()
     rows = {where: {"peak_gb": round(peaks.get(where, 0) / GB, 2), "capacity_gb": round(cap[where] / GB, 1),
@@ -411,7 +413,7 @@ def report(p: Plan, topology: str, boot_disk_gb: int) -> dict[str, Any]:
                            "fits": memory * (1 + MARGIN) <= cap["host memory"], "during": stage}
     if BUCKET in peaks:
         rows[BUCKET] = {"peak_gb": round(peaks[BUCKET] / GB, 2), "capacity_gb": None, "fits": True}
-    return {"topology": topology, "places": rows, "margin": MARGIN, "source": HOSTS[topology].source,
+    return {"topology": topology, "places": rows, "margin": MARGIN, "source": host.source,
             "items": [{"stage": i.stage, "what": i.what, "where": i.where, "gb": round(i.bytes / GB, 3),
                        "transient": i.transient} for i in p.items],
             "assumptions": {"environment_gb": ENVIRONMENT_GB, "logs_gb": LOGS_GB, "process_base_gb": PROCESS_BASE_GB,
@@ -432,10 +434,14 @@ def check(p: Plan, rep: dict[str, Any], place: Placement) -> None:
         largest = sorted((i for i in p.items if i.where == where), key=lambda i: -i.bytes)[:3]
         parts = (f"during {row['during']}" if where == "host memory" else
                  "; ".join(f"{i.stage}: {i.what}, {i.bytes / GB:.0f} GB" for i in largest))
+        source = "" if where == BOOT else f" ({rep['source']})"
+        larger_shm = (", or a larger /dev/shm (a setup command: sudo mount -o remount,size=SIZE /dev/shm)"
+                      if where == SHM else "")
         raise ConfigError(keys[0], f"the run needs {row['peak_gb']:.0f} GB of the {rep['topology']} VM's {where} "
-                          f"at its peak, which holds {row['capacity_gb']:.0f} GB and must keep {MARGIN:.0%} free "
-                          f"(largest parts: {parts})",
-                          f"change one of {', '.join(keys)}; `doit preflight --set ...` checks it in seconds")
+                          f"at its peak, which holds {row['capacity_gb']:.0f} GB{source} and must keep {MARGIN:.0%} "
+                          f"free (largest parts: {parts})",
+                          f"change one of {', '.join(keys)}{larger_shm}; `doit preflight --set ...` checks it in "
+                          "seconds")
 
 
 def table(rep: dict[str, Any]) -> str:

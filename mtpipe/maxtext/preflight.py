@@ -359,10 +359,7 @@ def check(sets: list[str], usd_per_chip_hour: float, machine: budget.Machine, ro
     First the machine budget of the TPU VM's branches (:func:`machine_budget`; ``refuse``: raise when
     it does not fit, before anything compiles).
     """
-    params_yaml = overrides.committed_params(root) if committed else (root / "params.yaml").read_bytes()
-    params = overrides.apply_sets(params_yaml, sets)
-    composed = {branch: compose_checked(branch, params) for branch in branches}  # all config errors first
-    views = {branch: stage_view(cfg, TRAINING_STAGE[branch]) for branch, cfg in composed.items()}
+    params, composed, views = composed_views(sets, root, branches, committed)
     work = root / "work" / "preflight"
     machine_budget(composed, views, machine, root, work, refuse)
     rows = []
@@ -393,6 +390,23 @@ def check(sets: list[str], usd_per_chip_hour: float, machine: budget.Machine, ro
     return rows
 
 
+def composed_views(sets: list[str], root: Path, branches: tuple[str, ...],
+                   committed: bool) -> tuple[Any, dict[str, Any], dict[str, View]]:
+    """(params, composed branch, training-stage view per branch) of params.yaml + ``sets`` (HEAD's
+    params.yaml when ``committed``); every config error before anything else."""
+    params_yaml = overrides.committed_params(root) if committed else (root / "params.yaml").read_bytes()
+    params = overrides.apply_sets(params_yaml, sets)
+    composed = {branch: compose_checked(branch, params) for branch in branches}
+    return params, composed, {branch: stage_view(cfg, TRAINING_STAGE[branch]) for branch, cfg in composed.items()}
+
+
+def budget_on_vm(sets: list[str], machine: budget.Machine, root: Path = ROOT) -> dict[str, Any] | None:
+    """The machine budget of HEAD's params.yaml + ``sets`` (what vm_run ships) on ``machine``, no compile;
+    raises ConfigError naming the key to change when it does not fit (:func:`machine_budget`)."""
+    _, composed, views = composed_views(sets, root, tuple(BRANCH_STAGES), committed=True)
+    return machine_budget(composed, views, machine, root, root / "work" / "preflight", refuse=True)
+
+
 BUDGET_STAGES = {"sft": ("hf_download", "train_sft", "to_huggingface"),
                  "rl": ("hf_download", "train_sft", "train_rl", "to_huggingface")}
 
@@ -415,7 +429,8 @@ def machine_budget(composed: dict[str, Any], views: dict[str, View], machine: bu
                               "machine type) in a VM config named by $MTPIPE_VM_CONFIG, or set "
                               f"{branch}.hardware to a preset of the VM's TPU")
     topo = maxtext_topology(topology(views[on_vm[0]]))
-    if topo not in budget.HOSTS:
+    host = machine.host or budget.HOSTS.get(topo)
+    if host is None:
         raise ConfigError(f"{on_vm[0]}.hardware", f"the machine budget knows no host for {topo}",
                           "add it to mtpipe/maxtext/budget.py HOSTS")
     stages = {b: {s: stage_view(composed[b], s) for s in BUDGET_STAGES[b]} for b in on_vm}
@@ -433,14 +448,14 @@ def machine_budget(composed: dict[str, Any], views: dict[str, View], machine: bu
             compiled[b] = json.loads(cache.read_text())
     place = budget.Placement.from_env(machine.env)
     plan = budget.plan(stages, place, compiled, root)
-    rep = budget.report(plan, topo, machine.boot_disk_gb) | {
+    rep = budget.report(plan, topo, machine.boot_disk_gb, host) | {
         "run_dirs": place.run_dirs, "compiled_branches": sorted(compiled), "boot_disk_gb": machine.boot_disk_gb}
     work.mkdir(parents=True, exist_ok=True)
     (work / "budget.json").write_text(json.dumps(rep, indent=1) + "\n")
     print(f"mtpipe preflight: machine budget of {'+'.join(on_vm)} on one {topo} VM (run directories: "
           f"{place.run_dirs}; sizes from {'the compiled train state' if compiled else 'the model files'}; "
-          f"each peak x {1 + budget.MARGIN:.2f} must fit):\n{budget.table(rep)}\nitems: {work}/budget.json",
-          flush=True)
+          f"RAM and /dev/shm: {host.source}; each peak x {1 + budget.MARGIN:.2f} must fit):\n{budget.table(rep)}\n"
+          f"items: {work}/budget.json", flush=True)
     if refuse:
         budget.check(plan, rep, place)
     return rep
