@@ -155,8 +155,9 @@ class VmLifecycle:
         `--set` values of every experiment; a VM that exists only gets the project checks.
         `preflight` then AOT-compiles the TPU branches (after the quick checks: a compile takes
         minutes the first time); a Spot run without a work bucket is refused next, with what each
-        preemption would cost by preflight's forecast (vm_checks.check_spot_resume). `may_create` False refuses to replace a VM that .vm_state.json
-        records but the cloud no longer has (vm_run without --recreate).
+        preemption would cost by preflight's forecast (vm_checks.check_spot_resume). `may_create`
+        False refuses to replace a VM that .vm_state.json records but the cloud no longer has (vm_run
+        without --recreate).
         """
         cfg, root = self.cfg, self.root
         state = vm_state.read_state(root)

@@ -45,6 +45,7 @@ def check(remote: Remote, cfg: DictConfig, root: Path, experiments: list[list[st
     table = budget.HOSTS.get(machine.tpu or "")
     told = (f" (Google's table: {table.memory_gib * budget.GIB / budget.GB:,.0f} GB, /dev/shm "
             f"{table.shm_gib * budget.GIB / budget.GB:,.0f} GB)") if table else ""
-    what = "the machine budget fits them" if checked else "no branch runs on its TPU, so no machine budget to check"
+    what = "the machine budget fits them" if checked else ("no machine budget to hold them to (no branch "
+                                                           "trains on this VM's TPU, or its model files are not here)")
     return (f"VM {cfg.name} has {host.memory_gib * budget.GIB / budget.GB:,.0f} GB of RAM and a /dev/shm of "
             f"{host.shm_gib * budget.GIB / budget.GB:,.0f} GB{told}: {what}")
