@@ -50,8 +50,8 @@ def test_every_role_named_exists() -> None:
 
 def test_a_made_up_role_is_found() -> None:
     """The scan sees a role in prose, in backquotes and at a sentence's end, and skips custom roles."""
-    text = ("grant `roles/compute.editorial` or roles/storage.objectAdmin. A custom one: projects/p/roles/dvcWriter, "
+    text = ("grant `roles/compute.madeUp` or roles/storage.objectAdmin. A custom one: projects/p/roles/dvcWriter, "
             "organizations/1/roles/x.")
     found = set(ROLE.findall(text))
-    assert found == {"roles/compute.editorial", "roles/storage.objectAdmin"}
-    assert found - predefined() == {"roles/compute.editorial"}
+    assert found == {"roles/compute.madeUp", "roles/storage.objectAdmin"}
+    assert found - predefined() == {"roles/compute.madeUp"}
