@@ -179,6 +179,7 @@ def test_external_ip_forbidden_then_iap(world: Env, tmp_path: Path) -> None:
     nothing_created(w)
     w.env["PATH"] = f"{fake_gcloud.install(tmp_path / 'bin')}:/usr/bin:/bin"
     w.env["FAKE_GCLOUD_LOG"] = str(tmp_path / "gcloud.log")
+    w.env["FAKE_GCLOUD_ACCOUNT"] = "ci-runner@example.com"
     out = w.doit("vm_up", ok=False).stdout
     assert "vm.external_ip: with external_ip: false the VM reaches the internet (apt, PyPI, the Hub) only " \
            "through a Cloud NAT, and network default has none for subnetwork default in us-east5. Fix: create " \

@@ -376,7 +376,7 @@ def test_quota_is_told_apart_from_permission(fake: FakeCompute, failure: tuple) 
     assert "quota exceeded" in str(err.value) and "TPUS_V6E_PER_PROJECT_PER_ZONE" in str(err.value)
     assert "iam-admin/quotas?project=proj-1" in str(err.value) and "roles/" not in str(err.value)
     fake.insert_failures.append(("http", 403, "forbidden", "Required 'compute.instances.create' permission"))
-    with pytest.raises(gcp.GcpError, match="permission denied.*roles/compute.admin"):
+    with pytest.raises(gcp.GcpError, match="permission denied.*roles/compute.instanceAdmin.v1"):
         compute.create_instance(gcp.instance_body(cfg, cfg.name, KEY, {}, "STANDARD"))
 
 

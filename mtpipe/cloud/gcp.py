@@ -68,7 +68,10 @@ def quota_problem(action: str, message: str, project: str | None) -> GcpError:
 # What a disabled API's 403 names (google.rpc.ErrorInfo metadata.service), as `gcloud services list` does.
 SERVICE_TITLES = {"compute.googleapis.com": "Compute Engine API", "oslogin.googleapis.com": "Cloud OS Login API",
                   "orgpolicy.googleapis.com": "Organization Policy API",
-                  "cloudresourcemanager.googleapis.com": "Cloud Resource Manager API"}
+                  "cloudresourcemanager.googleapis.com": "Cloud Resource Manager API",
+                  "iap.googleapis.com": "Cloud Identity-Aware Proxy API", "storage.googleapis.com": "Cloud Storage API",
+                  "serviceusage.googleapis.com": "Service Usage API",
+                  "iam.googleapis.com": "Identity and Access Management (IAM) API"}
 DISABLED_URL = re.compile(r"apis/api/(?P<service>[a-z0-9.-]+)/")
 
 
@@ -130,8 +133,8 @@ def explained(action: str, project: str | None = None) -> Iterator[None]:
         if service := disabled_service(e):
             raise service_disabled_problem(action, service, e, project) from e
         raise PermissionDenied(
-            f"{action}: permission denied ({e.message}); grant roles/compute.admin (or "
-            "roles/compute.editor) and roles/iam.serviceAccountUser on the project") from e
+            f"{action}: permission denied ({e.message}); grant roles/compute.instanceAdmin.v1 (or "
+            "roles/compute.admin) and roles/iam.serviceAccountUser on the project") from e
     except gexc.GoogleAPICallError as e:
         raise GcpError(f"{action}: {e.code} {e.message}") from e
 

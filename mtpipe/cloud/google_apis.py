@@ -1,6 +1,8 @@
-"""The Google APIs besides Compute that the checks before spending read: OS Login (import our SSH
-key, get the POSIX user), Organization Policy (the effective policy of a constraint) and Cloud
-Resource Manager (which permissions the caller has on the project).
+"""The Google APIs besides Compute that the checks before spending call: OS Login (import our SSH
+key, get the POSIX user), Organization Policy (the effective policy of a constraint), Cloud
+Resource Manager and IAM (which permissions the caller has on the project, on a service account),
+Service Usage (which APIs the project has enabled; enabling them) and OAuth's tokeninfo (whose
+credentials these are).
 
 Their Python client libraries are not in the lock, so these are plain REST calls through
 google-auth's AuthorizedSession with the credentials every Compute client uses
@@ -11,7 +13,9 @@ gcp.explained words them as it words Compute's.
 
 from __future__ import annotations
 
+import functools
 import os
+import time
 from urllib.parse import quote
 
 import google.auth.transport.requests
@@ -19,12 +23,14 @@ from google.api_core import exceptions as gexc
 from google.auth.credentials import AnonymousCredentials
 from google.auth.transport.requests import AuthorizedSession
 
-from mtpipe.cloud.gcp import ENDPOINT_ENV, client_kwargs, explained
+from mtpipe.cloud.gcp import ENDPOINT_ENV, GcpError, client_kwargs, explained
 
 ROOTS = {"oslogin": "https://oslogin.googleapis.com", "orgpolicy": "https://orgpolicy.googleapis.com",
          "cloudresourcemanager": "https://cloudresourcemanager.googleapis.com",
+         "iam": "https://iam.googleapis.com", "serviceusage": "https://serviceusage.googleapis.com",
          "tokeninfo": "https://oauth2.googleapis.com"}
 TIMEOUT_S = 60
+ENABLE_TIMEOUT_S = 300   # Service Usage enables an API within a minute or two ("this may take a minute": sky check)
 
 
 class GoogleApis:
@@ -36,7 +42,7 @@ class GoogleApis:
         self.endpoint = os.environ.get(ENDPOINT_ENV)
 
     def call(self, api: str, method: str, path: str, body: dict | None = None,
-             params: dict[str, str] | None = None) -> dict:
+             params: dict[str, str | list[str]] | None = None) -> dict:
         """One request (``path`` under the API's root, e.g. ``v1/users/X:importSshPublicKey``); its
         JSON answer; a google.api_core exception for an error answer."""
         url = f"{self.endpoint or ROOTS[api]}/{path}"
@@ -47,7 +53,12 @@ class GoogleApis:
 
     def account(self) -> str | None:
         """The email of the credentials: a service account's from its key, a user's from Google's
-        tokeninfo for the access token; None when neither tells (e.g. anonymous credentials)."""
+        tokeninfo for the access token; None when neither tells (e.g. anonymous credentials). Asked
+        once."""
+        return self._email
+
+    @functools.cached_property
+    def _email(self) -> str | None:
         email = getattr(self.credentials, "service_account_email", None)
         if email and email != "default":
             return email
@@ -79,6 +90,43 @@ class GoogleApis:
             answer = self.call("cloudresourcemanager", "POST", f"v3/projects/{project}:testIamPermissions",
                                body={"permissions": permissions})
         return set(answer.get("permissions", []))
+
+    def granted_on_service_account(self, email: str, permissions: list[str]) -> set[str]:
+        """iam.projects.serviceAccounts.testIamPermissions: which of ``permissions`` the caller has on
+        service account ``email`` (granted there, or on its project and above)."""
+        with explained(f"testing the caller's permissions on service account {email}"):
+            answer = self.call("iam", "POST", f"v1/projects/-/serviceAccounts/{email}:testIamPermissions",
+                               body={"permissions": permissions})
+        return set(answer.get("permissions", []))
+
+    def enabled_services(self, project: str, services: list[str]) -> set[str]:
+        """serviceusage.services.batchGet: which of ``services`` (e.g. compute.googleapis.com) are
+        ENABLED in ``project`` (at most 30 at a time, more than a run uses)."""
+        with explained(f"reading which APIs project {project} has enabled", project):
+            answer = self.call("serviceusage", "GET", f"v1/projects/{project}/services:batchGet",
+                               params={"names": [f"projects/{project}/services/{s}" for s in services]})
+        return {s["name"].rsplit("/", 1)[-1] for s in answer.get("services", []) if s.get("state") == "ENABLED"}
+
+    def enable_services(self, project: str, services: list[str]) -> None:
+        """serviceusage.services.batchEnable, then its operation polled until done (at most
+        ENABLE_TIMEOUT_S); a GcpError when Google refuses or the operation fails."""
+        action = f"enabling {', '.join(services)} in project {project}"
+        with explained(action, project):
+            operation = self.call("serviceusage", "POST", f"v1/projects/{project}/services:batchEnable",
+                                  body={"serviceIds": services})
+            deadline = time.monotonic() + ENABLE_TIMEOUT_S
+            while not operation.get("done"):
+                if time.monotonic() > deadline:
+                    raise GcpError(f"{action}: not done after {ENABLE_TIMEOUT_S} s (operation {operation['name']})")
+                time.sleep(2)
+                operation = self.call("serviceusage", "GET", f"v1/{operation['name']}")
+        if "error" in operation:
+            raise GcpError(f"{action}: {operation['error'].get('message', operation['error'])}")
+
+
+def member(account: str) -> str:
+    """An IAM principal for ``account``: serviceAccount:EMAIL for a service account, else user:EMAIL."""
+    return ("serviceAccount:" if account.endswith(".gserviceaccount.com") else "user:") + account
 
 
 def enforced(policy: dict) -> bool:

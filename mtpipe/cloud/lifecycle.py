@@ -191,7 +191,7 @@ class VmLifecycle:
                     f"longer exists in {cfg.project}/{cfg.zone}: {why}. Rerun with --recreate to create "
                     f"a new one ({prices.vm_rate(cfg).describe()}), or `doit vm_down` to forget it")
             _say("checks before spending: Compute, the network and SSH, the presets with the --set values, "
-                 "HF_TOKEN, the DVC remote, the VM's service account")
+                 "HF_TOKEN, the DVC remote, your APIs and permissions, the VM's service account")
             unproven = vm_checks.before_spending(cfg, cloud, root, experiments)
         forecasts = []
         if preflight:

@@ -1,40 +1,43 @@
 """Checks before spending of how the VM is reached: its network and subnetwork exist and fit, an
-external IP is allowed (without one: IAP for SSH, a Cloud NAT for the setup's downloads), a firewall
-rule admits SSH from where it comes, and where OS Login is on, our key is in the caller's OS Login
-profile (its POSIX user name is the SSH user). Each failure is a ConfigError naming the key and the
-fix, raised before the firewall rule or the VM exists. What the checks decide (``ssh.os_login`` and
-``ssh.user``) is written into the config the insert and the SSH client read.
+external IP is allowed (without one: IAP for SSH, run by gcloud as the account of the Application
+Default Credentials, and a Cloud NAT for the setup's downloads), a firewall rule admits SSH from
+where it comes, and where OS Login is on, 2-step verification is off and our key is in the caller's
+OS Login profile (its POSIX user name is the SSH user). Each failure is a ConfigError naming the key
+and the fix, raised before the firewall rule or the VM exists. What the checks decide
+(``ssh.os_login`` and ``ssh.user``) is written into the config the insert and the SSH client read.
 """
 
 from __future__ import annotations
 
 import shlex
 import shutil
+import subprocess
 
 from omegaconf import DictConfig
 
 from mtpipe.cloud import gcp, ssh_route, vm_ssh
 from mtpipe.cloud.gcp import Compute, GcpError
-from mtpipe.cloud.google_apis import GoogleApis, denies, enforced
+from mtpipe.cloud.google_apis import GoogleApis, denies, enforced, member
 from mtpipe.errors import ConfigError
 
 # The permission to log in with administrator rights (the setup runs sudo apt-get): in
 # roles/compute.osAdminLogin, which roles/compute.admin and roles/owner include.
 LOGIN_PERMISSION = "compute.instances.osAdminLogin"
 NAT_ALL = ("ALL_SUBNETWORKS_ALL_IP_RANGES", "ALL_SUBNETWORKS_ALL_PRIMARY_IP_RANGES")
+GCLOUD_TIMEOUT_S = 60
 
 
 def _say(line: str) -> None:
     print(f"mtpipe: {line}", flush=True)
 
 
-def check_access(cfg: DictConfig, compute: Compute, apis: GoogleApis | None = None) -> None:
-    """Every check below, in order."""
-    apis = apis or GoogleApis()
+def check_access(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> bool:
+    """Every check below, in order; whether vm_up will create its own firewall rule."""
     check_network(cfg, compute)
     check_external_ip(cfg, compute, apis)
-    check_firewall(cfg, compute)
+    creates_rule = check_firewall(cfg, compute)
     check_os_login(cfg, compute, apis)
+    return creates_rule
 
 
 def _name(url: str) -> str:
@@ -74,7 +77,8 @@ def check_network(cfg: DictConfig, compute: Compute) -> None:
 def check_external_ip(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> None:
     """With ``external_ip: true`` the organisation policy compute.vmExternalIpAccess allows the VM
     one (a policy that cannot be read is said and passed over); without, SSH goes through a proxy
-    command that is on PATH (gcloud for IAP) and a Cloud NAT serves the VM's subnetwork."""
+    command that is on PATH (gcloud for IAP, as the credentials' account: :func:`check_iap_account`)
+    and a Cloud NAT serves the VM's subnetwork."""
     if cfg.external_ip:
         instance = f"projects/{cfg.project}/zones/{cfg.zone}/instances/{cfg.name}"
         try:
@@ -97,7 +101,48 @@ def check_external_ip(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> No
                           f"external IP runs `{proxy}`",
                           "install the Google Cloud CLI (cloud.google.com/sdk/docs/install) and run `gcloud auth "
                           "login`, or set ssh.proxy_command in conf/vm.yaml")
+    if ssh_route.through_iap(cfg):
+        check_iap_account(program, apis)
     check_nat(cfg, compute)
+
+
+def gcloud_account(program: str) -> str:
+    """The account gcloud runs as (``gcloud config get-value account``); '' when it has none."""
+    command = [program, "config", "get-value", "account"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=GCLOUD_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise ConfigError("vm.ssh.proxy_command", f"`{shlex.join(command)}` failed ({err})",
+                          f"check that `{program}` works (`{program} info`)") from err
+    if done.returncode != 0:
+        raise ConfigError("vm.ssh.proxy_command", f"`{shlex.join(command)}` failed (exit {done.returncode}): "
+                          f"{done.stderr.strip()}", f"check that `{program}` works (`{program} info`)")
+    return done.stdout.strip()
+
+
+def check_iap_account(program: str, apis: GoogleApis) -> None:
+    """SSH through IAP runs `gcloud compute start-iap-tunnel` as gcloud's active account, while these
+    checks (the tunnel permission among them: mtpipe.cloud.vm_caller) and the insert use the
+    Application Default Credentials: both must be one account. Credentials whose account is not
+    known here (anonymous ones) are said and passed over."""
+    account, adc = gcloud_account(program), apis.account()
+    if not account:
+        raise ConfigError("vm.ssh.proxy_command", f"SSH to a VM without an external IP runs `{program} compute "
+                          f"start-iap-tunnel`, and {program} has no active account",
+                          f"`{program} auth login {adc or 'ACCOUNT'}` (the account of your Application Default "
+                          "Credentials)")
+    if adc is None:
+        _say(f"IAP tunnel as gcloud's account {account}; the account of the Application Default Credentials, "
+             "which the permissions are tested with, cannot be read here: make sure it is the same")
+    elif adc.lower() != account.lower():
+        raise ConfigError("vm.ssh.proxy_command", f"SSH to the VM goes through `{program} compute "
+                          f"start-iap-tunnel`, which runs as gcloud's account {account}, while the checks before "
+                          f"spending and the VM's creation use the Application Default Credentials, of {adc}: the "
+                          "IAP permission tested here would not be the tunnel's",
+                          f"`{program} config set account {adc}` (after `{program} auth login {adc}` if gcloud "
+                          f"does not have it yet), or `{program} auth application-default login` as {account}")
+    else:
+        _say(f"IAP tunnel as {account}, the account of the Application Default Credentials")
 
 
 def check_nat(cfg: DictConfig, compute: Compute) -> None:
@@ -125,25 +170,26 @@ def check_nat(cfg: DictConfig, compute: Compute) -> None:
                       f"--nat-all-subnet-ip-ranges --project {cfg.project}")
 
 
-def check_firewall(cfg: DictConfig, compute: Compute) -> None:
+def check_firewall(cfg: DictConfig, compute: Compute) -> bool:
     """Some enabled ingress rule of ``network`` admits tcp:22 from where SSH comes (ssh_route.sources)
-    to the VM; else vm_up will create ``firewall.name`` for those ranges. When SSH goes straight
-    from this machine (sources unknown) only a rule open to 0.0.0.0/0 is known to admit it."""
+    to the VM; else vm_up will create ``firewall.name`` for those ranges (then True). When SSH goes
+    straight from this machine (sources unknown) only a rule open to 0.0.0.0/0 is known to admit it."""
     sources = ssh_route.sources(cfg)
     wanted = sources or [ssh_route.ANYWHERE]
     found = ssh_route.admitting(compute.list_firewalls(cfg.network), wanted, [cfg.name], cfg.service_account)
     if found:
         _say(f"SSH from {', '.join(wanted)}: firewall rule {', '.join(found)} of network {cfg.network} admits it")
-    elif sources:
+        return False
+    if sources:
         _say(f"SSH from {', '.join(sources)}: no firewall rule of network {cfg.network} admits it; vm_up creates "
              f"{cfg.firewall.name}")
-    else:
-        raise ConfigError("vm.firewall.source_ranges", f"no firewall rule of network {cfg.network} admits tcp:22 "
-                          f"from anywhere (0.0.0.0/0) to VM {cfg.name}, and SSH would come straight from this "
-                          "machine, whose public address mtpipe does not know",
-                          "set external_ip: false in conf/vm.yaml (SSH through IAP: vm_up admits "
-                          f"{ssh_route.IAP_RANGE} if no rule does), or list your address there as "
-                          "firewall.source_ranges: [ADDRESS/32] (vm_up creates a rule for it)")
+        return True
+    raise ConfigError("vm.firewall.source_ranges", f"no firewall rule of network {cfg.network} admits tcp:22 "
+                      f"from anywhere (0.0.0.0/0) to VM {cfg.name}, and SSH would come straight from this "
+                      "machine, whose public address mtpipe does not know",
+                      "set external_ip: false in conf/vm.yaml (SSH through IAP: vm_up admits "
+                      f"{ssh_route.IAP_RANGE} if no rule does), or list your address there as "
+                      "firewall.source_ranges: [ADDRESS/32] (vm_up creates a rule for it)")
 
 
 def os_login_source(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> str | None:
@@ -163,7 +209,8 @@ def os_login_source(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> str 
 
 
 def check_os_login(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> None:
-    """Where OS Login is on: the caller may log in as an administrator, and our public key goes into
+    """Where OS Login is on: 2-step verification is off for the account (an unattended SSH cannot
+    answer its challenge), the caller may log in as an administrator, and our public key goes into
     their OS Login profile (oslogin users.importSshPublicKey); ``ssh.user`` becomes the profile's
     primary POSIX user name. Sets ``ssh.os_login`` to what was decided."""
     if cfg.ssh.os_login is False:
@@ -178,7 +225,7 @@ def check_os_login(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> None:
                           "not say whose OS Login profile gets the SSH key",
                           "set ssh.os_login_account: YOU@EXAMPLE.COM (the account of your credentials) in "
                           "conf/vm.yaml")
-    member = ("serviceAccount:" if account.endswith(".gserviceaccount.com") else "user:") + account
+    check_two_step(cfg, compute, account)
     try:
         granted = LOGIN_PERMISSION in apis.granted(cfg.project, [LOGIN_PERMISSION])
     except GcpError as err:
@@ -187,7 +234,7 @@ def check_os_login(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> None:
     if not granted:
         raise ConfigError("vm.ssh.os_login", f"OS Login is on ({why}) and {account} lacks {LOGIN_PERMISSION} "
                           f"on project {cfg.project}: the VM would refuse the SSH login (and the setup's sudo)",
-                          f"gcloud projects add-iam-policy-binding {cfg.project} --member {member} --role "
+                          f"gcloud projects add-iam-policy-binding {cfg.project} --member {member(account)} --role "
                           "roles/compute.osAdminLogin (from outside the organisation also "
                           "roles/compute.osLoginExternalUser on the organisation)")
     try:
@@ -204,3 +251,21 @@ def check_os_login(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> None:
                           f"log in once with `gcloud compute ssh` to a VM of {cfg.project}, or ask an admin")
     cfg.ssh.os_login, cfg.ssh.user = True, primary["username"]
     _say(f"OS Login ({why}): the SSH key is in the OS Login profile of {account}; SSH as {cfg.ssh.user}")
+
+
+def check_two_step(cfg: DictConfig, compute: Compute, account: str) -> None:
+    """OS Login 2-step verification (project metadata ``enable-oslogin-2fa``; the VM's own metadata
+    does not set it) makes every SSH login of a user wait for a second factor, which vm_up's SSH
+    cannot give: the VM would never become reachable. Google does not enforce it on service accounts
+    (cloud.google.com/compute/docs/instances/managing-instance-access)."""
+    value = compute.project_metadata().get("enable-oslogin-2fa", "")
+    if value.lower() != "true" or account.endswith(".gserviceaccount.com"):
+        return
+    raise ConfigError("vm.ssh.os_login", f"OS Login 2-step verification is on in project {cfg.project} (project "
+                      f"metadata enable-oslogin-2fa={value}): each SSH login as {account} would wait for a second "
+                      "factor that vm_up's unattended SSH cannot give, and the VM would be deleted after "
+                      "ssh.ready_timeout_s without ever being reached",
+                      "run as a service account, on which Google does not enforce 2-step verification "
+                      "(GOOGLE_APPLICATION_CREDENTIALS=KEY.json, ssh.os_login_account: its email in conf/vm.yaml, "
+                      "roles/compute.osAdminLogin), or ask the project's owner to turn it off: gcloud compute "
+                      f"project-info add-metadata --metadata enable-oslogin-2fa=FALSE --project {cfg.project}")

@@ -8,12 +8,15 @@ runs. Each failure is a ConfigError naming the key and the fix:
   (TPU v6e), and with `provisioning: reservation` the reservation exists (another project's: shared
   with this one), is READY, reserves that machine type (or its TPU chips) and has room for one VM,
   and how its VMs are provisioned is decided (RESERVATION_BOUND or STANDARD);
-* how the VM is reached (mtpipe.cloud.vm_access): network, subnetwork, external IP or IAP, a
-  firewall rule for SSH, OS Login;
+* how the VM is reached (mtpipe.cloud.vm_access): network, subnetwork, external IP or IAP (gcloud
+  as the credentials' account), a firewall rule for SSH, OS Login without 2-step verification;
 * the project as the VM will run it (HEAD's params.yaml with each experiment's `--set` values
   applied): every branch composes (what the `configure` stage checks), HF_TOKEN is set when a Hub
   model or dataset of a composed preset is gated, the default DVC remote is the one HEAD's
   .dvc/config ships and accepts a write;
+* the caller (mtpipe.cloud.vm_caller): the APIs the run uses are enabled (or enabled now, with
+  `enable_apis: true`), and the caller holds the permissions the run will use;
+* the organisation policy compute.requireShieldedVm against what the insert sends;
 * the VM's identity (mtpipe/cloud/vm_identity.py): its service account may use the DVC remote and
   the work bucket, as far as the allow policies readable here prove; the rest is probed from the VM;
 * after preflight (:func:`check_spot_resume`): a Spot run has a work bucket to resume from, or says
@@ -32,8 +35,9 @@ from typing import Any
 from google.cloud import compute_v1
 from omegaconf import DictConfig
 
-from mtpipe.cloud import prices, vm_access, vm_identity
-from mtpipe.cloud.gcp import Compute, reservation_path
+from mtpipe.cloud import gcp, prices, vm_access, vm_caller, vm_identity
+from mtpipe.cloud.gcp import Compute, GcpError, reservation_path
+from mtpipe.cloud.google_apis import GoogleApis, enforced
 from mtpipe.data import hub
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext.preflight import TRAIN_STARTUP_S
@@ -44,11 +48,15 @@ from mtpipe.pipeline.schema import SftBranch
 
 def before_spending(cfg: DictConfig, compute: Compute, root: Path,
                     experiments: list[list[str]]) -> list[vm_identity.Target]:
-    """Everything below, Compute first (it also proves the credentials), then the project, then the
-    VM's identity; returns the buckets only the VM can tell it may use (vm_identity.probe_from_vm)."""
+    """Everything below, Compute first (it also proves the credentials), then how the VM is reached,
+    the project, the caller's APIs and permissions, Shielded VM, the VM's identity; returns the
+    buckets only the VM can tell it may use (vm_identity.probe_from_vm)."""
+    apis = GoogleApis()
     check_compute(cfg, compute)
-    vm_access.check_access(cfg, compute)
+    creates_rule = vm_access.check_access(cfg, compute, apis)
     check_project(cfg, root, experiments)
+    vm_caller.check_caller(cfg, apis, creates_rule, uses_gcs=bool(vm_identity.targets(cfg, root)))
+    check_shielded_vm(cfg, apis)
     return vm_identity.check_identity(cfg, root)
 
 
@@ -60,6 +68,33 @@ def check_compute(cfg: DictConfig, compute: Compute) -> None:
                           "(e.g. us-east5-b) with ZONE / --zone, where your reservation is")
     if cfg.provisioning == "reservation":
         check_reservation(cfg, compute)
+
+
+SHIELDED = ("enable_secure_boot", "enable_vtpm", "enable_integrity_monitoring")
+
+
+def check_shielded_vm(cfg: DictConfig, apis: GoogleApis) -> None:
+    """Where the organisation policy compute.requireShieldedVm is enforced, Compute refuses a new VM
+    that does not boot with Secure Boot, vTPM and Integrity Monitoring on: the insert body
+    (gcp.instance_body) must send all three (a policy that cannot be read is said and passed over)."""
+    try:
+        policy = apis.effective_policy(cfg.project, "compute.requireShieldedVm")
+    except GcpError as err:
+        print(f"mtpipe: could not read the organisation policy compute.requireShieldedVm ({err}); going on as "
+              "if it were not enforced (if it is, Compute refuses the insert)", flush=True)
+        return
+    if not enforced(policy):
+        return
+    sent = gcp.instance_body(cfg, cfg.name, "", {}, "STANDARD").get("shielded_instance_config", {})
+    off = [name for name in SHIELDED if not sent.get(name)]
+    if off:
+        raise ConfigError("vm.project", "the organisation policy constraints/compute.requireShieldedVm is "
+                          f"enforced for project {cfg.project}: Compute creates only VMs with Secure Boot, vTPM and "
+                          f"Integrity Monitoring on, and the insert does not turn on {', '.join(off)} (mtpipe does not turn "
+                          "Secure Boot on: whether the TPU image's drivers load under it is not known here)",
+                          "use a project where the policy is not enforced, or ask your organisation's policy "
+                          "administrator for an exception: gcloud resource-manager org-policies disable-enforce "
+                          f"compute.requireShieldedVm --project {cfg.project} (needs roles/orgpolicy.policyAdmin)")
 
 
 FULL_FIX = ("delete a VM that uses it (`gcloud compute instances list --filter=labels.app=mtpipe`), wait "

@@ -114,6 +114,7 @@ class VmConfig(Section):
     stockout: Stockout
     operation_timeout_s: Seconds
     recreate: bool
+    enable_apis: bool                      # vm_up enables the APIs the run needs that are disabled
     remote_probe_timeout_s: Seconds
     firewall: Firewall
     ssh: Ssh

@@ -123,23 +123,38 @@ class Discovery:
 
     # ---- requests
 
+    def _candidates(self, http_method: str, path: str) -> list[tuple[Method, dict[str, str]]]:
+        """The methods whose template matches ``path``, with its path parameters."""
+        if not path.startswith(self.prefix):
+            return []
+        rest = path[len(self.prefix):]
+        return [(method, dict(zip(method.path_params, map(unquote, found.groups()))))
+                for method in self.methods
+                if method.http_method == http_method and (found := method.template.fullmatch(rest))]
+
+    @staticmethod
+    def _fits(method: Method, values: dict[str, str]) -> bool:
+        return all(re.fullmatch(method.params[n].get("pattern", ".*"), v) for n, v in values.items())
+
     def resolve(self, http_method: str, path: str) -> tuple[Method, dict[str, str]]:
         """The method serving ``path`` (URL path, query left out) and its path parameters."""
-        if path.startswith(self.prefix):
-            rest = path[len(self.prefix):]
-            candidates = [(method, dict(zip(method.path_params, map(unquote, found.groups()))))
-                          for method in self.methods
-                          if method.http_method == http_method and (found := method.template.fullmatch(rest))]
-            # Methods that share a template (cloudresourcemanager's `v3/{+name}` for projects, folders
-            # and organizations) are told apart by their parameters' patterns.
-            for method, values in candidates:
-                if all(re.fullmatch(method.params[n].get("pattern", ".*"), v) for n, v in values.items()):
-                    return method, values
-            if candidates:
-                return candidates[0]
+        candidates = self._candidates(http_method, path)
+        # Methods that share a template (cloudresourcemanager's `v3/{+name}` for projects, folders
+        # and organizations) are told apart by their parameters' patterns.
+        for method, values in candidates:
+            if self._fits(method, values):
+                return method, values
+        if candidates:
+            return candidates[0]
         # Google's front end answers an unknown URL with a 404 page in these words.
         raise Refused(f"The requested URL {path} was not found on this server.", 404, "notFound",
                       "NOT_FOUND")
+
+    def serves(self, http_method: str, path: str) -> bool:
+        """Whether a method of this API serves ``path``, its parameters' patterns included: how one
+        server tells apart APIs whose paths share a version prefix (OS Login's, IAM's and Service
+        Usage's `v1/...`), as Google's hosts do."""
+        return any(self._fits(method, values) for method, values in self._candidates(http_method, path))
 
     def check_request(self, http_method: str, url: str, raw_body: str) -> Method:
         """The request's method, once its parameters and body pass; Refused otherwise."""

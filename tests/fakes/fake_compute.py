@@ -22,12 +22,12 @@ shared with the project, whose VMs or chips do not match the VM, or that has no 
 Networks as organisations have them: `networks` (auto or custom mode), `subnetworks`, `routers`
 (Cloud NAT), firewall rules listed by firewalls.list, the project's metadata (projects.get, e.g.
 `enable-oslogin`); an insert on a network or subnetwork that does not exist, on a custom-mode network
-without a subnetwork, or with an external IP the organisation policy compute.vmExternalIpAccess
-denies is refused as Compute refuses it; `bound_max_run_duration` False refuses maxRunDuration on a
+without a subnetwork, with an external IP the organisation policy compute.vmExternalIpAccess denies,
+or without Secure Boot where compute.requireShieldedVm is enforced is refused as Compute refuses it; `bound_max_run_duration` False refuses maxRunDuration on a
 RESERVATION_BOUND VM, `firewall_insert_denied` answers firewalls.insert with 403. The same server
-serves the OS Login, Organization Policy and Resource Manager calls (`org`, tests/fakes/fake_org.py);
-a service in `org.disabled` (compute.googleapis.com too) answers Google's SERVICE_DISABLED 403.
-`POST /token` answers like an OAuth server refusing an expired refresh token. Every request is
+serves the OS Login, Organization Policy, Resource Manager, IAM and Service Usage calls, and at
+`POST /token` OAuth's token endpoint (`org`, tests/fakes/fake_org.py); a service in `org.disabled`
+(compute.googleapis.com too) answers Google's SERVICE_DISABLED 403. Every request is
 recorded (method, path, Host header, headers, body) so tests can check what was sent and to whom.
 
 Every request under /compute/v1/ is first checked against Google's discovery document and every
@@ -47,6 +47,7 @@ requests back until :meth:`FakeCompute.release_requests` (a client blocked in a 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import re
@@ -365,6 +366,15 @@ class FakeCompute:
                                    f"{body['name']} to the constraint to use external IP with it.")
         return None
 
+    def _shielded_refusal(self, project: str, body: dict) -> tuple[int, dict] | None:
+        """Compute's answer to an insert without Secure Boot where the organisation policy
+        compute.requireShieldedVm is enforced (new VMs need Secure Boot, vTPM, Integrity Monitoring)."""
+        rules = self.org.policies.get("compute.requireShieldedVm", [])
+        if any(r.get("enforce") for r in rules) and not body.get("shieldedInstanceConfig", {}).get("enableSecureBoot"):
+            return _error(412, f"Constraint constraints/compute.requireShieldedVm violated for project {project}. "
+                               "Secure Boot is not enabled in the 'shielded_instance_config' field.")
+        return None
+
     def _aggregated_machine_types(self, url: str) -> dict:
         """machineTypes.aggregatedList with a ``name = X`` filter: the zones offering X."""
         wanted = parse_qs(urlsplit(url).query).get("filter", [""])[0].removeprefix("name = ").strip()
@@ -388,7 +398,7 @@ class FakeCompute:
         if key in self.instances:
             return _error(409, f"The resource 'projects/{project}/zones/{zone}/instances/"
                                f"{body['name']}' already exists")
-        if refused := self._network_refusal(project, zone, body):
+        if refused := self._network_refusal(project, zone, body) or self._shielded_refusal(project, body):
             return refused
         machine_type = body.get("machineType", "").rsplit("/", 1)[-1]
         threads = (body.get("advancedMachineFeatures") or {}).get("threadsPerCore")
@@ -621,11 +631,11 @@ def _handler(fake: FakeCompute) -> type[BaseHTTPRequestHandler]:
             fake.requests.append(recorded)
             fake._held(recorded)
             path = urlsplit(self.path).path
-            other = fake.org.contract_for(path)   # OS Login, Org Policy, Resource Manager
-            contract, serve = (other, fake.org.handle) if other else (fake.contract, fake.handle)
-            if path == "/token":   # an OAuth token endpoint refusing an expired refresh token
-                code, out = 400, {"error": "invalid_grant",
-                                  "error_description": "Token has been expired or revoked."}
+            service = fake.org.route(self.command, path)   # OS Login, Org Policy, Resource Manager, IAM...
+            contract, serve = (fake.org.contracts[service], functools.partial(fake.org.handle, service)) \
+                if service else (fake.contract, fake.handle)
+            if path == "/token":   # OAuth's token endpoint (fakes.fake_org)
+                code, out = fake.org.token(raw)
             else:
                 method, refusal = contract.request(self.command, self.path, raw)
                 if method is None:

@@ -1,8 +1,10 @@
 """A stand-in for `gcloud compute start-iap-tunnel NAME PORT --listen-on-stdin --zone Z --project P`,
 the command mtpipe runs as SSH's proxy for a VM without an external IP: it relays stdin/stdout to
-127.0.0.1:PORT (the loopback VM's sshd), as IAP relays them to the VM. Each call's argv is appended
-to the file named by $FAKE_GCLOUD_LOG. :func:`install` puts it on a PATH as `gcloud`; any other
-gcloud command fails.
+127.0.0.1:PORT (the loopback VM's sshd), as IAP relays them to the VM; and for `gcloud config
+get-value account` (the account the tunnel runs as) it prints $FAKE_GCLOUD_ACCOUNT, or, as gcloud
+does without one, nothing on stdout and `(unset)` on stderr. Each call's argv is appended to the file
+named by $FAKE_GCLOUD_LOG. :func:`install` puts it on a PATH as `gcloud`; any other gcloud command
+fails.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ def main(argv: list[str]) -> int:
     if os.environ.get("FAKE_GCLOUD_LOG"):
         with open(os.environ["FAKE_GCLOUD_LOG"], "a") as log:
             log.write(" ".join(argv) + "\n")
+    if argv == ["config", "get-value", "account"]:
+        account = os.environ.get("FAKE_GCLOUD_ACCOUNT")
+        print(account or "(unset)", file=sys.stdout if account else sys.stderr)
+        return 0
     if argv[:2] != ["compute", "start-iap-tunnel"] or "--listen-on-stdin" not in argv:
         print(f"fake gcloud: {' '.join(argv)}: not served", file=sys.stderr)
         return 2

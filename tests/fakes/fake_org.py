@@ -1,30 +1,41 @@
 """The Google APIs besides Compute that the checks before spending call, as fakes served by the fake
-Compute API's server (fakes.fake_compute routes their paths here): OS Login
+Compute API's server, which routes a request here when one of these APIs' discovery documents has a
+method for its path (:meth:`FakeOrg.route`; Google tells them apart by host): OS Login
 (``v1/users/ACCOUNT:importSshPublicKey``), Organization Policy
-(``v2/projects/P/policies/CONSTRAINT:getEffectivePolicy``) and Cloud Resource Manager's
-``v3/projects/P:testIamPermissions``.
+(``v2/projects/P/policies/CONSTRAINT:getEffectivePolicy``), Cloud Resource Manager's
+``v3/projects/P:testIamPermissions``, IAM's ``v1/projects/-/serviceAccounts/EMAIL:testIamPermissions``,
+Service Usage (``v1/projects/P/services:batchGet``, ``:batchEnable`` and its ``v1/operations/X``), and
+OAuth's token endpoint (``POST /token``, named by an ADC file's ``token_uri``).
 
 ``policies`` holds each constraint's effective rules (what the organisation enforces), ``policies_readable``
-False answers 403 as for a caller without orgpolicy.policies.get (or with the API disabled when
-``disabled`` names it); an imported key lands in ``keys`` under its account, whose POSIX user name is
-``posix_users[account]`` (default: the email with every character but a-z and 0-9 turned into `_`, as
-OS Login names users of the organisation); ``refuse_import`` answers 403; ``permissions`` is what
-testIamPermissions grants (None: everything asked). Every request and answer is checked against the
-discovery documents google-api-python-client ships (oslogin.v1, orgpolicy.v2, cloudresourcemanager.v3).
+False answers 403 as for a caller without orgpolicy.policies.get; an imported key lands in ``keys``
+under its account, whose POSIX user name is ``posix_users[account]`` (default: the email with every
+character but a-z and 0-9 turned into `_`, as OS Login names users of the organisation);
+``refuse_import`` answers 403; ``permissions`` is what both testIamPermissions grant (None: everything
+asked). A service in ``disabled`` answers SERVICE_DISABLED, and batchGet reports it DISABLED until a
+batchEnable (its operation done on the first poll) enables it; ``enabled`` lists what was enabled.
+The token endpoint grants a service account's JWT-bearer assertion (a key file's credentials) and
+refuses a refresh token as an expired one (invalid_grant). Every request and answer of the APIs is
+checked against the discovery documents google-api-python-client ships (oslogin.v1, orgpolicy.v2,
+cloudresourcemanager.v3, iam.v1, serviceusage.v1); the token endpoint has none.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from fakes.discovery import Contract, api
 
-SERVICES = {"v1": "oslogin.googleapis.com", "v2": "orgpolicy.googleapis.com",
-            "v3": "cloudresourcemanager.googleapis.com"}
-DOCUMENTS = {"v1": "oslogin.v1", "v2": "orgpolicy.v2", "v3": "cloudresourcemanager.v3"}
+DOCUMENTS = {"oslogin.googleapis.com": "oslogin.v1", "orgpolicy.googleapis.com": "orgpolicy.v2",
+             "cloudresourcemanager.googleapis.com": "cloudresourcemanager.v3", "iam.googleapis.com": "iam.v1",
+             "serviceusage.googleapis.com": "serviceusage.v1"}
+SCOPE = "https://www.googleapis.com/auth/cloud-platform"
+JWT_BEARER = "urn:ietf:params:oauth:grant-type:jwt-bearer"
 
 
 def posix_name(account: str) -> str:
@@ -40,12 +51,16 @@ class FakeOrg:
     refuse_import: bool = False
     permissions: set[str] | None = None
     disabled: set[str] = field(default_factory=set)   # services answering SERVICE_DISABLED
+    enabled: list[str] = field(default_factory=list)  # services batchEnable enabled, in order
+    operations: dict[str, list[str]] = field(default_factory=dict)   # batchEnable's, until polled
     contracts: dict[str, Contract] = field(default_factory=lambda: {
-        version: Contract(api(document)) for version, document in DOCUMENTS.items()})
+        host: Contract(api(document)) for host, document in DOCUMENTS.items()})
+    _ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
 
-    def contract_for(self, path: str) -> Contract | None:
-        """The contract of the API serving ``path`` (its first segment: v1, v2, v3), None for others."""
-        return self.contracts.get(path.lstrip("/").split("/", 1)[0])
+    def route(self, method: str, path: str) -> str | None:
+        """The service (its host) whose discovery document has a method for ``path``, patterns
+        included; None for another API's path (Compute's)."""
+        return next((host for host, contract in self.contracts.items() if contract.api.serves(method, path)), None)
 
     def check(self) -> None:
         for contract in self.contracts.values():
@@ -56,11 +71,10 @@ class FakeOrg:
         return [f"{self.posix_users.get(account, posix_name(account))}:{key}"
                 for account, keys in self.keys.items() for key in keys]
 
-    def handle(self, method: str, url: str, body: dict) -> tuple[int, dict]:
+    def handle(self, service: str, method: str, url: str, body: dict) -> tuple[int, dict]:
         path = unquote(urlsplit(url).path).lstrip("/")
-        version = path.split("/", 1)[0]
-        if SERVICES[version] in self.disabled:
-            return disabled(SERVICES[version])
+        if service in self.disabled:
+            return disabled(service)
         if found := re.fullmatch(r"v1/users/([^/]+):importSshPublicKey", path):
             return self._import(found[1], body, url)
         if found := re.fullmatch(r"v2/projects/([^/]+)/policies/([^/]+):getEffectivePolicy", path):
@@ -69,10 +83,30 @@ class FakeOrg:
                                   "(or it may not exist).", "PERMISSION_DENIED")
             return 200, {"name": f"projects/{found[1]}/policies/{found[2]}",
                          "spec": {"rules": self.policies.get(found[2], [])}}
-        if re.fullmatch(r"v3/projects/([^/]+):testIamPermissions", path):
+        if re.fullmatch(r"v3/projects/[^/]+:testIamPermissions|v1/projects/-/serviceAccounts/[^/]+:testIamPermissions",
+                        path):
             asked = body.get("permissions", [])
             return 200, {"permissions": [p for p in asked if self.permissions is None or p in self.permissions]}
+        if found := re.fullmatch(r"v1/projects/([^/]+)/services:batchGet", path):
+            names = parse_qs(urlsplit(url).query).get("names", [])
+            return 200, {"services": [self._service(found[1], name.rsplit("/", 1)[-1]) for name in names]}
+        if found := re.fullmatch(r"v1/projects/([^/]+)/services:batchEnable", path):
+            name = f"operations/acf.p2-{next(self._ids)}"
+            self.operations[name] = list(body.get("serviceIds", []))
+            return 200, {"name": name, "done": False}
+        if path.removeprefix("v1/") in self.operations:   # done on the first poll: enabled then
+            services = self.operations.pop(path.removeprefix("v1/"))
+            self.disabled -= set(services)
+            self.enabled += services
+            return 200, {"name": path.removeprefix("v1/"), "done": True, "response": {
+                "@type": "type.googleapis.com/google.api.serviceusage.v1.BatchEnableServicesResponse",
+                "services": [{"name": f"projects/-/services/{s}", "state": "ENABLED"} for s in services]}}
         return error(404, f"The requested URL /{path} was not found on this server.", "NOT_FOUND")
+
+    def _service(self, project: str, service: str) -> dict:
+        """A service as batchGet answers it (serviceusage.v1's GoogleApiServiceusageV1Service)."""
+        return {"name": f"projects/{project}/services/{service}", "parent": f"projects/{project}",
+                "config": {"name": service}, "state": "DISABLED" if service in self.disabled else "ENABLED"}
 
     def _import(self, account: str, body: dict, url: str) -> tuple[int, dict]:
         if self.refuse_import:
@@ -89,6 +123,15 @@ class FakeOrg:
                                "accountId": project, "name": f"users/{account}/projects/{project}"}],
             "sshPublicKeys": {fingerprint: {"key": body["key"], "fingerprint": fingerprint,
                                             "name": f"users/{account}/sshPublicKeys/{fingerprint}"}}}}
+
+    def token(self, form: str) -> tuple[int, dict]:
+        """OAuth's token endpoint: a service account's signed JWT (grant type jwt-bearer; the signature
+        is not checked) gets an access token; anything else (a refresh token) invalid_grant."""
+        fields = {key: values[0] for key, values in parse_qs(form).items()}
+        if fields.get("grant_type") != JWT_BEARER:
+            return 400, {"error": "invalid_grant", "error_description": "Token has been expired or revoked."}
+        return 200, {"access_token": f"ya29.fake-{next(self._ids)}", "expires_in": 3599, "token_type": "Bearer",
+                     "scope": fields.get("scope", SCOPE)}
 
 
 def error(code: int, message: str, status: str) -> tuple[int, dict]:

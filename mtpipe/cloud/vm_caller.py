@@ -1,0 +1,139 @@
+"""Checks before spending of the caller, the account of the Application Default Credentials: the
+APIs the run uses are enabled in the project, and the caller holds every permission the run will use
+there, as `sky check` tests them (Service Usage, Cloud Resource Manager testIamPermissions).
+
+A disabled API stops the run naming `gcloud services enable`, unless ``enable_apis: true`` (conf/vm.yaml)
+lets vm_up enable it (never without that key). A missing permission stops it naming the predefined role
+that holds it. What cannot be read (Service Usage or Resource Manager refusing the caller) is said and
+passed over: the call that needs it then fails with its own message.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from omegaconf import DictConfig
+
+from mtpipe.cloud import gcp, ssh_route, vm_identity
+from mtpipe.cloud.gcp import GcpError
+from mtpipe.cloud.google_apis import GoogleApis, member
+from mtpipe.errors import ConfigError
+
+INSTANCE_ADMIN = "roles/compute.instanceAdmin.v1"
+SECURITY_ADMIN = "roles/compute.securityAdmin"
+IAP_ACCESSOR = "roles/iap.tunnelResourceAccessor"
+SA_USER = "roles/iam.serviceAccountUser"
+ACT_AS = "iam.serviceAccounts.actAs"
+IAP_TUNNEL = "iap.tunnelInstances.accessViaIAP"
+# What creating, waiting for, listing and deleting the VM takes on the project (instances.insert's
+# permissions: the disk, the subnetwork, metadata, tags, labels, the service account; SkyPilot's
+# VM_MINIMAL_PERMISSIONS), beyond the reads the checks before have made already. Each is in
+# roles/compute.instanceAdmin.v1 (docs/tpu-vm.md, "Permissions and APIs").
+VM_PERMISSIONS = ("compute.instances.create", "compute.instances.get", "compute.instances.list",
+                  "compute.instances.delete", "compute.instances.setMetadata", "compute.instances.setLabels",
+                  "compute.instances.setTags", "compute.instances.setServiceAccount", "compute.disks.create",
+                  "compute.subnetworks.use", "compute.zoneOperations.get", "compute.machineTypes.list")
+# vm_up's own SSH rule: firewalls.insert and delete, which also take networks.updatePolicy.
+FIREWALL_PERMISSIONS = ("compute.firewalls.create", "compute.firewalls.delete", "compute.networks.updatePolicy",
+                        "compute.globalOperations.get")
+
+
+def _say(line: str) -> None:
+    print(f"mtpipe: {line}", flush=True)
+
+
+def check_caller(cfg: DictConfig, apis: GoogleApis, creates_rule: bool, uses_gcs: bool) -> None:
+    """The APIs, then the permissions (testing them needs the Resource Manager API)."""
+    check_apis(cfg, apis, services(cfg, uses_gcs))
+    check_permissions(cfg, apis, permissions(cfg, creates_rule))
+
+
+def services(cfg: DictConfig, uses_gcs: bool) -> dict[str, str]:
+    """The APIs the run calls in ``project``, each with what for: Compute, Resource Manager (these
+    checks), OS Login where it is on, IAP for SSH through its tunnel, Cloud Storage for a gs:// DVC
+    remote or work bucket (the VM's service account reads and writes it)."""
+    wanted = {"compute.googleapis.com": "the VM", "cloudresourcemanager.googleapis.com": "these checks"}
+    if cfg.ssh.os_login is True:
+        wanted["oslogin.googleapis.com"] = "OS Login"
+    if ssh_route.through_iap(cfg):
+        wanted["iap.googleapis.com"] = "SSH through IAP's tunnel"
+    if uses_gcs:
+        wanted["storage.googleapis.com"] = "the buckets the VM uses"
+    return wanted
+
+
+def check_apis(cfg: DictConfig, apis: GoogleApis, wanted: dict[str, str]) -> None:
+    """Every API in ``wanted`` is enabled in the project; with ``enable_apis: true`` the disabled ones
+    are enabled now (free of charge), else the run stops naming them."""
+    try:
+        enabled = apis.enabled_services(cfg.project, list(wanted))
+    except GcpError as err:
+        _say(f"could not read which APIs project {cfg.project} has enabled ({err}); going on (a disabled one "
+             "fails its first call, naming `gcloud services enable`)")
+        return
+    disabled = [s for s in wanted if s not in enabled]
+    if not disabled:
+        return
+    named = "; ".join(f"{gcp.SERVICE_TITLES.get(s, s)} ({s}, for {wanted[s]})" for s in disabled)
+    if not cfg.enable_apis:
+        raise ConfigError("vm.enable_apis", f"project {cfg.project} has not enabled: {named}",
+                          f"gcloud services enable {' '.join(disabled)} --project {cfg.project} (needs "
+                          "roles/serviceusage.serviceUsageAdmin), or set enable_apis: true in conf/vm.yaml and "
+                          "vm_up enables them")
+    _say(f"enabling in project {cfg.project} (enable_apis: true; free of charge, can take a minute): {named}")
+    try:
+        apis.enable_services(cfg.project, disabled)
+    except GcpError as err:
+        raise ConfigError("vm.enable_apis", f"enabling {', '.join(disabled)} failed ({err})",
+                          f"ask for roles/serviceusage.serviceUsageAdmin on {cfg.project}, or have someone who "
+                          f"holds it run: gcloud services enable {' '.join(disabled)} --project {cfg.project}") from err
+    _say(f"enabled {', '.join(disabled)}")
+
+
+def permissions(cfg: DictConfig, creates_rule: bool) -> dict[str, str]:
+    """The permissions the run will use on the project, each with the predefined role the fix
+    names: the VM's life, vm_up's firewall rule when it makes one, the IAP tunnel, and acting as
+    the VM's service account."""
+    wanted = dict.fromkeys(VM_PERMISSIONS, INSTANCE_ADMIN)
+    if cfg.external_ip:
+        wanted["compute.subnetworks.useExternalIp"] = INSTANCE_ADMIN
+    if creates_rule:
+        wanted |= dict.fromkeys(FIREWALL_PERMISSIONS, SECURITY_ADMIN)
+    if ssh_route.through_iap(cfg):
+        wanted[IAP_TUNNEL] = IAP_ACCESSOR
+    wanted[ACT_AS] = SA_USER
+    return wanted
+
+
+def check_permissions(cfg: DictConfig, apis: GoogleApis, wanted: dict[str, str]) -> None:
+    """projects.testIamPermissions for ``wanted``; iam.serviceAccounts.actAs, when the project does
+    not grant it, once more on the VM's service account (where it is often granted). Every missing
+    permission is named, grouped by the role that holds it."""
+    try:
+        granted = apis.granted(cfg.project, sorted(wanted))
+    except GcpError as err:
+        _say(f"could not test your permissions on project {cfg.project} ({err}); going on")
+        return
+    email = ""
+    if ACT_AS in wanted and ACT_AS not in granted:
+        try:
+            email = vm_identity.service_account(cfg)
+            granted |= apis.granted_on_service_account(email, [ACT_AS])
+        except GcpError as err:
+            _say(f"could not test {ACT_AS} on the VM's service account ({err}); going on")
+            granted.add(ACT_AS)
+    missing = defaultdict(list)
+    for permission, role in wanted.items():
+        if permission not in granted:
+            missing[role].append(permission)
+    if not missing:
+        return
+    account = apis.account()
+    who, principal = (account, member(account)) if account else ("the account of your credentials", "user:ACCOUNT")
+    fixes = [f"gcloud iam service-accounts add-iam-policy-binding {email} --member {principal} --role {role}"
+             if role == SA_USER else
+             f"gcloud projects add-iam-policy-binding {cfg.project} --member {principal} --role {role}"
+             for role in missing]
+    listed = "; ".join(f"{', '.join(perms)} (in {role})" for role, perms in missing.items())
+    raise ConfigError("vm.project", f"{who} lacks permissions the run needs on project {cfg.project}: {listed}",
+                      " && ".join(fixes) + " (or ask an administrator for those roles)")
