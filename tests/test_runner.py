@@ -2,6 +2,7 @@
 
 import json
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -136,3 +137,21 @@ def test_sigterm_reaches_the_tool_which_saves_or_is_killed_after_the_timeout(han
     assert time.monotonic() - start < 20
     assert signal.getsignal(signal.SIGTERM) == before, "the stage's own SIGTERM handling was not restored"
     assert f"# exit {status}" in log.read_text()
+
+
+def test_maxtext_processes_load_vertex_ai_only_when_they_use_it() -> None:
+    """Adapter patch 14, as `apply` sets it up for a trainer: importing MaxText's Vertex TensorBoard
+    module leaves Vertex AI's SDK unexecuted (2.5 s of every MaxText process's start); its first use
+    executes it."""
+    code = """
+import sys
+from mtpipe.maxtext import maxtext_adapter
+maxtext_adapter.apply(maxtext_adapter.TRAIN_SFT, [])
+import maxtext.common.vertex_tensorboard
+print("google.cloud.aiplatform.initializer" in sys.modules)
+from google.cloud import aiplatform
+print(callable(aiplatform.init), "google.cloud.aiplatform.initializer" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], capture_output=True,
+                         text=True, check=True).stdout
+    assert out.split() == ["False", "True", "True"], out

@@ -83,6 +83,14 @@ For both converters:
     in the collector. ``gc.collect`` now collects the two young generations, which hold what the
     tensor just created; the process's long-lived objects are left to Python's own full
     collections. The converted bytes do not change.
+
+For every module:
+
+14. ``defer_vertex_ai_import`` (lazy import): MaxText imports Vertex AI's SDK
+    (``google.cloud.aiplatform``, through ``maxtext.common.vertex_tensorboard``) in every trainer and
+    converter process, for the Vertex TensorBoard uploader that runs only with
+    ``use_vertex_tensorboard=True``: 2.5 s of each process's start on 2 cores. The SDK is now loaded
+    on first use (``importlib.util.LazyLoader``): a run that uploads gets the same module.
 """
 
 from __future__ import annotations
@@ -618,6 +626,26 @@ def collect_young_garbage() -> None:
     gc.collect = collect_young
 
 
+VERTEX_AI = "google.cloud.aiplatform"
+
+
+def defer_vertex_ai_import() -> None:
+    """Patch 14: ``google.cloud.aiplatform`` is executed on its first attribute access, not on import."""
+    import importlib.util
+    import sys
+
+    if VERTEX_AI in sys.modules:
+        return
+    spec = importlib.util.find_spec(VERTEX_AI)
+    if spec is None or spec.loader is None:
+        return  # not installed: MaxText's own import reports it
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[VERTEX_AI] = module
+    spec.loader.exec_module(module)
+    setattr(sys.modules["google.cloud"], "aiplatform", module)
+
+
 def stopped_status() -> int | None:
     """STOPPED_STATUS when SIGTERM stopped the training before its last step, else None."""
     return STOPPED_STATUS if _Stop.after_step is not None else None
@@ -626,6 +654,7 @@ def stopped_status() -> int | None:
 def apply(module: str, argv: list[str]) -> Callable[[], None]:
     """Patch MaxText for `module` run with `argv`; return the post-processing step to run on success."""
     reject_secrets(argv)
+    defer_vertex_ai_import()
     if module in TRAINERS:
         honour_checkpoint_storage(argv)
     if module == TRAIN_SFT:
