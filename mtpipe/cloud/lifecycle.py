@@ -342,8 +342,12 @@ class VmLifecycle:
         cfg, cloud = self.cfg, self.cloud
         if cloud.settle(cfg.name, float(cfg.operation_timeout_s)) is not None:
             _say(f"VM {cfg.name}: {'deleted' if cloud.delete_instance(cfg.name) else 'already gone'}")
-        if cloud.delete_orphan_disk(cfg.name):
-            _say(f"disk {cfg.name} in {cfg.zone}, left by the failed insert: deleted")
+        try:
+            if cloud.delete_orphan_disk(cfg.name):
+                _say(f"disk {cfg.name} in {cfg.zone}, left by the failed insert: deleted")
+        except GcpError as err:   # a disk costs little: said, not a reason to stop here
+            _say(f"could not look for a disk {cfg.name} left in {cfg.zone} ({err}): `gcloud compute disks list "
+                 f"--filter=name={cfg.name} --project {cfg.project}` shows one, `gcloud compute disks delete` deletes it")
 
     def _connect(self, state: dict, instance: Any, created: bool) -> vm_ssh.Remote:
         """Record the VM in the state file, wait until its sshd takes our key (pinning its host key)."""
