@@ -52,7 +52,7 @@ def test_a_stockout_in_the_first_zone_moves_to_the_second(world: Env) -> None:
     """zones: [us-east5-b, europe-west4-a]: us-east5-b is out of v6e (the insert's operation fails
     ZONE_RESOURCE_POOL_EXHAUSTED) and its failed insert left the boot disk; vm_up deletes that disk,
     says why it moves on and creates the VM in europe-west4-a at once, which the state file records
-    and vm_down deletes."""
+    and vm_status reads. Without the state file vm_down looks for it in each zone of the list."""
     w = world
     w.configure(provisioning="on-demand", zones=[EAST, WEST])
     w.fake.insert_failures.append(STOCKOUT)
@@ -68,7 +68,9 @@ def test_a_stockout_in_the_first_zone_moves_to_the_second(world: Env) -> None:
     assert left_in(w, EAST) == [] and left_in(w, WEST) == ["VM mt-test", "disk mt-test"]
     assert json.loads((w.repo / vm_state.STATE_FILE).read_text())["zone"] == WEST
     assert f"VM mt-test in proj-1/{WEST}: RUNNING" in w.doit("vm_status").stdout
-    down(w)
+    (w.repo / vm_state.STATE_FILE).unlink()   # another checkout: NAME, ZONE and zones only
+    assert "VM mt-test: deleted" in w.doit("vm_down").stdout
+    assert not w.fake.instances and not w.fake.disks and not w.fake.firewalls
 
 
 def test_a_quota_short_in_a_region_is_stopped_before_the_insert(world: Env) -> None:

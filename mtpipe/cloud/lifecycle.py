@@ -368,12 +368,18 @@ class VmLifecycle:
         return remote
 
     def delete(self) -> None:
-        """Delete the VM and its firewall rule (each may already be gone); forget the state.
+        """Delete the VM and its firewall rule (each may already be gone); forget the state. A VM the
+        state file does not record is looked for in each of its zones, the first found deleted.
         A second Ctrl-C, SIGTERM or the terminal closing does not stop it."""
         cfg = self.cfg
         with interrupts.ignored():
-            self._delete_vm(cfg.name, cfg.firewall.name)
             state = vm_state.read_state(self.root)
+            if state.get("name") != cfg.name:
+                for zone in vm_config.candidate_zones(cfg):
+                    self._move_to(zone)
+                    if self.cloud.get_instance(cfg.name) is not None:
+                        break
+            self._delete_vm(cfg.name, cfg.firewall.name)
             if state.get("vms") and state.get("name") == cfg.name:
                 vm_state.vm_ended(state, "deleted")
                 _say(spend_line(state))
