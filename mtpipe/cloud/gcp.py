@@ -47,9 +47,9 @@ class MaxRunDurationRefused(GcpError):
 QUOTA_NAME = re.compile(r"Quota '([^']+)' exceeded")
 QUOTA_REASONS = {"quotaExceeded", "rateLimitExceeded", "QUOTA_EXCEEDED"}
 # Operation error codes that mean "no such machine free in this zone now: try another zone, or this one
-# later". Compute's troubleshooting page names the first two; SkyPilot's failover (FailoverCloudErrorHandlerV2
-# ._gcp_handler in sky/backends/cloud_vm_ray_backend.py) blocks the zone for these four, having seen
-# UNSUPPORTED_OPERATION when a Spot VM is preempted while it is created.
+# later": those for which SkyPilot's failover (FailoverCloudErrorHandlerV2._gcp_handler in
+# sky/backends/cloud_vm_ray_backend.py, citing Compute's "Troubleshooting VM creation" page) blocks the
+# zone; it has seen UNSUPPORTED_OPERATION when a Spot VM is preempted while it is created.
 STOCKOUT_CODES = {"ZONE_RESOURCE_POOL_EXHAUSTED", "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS",
                   "UNSUPPORTED_OPERATION", "insufficientCapacity"}
 SETTLING = ("PROVISIONING", "STAGING")   # a VM's status while Compute still creates it
