@@ -1,7 +1,7 @@
 """doit tasks around the DVC pipeline: create, set up, use and delete the TPU v6e-8 VM.
 
     doit vm_up [--project P --zone Z --reservation R --name N]   (or env PROJECT/ZONE/RESERVATION/NAME)
-               [--provisioning reservation|spot|on-demand]
+               [--provisioning reservation|spot|on-demand|flex-start]
     doit vm_run [--set=steps=2000 ...] [--exp-name NAME] [--target STAGE] [--keep] [--down] [--recreate]
                 [--queue --set=steps=500 --set=steps=1000 ...] [--provisioning spot]
     doit vm_setup        doit vm_status       doit vm_shell        doit vm_down
@@ -68,7 +68,7 @@ TARGET_PARAMS = [
 KEEP = {"name": "keep", "long": "keep", "type": bool, "default": False,
         "help": "keep the VM when this task fails or is interrupted"}
 PROVISIONING = {"name": "provisioning", "long": "provisioning", "type": str, "default": None,
-                "help": "reservation | spot | on-demand (else conf/vm.yaml's provisioning; vm_run: "
+                "help": "reservation | spot | on-demand | flex-start (else conf/vm.yaml's provisioning; vm_run: "
                         "the recorded VM's)"}
 
 

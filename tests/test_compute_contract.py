@@ -63,14 +63,14 @@ def refused(fake: FakeCompute, method: str, path: str, body: Any = None) -> str:
     return error["message"]
 
 
-@pytest.mark.parametrize("mode", ["reservation", "spot", "on-demand"])
+@pytest.mark.parametrize("mode", ["reservation", "spot", "on-demand", "flex-start"])
 def test_mtpipes_instance_body_passes_for_each_provisioning_mode(fake: FakeCompute, mode: str,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     if mode != "reservation":
         monkeypatch.delenv("RESERVATION")
     body = sent_body(fake, mode)
     assert body["scheduling"]["provisioningModel"] == {"reservation": "STANDARD", "spot": "SPOT",
-                                                       "on-demand": "STANDARD"}[mode]
+                                                       "on-demand": "STANDARD", "flex-start": "FLEX_START"}[mode]
     insert = fake.inserts()[-1]
     assert insert.api_method == "compute.instances.insert" and not fake.contract.rejected
     # int64 as a JSON number is what proto3 JSON accepts too (the client sends strings)

@@ -256,6 +256,11 @@ GOLDEN_SCHEDULING = {   # the scheduling fields and reservation affinity each mo
     "on-demand": ({"provisioningModel": "STANDARD", "instanceTerminationAction": "DELETE",
                    "onHostMaintenance": "TERMINATE", "automaticRestart": False,
                    "maxRunDuration": {"seconds": "14400"}}, None),
+    # gcloud ... --provisioning-model=FLEX_START --reservation-affinity=none --max-run-duration=4h
+    #   --instance-termination-action=DELETE --request-valid-for-duration=1h (params, checked below)
+    "flex-start": ({"provisioningModel": "FLEX_START", "instanceTerminationAction": "DELETE",
+                    "onHostMaintenance": "TERMINATE", "automaticRestart": False,
+                    "maxRunDuration": {"seconds": "14400"}}, {"consumeReservationType": "NO_RESERVATION"}),
 }
 
 
@@ -275,13 +280,16 @@ def test_scheduling_per_provisioning_mode(fake: FakeCompute, mode: str,
     body = drop_empty(insert.json())
     scheduling, affinity = GOLDEN_SCHEDULING[mode]
     assert body["scheduling"] == scheduling and body.get("reservationAffinity") == affinity
+    assert body.pop("params", None) == ({"requestValidForDuration": {"seconds": "3600"}}
+                                        if mode == "flex-start" else None)
     assert {k: v for k, v in body.items() if k not in ("scheduling", "reservationAffinity", "labels")} \
         == {k: v for k, v in GOLDEN_INSTANCE.items()
             if k not in ("scheduling", "reservationAffinity", "labels")}
     assert instance.status == "RUNNING" and instance.scheduling.provisioning_model == scheduling[
         "provisioningModel"]
     rate = prices.vm_rate(cfg)   # 8 chips at conf/prices.yaml's v6e price; a reservation: on demand
-    assert rate.usd_per_hour == pytest.approx({"reservation": 21.6, "spot": 4.32, "on-demand": 21.6}[mode])
+    assert rate.usd_per_hour == pytest.approx({"reservation": 21.6, "spot": 4.32, "on-demand": 21.6,
+                                               "flex-start": 10.16}[mode])
     assert rate.reservation == ("v6e-res" if mode == "reservation" else None)
 
 
@@ -296,8 +304,19 @@ def test_on_demand_without_time_limit_has_no_termination_action(fake: FakeComput
 @pytest.mark.preemption
 @pytest.mark.parametrize("args, overlay, message", [
     (["--provisioning=spotty"], "",
-     "vm.provisioning: 'spotty' is not one of reservation, spot, on-demand. Fix: pass "
+     "vm.provisioning: 'spotty' is not one of reservation, spot, on-demand, flex-start. Fix: pass "
      "--provisioning=spot"),
+    (["--provisioning=flex-start"], "max_run_duration_s: 0\n",
+     "vm.max_run_duration_s: is 0 with provisioning: flex-start, which Compute runs for a limited time only"),
+    (["--provisioning=flex-start"], "max_run_duration_s: 604801\n",
+     "Fix: set max_run_duration_s between 1 and 604800"),
+    ([], "zones: [us-east5-b, europe-west4-a]\n",
+     "vm.zones: lists 2 zones with provisioning: reservation, and a reservation is in one zone"),
+    (["--provisioning=spot"], "zones: [us-east5-a, europe-west4-a]\n",
+     "vm.zone: 'us-east5-b' (ZONE / --zone) is not one of zones: ['us-east5-a', 'europe-west4-a']"),
+    (["--provisioning=spot"], "zones: [us-east5-b, us-east5-b]\n", "vm.zones: ['us-east5-b', 'us-east5-b'] names "
+     "a zone twice"),
+    (["--provisioning=spot"], "zones: [us-east5]\n", "vm.zones: 'us-east5' is not a zone name"),
     ([], "reservation_model: maybe\n",
      "vm.reservation_model: 'maybe' is not one of auto, bound, standard"),
     (["--reservation=other/v6e-res"], "",
@@ -319,9 +338,10 @@ def test_bad_provisioning_settings_fail_before_any_request(
 def test_the_price_table_is_checked_and_dated(tmp_path: Path) -> None:
     """conf/prices.yaml: per-chip prices with their date and source; a bad value names its key."""
     v6e = prices.load().tpu.v6e
-    on_demand, spot = v6e.per_chip_hour.on_demand, v6e.per_chip_hour.spot
-    assert v6e.machine_family == "ct6e" and (on_demand.usd, spot.usd) == (2.70, 0.54)
-    assert all(p.as_of and p.source.startswith("https://cloud.google.com/") for p in (on_demand, spot))
+    on_demand, spot, flex = v6e.per_chip_hour.on_demand, v6e.per_chip_hour.spot, v6e.per_chip_hour.flex_start
+    assert v6e.machine_family == "ct6e" and (on_demand.usd, spot.usd, flex.usd) == (2.70, 0.54, 1.27)
+    assert all(p.as_of and p.source.startswith("https://cloud.google.com/") for p in (on_demand, spot, flex))
+    assert "53%" in flex.as_of   # a relative figure (the largest DWS discount), said so
     assert prices.tpu_chips("ct6e-standard-8t") == ("ct6e", 8)
     bad = tmp_path / "prices.yaml"
     bad.write_text(prices.PRICES.read_text().replace("usd: 0.54", "usd: cheap"))
@@ -359,7 +379,7 @@ def test_spot_needs_no_reservation(fake: FakeCompute, repo: Path,
     assert fake.inserts() == [] and not fake.firewalls
 
 
-QUOTA_MESSAGE = "Quota 'TPUS_V6E_PER_PROJECT_PER_ZONE' exceeded. Limit: 0.0 in region us-east5."
+QUOTA_MESSAGE = "Quota 'TPUS_PER_TPU_FAMILY' exceeded.  Limit: 0.0 in region us-east5."
 
 
 @pytest.mark.cloud_contract
@@ -373,7 +393,7 @@ def test_quota_is_told_apart_from_permission(fake: FakeCompute, failure: tuple) 
     fake.insert_failures.append(failure)
     with pytest.raises(gcp.GcpError) as err:
         compute.create_instance(gcp.instance_body(cfg, cfg.name, KEY, {}, "STANDARD"))
-    assert "quota exceeded" in str(err.value) and "TPUS_V6E_PER_PROJECT_PER_ZONE" in str(err.value)
+    assert "quota exceeded" in str(err.value) and "TPUS_PER_TPU_FAMILY" in str(err.value)
     assert "iam-admin/quotas?project=proj-1" in str(err.value) and "roles/" not in str(err.value)
     fake.insert_failures.append(("http", 403, "forbidden", "Required 'compute.instances.create' permission"))
     with pytest.raises(gcp.GcpError, match="permission denied.*roles/compute.instanceAdmin.v1"):
@@ -406,8 +426,9 @@ def test_a_stockout_that_lasts_names_the_other_zones(fake: FakeCompute) -> None:
     cfg = vm_config.load_config()
     cfg.stockout.retry_for_s, cfg.stockout.first_wait_s = 0.2, 0.05
     fake.insert_failures += [STOCKOUT] * 20
-    with pytest.raises(gcp.CapacityError, match=r"no capacity in us-east5-b.*Zones that offer ct6e-standard-8t: "
-                                                 r"europe-west4-a \(--zone=ZONE"):
+    with pytest.raises(gcp.CapacityError, match=r"no capacity in us-east5-b.*zones tried: us-east5-b, for 0.2 s. "
+                                                 r"Other zones that offer ct6e-standard-8t: europe-west4-a \(add "
+                                                 r"them to zones: in conf/vm.yaml"):
         VmLifecycle(cfg, Path(".")).create_vm(KEY, {})
     assert len(fake.inserts()) >= 2 and not fake.instances
     (listing,) = fake.calls("GET", "/projects/proj-1/aggregated/machineTypes")

@@ -46,7 +46,12 @@ class MaxRunDurationRefused(GcpError):
 
 QUOTA_NAME = re.compile(r"Quota '([^']+)' exceeded")
 QUOTA_REASONS = {"quotaExceeded", "rateLimitExceeded", "QUOTA_EXCEEDED"}
-STOCKOUT_CODES = {"ZONE_RESOURCE_POOL_EXHAUSTED", "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS"}
+# Operation error codes that mean "no such machine free in this zone now: try another zone, or this one
+# later": those for which SkyPilot's failover (FailoverCloudErrorHandlerV2._gcp_handler in
+# sky/backends/cloud_vm_ray_backend.py, citing Compute's "Troubleshooting VM creation" page) blocks the
+# zone; it has seen UNSUPPORTED_OPERATION when a Spot VM is preempted while it is created.
+STOCKOUT_CODES = {"ZONE_RESOURCE_POOL_EXHAUSTED", "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS",
+                  "UNSUPPORTED_OPERATION", "insufficientCapacity"}
 SETTLING = ("PROVISIONING", "STAGING")   # a VM's status while Compute still creates it
 
 
@@ -54,15 +59,29 @@ class CapacityError(GcpError):
     """The zone has no free machine of this type now (a stockout): the same request may work later."""
 
 
-def quota_problem(action: str, message: str, project: str | None) -> GcpError:
+class QuotaExceeded(GcpError):
+    """A quota of the project is spent (Compute's TPU quotas are regional: another region may have
+    room); ``global_quota``: one of the ..._ALL_REGIONS quotas, which no other zone escapes."""
+
+    def __init__(self, message: str, global_quota: bool) -> None:
+        super().__init__(message)
+        self.global_quota = global_quota
+
+
+def quota_page(project: str | None) -> str:
+    """Where a project's quotas are raised."""
+    return f"https://console.cloud.google.com/iam-admin/quotas?project={project}" if project else \
+        "the Cloud console's IAM & Admin > Quotas page"
+
+
+def quota_problem(action: str, message: str, project: str | None) -> QuotaExceeded:
     """A quota error that names the quota and where to raise it (Compute answers 403, or an operation
     error QUOTA_EXCEEDED, for quota as well as for permissions)."""
     found = QUOTA_NAME.search(message)
     name = found.group(1) if found else "the quota in the message"
-    where = f"https://console.cloud.google.com/iam-admin/quotas?project={project}" if project else \
-        "the Cloud console's IAM & Admin > Quotas page"
-    return GcpError(f"{action}: quota exceeded ({message}); request more {name} at {where} (filter by "
-                    f"{name}), or use another region or a reservation")
+    return QuotaExceeded(f"{action}: quota exceeded ({message}); request more {name} at {quota_page(project)} "
+                         f"(filter by {name}), or use another region or a reservation",
+                         global_quota=name.endswith("ALL_REGIONS"))
 
 
 # What a disabled API's 403 names (google.rpc.ErrorInfo metadata.service), as `gcloud services list` does.
@@ -153,7 +172,8 @@ def client_kwargs() -> dict[str, Any]:
     return kwargs
 
 
-PROVISIONING_MODELS = {"spot": "SPOT", "on-demand": "STANDARD"}   # reservation: decided per reservation
+# reservation: decided per reservation (Compute.provisioning_model)
+PROVISIONING_MODELS = {"spot": "SPOT", "on-demand": "STANDARD", "flex-start": "FLEX_START"}
 # A reservation named as reservationAffinity.values names a shared one: another project's.
 SHARED_RESERVATION = re.compile(r"projects/(?P<project>[^/]+)/reservations/(?P<name>[^/]+)")
 
@@ -173,9 +193,10 @@ def scheduling(cfg: Any, model: str) -> tuple[dict[str, Any], dict[str, Any] | N
     projects/OTHER/reservations/NAME form), as a RESERVATION_BOUND VM when the reservation is in
     calendar mode, else as a STANDARD one; spot: a Spot VM (`--provisioning-model=SPOT`), which Compute
     deletes when it preempts it (a preempted Spot VM cannot be restarted, only deleted and recreated);
-    on-demand: a STANDARD VM. Every mode terminates on host maintenance and never restarts by itself;
-    `maxRunDuration` deletes the VM (sent for RESERVATION_BOUND too, where Compute's docs do not say
-    whether it is honoured: docs/tpu-vm.md).
+    on-demand: a STANDARD VM; flex-start: a FLEX_START VM (Dynamic Workload Scheduler), which consumes
+    no reservation and runs at most 7 days, up to its maxRunDuration. Every mode terminates on host
+    maintenance and never restarts by itself; `maxRunDuration` deletes the VM (sent for RESERVATION_BOUND
+    too, where Compute's docs do not say whether it is honoured: docs/tpu-vm.md).
     """
     fields: dict[str, Any] = {
         "provisioning_model": model,                     # --provisioning-model
@@ -190,6 +211,8 @@ def scheduling(cfg: Any, model: str) -> tuple[dict[str, Any], dict[str, Any] | N
     if cfg.provisioning == "reservation":               # --reservation-affinity=specific
         affinity = {"consume_reservation_type": "SPECIFIC_RESERVATION",
                     "key": "compute.googleapis.com/reservation-name", "values": [cfg.reservation]}
+    elif model == "FLEX_START":                         # --reservation-affinity=none
+        affinity = {"consume_reservation_type": "NO_RESERVATION"}
     return fields, affinity
 
 
@@ -250,6 +273,8 @@ def instance_body(cfg: Any, name: str, ssh_public_key: str, labels: dict[str, st
     }
     if affinity:
         body["reservation_affinity"] = affinity
+    if model == "FLEX_START":   # --request-valid-for-duration: how long the insert may wait for capacity
+        body["params"] = {"request_valid_for_duration": {"seconds": int(cfg.flex_start.request_valid_for_s)}}
     if cfg.machine_type in SINGLE_THREADED:
         body["advanced_machine_features"] = {"threads_per_core": 1}
     return body
@@ -288,6 +313,7 @@ class Compute:
         self.project, self.zone, self.timeout_s = project, zone, timeout_s
         self.inserting: dict[str, str] = {}   # VM name -> its insert operation, until DONE
         self.instances = compute_v1.InstancesClient(**kw)
+        self.disks = compute_v1.DisksClient(**kw)
         self.firewalls = compute_v1.FirewallsClient(**kw)
         self.machine_types = compute_v1.MachineTypesClient(**kw)
         self.reservations = compute_v1.ReservationsClient(**kw)
@@ -299,6 +325,10 @@ class Compute:
         self.zone_ops = compute_v1.ZoneOperationsClient(**kw)
         self.global_ops = compute_v1.GlobalOperationsClient(**kw)
         self._calendar: dict[str, bool] = {}   # reservation -> in calendar mode (asked once)
+
+    def in_zone(self, zone: str) -> Compute:
+        """The same calls for another zone of the project."""
+        return Compute(self.project, zone, self.timeout_s)
 
     def get_machine_type(self, name: str) -> compute_v1.MachineType | None:
         """The machine type in this zone; None when the zone does not offer it."""
@@ -367,8 +397,9 @@ class Compute:
             except gexc.NotFound:
                 return None
 
-    def create_instance(self, body: dict) -> compute_v1.Instance:
-        """Insert the VM and wait until the operation is DONE; return the instance.
+    def create_instance(self, body: dict, timeout_s: float | None = None) -> compute_v1.Instance:
+        """Insert the VM and wait until the operation is DONE (at most ``timeout_s``, else
+        operation_timeout_s); return the instance.
 
         Ctrl-C (or SIGTERM, SIGHUP) does not tear the insert request itself: it is delivered once
         Compute has answered, so the operation is known (``self.inserting``) and :meth:`settle` can
@@ -379,7 +410,7 @@ class Compute:
                 op = self.instances.insert(project=self.project, zone=self.zone,
                                            instance_resource=compute_v1.Instance(body))
                 self.inserting[name] = op.name
-            self._wait(op.name, f"creating VM {name}", zonal=True)
+            self._wait(op.name, f"creating VM {name}", zonal=True, timeout_s=timeout_s)
             del self.inserting[name]
         instance = self.get_instance(name)
         if instance is None:
@@ -416,6 +447,20 @@ class Compute:
             except gexc.NotFound:
                 return False
             self._wait(op.name, f"deleting VM {name}", zonal=True)
+        return True
+
+    def delete_orphan_disk(self, name: str) -> bool:
+        """Delete disk ``name`` of this zone when no VM uses it (the boot disk of a VM whose insert
+        failed is named like the VM); False when there is none, or a VM uses it."""
+        with explained(f"deleting disk {name} in {self.zone}", self.project):
+            try:
+                disk = self.disks.get(project=self.project, zone=self.zone, disk=name)
+            except gexc.NotFound:
+                return False
+            if disk.users:
+                return False
+            op = self.disks.delete(project=self.project, zone=self.zone, disk=name)
+            self._wait(op.name, f"deleting disk {name}", zonal=True)
         return True
 
     def get_firewall(self, name: str) -> compute_v1.Firewall | None:
@@ -497,11 +542,14 @@ class Compute:
 
     def create_vm(self, cfg: Any, public_key: str, labels: dict[str, str]) -> compute_v1.Instance:
         """Create the VM ``cfg.name`` describes, admitting ``public_key`` over SSH. A reservation-bound
-        VM whose ``maxRunDuration`` Compute refuses raises MaxRunDurationRefused (nothing created)."""
+        VM whose ``maxRunDuration`` Compute refuses raises MaxRunDurationRefused (nothing created). A
+        Flex-start insert is waited on for flex_start.request_valid_for_s more, while Compute looks for
+        capacity."""
         model = self.provisioning_model(cfg)
         body = instance_body(cfg, cfg.name, public_key, labels, model)
+        wait = float(cfg.flex_start.request_valid_for_s) if model == "FLEX_START" else 0
         try:
-            return self.create_instance(body)
+            return self.create_instance(body, self.timeout_s + wait)
         except GcpError as err:
             if model == "RESERVATION_BOUND" and "max_run_duration" in body["scheduling"] \
                     and "maxRunDuration" in str(err):

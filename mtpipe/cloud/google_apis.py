@@ -1,8 +1,8 @@
 """The Google APIs besides Compute that the checks before spending call: OS Login (import our SSH
 key, get the POSIX user), Organization Policy (the effective policy of a constraint), Cloud
 Resource Manager and IAM (which permissions the caller has on the project, on a service account),
-Service Usage (which APIs the project has enabled; enabling them) and OAuth's tokeninfo (whose
-credentials these are).
+Service Usage (which APIs the project has enabled; enabling them; a quota's limits) and OAuth's
+tokeninfo (whose credentials these are).
 
 Their Python client libraries are not in the lock, so these are plain REST calls through
 google-auth's AuthorizedSession with the credentials every Compute client uses
@@ -106,6 +106,19 @@ class GoogleApis:
             answer = self.call("serviceusage", "GET", f"v1/projects/{project}/services:batchGet",
                                params={"names": [f"projects/{project}/services/{s}" for s in services]})
         return {s["name"].rsplit("/", 1)[-1] for s in answer.get("services", []) if s.get("state") == "ENABLED"}
+
+    def quota_buckets(self, project: str, service: str, metric: str) -> list[dict]:
+        """serviceusage v1beta1 services.consumerQuotaMetrics.get, view FULL: the quota buckets (each
+        with its ``dimensions`` and ``effectiveLimit``) of ``metric`` of ``service`` for ``project``,
+        a bucket for every region or zone it applies to; [] when the project has no such metric. The
+        metric is a segment of the resource name, its "/" written %2F (compute.googleapis.com%2Fcpus)."""
+        name = f"projects/{project}/services/{service}/consumerQuotaMetrics/{quote(metric, safe='')}"
+        with explained(f"reading the quota {metric} of project {project}", project):
+            try:
+                answer = self.call("serviceusage", "GET", f"v1beta1/{name}", params={"view": "FULL"})
+            except gexc.NotFound:
+                return []
+        return [bucket for limit in answer.get("consumerQuotaLimits", []) for bucket in limit.get("quotaBuckets", [])]
 
     def enable_services(self, project: str, services: list[str]) -> None:
         """serviceusage.services.batchEnable, then its operation polled until done (at most

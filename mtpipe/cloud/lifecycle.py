@@ -24,11 +24,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from mtpipe.cloud import (interrupts, notify, prices, run_status, ssh_route, vm_checks, vm_config,
                           vm_experiments, vm_host, vm_identity, vm_setup, vm_ssh, vm_state, vm_tpu)
-from mtpipe.cloud.gcp import SETTLING, CapacityError, Compute, GcpError, MaxRunDurationRefused
+from mtpipe.cloud.gcp import SETTLING, CapacityError, Compute, GcpError, MaxRunDurationRefused, QuotaExceeded, region
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import preflight as preflight_checks
 
-STOCKOUT_MAX_WAIT_S = 300  # the longest wait between two inserts during a stockout
+STOCKOUT_MAX_WAIT_S = 300  # the longest wait between two rounds of the zones during a stockout
 # Labels every VM gets besides conf/vm.yaml's `labels` (app: mtpipe); firewall rules, which have no
 # labels, carry them in their description.
 RUN_LABEL = "mtpipe-run"                    # a fresh id per VM creation
@@ -41,8 +41,11 @@ class Provider(Protocol):
     """What the lifecycle needs from a cloud. Instances have ``status`` (``RUNNING`` while usable)
     and ``creation_timestamp`` (ISO 8601) and ``labels``; each call waits until the cloud has done it.
     ``create_vm`` raises :class:`mtpipe.cloud.gcp.CapacityError` when the zone has no such machine
-    free now; after it failed or was interrupted, ``settle`` waits until the cloud says whether the
-    VM exists."""
+    free now, :class:`mtpipe.cloud.gcp.QuotaExceeded` when the project's quota is spent; after it
+    failed or was interrupted, ``settle`` waits until the cloud says whether the VM exists, and
+    ``delete_orphan_disk`` deletes a boot disk the VM left. ``zone``: the zone it works in."""
+
+    zone: str
 
     def get_instance(self, name: str) -> Any | None: ...
     def list_instances(self, labels: dict[str, str]) -> list[Any]: ...
@@ -50,6 +53,7 @@ class Provider(Protocol):
     def provisioning_model(self, cfg: DictConfig) -> str: ...
     def settle(self, name: str, timeout_s: float) -> Any | None: ...
     def delete_instance(self, name: str) -> bool: ...
+    def delete_orphan_disk(self, name: str) -> bool: ...
     def open_ssh(self, cfg: DictConfig, labels: dict[str, str]) -> bool: ...
     def get_firewall(self, name: str) -> Any | None: ...
     def delete_firewall(self, name: str) -> bool: ...
@@ -90,6 +94,9 @@ def creation_line(cfg: DictConfig, model: str) -> str:
     else:
         most = "" if rate.reservation else f" (at most {hours * rate.usd_per_hour:.2f} USD)"
         limit = f"Compute deletes it after {hours:g} h{most}."
+    if model == "FLEX_START":
+        limit = (f"Compute looks for capacity for up to {float(cfg.flex_start.request_valid_for_s):g} s "
+                 f"(flex_start.request_valid_for_s); {limit}")
     billed = "" if rate.reservation else " while it exists"
     return f"creating {cfg.machine_type} VM {cfg.name} ({kind}) in {cfg.zone}: {rate.describe()}{billed}; {limit}"
 
@@ -209,27 +216,26 @@ class VmLifecycle:
         return remote
 
     def _create(self, state: dict) -> Any:
-        """Create the firewall rule (it may exist) and the VM, print the price, add it to the ledger.
+        """Create the firewall rule (it may exist) and the VM (:meth:`create_vm`: in the first zone
+        with room), print the price, add it to the ledger.
 
         The VM (name, zone, run id, when the insert went out) is recorded in the state file before
-        the insert is sent, so `doit vm_status` / `vm_down` find it even when this process dies
+        each insert is sent, so `doit vm_status` / `vm_down` find it even when this process dies
         during the insert. An insert that fails, times out or is interrupted is followed until
         Compute says whether the VM exists (:meth:`_abandon`): the run is abandoned, so a VM that
         exists is deleted."""
-        cfg, cloud = self.cfg, self.cloud
+        cfg = self.cfg
         public_key = vm_ssh.ssh_public_key(cfg)
         run_id = secrets.token_hex(4)
         labels = {**cfg.labels, RUN_LABEL: run_id, USER_LABEL: vm_config.label_value(getpass.getuser()),
                   PROVISIONING_LABEL: cfg.provisioning, FIREWALL_LABEL: cfg.firewall.name}
-        _say(creation_line(cfg, cloud.provisioning_model(cfg)))
         before = dict(state)
         state.pop("host_key", None)   # a new VM, a new host key
-        state.update(_recorded(cfg), run_id=run_id, created=None,
-                     insert_sent=datetime.now(timezone.utc).isoformat(timespec="seconds"))
-        vm_state.write_state(self.root, state)
+        state["run_id"] = run_id
+        _record_insert(self.root, cfg, state)
         try:
-            cloud.open_ssh(cfg, labels)
-            instance = self.create_vm(public_key, labels)
+            self.cloud.open_ssh(cfg, labels)   # a global rule: it admits SSH to the VM in any zone
+            instance = self.create_vm(public_key, labels, state)
         except BaseException as e:
             self._abandon(e, before)
             raise
@@ -237,18 +243,18 @@ class VmLifecycle:
         return instance
 
     def _abandon(self, error: BaseException, before: dict) -> None:
-        """The insert gave no VM (refused, failed, timed out, interrupted): wait (at most
-        operation_timeout_s) until Compute has settled whether the VM exists, delete it if it does
-        and the firewall rule, and put the state file back as it was before the insert. A VM that
+        """The insert gave no VM (refused, failed, timed out, interrupted): clear its zone
+        (:meth:`_clear_zone`), delete the firewall rule, and put the state file back as it was before
+        the insert. A VM that
         cannot be deleted stays recorded, for `doit vm_down`. Signals are ignored meanwhile."""
-        cfg, cloud, timeout_s = self.cfg, self.cloud, float(self.cfg.operation_timeout_s)
+        cfg, timeout_s = self.cfg, float(self.cfg.operation_timeout_s)
         with interrupts.ignored():
             if isinstance(error, KeyboardInterrupt):
                 _say(f"interrupted while creating VM {cfg.name}: waiting (at most {timeout_s:g} s) until "
                      "Compute has finished the insert, then deleting the VM")
             try:
-                self._delete_vm(cfg.name if cloud.settle(cfg.name, timeout_s) is not None else None,
-                                cfg.firewall.name)
+                self._clear_zone()
+                self._delete_vm(None, cfg.firewall.name)
             except GcpError as e:
                 _say(f"could not delete VM {cfg.name} ({e}); {vm_state.STATE_FILE} still records it: "
                      "`doit vm_down` deletes it")
@@ -258,33 +264,90 @@ class VmLifecycle:
             else:
                 vm_state.clear_state(self.root)
 
-    def create_vm(self, public_key: str, labels: dict[str, str]) -> Any:
-        """Create the VM; on a stockout, retry with doubling waits for ``stockout.retry_for_s``, then fail
-        naming the other zones that offer the machine type (SkyPilot's managed jobs do the same). A
-        reservation-bound VM whose maxRunDuration Compute refuses is created once more without it."""
-        cfg, cloud = self.cfg, self.cloud
+    def create_vm(self, public_key: str, labels: dict[str, str], state: dict | None = None) -> Any:
+        """Create the VM in the first of its zones (vm_config.candidate_zones) that has room, as
+        SkyPilot's failover does: after a stockout the next zone at once, after a quota error the next
+        zone of another region (Compute's TPU quotas are regional; an ..._ALL_REGIONS one stops
+        here). Each zone left is left empty (:meth:`_leave`), and what was tried and why it moved on is
+        printed. When every zone is out of stock, the zones are tried again after doubling waits for
+        ``stockout.retry_for_s``, then the error names the zones tried and the other zones that offer
+        the machine type. ``state`` (the state file's record) gets each insert's zone before the insert.
+        A reservation-bound VM whose maxRunDuration Compute refuses is created once more without it."""
+        cfg = self.cfg
+        zones, spent = vm_config.candidate_zones(cfg), set()   # spent: regions whose quota is spent
         deadline, wait = time.monotonic() + cfg.stockout.retry_for_s, cfg.stockout.first_wait_s
+        quota: QuotaExceeded | None = None
+        while True:
+            tried, stockout = [], None
+            for zone in zones:
+                if region(zone) in spent:
+                    continue
+                self._move_to(zone)
+                try:
+                    return self._insert(public_key, labels, state)
+                except CapacityError as err:
+                    stockout, why = err, f"no {cfg.machine_type} free there now (stockout: {err})"
+                except QuotaExceeded as err:
+                    if err.global_quota:
+                        raise
+                    quota, why = err, f"the quota of region {region(zone)} is spent ({err})"
+                    spent.add(region(zone))
+                self._leave(why)
+                tried.append(zone)
+            if stockout is None:   # every zone's region is out of quota
+                raise QuotaExceeded(f"{quota}; zones tried: {', '.join(tried)} (zones in conf/vm.yaml)", False)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                others = [z for z in self.cloud.zones_offering(cfg.machine_type) if z not in zones]
+                raise CapacityError(
+                    f"{stockout}; zones tried: {', '.join(tried)}, for {cfg.stockout.retry_for_s:g} s. Other zones "
+                    f"that offer {cfg.machine_type}: {', '.join(others) or 'none'} (add them to zones: in "
+                    "conf/vm.yaml; or a reservation, or raise stockout.retry_for_s)") from None
+            _say(f"no {cfg.machine_type} free in {', '.join(tried)} now (stockout); trying again in "
+                 f"{min(wait, left):.0f} s (for {left:.0f} s more: stockout.retry_for_s)")
+            time.sleep(min(wait, left))
+            wait = min(wait * 2, STOCKOUT_MAX_WAIT_S)
+
+    def _insert(self, public_key: str, labels: dict[str, str], state: dict | None) -> Any:
+        """One insert in ``cfg.zone``, its price printed and (with ``state``) recorded first."""
+        cfg = self.cfg
+        _say(creation_line(cfg, self.cloud.provisioning_model(cfg)))
+        if state is not None:
+            _record_insert(self.root, cfg, state)
         while True:
             try:
-                return cloud.create_vm(cfg, public_key, labels)
+                return self.cloud.create_vm(cfg, public_key, labels)
             except MaxRunDurationRefused as err:
                 _say(f"Compute refused maxRunDuration for reservation-bound VM {cfg.name} ({err}); creating it "
                      "once more without it. This VM is then not deleted automatically after max_run_duration_s: "
                      "vm_run still deletes it when the run fails or is interrupted (unless --keep) and after "
                      "success with --down, Compute when the reservation ends; otherwise `doit vm_down`")
                 cfg.max_run_duration_s = 0
-            except CapacityError as err:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    others = [z for z in cloud.zones_offering(cfg.machine_type) if z != cfg.zone]
-                    raise CapacityError(
-                        f"{err}; retried for {cfg.stockout.retry_for_s:g} s. Zones that offer {cfg.machine_type}: "
-                        f"{', '.join(others) or 'none besides this one'} (--zone=ZONE; a reservation there, or "
-                        "provisioning: spot, or raise stockout.retry_for_s in conf/vm.yaml)") from None
-                _say(f"no {cfg.machine_type} free in {cfg.zone} now (stockout); trying again in "
-                     f"{min(wait, left):.0f} s (for {left:.0f} s more: stockout.retry_for_s)")
-                time.sleep(min(wait, left))
-                wait = min(wait * 2, STOCKOUT_MAX_WAIT_S)
+
+    def _move_to(self, zone: str) -> None:
+        """Make ``zone`` the VM's zone, and the cloud's client that zone's."""
+        self.cfg.zone = zone
+        if self.cloud.zone != zone:
+            del self.__dict__["cloud"]   # functools.cached_property: made again for cfg.zone
+
+    def _leave(self, why: str) -> None:
+        """After a failed insert in ``cfg.zone``: clear the zone (:meth:`_clear_zone`), say why the run
+        moves on."""
+        self._clear_zone()
+        _say(f"leaving zone {self.cfg.zone}: {why}; nothing of VM {self.cfg.name} is left there")
+
+    def _clear_zone(self) -> None:
+        """After a failed or interrupted insert in ``cfg.zone``: wait (at most operation_timeout_s) until
+        Compute has settled whether the VM exists there, delete it if it does, and a boot disk it left."""
+        cfg, cloud = self.cfg, self.cloud
+        if cloud.settle(cfg.name, float(cfg.operation_timeout_s)) is not None:
+            _say(f"VM {cfg.name}: {'deleted' if cloud.delete_instance(cfg.name) else 'already gone'}")
+        try:
+            if cloud.delete_orphan_disk(cfg.name):
+                _say(f"disk {cfg.name} in {cfg.zone}, left by the failed insert: deleted")
+        except GcpError as err:   # a disk costs little: said, not a reason to stop here
+            _say(f"could not look for a disk {cfg.name} left in {cfg.zone} ({err}): `gcloud compute disks list "
+                 f"--filter=name={cfg.name} --project {cfg.project}` shows one, `gcloud compute disks delete` deletes it")
 
     def _connect(self, state: dict, instance: Any, created: bool) -> vm_ssh.Remote:
         """Record the VM in the state file, wait until its sshd takes our key (pinning its host key)."""
@@ -305,12 +368,18 @@ class VmLifecycle:
         return remote
 
     def delete(self) -> None:
-        """Delete the VM and its firewall rule (each may already be gone); forget the state.
+        """Delete the VM and its firewall rule (each may already be gone); forget the state. A VM the
+        state file does not record is looked for in each of its zones, the first found deleted.
         A second Ctrl-C, SIGTERM or the terminal closing does not stop it."""
         cfg = self.cfg
         with interrupts.ignored():
-            self._delete_vm(cfg.name, cfg.firewall.name)
             state = vm_state.read_state(self.root)
+            if state.get("name") != cfg.name:
+                for zone in vm_config.candidate_zones(cfg):
+                    self._move_to(zone)
+                    if self.cloud.get_instance(cfg.name) is not None:
+                        break
+            self._delete_vm(cfg.name, cfg.firewall.name)
             if state.get("vms") and state.get("name") == cfg.name:
                 vm_state.vm_ended(state, "deleted")
                 _say(spend_line(state))
@@ -328,10 +397,17 @@ class VmLifecycle:
         return self.cloud.list_instances({k: str(v) for k, v in self.cfg.labels.items()})
 
     def delete_labelled(self) -> None:
-        """`doit vm_down` with no VM recorded and no --name / NAME: delete the VM ``cfg`` names
-        (mtpipe-<user> by default) and every VM in the zone labelled with `labels` and created by
-        this user (label created-by), each with its firewall rule; other users' VMs are named, not
-        deleted. Finds what a fresh clone or another laptop has no state file for."""
+        """`doit vm_down` with no VM recorded and no --name / NAME: in each of the VM's zones
+        (vm_config.candidate_zones), delete the VM ``cfg`` names (mtpipe-<user> by default) and every
+        VM labelled with `labels` and created by this user (label created-by), each with its firewall
+        rule; other users' VMs are named, not deleted. Finds what a fresh clone or another laptop has
+        no state file for."""
+        for zone in vm_config.candidate_zones(self.cfg):
+            self._move_to(zone)
+            self._delete_labelled_here()
+
+    def _delete_labelled_here(self) -> None:
+        """:meth:`delete_labelled` in ``cfg.zone``."""
         cfg, user = self.cfg, vm_config.label_value(getpass.getuser())
         found = {i.name: i for i in self.labelled()}
         mine = sorted(n for n, i in found.items() if dict(i.labels).get(USER_LABEL) == user)
@@ -550,6 +626,12 @@ class VmLifecycle:
                          f"{labels.get(RUN_LABEL, '?')}, created by {labels.get(USER_LABEL, '?')}, "
                          f"{_since(other.creation_timestamp, rate.usd_per_hour, rate.reservation)}")
         return lines
+
+
+def _record_insert(root: Path, cfg: DictConfig, state: dict) -> None:
+    """Record in the state file the VM an insert in ``cfg.zone`` is about to create."""
+    state.update(_recorded(cfg), created=None, insert_sent=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    vm_state.write_state(root, state)
 
 
 def _recorded(cfg: DictConfig) -> dict[str, Any]:

@@ -1,10 +1,10 @@
 """conf/prices.yaml: the one table of prices that every cost line reads.
 
 Prices are per chip-hour of a TPU version, one per provisioning mode that has a price (on-demand,
-spot), each with the date its source gives and the page to check it on. A VM's rate is its machine
-type's chips (``ct6e-standard-8t``: 8) times its mode's price. A reservation's VMs cost nothing on
-top of the reservation: its commitment pays for the reserved capacity, used or not, so their rate is
-the on-demand equivalent and every line that shows it names the reservation that pays
+spot, flex-start), each with the date its source gives and the page to check it on. A VM's rate is
+its machine type's chips (``ct6e-standard-8t``: 8) times its mode's price. A reservation's VMs cost
+nothing on top of the reservation: its commitment pays for the reserved capacity, used or not, so
+their rate is the on-demand equivalent and every line that shows it names the reservation that pays
 (:func:`paid_by`).
 """
 
@@ -40,6 +40,7 @@ class PerChipHour(Section):
 
     on_demand: ChipPrice = Field(alias="on-demand")
     spot: ChipPrice | None                   # null: no price known, Spot VMs of this TPU are refused
+    flex_start: ChipPrice | None = Field(alias="flex-start")   # null: Flex-start VMs of this TPU are refused
 
 
 class Tpu(Section):

@@ -40,6 +40,14 @@ def check_access(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> bool:
     return creates_rule
 
 
+def check_region(cfg: DictConfig, compute: Compute) -> None:
+    """What :func:`check_access` checks of the zone's region, for another zone the VM may be created
+    in: the subnetwork there and, without an external IP, a Cloud NAT."""
+    check_network(cfg, compute)
+    if not cfg.external_ip:
+        check_nat(cfg, compute)
+
+
 def _name(url: str) -> str:
     return url.rsplit("/", 1)[-1]
 

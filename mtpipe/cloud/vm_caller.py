@@ -27,12 +27,14 @@ ACT_AS = "iam.serviceAccounts.actAs"
 IAP_TUNNEL = "iap.tunnelInstances.accessViaIAP"
 # What creating, waiting for, listing and deleting the VM takes on the project (instances.insert's
 # permissions: the disk, the subnetwork, metadata, tags, labels, the service account; SkyPilot's
-# VM_MINIMAL_PERMISSIONS), beyond the reads the checks before have made already. Each is in
+# VM_MINIMAL_PERMISSIONS; a boot disk a failed insert left, read and deleted), beyond the reads the
+# checks before have made already. Each is in
 # roles/compute.instanceAdmin.v1 (docs/tpu-vm.md, "Permissions and APIs").
 VM_PERMISSIONS = ("compute.instances.create", "compute.instances.get", "compute.instances.list",
                   "compute.instances.delete", "compute.instances.setMetadata", "compute.instances.setLabels",
                   "compute.instances.setTags", "compute.instances.setServiceAccount", "compute.disks.create",
-                  "compute.subnetworks.use", "compute.zoneOperations.get", "compute.machineTypes.list")
+                  "compute.disks.get", "compute.disks.delete", "compute.subnetworks.use",
+                  "compute.zoneOperations.get", "compute.machineTypes.list")
 # vm_up's own SSH rule: firewalls.insert and delete, which also take networks.updatePolicy.
 FIREWALL_PERMISSIONS = ("compute.firewalls.create", "compute.firewalls.delete", "compute.networks.updatePolicy",
                         "compute.globalOperations.get")

@@ -16,6 +16,9 @@ runs. Each failure is a ConfigError naming the key and the fix:
   .dvc/config ships and accepts a write;
 * the caller (mtpipe.cloud.vm_caller): the APIs the run uses are enabled (or enabled now, with
   `enable_apis: true`), and the caller holds the permissions the run will use;
+* every other zone of ``zones`` as the first (it offers the machine type; its region has the
+  subnetwork and, without an external IP, a Cloud NAT), and the TPU quota of each zone's region
+  (mtpipe.cloud.vm_quota: a region without room is left out, none with room stops the run);
 * the organisation policy compute.requireShieldedVm against what the insert sends;
 * the VM's identity (mtpipe/cloud/vm_identity.py): its service account may use the DVC remote and
   the work bucket, as far as the allow policies readable here prove; the rest is probed from the VM;
@@ -33,9 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from google.cloud import compute_v1
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from mtpipe.cloud import gcp, prices, vm_access, vm_caller, vm_identity
+from mtpipe.cloud import gcp, prices, vm_access, vm_caller, vm_config, vm_identity, vm_quota
 from mtpipe.cloud.gcp import Compute, GcpError, reservation_path
 from mtpipe.cloud.google_apis import GoogleApis, enforced
 from mtpipe.data import hub
@@ -49,13 +52,14 @@ from mtpipe.pipeline.schema import SftBranch
 def before_spending(cfg: DictConfig, compute: Compute, root: Path,
                     experiments: list[list[str]]) -> list[vm_identity.Target]:
     """Everything below, Compute first (it also proves the credentials), then how the VM is reached,
-    the project, the caller's APIs and permissions, Shielded VM, the VM's identity; returns the
-    buckets only the VM can tell it may use (vm_identity.probe_from_vm)."""
+    the project, the caller's APIs and permissions, the other zones and the quota, Shielded VM, the
+    VM's identity; returns the buckets only the VM can tell it may use (vm_identity.probe_from_vm)."""
     apis = GoogleApis()
     check_compute(cfg, compute)
     creates_rule = vm_access.check_access(cfg, compute, apis)
     check_project(cfg, root, experiments)
     vm_caller.check_caller(cfg, apis, creates_rule, uses_gcs=bool(vm_identity.targets(cfg, root)))
+    check_zones(cfg, compute, apis)
     check_shielded_vm(cfg, apis)
     return vm_identity.check_identity(cfg, root)
 
@@ -63,11 +67,28 @@ def before_spending(cfg: DictConfig, compute: Compute, root: Path,
 def check_compute(cfg: DictConfig, compute: Compute) -> None:
     """The credentials work, the zone offers the machine type, a reservation has room for one VM."""
     if compute.get_machine_type(cfg.machine_type) is None:   # authenticated: bad credentials fail here
-        raise ConfigError("vm.zone", f"zone {cfg.zone!r} does not offer {cfg.machine_type} (TPU v6e)",
-                          "pick a zone listed for v6e at cloud.google.com/tpu/docs/regions-zones "
-                          "(e.g. us-east5-b) with ZONE / --zone, where your reservation is")
+        raise ConfigError("vm.zones" if cfg.zones else "vm.zone", f"zone {cfg.zone!r} does not offer "
+                          f"{cfg.machine_type} (TPU v6e)", "pick zones listed for v6e at "
+                          "cloud.google.com/tpu/docs/regions-zones (e.g. us-east5-b) with ZONE / --zone or "
+                          "zones: in conf/vm.yaml, where your reservation is")
     if cfg.provisioning == "reservation":
         check_reservation(cfg, compute)
+
+
+def check_zones(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> None:
+    """Every other zone the VM may be created in as :func:`check_compute` and vm_access checked the
+    first (the regional part: vm_access.check_region), then the quota of their regions
+    (vm_quota.usable_zones), which may leave fewer zones to try: ``zones`` and ``zone`` become them."""
+    zones = vm_config.candidate_zones(cfg)
+    regions = {gcp.region(cfg.zone)}
+    for zone in zones[1:]:
+        here, there = OmegaConf.merge(cfg, {"zone": zone}), compute.in_zone(zone)
+        check_compute(here, there)
+        if gcp.region(zone) not in regions:
+            regions.add(gcp.region(zone))
+            vm_access.check_region(here, there)
+    usable = vm_quota.usable_zones(cfg, apis, zones)
+    cfg.zone, cfg.zones = usable[0], usable
 
 
 SHIELDED = ("enable_secure_boot", "enable_vtpm", "enable_integrity_monitoring")

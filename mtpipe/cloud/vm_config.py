@@ -22,7 +22,10 @@ from mtpipe.maxtext.budget import Machine
 from mtpipe.pipeline.schema import KEEP_INT, PositiveInt, Section, validate
 
 ROOT = Path(__file__).resolve().parents[2]
-PROVISIONING = ("reservation", "spot", "on-demand")   # how the VM is paid for (conf/vm.yaml)
+PROVISIONING = ("reservation", "spot", "on-demand", "flex-start")   # how the VM is paid for (conf/vm.yaml)
+# Compute runs a Flex-start VM at most seven days (cloud.google.com/compute/docs/instances/about-flex-start-vms)
+FLEX_START_MAX_RUN_S = 7 * 24 * 3600
+ZONE_RE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z0-9]+$")   # us-east5-b, europe-west4-a
 RESERVATION_MODELS = ("auto", "bound", "standard")    # how a reservation's VMs are provisioned
 # TPU machine types whose VMs take Hyperdisk only (cloud.google.com/tpu/docs/storage-options-compute)
 HYPERDISK_ONLY = ("ct6e-",)
@@ -81,8 +84,12 @@ class Run(Section):
 
 
 class Stockout(Section):
-    retry_for_s: Annotated[float, Ge(0), KEEP_INT]   # how long to retry the insert; 0: fail at once
+    retry_for_s: Annotated[float, Ge(0), KEEP_INT]   # how long to retry the zones; 0: try each once
     first_wait_s: Annotated[float, Gt(0), KEEP_INT]  # the first wait, doubled each time (at most 300 s)
+
+
+class FlexStart(Section):
+    request_valid_for_s: Seconds           # params.requestValidForDuration: how long Compute looks for capacity
 
 
 class VmConfig(Section):
@@ -91,7 +98,8 @@ class VmConfig(Section):
     ``project``, ``zone`` and ``reservation`` may stay null until a task needs them (:func:`require`)."""
 
     project: Optional[str]
-    zone: Optional[str]
+    zone: Optional[str]                    # the VM's zone; null: the first of zones (then the one it is in)
+    zones: Optional[list[str]]             # the zones to create the VM in, tried in order; null: [zone]
     provisioning: str                      # one of PROVISIONING, checked below with the flag to pass
     reservation: Optional[str]             # NAME, or projects/OTHER/reservations/NAME (shared)
     reservation_model: str                 # one of RESERVATION_MODELS, checked below
@@ -112,6 +120,7 @@ class VmConfig(Section):
     spot_without_work_bucket: bool         # true: a Spot run may restart training after each preemption
     budget_usd: Optional[Annotated[float, Gt(0)]]   # vm_run's notice when the run's VMs cost more; null: none
     stockout: Stockout
+    flex_start: FlexStart
     operation_timeout_s: Seconds
     recreate: bool
     enable_apis: bool                      # vm_up enables the APIs the run needs that are disabled
@@ -126,8 +135,14 @@ class VmConfig(Section):
         if self.provisioning not in PROVISIONING:
             raise ConfigError("vm.provisioning", f"{self.provisioning!r} is not one of "
                               f"{', '.join(PROVISIONING)}",
-                              "pass --provisioning=spot (or reservation, on-demand), or set "
+                              "pass --provisioning=spot (or reservation, on-demand, flex-start), or set "
                               "provisioning: in conf/vm.yaml")
+        self.check_zones()
+        if self.provisioning == "flex-start" and not 0 < self.max_run_duration_s <= FLEX_START_MAX_RUN_S:
+            raise ConfigError("vm.max_run_duration_s", f"is {self.max_run_duration_s} with provisioning: "
+                              "flex-start, which Compute runs for a limited time only (its maxRunDuration, at "
+                              "most 7 days)", f"set max_run_duration_s between 1 and {FLEX_START_MAX_RUN_S} in "
+                              "conf/vm.yaml (Compute deletes the VM then)")
         if problem := name_problem(self.name):
             raise ConfigError("vm.name", f"{self.name!r} {problem}",
                               f"use at most {NAME_MAX - len('-ssh')} lowercase letters, digits and dashes, "
@@ -168,15 +183,30 @@ class VmConfig(Section):
             raise ConfigError("vm.max_recoveries", "is negative", "use 0 (never recreate a lost VM) or more")
         return self
 
+    def check_zones(self) -> None:
+        """``zones`` holds zone names, each once; a reservation, which is in one zone, gets one."""
+        zones = self.zones or []
+        for zone in [self.zone or "", *zones]:
+            if zone and not ZONE_RE.match(zone):
+                raise ConfigError("vm.zones" if zone in zones else "vm.zone", f"{zone!r} is not a zone name",
+                                  "name zones as Compute does, e.g. us-east5-b (REGION-LETTER)")
+        if len(set(zones)) < len(zones):
+            raise ConfigError("vm.zones", f"{list(zones)} names a zone twice", "list each zone once")
+        if self.provisioning == "reservation" and len(zones) > 1:
+            raise ConfigError("vm.zones", f"lists {len(zones)} zones with provisioning: reservation, and a "
+                              "reservation is in one zone", "set zones: [ITS_ZONE] (or zone:), or use "
+                              "--provisioning=spot, on-demand or flex-start to fail over across zones")
+
 
 def load_config(params: dict[str, Any] | None = None, state: dict | None = None) -> DictConfig:
     """conf/vm.yaml < $MTPIPE_VM_CONFIG < env PROJECT/ZONE/RESERVATION/NAME < doit params.
 
     Keys still unset after that are filled from the state file (the VM vm_up created), then
-    `name` defaults to mtpipe-<user>. `provisioning` is the recorded VM's unless a doit param sets
-    it, so that reusing or replacing that VM keeps its kind (and its price), and so is its OS Login
-    user (:func:`use_recorded_login`). The result is checked
-    against :class:`VmConfig`.
+    `name` defaults to mtpipe-<user> and `zone` to the first of `zones` (a `zone` given alongside
+    `zones` must be one of them); with `zones`, a recorded VM's zone is `zone`. `provisioning` is
+    the recorded VM's unless a doit param sets it, so that reusing or replacing that VM keeps its
+    kind (and its price), and so is its OS Login user (:func:`use_recorded_login`). The result is
+    checked against :class:`VmConfig`.
     """
     cfg = OmegaConf.load(ROOT / "conf" / "vm.yaml")
     if os.environ.get(CONFIG_ENV):
@@ -187,11 +217,15 @@ def load_config(params: dict[str, Any] | None = None, state: dict | None = None)
     for key, value in (params or {}).items():
         if value not in (None, ""):
             OmegaConf.update(cfg, key, value)
+    given_zone = cfg.zone
     for key in ("project", "zone", "name"):
         if not cfg[key] and state and state.get(key):
             cfg[key] = state[key]
     if not cfg.name:
         cfg.name = "mtpipe-" + label_value(getpass.getuser()).replace("_", "-")[:40]
+    recorded = bool(state) and (state.get("project"), state.get("name")) == (cfg.project, cfg.name)
+    if recorded and cfg.zones and state.get("zone") in cfg.zones:
+        cfg.zone = state["zone"]   # the zone the recorded VM went to, whichever ZONE / --zone says to try first
     if not (params or {}).get("provisioning") and state and state.get("name") == cfg.name:
         cfg.provisioning = state.get("provisioning", cfg.provisioning)   # the recorded VM's kind
     if not cfg.firewall.name:
@@ -200,8 +234,19 @@ def load_config(params: dict[str, Any] | None = None, state: dict | None = None)
         use_recorded_login(cfg, state)
     validate(VmConfig, OmegaConf.to_container(cfg), "vm",
              lambda key, requirement: f"set {key.removeprefix('vm.')} {requirement} in conf/vm.yaml")
+    if cfg.zones and given_zone and given_zone not in cfg.zones:
+        raise ConfigError("vm.zone", f"{given_zone!r} (ZONE / --zone) is not one of zones: {list(cfg.zones)}",
+                          "unset ZONE / --zone to try zones in order, or add it to zones: in conf/vm.yaml")
+    if cfg.zones and not cfg.zone:
+        cfg.zone = cfg.zones[0]
     prices.vm_rate(cfg)   # conf/prices.yaml prices this machine type in this mode
     return cfg
+
+
+def candidate_zones(cfg: DictConfig) -> list[str]:
+    """The zones a VM may be created in, in the order they are tried: ``zone`` (the first of ``zones``,
+    the one a VM was last in, or ZONE / --zone) first, then the rest of ``zones``."""
+    return [cfg.zone, *(z for z in cfg.zones or [] if z != cfg.zone)] if cfg.zone else list(cfg.zones or [])
 
 
 def use_recorded_login(cfg: DictConfig, state: dict) -> None:

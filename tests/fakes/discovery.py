@@ -99,6 +99,12 @@ def _compile(template: str) -> tuple[re.Pattern, tuple[str, ...], int]:
     return re.compile(regex), tuple(names), literals
 
 
+def _path_value(raw: str) -> str:
+    """A path parameter's value as Google's servers read it: percent-decoded, except %2F, which stays
+    in the value (Service Usage's resource names hold a metric as compute.googleapis.com%2Fcpus)."""
+    return unquote(re.sub("%2[Ff]", "%252F", raw))
+
+
 def _methods(resources: dict) -> Iterator[dict]:
     """Every method of the document's (nested) resources."""
     for resource in resources.values():
@@ -128,7 +134,7 @@ class Discovery:
         if not path.startswith(self.prefix):
             return []
         rest = path[len(self.prefix):]
-        return [(method, dict(zip(method.path_params, map(unquote, found.groups()))))
+        return [(method, dict(zip(method.path_params, map(_path_value, found.groups()))))
                 for method in self.methods
                 if method.http_method == http_method and (found := method.template.fullmatch(rest))]
 

@@ -15,8 +15,13 @@ An insert is refused where Compute documents a refusal, and (400) an 8-chip v6e 
 per core, which SkyPilot's code says Compute requires (:data:`SINGLE_THREADED_TYPES`; the wording is
 the fake's, in Compute's form). Documented: (400) a Spot VM that restarts itself or migrates, a
 RESERVATION_BOUND VM without a specific reservation or consuming one that no future reservation in
-calendar mode created; (operation error) a reservation that does not exist or is not
-shared with the project, whose VMs or chips do not match the VM, or that has no room left.
+calendar mode created, a FLEX_START VM without a maxRunDuration of at most 7 days or a termination
+action, or consuming a reservation; (operation error) a reservation that does not exist or is not
+shared with the project, whose VMs or chips do not match the VM, or that has no room left, and
+QUOTA_EXCEEDED for an on-demand ct6e VM past its region's TPUS_PER_TPU_FAMILY limit (the buckets of
+``org.quotas``, counting the chips of the region's other such VMs). A VM's boot disk is a disk of its
+zone (disks.get / delete) until the VM goes; ``failed_insert_leaves_disk`` leaves one behind a failed
+insert.
 :meth:`FakeCompute.preempt` does what a Spot preemption does: the instance is TERMINATED, or deleted
 (termination action DELETE).
 Networks as organisations have them: `networks` (auto or custom mode), `subnetworks`, `routers`
@@ -83,6 +88,10 @@ class Recorded:
 # Compute's TPU machine types hold <N> chips of their family: ct6e-standard-8t, 8 chips of ct6e.
 TPU_MACHINE = re.compile(r"(?P<family>[a-z][a-z0-9]*)-[a-z]+-(?P<chips>[0-9]+)t")
 VM_FAMILIES = {"ct6e": "VM_FAMILY_CLOUD_TPU_LITE_POD_SLICE_CT6E", "ct5lp": "VM_FAMILY_CLOUD_TPU_LITE_POD_SLICE_CT5LP"}
+FLEX_START_MAX_RUN_S = 7 * 24 * 3600   # "Flex-start VMs can run for up to seven days" (About Flex-start VMs)
+# Compute Engine's quota of ct6e chips for VMs that are not Spot, Flex-start or a reservation's (a regional
+# metric with dimension tpu_family; its buckets are in FakeOrg.quotas). The fake's own copy, not mtpipe's.
+TPU_FAMILY_QUOTA = ("TPUS_PER_TPU_FAMILY", "compute.googleapis.com/tpus_per_tpu_family")
 # Machine types Compute creates only with advancedMachineFeatures.threadsPerCore 1: the 8-chip v6e VM
 # (SkyPilot, sky/clouds/gcp.py: "CT6e 8-chip VMs require single-threaded cores"). The fake's own
 # copy of Google's rule, not mtpipe's, so that a body mtpipe gets wrong is refused.
@@ -149,6 +158,9 @@ class FakeCompute:
     # What the next inserts answer instead of creating the VM, first one first: ("http", status,
     # reason, message) for a refused request, ("operation", code, message) for an operation that fails.
     insert_failures: list[tuple] = field(default_factory=list)
+    # True: an insert that fails as an operation leaves its boot disk (no VM uses it) in the zone, the
+    # leftover mtpipe looks for in a zone it leaves; Compute's docs do not say it cannot happen
+    failed_insert_leaves_disk: bool = False
     # Projects whose futureReservations.list answers 403 (the caller may not read them).
     unreadable_projects: set[str] = field(default_factory=set)
     # The project's VPC networks: name -> autoCreateSubnetworks (True: auto mode, a subnetwork named
@@ -170,6 +182,7 @@ class FakeCompute:
     url: str = ""
     requests: list[Recorded] = field(default_factory=list)
     instances: dict[tuple[str, str, str], dict] = field(default_factory=dict)
+    disks: dict[tuple[str, str, str], dict] = field(default_factory=dict)   # a VM's boot disk, named as the VM
     firewalls: dict[tuple[str, str], dict] = field(default_factory=dict)
     operations: dict[str, dict] = field(default_factory=dict)
     contract: Contract = field(default_factory=Contract)
@@ -289,6 +302,8 @@ class FakeCompute:
                     return self._list_instances(project, zone, url)
                 case [project, "zones", zone, "instances", name]:
                     return self._instance(method, project, zone, name)
+                case [project, "zones", zone, "disks", name] if method in ("GET", "DELETE"):
+                    return self._disk(method, project, zone, name)
                 case [project, "aggregated", "machineTypes"] if method == "GET":
                     return 200, self._aggregated_machine_types(url)
                 case [project, "zones", zone, "machineTypes", name] if method == "GET":
@@ -393,6 +408,8 @@ class FakeCompute:
                 return status, {"error": {"code": status, "message": message,
                                           "errors": [{"message": message, "domain": "global", "reason": reason}]}}
             code, message = what
+            if self.failed_insert_leaves_disk:
+                self.disks[(project, zone, body["name"])] = self._boot_disk(project, zone, body["name"], users=[])
             return 200, self._operation(project, zone, error=message, code=code)
         key = (project, zone, body["name"])
         if key in self.instances:
@@ -424,6 +441,10 @@ class FakeCompute:
         if model == "RESERVATION_BOUND" and not specific:
             return _error(400, "Invalid value for field 'resource.scheduling.provisioningModel': "
                                f"RESERVATION_BOUND with reservation affinity {affinity or 'none'}")
+        if model == "FLEX_START" and (refused := self._flex_start_refusal(scheduling, specific)):
+            return refused
+        if model == "STANDARD" and not specific and (refused := self._quota_refusal(project, zone, machine_type)):
+            return refused
         if specific:
             refused = self._consume(project, zone, model, affinity.get("values", [""])[0],
                                     body.get("machineType", "").rsplit("/", 1)[-1])
@@ -432,14 +453,74 @@ class FakeCompute:
         now = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
         instance = {**body, "id": str(next(self._ids)), "status": "PROVISIONING",
                     "creationTimestamp": now, "zone": f"{self.url}{PREFIX}{project}/zones/{zone}"}
+        instance.pop("params", None)   # input only: not part of the instance Compute keeps
         for nic in instance.get("networkInterfaces", []):
             nic["networkIP"] = "10.128.0.2"
             for ac in nic.get("accessConfigs", []):
                 ac["natIP"] = self.nat_ip
+        link = f"{self.url}{PREFIX}{project}/zones/{zone}/instances/{body['name']}"
+        for disk in instance.get("disks", [])[:1]:   # the boot disk, made from initializeParams
+            self.disks[key] = self._boot_disk(project, zone, body["name"], users=[link])
+            disk["source"] = self.disks[key]["selfLink"]
         self.instances[key] = instance
         op = self._operation(project, zone, done=lambda: instance.update(status="RUNNING"))
         self.operations[op["name"]]["held"] = self.holding_inserts
         return 200, op
+
+    @staticmethod
+    def _flex_start_refusal(scheduling: dict, specific: bool) -> tuple[int, dict] | None:
+        """Compute's answer to a FLEX_START insert it cannot take (About Flex-start VMs: they run for
+        up to seven days, then Compute stops or deletes them by their termination action; they take
+        no reservation, as Google's cluster-toolkit notes). The wording is the fake's."""
+        seconds = int((scheduling.get("maxRunDuration") or {}).get("seconds", 0))
+        if not 0 < seconds <= FLEX_START_MAX_RUN_S:
+            return _error(400, "Invalid value for field 'resource.scheduling.maxRunDuration': "
+                               f"'{seconds}s'. Flex-start VMs need a maxRunDuration of at most 7 days.")
+        if scheduling.get("instanceTerminationAction") not in ("STOP", "DELETE"):
+            action = scheduling.get("instanceTerminationAction", "")
+            return _error(400, "Invalid value for field 'resource.scheduling.instanceTerminationAction': "
+                               f"'{action}'. Flex-start VMs need STOP or DELETE.")
+        if specific:
+            return _error(400, "Invalid value for field 'resource.reservationAffinity': Flex-start VMs cannot "
+                               "consume a reservation.")
+        return None
+
+    def _quota_refusal(self, project: str, zone: str, machine_type: str) -> tuple[int, dict] | None:
+        """QUOTA_EXCEEDED when a ct6e VM's chips and those the region's other such VMs hold pass the
+        region's TPUS_PER_TPU_FAMILY limit (FakeOrg.quotas; none there: no limit)."""
+        name, metric = TPU_FAMILY_QUOTA
+        found = TPU_MACHINE.fullmatch(machine_type)
+        region = zone.rsplit("-", 1)[0]
+        if not found or found["family"] != "ct6e":
+            return None
+        limit = self.org.quota_limit(metric, {"region": region, "tpu_family": "CT6E"})
+        in_use = sum(int(TPU_MACHINE.fullmatch(i["machineType"].rsplit("/", 1)[-1])["chips"])
+                     for (p, z, _), i in self.instances.items()
+                     if p == project and z.rsplit("-", 1)[0] == region
+                     and i.get("scheduling", {}).get("provisioningModel", "STANDARD") == "STANDARD"
+                     and not i.get("reservationAffinity")
+                     and i["machineType"].rsplit("/", 1)[-1].startswith("ct6e-"))
+        if limit is None or in_use + int(found["chips"]) <= limit:
+            return None
+        return 200, self._operation(project, zone, code="QUOTA_EXCEEDED", error=(
+            f"Quota '{name}' exceeded.  Limit: {limit:.1f} in region {region}."))
+
+    def _boot_disk(self, project: str, zone: str, name: str, users: list[str]) -> dict:
+        """A disk as disks.get answers it (compute.v1.json's Disk)."""
+        link = f"{self.url}{PREFIX}{project}/zones/{zone}/disks/{name}"
+        return {"kind": "compute#disk", "name": name, "selfLink": link, "status": "READY", "sizeGb": "200",
+                "zone": f"{self.url}{PREFIX}{project}/zones/{zone}", "users": users}
+
+    def _disk(self, method: str, project: str, zone: str, name: str) -> tuple[int, dict]:
+        key = (project, zone, name)
+        if key not in self.disks:
+            return _error(404, f"The resource 'projects/{project}/zones/{zone}/disks/{name}' was not found")
+        if method == "DELETE":
+            if self.disks[key]["users"]:
+                return _error(400, f"The disk resource 'projects/{project}/zones/{zone}/disks/{name}' is "
+                                   f"already being used by '{self.disks[key]['users'][0]}'")
+            return 200, self._operation(project, zone, done=lambda: self.disks.pop(key, None))
+        return 200, self.disks[key]
 
     def _list_instances(self, project: str, zone: str, url: str) -> tuple[int, dict]:
         """instances.list: the zone's instances that match the filter, in one page."""
@@ -498,7 +579,12 @@ class FakeCompute:
             else (project, named)
 
     def _release(self, instance: dict) -> None:
-        """The reservation a deleted instance used gets back what the instance took."""
+        """The reservation a deleted instance used gets back what the instance took; its auto-delete
+        disks go with it."""
+        for disk in instance.get("disks", []):
+            if disk.get("autoDelete") and "source" in disk:
+                project, zone, name = urlsplit(disk["source"]).path[len(PREFIX):].split("/")[::2][:3]
+                self.disks.pop((project, zone, name), None)
         for named in (instance.get("reservationAffinity") or {}).get("values", []):
             project = instance["zone"].rsplit("/projects/", 1)[-1].split("/")[0]
             reservation = self.reservations.get(self._owner(named, project)[1])
@@ -572,7 +658,8 @@ class FakeCompute:
             op["status"] = "DONE"
             if entry["error"]:
                 op["error"] = {"errors": [{"code": entry["code"], "message": entry["error"]}]}
-                op["httpErrorStatusCode"] = {"RESOURCE_NOT_FOUND": 404, "INVALID_USAGE": 400}.get(entry["code"], 503)
+                op["httpErrorStatusCode"] = {"RESOURCE_NOT_FOUND": 404, "INVALID_USAGE": 400,
+                                             "QUOTA_EXCEEDED": 403}.get(entry["code"], 503)
             elif entry["done"]:
                 entry["done"]()
         return dict(op)
@@ -631,9 +718,9 @@ def _handler(fake: FakeCompute) -> type[BaseHTTPRequestHandler]:
             fake.requests.append(recorded)
             fake._held(recorded)
             path = urlsplit(self.path).path
-            service = fake.org.route(self.command, path)   # OS Login, Org Policy, Resource Manager, IAM...
-            contract, serve = (fake.org.contracts[service], functools.partial(fake.org.handle, service)) \
-                if service else (fake.contract, fake.handle)
+            document = fake.org.route(self.command, path)   # OS Login, Org Policy, Resource Manager, IAM...
+            contract, serve = (fake.org.contracts[document], functools.partial(fake.org.handle, document)) \
+                if document else (fake.contract, fake.handle)
             if path == "/token":   # OAuth's token endpoint (fakes.fake_org)
                 code, out = fake.org.token(raw)
             else:

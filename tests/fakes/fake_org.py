@@ -4,8 +4,9 @@ method for its path (:meth:`FakeOrg.route`; Google tells them apart by host): OS
 (``v1/users/ACCOUNT:importSshPublicKey``), Organization Policy
 (``v2/projects/P/policies/CONSTRAINT:getEffectivePolicy``), Cloud Resource Manager's
 ``v3/projects/P:testIamPermissions``, IAM's ``v1/projects/-/serviceAccounts/EMAIL:testIamPermissions``,
-Service Usage (``v1/projects/P/services:batchGet``, ``:batchEnable`` and its ``v1/operations/X``), and
-OAuth's token endpoint (``POST /token``, named by an ADC file's ``token_uri``).
+Service Usage (``v1/projects/P/services:batchGet``, ``:batchEnable`` and its ``v1/operations/X``;
+v1beta1's ``projects/P/services/S/consumerQuotaMetrics/METRIC``, a quota's buckets), and OAuth's token
+endpoint (``POST /token``, named by an ADC file's ``token_uri``).
 
 ``policies`` holds each constraint's effective rules (what the organisation enforces), ``policies_readable``
 False answers 403 as for a caller without orgpolicy.policies.get; an imported key lands in ``keys``
@@ -14,10 +15,13 @@ character but a-z and 0-9 turned into `_`, as OS Login names users of the organi
 ``refuse_import`` answers 403; ``permissions`` is what both testIamPermissions grant (None: everything
 asked). A service in ``disabled`` answers SERVICE_DISABLED, and batchGet reports it DISABLED until a
 batchEnable (its operation done on the first poll) enables it; ``enabled`` lists what was enabled.
+``quotas`` holds each quota metric's buckets as consumerQuotaMetrics.get answers them (:func:`bucket`:
+the effective limit where its dimensions say, e.g. region and tpu_family; a metric not there is a
+404, as for a project without it); the fake Compute API refuses an insert beyond them.
 The token endpoint grants a service account's JWT-bearer assertion (a key file's credentials) and
 refuses a refresh token as an expired one (invalid_grant). Every request and answer of the APIs is
 checked against the discovery documents google-api-python-client ships (oslogin.v1, orgpolicy.v2,
-cloudresourcemanager.v3, iam.v1, serviceusage.v1); the token endpoint has none.
+cloudresourcemanager.v3, iam.v1, serviceusage.v1 and v1beta1); the token endpoint has none.
 """
 
 from __future__ import annotations
@@ -27,13 +31,14 @@ import itertools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from fakes.discovery import Contract, api
 
-DOCUMENTS = {"oslogin.googleapis.com": "oslogin.v1", "orgpolicy.googleapis.com": "orgpolicy.v2",
-             "cloudresourcemanager.googleapis.com": "cloudresourcemanager.v3", "iam.googleapis.com": "iam.v1",
-             "serviceusage.googleapis.com": "serviceusage.v1"}
+# Each discovery document served here, with the service (host) it describes.
+DOCUMENTS = {"oslogin.v1": "oslogin.googleapis.com", "orgpolicy.v2": "orgpolicy.googleapis.com",
+             "cloudresourcemanager.v3": "cloudresourcemanager.googleapis.com", "iam.v1": "iam.googleapis.com",
+             "serviceusage.v1": "serviceusage.googleapis.com", "serviceusage.v1beta1": "serviceusage.googleapis.com"}
 SCOPE = "https://www.googleapis.com/auth/cloud-platform"
 JWT_BEARER = "urn:ietf:params:oauth:grant-type:jwt-bearer"
 
@@ -53,14 +58,16 @@ class FakeOrg:
     disabled: set[str] = field(default_factory=set)   # services answering SERVICE_DISABLED
     enabled: list[str] = field(default_factory=list)  # services batchEnable enabled, in order
     operations: dict[str, list[str]] = field(default_factory=dict)   # batchEnable's, until polled
+    quotas: dict[str, list[dict]] = field(default_factory=dict)      # metric -> its buckets (:func:`bucket`)
     contracts: dict[str, Contract] = field(default_factory=lambda: {
-        host: Contract(api(document)) for host, document in DOCUMENTS.items()})
+        document: Contract(api(document)) for document in DOCUMENTS})
     _ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
 
     def route(self, method: str, path: str) -> str | None:
-        """The service (its host) whose discovery document has a method for ``path``, patterns
-        included; None for another API's path (Compute's)."""
-        return next((host for host, contract in self.contracts.items() if contract.api.serves(method, path)), None)
+        """The discovery document with a method for ``path``, patterns included; None for another
+        API's path (Compute's)."""
+        return next((document for document, contract in self.contracts.items()
+                     if contract.api.serves(method, path)), None)
 
     def check(self) -> None:
         for contract in self.contracts.values():
@@ -71,10 +78,20 @@ class FakeOrg:
         return [f"{self.posix_users.get(account, posix_name(account))}:{key}"
                 for account, keys in self.keys.items() for key in keys]
 
-    def handle(self, service: str, method: str, url: str, body: dict) -> tuple[int, dict]:
+    def quota_limit(self, metric: str, dimensions: dict[str, str]) -> int | None:
+        """The effective limit of ``metric`` where ``dimensions`` say: its most specific bucket whose
+        dimensions are among them; None when there is none or it is unlimited (-1)."""
+        fitting = [b for b in self.quotas.get(metric, [])
+                   if all(dimensions.get(k) == v for k, v in b.get("dimensions", {}).items())]
+        best = max(fitting, key=lambda b: len(b.get("dimensions", {})), default=None)
+        return None if best is None or int(best["effectiveLimit"]) < 0 else int(best["effectiveLimit"])
+
+    def handle(self, document: str, method: str, url: str, body: dict) -> tuple[int, dict]:
         path = unquote(urlsplit(url).path).lstrip("/")
-        if service in self.disabled:
-            return disabled(service)
+        if DOCUMENTS[document] in self.disabled:
+            return disabled(DOCUMENTS[document])
+        if found := re.fullmatch(r"v1beta1/projects/([^/]+)/services/([^/]+)/consumerQuotaMetrics/(.+)", path):
+            return self._quota_metric(*found.groups())
         if found := re.fullmatch(r"v1/users/([^/]+):importSshPublicKey", path):
             return self._import(found[1], body, url)
         if found := re.fullmatch(r"v2/projects/([^/]+)/policies/([^/]+):getEffectivePolicy", path):
@@ -102,6 +119,19 @@ class FakeOrg:
                 "@type": "type.googleapis.com/google.api.serviceusage.v1.BatchEnableServicesResponse",
                 "services": [{"name": f"projects/-/services/{s}", "state": "ENABLED"} for s in services]}}
         return error(404, f"The requested URL /{path} was not found on this server.", "NOT_FOUND")
+
+    def _quota_metric(self, project: str, service: str, metric: str) -> tuple[int, dict]:
+        """consumerQuotaMetrics.get (view FULL): the metric's one limit with its buckets
+        (serviceusage.v1beta1's ConsumerQuotaMetric)."""
+        if metric not in self.quotas:
+            return error(404, f"Metric {metric} not found for service {service}.", "NOT_FOUND")
+        name = f"projects/{project}/services/{service}/consumerQuotaMetrics/{quote(metric, safe='')}"
+        dimensions = sorted({k for b in self.quotas[metric] for k in b.get("dimensions", {})})
+        unit = "1/{project}" + "".join(f"/{{{k}}}" for k in dimensions)
+        return 200, {"name": name, "displayName": metric, "metric": metric, "unit": unit, "consumerQuotaLimits": [
+            {"name": f"{name}/limits/{quote('/project' + ''.join(f'/{k}' for k in dimensions), safe='')}",
+             "metric": metric, "unit": unit, "isPrecise": True,
+             "quotaBuckets": sorted(self.quotas[metric], key=lambda b: len(b.get("dimensions", {})))}]}
 
     def _service(self, project: str, service: str) -> dict:
         """A service as batchGet answers it (serviceusage.v1's GoogleApiServiceusageV1Service)."""
@@ -132,6 +162,13 @@ class FakeOrg:
             return 400, {"error": "invalid_grant", "error_description": "Token has been expired or revoked."}
         return 200, {"access_token": f"ya29.fake-{next(self._ids)}", "expires_in": 3599, "token_type": "Bearer",
                      "scope": fields.get("scope", SCOPE)}
+
+
+def bucket(limit: int, **dimensions: str) -> dict:
+    """A quota bucket as Service Usage shows it: ``limit`` where ``dimensions`` say (none: the
+    default everywhere else), with a default limit of 0."""
+    found = {"effectiveLimit": str(limit), "defaultLimit": "0"}
+    return {**found, "dimensions": dimensions} if dimensions else found
 
 
 def error(code: int, message: str, status: str) -> tuple[int, dict]:
