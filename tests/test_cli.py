@@ -39,6 +39,7 @@ def test_listing_and_help_import_no_heavy_library(args: list[str], tmp_path: Pat
     assert "vm_run" in proc.stdout or "preflight" in proc.stdout
 
 
+@pytest.mark.slow
 def test_a_successful_preflight_prints_no_traceback_and_no_warning(tmp_path: Path) -> None:
     """The embedded default (CPU presets: nothing to compile). Its actions import DVC, MaxText and
     absl, which bind to the streams of that moment: inside doit's output capture that ended in

@@ -105,6 +105,7 @@ def test_configure_fails_early_and_keeps_existing_views(tmp_path):
     assert {p: p.read_text() for p in tmp_path.rglob("*.yaml")} == before
 
 
+@pytest.mark.slow
 def test_configure_stage_exit_message(tmp_path):
     """`python -m stages.configure` with `steps: 0` ends with one line naming the key, no traceback,
     and leaves the resolved views it had written before untouched."""

@@ -187,6 +187,7 @@ def test_a_killed_stage_leaves_no_model_server_behind(data, tmp_path, signum):
                 os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_gsm8k_through_lm_eval_on_the_pinned_files(data, llama_server, tmp_path):
     """The real lm-eval (gsm8k_cot_llama, chat template) against the server: its task reads the local
     test split (12 problems, offline), and the scores are lm-eval's exact-match with their intervals."""

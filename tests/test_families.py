@@ -86,6 +86,7 @@ def _apply_dvc_set(params: Path, overrides: list[str]) -> None:
     apply_overrides(params, overrides)
 
 
+@pytest.mark.slow
 def test_configure_stops_before_anything_long_naming_the_fix(tmp_path):
     """`python -m stages.configure` refuses evaluate.backend: cpu for the unserved family in one line."""
     repo = copy_project(tmp_path / "repo")
@@ -99,6 +100,7 @@ def test_configure_stops_before_anything_long_naming_the_fix(tmp_path):
     assert "Fix: set evaluate.backend: vllm" in last and "mtpipe/evaluation/numpy_forward.py" in last
 
 
+@pytest.mark.slow
 def test_config_tests_pass_after_a_dvc_exp_run_rewrote_params(tmp_path):
     """A user's `dvc exp run -S sft.preset=...` leaves its params.yaml in the workspace (another preset,
     every `null` written as an empty value); the config tests still pass there: they read the committed file."""

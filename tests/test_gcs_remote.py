@@ -89,6 +89,7 @@ def test_parser_keeps_bytes_next_to_the_boundary() -> None:
             assert parsed["content-type"] == "text/plain"
 
 
+@pytest.mark.slow
 def test_push_pull_round_trip_is_byte_exact(
     gcs_emulator: GcsEmulator, tmp_path: Path, env: dict[str, str]
 ) -> None:
@@ -185,6 +186,7 @@ def open_for_writing_as_plain_user(path: Path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_workspace_output_cannot_corrupt_cache(tmp_path: Path, env: dict[str, str]) -> None:
     """With the project cache type, outputs share storage with the cache but are read-only."""
     repo = tmp_path / "repo"

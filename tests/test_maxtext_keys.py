@@ -35,6 +35,7 @@ print(" ".join(cmd.args))
 """
 
 
+@pytest.mark.slow
 def test_adding_a_maxtext_key_is_one_line_in_the_schema(tmp_path):
     """In a copy of the project: the field, then params.yaml; configure writes it into train_sft's view,
     the command passes it, and MaxText's own type refuses an out-of-range value, naming the key."""

@@ -78,6 +78,7 @@ def test_template_inlines_the_vendored_bundles():
     assert "cdn" not in plots_page.PAGE.lower() and "{scripts}" not in plots_page.TEMPLATE.read_text()
 
 
+@pytest.mark.slow
 def test_every_plot_draws_its_lines_with_no_network(tmp_path):
     dom = rendered_dom(plots_repo(tmp_path, html_template=True))
     expected = expected_points()

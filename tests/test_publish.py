@@ -89,6 +89,7 @@ def doit_publish(repo: Path, hub: HubServer, *args: str, token: str | None = TOK
                            *args], cwd=repo, env=run_env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_an_experiment_not_in_the_remote_is_refused(project: Path, tmp_path: Path):
     sh(project, "dvc", "remote", "add", "-f", "-d", "empty", str(tmp_path / "empty"))  # a remote without it
     try:
@@ -101,6 +102,7 @@ def test_an_experiment_not_in_the_remote_is_refused(project: Path, tmp_path: Pat
     assert not [r for r in hub.requests if r.method in ("POST", "PUT")], "nothing may reach the Hub"
 
 
+@pytest.mark.slow
 def test_publish_uploads_the_export_with_its_card_once(project: Path, tmp_path: Path):
     from huggingface_hub import ModelCard
 

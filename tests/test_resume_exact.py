@@ -146,6 +146,7 @@ TWO_STAGES = """stages:
 """
 
 
+@pytest.mark.slow
 def test_each_stage_reaches_the_remote_when_it_ends_and_another_machine_pulls_it(tmp_path: Path) -> None:
     """mtpipe.cloud.exp_run (the VM's `dvc exp run`): stage `one` is pushed, with its run-cache entry
     and its `cache: false` metric, before `two` fails (a VM lost in the last stage); a fresh clone

@@ -63,6 +63,7 @@ def test_a_failing_tool_fails_the_stage(tmp_path, monkeypatch):
 
 @pytest.mark.multihost
 @pytest.mark.xdist_group("coordinator-port")  # with tests/test_multihost.py
+@pytest.mark.slow
 def test_processes_get_the_jobset_environment_and_one_failure_stops_all(tmp_path, monkeypatch):
     """Two processes: each gets its index as a GKE JobSet gives it; when process 1 dies, process 0
     (which would otherwise wait for it forever) is stopped and the run fails naming process 1, at
@@ -139,6 +140,7 @@ def test_sigterm_reaches_the_tool_which_saves_or_is_killed_after_the_timeout(han
     assert f"# exit {status}" in log.read_text()
 
 
+@pytest.mark.slow
 def test_maxtext_processes_load_vertex_ai_only_when_they_use_it() -> None:
     """Adapter patch 14, as `apply` sets it up for a trainer: importing MaxText's Vertex TensorBoard
     module leaves Vertex AI's SDK unexecuted (2.5 s of every MaxText process's start); its first use

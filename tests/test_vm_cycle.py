@@ -357,6 +357,7 @@ def apt_on_the_vm(w: Env, apt_root: Path, timeout_s: int, commands: list[str]) -
 
 
 @pytest.mark.cloud_contract
+@pytest.mark.slow
 def test_setup_waits_for_the_package_lock(world: Env, tmp_path: Path) -> None:
     """A fresh Ubuntu VM's apt-daily jobs hold apt's locks (lists, then dpkg) and apt exits 100:
     apt_get retries `update` itself and passes DPkg::Lock::Timeout, so apt waits for the dpkg lock."""
@@ -446,6 +447,7 @@ def test_setup_stops_when_the_package_lock_stays_held(world: Env, tmp_path: Path
 
 
 @pytest.mark.vm_experiments
+@pytest.mark.slow
 def test_vm_run_brings_back_an_experiment(world: Env) -> None:
     """A one-stage repo: the run comes back as an experiment ref and nothing else changes locally."""
     w = world

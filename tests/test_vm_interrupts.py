@@ -75,6 +75,7 @@ def without_name(w: Env) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["sigint", "sigkill"])
+@pytest.mark.slow
 def test_an_insert_interrupted_leaves_no_vm_unrecorded(world: Env, forks: DoitForks, tmp_path: Path,
                                                        sig: signal.Signals) -> None:
     """vm_up is interrupted while Compute creates the VM. The VM was recorded before the insert went
@@ -145,6 +146,7 @@ PHASES = [
 ]
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_every_phase_of_vm_run_deletes_the_vm(world: Env, forks: DoitForks) -> None:
     """Three times per phase: Ctrl-C once vm_run waits inside it; doit ends within EXIT_BOUND_S, no
     instance is left, the state file records none (the record ends with the VM)."""

@@ -125,6 +125,7 @@ def preempt(w: Env, delete: bool) -> None:
 
 
 @pytest.mark.explains
+@pytest.mark.slow
 def test_spot_run_preempted_twice_completes(spot: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     """Preempted at step 2 (TERMINATED) and step 4 (deleted): two recoveries, three inserts of a
     Spot VM, each setting up again; the training resumes where the bucket says and the experiment
@@ -239,6 +240,7 @@ def vm_status_when(w: Env, ready: Callable[[], bool], result: list[str]) -> thre
 
 
 @pytest.mark.explains
+@pytest.mark.slow
 def test_failure_on_a_running_spot_vm_is_not_retried(spot: Env) -> None:
     """A pipeline that fails on a VM that still runs is the pipeline's failure: no recovery, and
     one notice: failed. While it trains, `doit vm_status` from another terminal shows the stage,
@@ -285,6 +287,7 @@ def test_vm_past_max_run_duration_is_not_replaced(spot: Env) -> None:
 
 
 @pytest.mark.explains
+@pytest.mark.slow
 def test_sweep_resumes_after_the_finished_experiments(spot: Env) -> None:
     """A three-experiment sweep preempted during the second: the replacement VM runs the second
     and the third only (the first came back before the VM was lost). The notice URL is dead: each

@@ -235,6 +235,7 @@ def parsed_by_xpk(python: Path, lines: list[list[str]], home: Path) -> list[dict
 
 
 @pytest.mark.cloud_contract
+@pytest.mark.slow
 def test_the_golden_command_lines_parse_with_xpks_own_parser(xpk_python, tmp_path, monkeypatch):
     paths = make_inputs(tmp_path)
     sft_cfg, rl_cfg = resolved("sft", "gemma3-4b-ultrachat-v6e32", "train_sft"), resolved(
