@@ -95,6 +95,7 @@ def test_an_unwritable_work_bucket_is_named_with_the_fix(gcs_emulator, monkeypat
     assert err.value.key == rd.WORK_BUCKET_ENV and "roles/storage.objectUser" in err.value.fix
 
 
+@pytest.mark.slow
 def test_a_bucket_run_directory_counts_committed_steps_mirrors_and_cleans_up(gcs_emulator, monkeypatch, tmp_path):
     """Only steps with Orbax's commit marker count; the mirrored file holds whole lines and comes
     back on a machine that has none; `take` downloads without the run directory's path in the

@@ -368,6 +368,7 @@ def run_sft(tmp_path: Path, bucket: str, **xpk_keys) -> tuple[commands.MaxTextCo
     return cmd, log, paths
 
 
+@pytest.mark.slow
 def test_a_completed_workload_returns_with_its_log_and_metrics(fake, bucket, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", CANARY)
     cmd, log, paths = run_sft(tmp_path, bucket)
@@ -392,6 +393,7 @@ def test_a_completed_workload_returns_with_its_log_and_metrics(fake, bucket, tmp
     assert CANARY not in text and CANARY not in out
 
 
+@pytest.mark.slow
 def test_a_failed_workload_raises_naming_it_its_state_and_the_log(fake, bucket, tmp_path, capsys):
     fake.scenario("failure")
     with pytest.raises(xpk.WorkloadFailed) as err:
@@ -405,6 +407,7 @@ def test_a_failed_workload_raises_naming_it_its_state_and_the_log(fake, bucket, 
     assert "kept for inspection" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_restarted_workload_completes_and_the_log_says_so(fake, bucket, tmp_path, capsys):
     fake.scenario("restart")
     _, log, paths = run_sft(tmp_path, bucket)
@@ -415,12 +418,14 @@ def test_a_restarted_workload_completes_and_the_log_says_so(fake, bucket, tmp_pa
     assert fake.xpk_commands()[-1] == "workload delete"
 
 
+@pytest.mark.slow
 def test_a_few_failed_polls_do_not_stop_the_wait(fake, bucket, tmp_path):
     fake.scenario("success", flaky_lists=2)
     _, log, _ = run_sft(tmp_path, bucket)
     assert log.read_text().count("terminated with code `1`") == 2
 
 
+@pytest.mark.slow
 def test_ctrl_c_deletes_the_workload(fake, bucket, tmp_path, monkeypatch):
     def interrupt(self, total_steps):
         raise KeyboardInterrupt
@@ -431,6 +436,7 @@ def test_ctrl_c_deletes_the_workload(fake, bucket, tmp_path, monkeypatch):
     assert fake.xpk_commands() == ["workload list", "workload create", "workload list", "workload delete"]
 
 
+@pytest.mark.slow
 def test_a_workload_out_of_restarts_raises(fake, bucket, tmp_path):
     fake.scenario("exhausted")
     with pytest.raises(xpk.WorkloadFailed, match=r"failed after 1 restarts \(hardware.xpk.max_restarts: 3\): "
@@ -438,6 +444,7 @@ def test_a_workload_out_of_restarts_raises(fake, bucket, tmp_path):
         run_sft(tmp_path, bucket)
 
 
+@pytest.mark.slow
 def test_a_leftover_workload_of_the_same_name_is_replaced(fake, bucket, tmp_path, capsys):
     fake.scenario("success", existing=True, existing_name="train-sft-sft-4db9e0d0")
     run_sft(tmp_path, bucket)
@@ -445,6 +452,7 @@ def test_a_leftover_workload_of_the_same_name_is_replaced(fake, bucket, tmp_path
     assert "a workload of that name exists" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_inputs_already_in_the_bucket_are_not_uploaded_again(fake, bucket, tmp_path, capsys):
     run_sft(tmp_path, bucket)
     assert capsys.readouterr().out.count("uploading") == 3
@@ -491,6 +499,7 @@ def test_provisioning_and_environment_become_xpk_flags():
 
 # ---- the pod side -----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_pod_side_fetches_runs_and_mirrors_on_the_first_host(bucket, tmp_path, monkeypatch, capsys):
     fs = emulator_fs()
     fs.pipe(f"{bucket}/inputs/abc/files/tokenizer.json", b'{"tok": 1}')
