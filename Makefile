@@ -51,7 +51,7 @@ test: $(VENV)/.installed $(CHROMIUM) work/.test-envs
 	python tests/offline.py python -m pytest -n $(or $(WORKERS),2) --dist loadgroup --no-loadscope-reorder
 
 test-fast: $(VENV)/.installed $(CHROMIUM) work/.test-envs
-	python tests/offline.py python -m pytest -m "not slow"
+	python tests/offline.py python -m pytest -n $(or $(WORKERS),2) -m "not slow"
 
 # What the tests would otherwise fetch from a package index: xpk's and TRL's side environments, the uv
 # tests/test_vm_lock.py runs, requirements-vm.lock in uv's cache (tests/prefetch.py; each kept while
