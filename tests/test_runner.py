@@ -157,3 +157,36 @@ print(callable(aiplatform.init), "google.cloud.aiplatform.initializer" in sys.mo
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], capture_output=True,
                          text=True, check=True).stdout
     assert out.split() == ["False", "True", "True"], out
+
+
+@pytest.mark.slow
+def test_a_finished_trainer_closes_its_parquet_stream_before_exit(tmp_path: Path) -> None:
+    """Adapter patch 15, as `apply` sets it up for a trainer: the streaming parquet input MaxText
+    builds (one shuffle per epoch, concatenated; two files of more rows than the shuffle buffer), part
+    read and left in a reference cycle as a finished run leaves it, is closed by the trainer's
+    post-processing with a 0.5-s grace for Arrow's threads, not in the interpreter's final collection
+    with datasets' 5 s."""
+    code = f"""
+import gc, time, weakref
+import datasets, pyarrow as pa, pyarrow.parquet as pq
+from mtpipe.maxtext import maxtext_adapter
+finish = maxtext_adapter.apply(maxtext_adapter.TRAIN_SFT, [])
+for shard in range(2):
+    pq.write_table(pa.table({{"text": [f"row {{i}}" for i in range(64)]}}), {str(tmp_path)!r} + f"/train-{{shard}}.parquet")
+stream = datasets.load_dataset("parquet", data_files={str(tmp_path / "train-*.parquet")!r}, split="train",
+                               streaming=True)
+gc.disable()  # as a run ends: the cycle is still there when the post-processing starts
+rows = iter(datasets.concatenate_datasets([stream.shuffle(seed=42 + epoch, buffer_size=16) for epoch in range(3)]))
+next(rows)
+alive, cycle = weakref.ref(rows), {{"rows": rows}}
+cycle["cycle"] = cycle
+del rows, cycle
+sleeps = []
+time.sleep = sleeps.append
+print(alive() is not None, sleeps)
+finish()
+print(alive() is not None, sleeps, datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN)
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], capture_output=True,
+                         text=True, check=True).stdout
+    assert out.splitlines()[-2:] == ["True []", "False [0.5] 5"], out
