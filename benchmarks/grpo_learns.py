@@ -10,7 +10,7 @@ In a throwaway copy of the project (the working tree as git would commit it) it 
 `dvc repro train_rl` once per seed. The seed is MaxText's `data_shuffle_seed`: it orders the prompts
 and seeds the CPU sampler (mtpipe.maxtext.rollout_cpu).
 
-The eval (MaxText's, before and after GRPO, on 96 of the 100 embedded test prompts) samples
+The eval (MaxText's, before and after GRPO, on 96 of the 500 embedded test prompts) samples
 `num_eval_passes` completions per prompt (`eval_mode: pass_at_1`) with `eval_sampling_strategy:
 liberal` (rl.yml: temperature 0.85, top-k 2000, no cut on the tiny 512-token vocabulary), the
 distribution the preset gives GRPO's rollouts: it measures what GRPO optimises, the reward under its

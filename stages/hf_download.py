@@ -2,7 +2,9 @@
 
 Hub sources go through huggingface_hub (HF_TOKEN from the environment only); a local source (the
 embedded default) is copied. Dataset rows are checked here, so a malformed row stops the pipeline
-before any conversion or training starts. Writes artifacts/<branch>/model/ and
+before any conversion or training starts, and the held-out split is compared with the training split:
+metrics/<branch>/hf_download.json counts the held-out rows that also occur in training (a GSM8K question,
+a whole conversation). Writes artifacts/<branch>/model/ and
 artifacts/<branch>/dataset/, each stamped with its files (paths, sizes, sha256): the source and its
 revision are the view's (dvc.lock), not the output's, so another source with the same files is the same output.
 Run: dvc repro hf_download@sft   (or: python -m stages.hf_download sft)
@@ -16,7 +18,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")  # before huggingface_hub
 from mtpipe.data import datasets_check, hub
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline.config import load_stage
-from mtpipe.pipeline.stage import artifact, atomic_dir, run_stage, write_stamp
+from mtpipe.pipeline.stage import ROOT, artifact, atomic_dir, run_stage, write_json, write_stamp
 
 
 def check_rows(cfg, files) -> int:
@@ -24,6 +26,18 @@ def check_rows(cfg, files) -> int:
     if cfg.dataset.row_schema == "chat":
         return datasets_check.check_chat_rows(files, column=cfg.dataset.columns[0])
     return datasets_check.check_gsm8k_rows(files)
+
+
+def overlap(cfg, out, train_files) -> dict[str, int]:
+    """The held-out rows, and how many of them also occur in the training files."""
+    if cfg.dataset.eval_files is None:
+        return {}
+    held_out = sorted((out / "files").glob(cfg.dataset.eval_files))
+    if not held_out:
+        raise ConfigError("dataset.eval_files", f"no downloaded file matches {cfg.dataset.eval_files!r}",
+                          f"fix conf/dataset/{cfg.dataset.name}.yaml (eval_files or allow_patterns)")
+    column = cfg.dataset.columns[0] if cfg.dataset.row_schema == "chat" else "question"
+    return datasets_check.split_overlap(train_files, held_out, column)
 
 
 def main(branch: str) -> None:
@@ -35,11 +49,15 @@ def main(branch: str) -> None:
             raise ConfigError("dataset.train_files", f"no downloaded file matches {cfg.dataset.train_files!r}",
                               f"fix conf/dataset/{cfg.dataset.name}.yaml (train_files or allow_patterns)")
         rows = check_rows(cfg, files)
+        splits = {"train_rows": rows, **overlap(cfg, out, files)}
         write_stamp(out, "hf_download", hub.file_sha256(manifest), files=manifest["files"], rows=rows)
     with atomic_dir(artifact(branch, "model"), resume=True) as out:
         manifest = hub.fetch_model(cfg.model.source.model_dump(), out / "files")
         write_stamp(out, "hf_download", hub.file_sha256(manifest), files=manifest["files"])
-    print(f"  model: {len(manifest['files'])} files; dataset: {rows} training rows checked")
+    write_json(ROOT / "metrics" / branch / "hf_download.json", splits)
+    print(f"  model: {len(manifest['files'])} files; dataset: {rows} training rows checked"
+          + (f", {splits['eval_rows_in_train']} of {splits['eval_rows']} held-out rows also in training"
+             if "eval_rows" in splits else ""))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,15 @@ def emb(tmp_path_factory) -> Path:
     return root
 
 
+def _load(emb: Path, name: str, *config: str):
+    """A generated dataset through datasets, with a cache of this session's own: datasets names the
+    cache of a local dataset directory by its README, not its files' contents, so a shared cache
+    would serve the data an earlier version generated."""
+    import datasets
+
+    return datasets.load_dataset(str(emb / name), *config, cache_dir=str(emb.parent / "datasets-cache"))
+
+
 def _hashes(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
 
@@ -113,9 +122,7 @@ def test_maxtext_overrides_match_the_config(emb, name):
 
 
 def test_ultrachat_tiny_schema_and_structure(emb):
-    import datasets
-
-    ds = datasets.load_dataset(str(emb / "ultrachat-tiny"))
+    ds = _load(emb, "ultrachat-tiny")
     assert set(ds) == {"train_sft", "test_sft"} and 1000 <= ds["train_sft"].num_rows <= 5000
     feats = ds["train_sft"].features
     assert list(feats) == ["prompt", "prompt_id", "messages"]
@@ -131,15 +138,45 @@ def test_ultrachat_tiny_schema_and_structure(emb):
 
 
 def test_gsm8k_tiny_schema_and_answers(emb):
-    import datasets
-
-    ds = datasets.load_dataset(str(emb / "gsm8k-tiny"), "main")
+    ds = _load(emb, "gsm8k-tiny", "main")
     assert set(ds) == {"train", "test"} and list(ds["train"].features) == ["question", "answer"]
     for row in list(ds["train"]) + list(ds["test"]):
         reasoning, final = row["answer"].rsplit("\n#### ", 1)
         calcs = re.findall(r"<<([0-9+\-*]+)=(\d+)>>", reasoning)
         assert calcs and all(eval(expr) == int(res) for expr, res in calcs)  # noqa: S307 (digits and + - * only)
         assert int(final) == int(calcs[-1][1])
+
+
+@pytest.mark.scores
+def test_no_held_out_question_or_conversation_occurs_in_training(emb):
+    """The generated test splits are held out: no GSM8K question and no UltraChat conversation of a
+    test split is in its train split (or twice in the test split), read back with datasets."""
+    gsm8k, chats = _load(emb, "gsm8k-tiny", "main"), _load(emb, "ultrachat-tiny")
+    for train, test in ((gsm8k["train"]["question"], gsm8k["test"]["question"]),
+                        ([json.dumps(c) for c in chats["train_sft"]["messages"]],
+                         [json.dumps(c) for c in chats["test_sft"]["messages"]])):
+        assert len(test) >= 100 and len(set(test)) == len(test)
+        assert not set(test) & set(train)
+
+
+@pytest.mark.scores
+def test_split_overlap_counts_held_out_rows_found_in_training(tmp_path):
+    """hf_download's count: held-out rows equal to a training row, compared whole (every turn of a
+    conversation), duplicates within the held-out split each counted."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from mtpipe.data.datasets_check import split_overlap
+
+    def turns(*texts):
+        return [{"role": role, "content": text} for text in texts for role in ("user", "assistant")]
+
+    pq.write_table(pa.table({"messages": [turns("a"), turns("a", "b")], "question": ["q1", "q2"]}), tmp_path / "train.parquet")
+    pq.write_table(pa.table({"messages": [turns("a", "b"), turns("b"), turns("a", "b")], "question": ["q2", "q3", "q1"]}),
+                   tmp_path / "test.parquet")
+    files = [tmp_path / "train.parquet"], [tmp_path / "test.parquet"]
+    assert split_overlap(*files, "messages") == {"eval_rows": 3, "eval_rows_in_train": 2}
+    assert split_overlap(*files, "question") == {"eval_rows": 3, "eval_rows_in_train": 2}
 
 
 # The real models' templates rendered (a twin carries its family's template verbatim); a new family's

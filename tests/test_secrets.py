@@ -26,6 +26,8 @@ import yaml
 from conftest import PipelineRun, restore
 from pipeline import ROOT, CanaryEnv, ProcessWatch, dvc, env, files_containing
 
+from mtpipe.maxtext.maxtext_adapter import HOLD_ENV
+
 pytestmark = pytest.mark.secrets
 
 STAGE = re.compile(r"-m stages\.(\w+)")
@@ -132,9 +134,9 @@ def test_the_full_run_leaves_the_token_nowhere(pipeline_run: PipelineRun):
                for p in findings["processes"]["holders"] if STAGE.search(p["cmdline"])), findings["processes"]
 
 
-def start_dvc(repo: Path, canary: CanaryEnv, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(["dvc", *args], cwd=repo, env={**env(), **canary.env()}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+def start_dvc(repo: Path, canary: CanaryEnv, *args: str, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen(["dvc", *args], cwd=repo, env={**env(), **canary.env(), **(extra_env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def events_files(run_dir: Path) -> list[Path]:
@@ -167,12 +169,13 @@ def test_killed_and_failed_training_leave_the_token_nowhere(pipeline_repo: Path,
     cfg, proc = yaml.safe_load(preset.read_text()), None
     try:
         # tensorboardX flushes every 120 s (flush_secs) or on close; the demo's 150 steps can end
-        # before the first flush, so the killed run trains long enough to flush its config dump.
+        # before the first flush, so the killed run is held after its first step's checkpoint
+        # (MTPIPE_HOLD_AFTER_STEP: waiting, not training) until its config dump is flushed.
         cfg["train_sft"].update(steps=5000)
         preset.write_text(yaml.safe_dump(cfg, sort_keys=False))
         with ProcessWatch(canary.canary, canary.marker) as watch:
             # Not --single-item: `configure` must rerun to resolve the 5000 steps into the stage's config.
-            proc = start_dvc(pipeline_repo, canary, "repro", "train_sft@sft")
+            proc = start_dvc(pipeline_repo, canary, "repro", "train_sft@sft", extra_env={HOLD_ENV: "1"})
             deadline, training = time.monotonic() + 600, None
             while training is None and time.monotonic() < deadline and proc.poll() is None:
                 time.sleep(0.2)

@@ -6,6 +6,7 @@ deep inside a MaxText input pipeline on a billed TPU VM.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -46,6 +47,21 @@ def check_gsm8k_rows(files: Iterable[Path | str]) -> int:
         "answer": (_answer_problem, "end every answer with '#### <number>', as openai/gsm8k does"),
     }
     return sum(_check_file(Path(f), checks) for f in _require(files))
+
+
+def split_overlap(train_files: Iterable[Path | str], eval_files: Iterable[Path | str], column: str) -> dict[str, int]:
+    """How many held-out rows also occur in the training files, compared by ``column`` (a chat's
+    whole conversation, a GSM8K question), exactly: {eval_rows, eval_rows_in_train}."""
+    train = {_item_key(v) for f in _require(train_files) for b in _batches(Path(f), [column])
+             for v in b.column(column).to_pylist()}
+    held_out = [_item_key(v) for f in _require(eval_files) for b in _batches(Path(f), [column])
+                for v in b.column(column).to_pylist()]
+    return {"eval_rows": len(held_out), "eval_rows_in_train": sum(key in train for key in held_out)}
+
+
+def _item_key(value: object) -> str:
+    """A row's value as a string that is equal exactly when the values are (a conversation's turns in order)."""
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False)
 
 
 def _require(files: Iterable[Path | str]) -> list[Path | str]:
