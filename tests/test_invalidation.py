@@ -5,11 +5,8 @@ the stages whose inputs changed. One real `dvc exp run -S steps=N` shows the sam
 """
 
 import json
-import os
 import re
 import shutil
-import signal
-import subprocess
 import time
 
 import pytest
@@ -17,7 +14,7 @@ import yaml
 
 from conftest import restore
 from mtpipe.pipeline.toolchain import lock_pins
-from pipeline import dvc, env, git, ran_stages, reproduced_stages
+from pipeline import dvc, git, kill_group, ran_stages, reproduced_stages, start_held
 
 pytestmark = pytest.mark.slow
 
@@ -150,24 +147,17 @@ def test_exp_run_steps_as_typed_reruns_only_training_export_and_evaluation(pipel
 
 
 def test_killed_training_resumes_from_its_checkpoint(pipeline_repo):
-    """SIGKILL train_sft (and DVC) right after its step-10 checkpoint; no output is left that DVC
-    would cache; the rerun restores step 10 (MaxText's log starts at step 11, not 1)."""
+    """SIGKILL train_sft (and DVC) once its step-10 checkpoint is committed (held there:
+    tests/pipeline.py::start_held); no output is left that DVC would cache; the rerun restores step 10
+    (MaxText's log starts at step 11, not 1)."""
     log = pipeline_repo / "work/logs/sft/train_sft.log"
     try:
         edit_params(pipeline_repo, lambda p: (p.update(steps=30), p["sft"]["train_sft"].update(checkpoint_period=10)))
         log.write_text("")
         shutil.rmtree(pipeline_repo / "work/train_sft", ignore_errors=True)
-        proc = subprocess.Popen(["dvc", "repro", "--no-run-cache", "train_sft@sft"], cwd=pipeline_repo, env=env(),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 900
-        pattern = "*/checkpoints/10/model_params/commit_success.txt"
-        while time.monotonic() < deadline and proc.poll() is None:
-            if next((pipeline_repo / "work/train_sft").glob(pattern), None):
-                break
-            time.sleep(0.1)
-        assert proc.poll() is None, "training ended before its step-10 checkpoint could be interrupted"
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        dvc(pipeline_repo, "repro", "-s", "configure")  # start_held runs train_sft@sft alone (-s)
+        kill_group(start_held(pipeline_repo, "train_sft@sft", 10, log))
+        assert next((pipeline_repo / "work/train_sft").glob("*/checkpoints/10/model_params/commit_success.txt"), None)
         killed_log = log.read_text()
         assert "completed step: 30," not in killed_log
         assert not (pipeline_repo / "artifacts/sft/trained").exists()
