@@ -16,7 +16,6 @@ import sys
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")  # before huggingface_hub is imported
 
 from mtpipe.data import datasets_check, hub
-from mtpipe.errors import ConfigError
 from mtpipe.pipeline.config import load_stage
 from mtpipe.pipeline.stage import ROOT, artifact, atomic_dir, run_stage, write_json, write_stamp
 
@@ -32,22 +31,15 @@ def overlap(cfg, out, train_files) -> dict[str, int]:
     """The held-out rows, and how many of them also occur in the training files."""
     if cfg.dataset.eval_files is None:
         return {}
-    held_out = sorted((out / "files").glob(cfg.dataset.eval_files))
-    if not held_out:
-        raise ConfigError("dataset.eval_files", f"no downloaded file matches {cfg.dataset.eval_files!r}",
-                          f"fix conf/dataset/{cfg.dataset.name}.yaml (eval_files or allow_patterns)")
     column = cfg.dataset.columns[0] if cfg.dataset.row_schema == "chat" else "question"
-    return datasets_check.split_overlap(train_files, held_out, column)
+    return datasets_check.split_overlap(train_files, datasets_check.dataset_files(cfg, out, "eval_files"), column)
 
 
 def main(branch: str) -> None:
     cfg = load_stage(branch, "hf_download")
     with atomic_dir(artifact(branch, "dataset"), resume=True) as out:
         manifest = hub.fetch_dataset(cfg.dataset.source.model_dump(), out / "files")
-        files = sorted((out / "files").glob(cfg.dataset.train_files))
-        if not files:
-            raise ConfigError("dataset.train_files", f"no downloaded file matches {cfg.dataset.train_files!r}",
-                              f"fix conf/dataset/{cfg.dataset.name}.yaml (train_files or allow_patterns)")
+        files = datasets_check.dataset_files(cfg, out, "train_files")
         rows = check_rows(cfg, files)
         splits = {"train_rows": rows, **overlap(cfg, out, files)}
         write_stamp(out, "hf_download", hub.file_sha256(manifest), files=manifest["files"], rows=rows)

@@ -179,6 +179,23 @@ def test_split_overlap_counts_held_out_rows_found_in_training(tmp_path):
     assert split_overlap(*files, "question") == {"eval_rows": 3, "eval_rows_in_train": 2}
 
 
+@pytest.mark.scores
+def test_a_split_glob_that_matches_nothing_names_its_key_and_the_fix(tmp_path):
+    """hf_download (train and held-out files) and the evaluate stages find a split's files the same way."""
+    from types import SimpleNamespace
+
+    from mtpipe.data.datasets_check import dataset_files
+    from mtpipe.errors import ConfigError
+
+    (tmp_path / "files" / "main").mkdir(parents=True)
+    (tmp_path / "files" / "main" / "train-0.parquet").write_bytes(b"")
+    cfg = SimpleNamespace(dataset=SimpleNamespace(name="gsm8k-tiny", train_files="main/train-*.parquet",
+                                                  eval_files="main/test-*.parquet"))
+    assert dataset_files(cfg, tmp_path, "train_files") == [tmp_path / "files" / "main" / "train-0.parquet"]
+    with pytest.raises(ConfigError, match=r"dataset\.eval_files.*'main/test-\*\.parquet'.*conf/dataset/gsm8k-tiny\.yaml"):
+        dataset_files(cfg, tmp_path, "eval_files")
+
+
 # The real models' templates rendered (a twin carries its family's template verbatim); a new family's
 # twin gets the checks below without one.
 CHAT_RENDERED = {

@@ -11,6 +11,7 @@ import json
 import re
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.json as pajson
@@ -48,6 +49,17 @@ def check_gsm8k_rows(files: Iterable[Path | str]) -> int:
         "answer": (_answer_problem, "end every answer with '#### <number>', as openai/gsm8k does"),
     }
     return sum(_check_file(Path(f), checks) for f in _require(files))
+
+
+def dataset_files(cfg: Any, dataset_dir: Path, key: str) -> list[Path]:
+    """The downloaded files (under ``dataset_dir/files``) that the dataset's ``key`` glob matches
+    (``train_files`` or ``eval_files``); none is a ConfigError naming the key and the fix."""
+    pattern = getattr(cfg.dataset, key) or ""
+    files = sorted((dataset_dir / "files").glob(pattern))
+    if not files:
+        raise ConfigError(f"dataset.{key}", f"no downloaded file matches {pattern!r}",
+                          f"fix conf/dataset/{cfg.dataset.name}.yaml ({key} or allow_patterns)")
+    return files
 
 
 def split_overlap(train_files: Iterable[Path | str], eval_files: Iterable[Path | str], column: str) -> dict[str, int]:

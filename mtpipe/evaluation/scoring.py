@@ -13,6 +13,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
+from mtpipe.data import datasets_check
 from mtpipe.errors import ConfigError
 from mtpipe.evaluation import gsm8k, heldout, serving
 
@@ -25,20 +26,11 @@ def check_backend(cfg: Any) -> None:
                           "or set backend: cpu for a tiny model")
 
 
-def test_files(cfg: Any, dataset_dir: Path) -> list[Path]:
-    """The branch's pinned test split (dataset.eval_files under the downloaded dataset)."""
-    files = sorted((dataset_dir / "files").glob(cfg.dataset.eval_files or ""))
-    if not files:
-        raise ConfigError("dataset.eval_files", f"no downloaded file matches {cfg.dataset.eval_files!r}",
-                          f"fix conf/dataset/{cfg.dataset.name}.yaml (eval_files or allow_patterns)")
-    return files
-
-
 def score(cfg: Any, model_dir: Path, dataset_dir: Path, work: Path, log: Path) -> dict[str, Any]:
     """The branch's scores of the model in ``model_dir`` (its own tokenizer and chat template)."""
     e = cfg.evaluate
     check_backend(cfg)
-    files = test_files(cfg, dataset_dir)
+    files = datasets_check.dataset_files(cfg, dataset_dir, "eval_files")  # the pinned test split
     port = serving.free_port()
     command = serving.server_command(e.backend, model_dir, port, e)
     with serving.serving(command, port, log, e.server_timeout_s) as url:
