@@ -2,23 +2,24 @@
 
 Serves the downloaded model (artifacts/<branch>/model/files) and scores it as evaluate@<branch>
 scores the trained one (mtpipe.evaluation.scoring): GSM8K through lm-eval for rl, held-out loss for
-sft. Writes metrics/<branch>/evaluate_base.json; reruns only when the base model, the test data or
-the evaluation settings change, not when training does.
+sft. Writes metrics/<branch>/evaluate_base.json and each problem's result, scores/<branch>/before/base.jsonl;
+reruns only when the base model, the test data or the evaluation settings change, not when training does.
 Run: dvc repro evaluate_base@rl   (or: python -m stages.evaluate_base rl)
 """
 
 import sys
 
-from mtpipe.evaluation.scoring import score
+from mtpipe.evaluation.scoring import score, summary, write_rows
 from mtpipe.pipeline.config import load_stage
-from mtpipe.pipeline.stage import ROOT, WORK, Timer, artifact, log_path, run_stage, write_json
+from mtpipe.pipeline.stage import ROOT, WORK, Timer, artifact, log_path, run_stage, scores_path, write_json
 
 
 def main(branch: str) -> None:
     cfg, timer = load_stage(branch, "evaluate_base"), Timer()
-    base = score(cfg, artifact(branch, "model") / "files", artifact(branch, "dataset"),
+    rows = score(cfg, artifact(branch, "model") / "files", artifact(branch, "dataset"),
                  WORK / "evaluate" / f"{branch}-base", log_path(branch, "evaluate_base"))
-    write_json(ROOT / "metrics" / branch / "evaluate_base.json", {"base": base})
+    write_rows(scores_path(branch, "base"), rows)
+    write_json(ROOT / "metrics" / branch / "evaluate_base.json", {"base": summary(cfg, rows)})
     timer.record(branch, "evaluate_base")
 
 

@@ -6,7 +6,8 @@ MaxText ships it), cpu_jax elsewhere (mtpipe.maxtext.rollout_cpu samples with th
 The run directory lives in work/ or the MTPIPE_WORK_BUCKET bucket under a run name that is its recipe's digest, as
 for train_sft (mtpipe.maxtext.run_dir).
 Writes artifacts/rl/trained/model_params, metrics/rl/train_rl.json (reward and eval accuracy before
-and after GRPO, and pass@k for k up to the eval's samples per prompt: mtpipe.pipeline.metrics.rl_eval)
+and after GRPO, pass@k for k up to the eval's samples per prompt: mtpipe.pipeline.metrics.rl_eval, and
+each pass@k's gain with the 95% interval of its per-prompt differences: rl_eval_gain)
 and plots/rl/train_rl.csv (reward per function, KL, loss per step).
 Run: dvc repro train_rl   (or: python -m stages.train_rl)
 """
@@ -19,7 +20,7 @@ from mtpipe.errors import ConfigError
 from mtpipe.maxtext import commands
 from mtpipe.maxtext.run_dir import run_dir
 from mtpipe.pipeline.config import load_stage
-from mtpipe.pipeline.metrics import missing_steps, read_tensorboard, rl_curve, rl_eval, write_csv
+from mtpipe.pipeline.metrics import missing_steps, read_tensorboard, rl_curve, rl_eval, rl_eval_gain, write_csv
 from mtpipe.pipeline.stage import (JAX_CACHE, ROOT, Timer, artifact, atomic_dir, log_path, read_stamp,
                                    recipe, run_stage, write_json, write_stamp)
 
@@ -93,6 +94,7 @@ def main() -> None:
         "steps": final_step, "resumed_from_step": resumed_from or 0,
         "reward_first": rewards[0], "reward_last": rewards[-1],
         **{f"eval_{when}_{key}": value for when, row in evals.items() for key, value in row.items()},
+        **{f"eval_gain_{key}": value for key, value in rl_eval_gain(this_run).items()},
     }
     write_json(ROOT / "metrics" / "rl" / "train_rl.json", summary)
     timer.record("rl", "train_rl")

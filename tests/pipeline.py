@@ -33,7 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # shared pipeline and in every test that reruns train_rl (docs/testing.md). The demo's own result is
 # metrics/rl/train_rl.json.
 TEST_PARAMS = {"    steps: null                  # SFT warm-up before GRPO (0: none)\n": "    steps: 120\n",
-               "    num_batches: null\n": "    num_batches: 16\n", "    num_test_batches: null\n": "    num_test_batches: 1\n"}
+               "    num_batches: null\n": "    num_batches: 16\n", "    num_test_batches: null\n": "    num_test_batches: 1\n",
+               "    num_problems: null           # held-out problems each model is scored on (null: the preset's)\n":
+                   "    num_problems: 64\n"}
 GIT_ID = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
 
 

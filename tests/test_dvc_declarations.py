@@ -18,7 +18,7 @@ from mtpipe.pipeline import config, fingerprint
 import families
 
 ROOT = config.ROOT
-MAXTEXT_STAGES = {"to_maxtext", "train_sft", "train_rl", "to_huggingface"}
+MAXTEXT_STAGES = {"to_maxtext", "train_sft", "train_rl", "to_huggingface", "evaluate_warmup"}
 
 
 def project_modules(script: Path) -> set[str]:
@@ -63,13 +63,14 @@ def test_code_is_fingerprinted_not_declared(name):
 def test_fingerprinted_modules_are_exactly_the_imported_ones(script_name):
     """The modules in a stage's fingerprints are what Python's ModuleFinder says the stage script
     imports, plus the child processes it starts (`python -m mtpipe.maxtext.launch`, for train_rl
-    on CPU `python -m mtpipe.maxtext.launch_rl_cpu`, for the evaluations `python -m mtpipe.evaluation.server`)."""
+    on CPU `python -m mtpipe.maxtext.launch_rl_cpu`, for the evaluations `python -m mtpipe.evaluation.server`;
+    evaluate_warmup exports the warm-up with MaxText, then serves it)."""
     expected = {f"stages/{script_name}.py"} | project_modules(ROOT / "stages" / f"{script_name}.py")
     if script_name in MAXTEXT_STAGES:
         expected |= project_modules(ROOT / "mtpipe" / "maxtext" / "launch.py") | {"mtpipe/maxtext/launch.py"}
     if script_name == "train_rl":
         expected |= project_modules(ROOT / "mtpipe" / "maxtext" / "launch_rl_cpu.py") | {"mtpipe/maxtext/launch_rl_cpu.py"}
-    if script_name in ("evaluate_base", "evaluate"):  # the CPU model server, `python -m mtpipe.evaluation.server`
+    if script_name in ("evaluate_base", "evaluate_warmup", "evaluate"):  # the CPU model server, `python -m mtpipe.evaluation.server`
         expected |= project_modules(ROOT / "mtpipe" / "evaluation" / "server.py") | {"mtpipe/evaluation/server.py"}
     found = set(fingerprint.stage_modules(script_name))
     assert found == expected, f"missing: {expected - found}, not used: {found - expected}"
@@ -78,7 +79,7 @@ def test_fingerprinted_modules_are_exactly_the_imported_ones(script_name):
 @pytest.mark.parametrize("name", sorted(n for n in STAGES if n != "configure"))
 def test_each_stage_declares_its_resolved_config(name):
     script_name, _, branch = name.partition("@")
-    branch = branch or {"train_rl": "rl", "make_embedded": "embedded"}[script_name]
+    branch = branch or {"train_rl": "rl", "evaluate_warmup": "rl", "make_embedded": "embedded"}[script_name]
     source = (ROOT / "stages" / f"{script_name}.py").read_text()
     assert f'"{script_name}")' in source, "the stage loads its own view with load_stage(..., stage)"
     configs = {d for d in deps_of(STAGES[name]) if d.startswith("config/")}

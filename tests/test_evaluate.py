@@ -18,11 +18,14 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import jinja2
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
 from mtpipe.data import embedded
 from mtpipe.evaluation import gsm8k, heldout, numpy_forward, serving
+from mtpipe.pipeline import metrics
 import families
 
 pytestmark = pytest.mark.evaluate_publish
@@ -188,40 +191,83 @@ def test_a_killed_stage_leaves_no_model_server_behind(data, tmp_path, signum):
 
 
 @pytest.mark.slow
-def test_gsm8k_through_lm_eval_on_the_pinned_files(data, llama_server, tmp_path):
-    """The real lm-eval (gsm8k_cot_llama, chat template) against the server: its task reads the local
-    test split (12 problems, offline), and the scores are lm-eval's exact-match with their intervals."""
+@pytest.mark.scores
+@pytest.mark.parametrize("task", gsm8k.TASKS)
+def test_gsm8k_through_lm_eval_on_the_pinned_files(data, llama_server, tmp_path, task):
+    """The real lm-eval (chat template) against the server: the task reads the local test split (12
+    problems, offline), and each problem's result is lm-eval's exact-match of its logged sample."""
     files = sorted((data["gsm8k"] / "main").glob("test-*.parquet"))
     keys = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_DATASETS_CACHE", "TOKENIZERS_PARALLELISM")
     before = {key: os.environ.get(key) for key in keys}
-    result = gsm8k.evaluate(llama_server, data["llama"], files, tmp_path, num_problems=None, num_fewshot=0,
-                            max_new_tokens=8)
+    rows = gsm8k.evaluate(llama_server, data["llama"], files, tmp_path, task=task, num_problems=None,
+                          num_fewshot=0, max_new_tokens=8)
     # lm-eval's own imports set other variables (hf_transfer); ours are back as they were
     assert {key: os.environ.get(key) for key in keys} == before, "the offline settings leaked out"
+    answers = [q.split("####")[-1].strip() for f in files for q in pq.read_table(f).column("answer").to_pylist()]
+    assert [(r["problem"], r["target"]) for r in rows] == list(enumerate(answers))
+    assert all(r[name] in (0, 1) for r in rows for name in gsm8k.FILTERS)
+    result = gsm8k.scores(rows)
     assert result["problems"] == 12
     for name in gsm8k.FILTERS:
-        solved = result[f"{name}_accuracy"] * 12 / 100  # a share of the 12 problems, not any number
-        assert solved == pytest.approx(round(solved), abs=0.01), result
-        p = result[f"{name}_accuracy"] / 100
-        assert result[f"{name}_ci95"] == pytest.approx(100 * gsm8k.Z95 * (p * (1 - p) / 11) ** 0.5, abs=0.01)
+        p = sum(r[name] for r in rows) / 12
+        assert result[f"{name}_accuracy"] == pytest.approx(100 * p, abs=0.01)
+        assert result[f"{name}_ci95"] == pytest.approx(100 * metrics.Z95 * (p * (1 - p) / 11) ** 0.5, abs=0.01)
 
 
-def test_gain_and_its_interval():
-    base = {"problems": 100, "flexible_accuracy": 40.0, "flexible_stderr": 0.03, "strict_accuracy": 10.0,
-            "strict_stderr": 0.04}
-    trained = base | {"flexible_accuracy": 55.0, "flexible_stderr": 0.04}
-    out = gsm8k.gain(base, trained)
-    assert out["flexible_gain"] == 15.0 and out["flexible_gain_ci95"] == pytest.approx(100 * 1.959964 * 0.05, abs=0.01)
-    assert out["strict_gain"] == 0.0
-    with pytest.raises(ValueError, match="same evaluate.num_problems"):
-        gsm8k.gain(base, trained | {"problems": 50})
+@pytest.mark.scores
+def test_the_rl_format_task_asks_in_train_rls_prompt_and_reads_its_answer_tag(tmp_path):
+    """gsm8k_rl_format renders train_rl's own prompt (the warm-up's user turn, token for token) and
+    scores the number in <answer>; the last number anywhere is the flexible extraction."""
+    from lm_eval.filters.extraction import RegexFilter
+
+    from mtpipe.data import gsm8k_chat
+
+    task = gsm8k.rl_format_task([tmp_path / "test.parquet"])
+    template, tokens = gsm8k_chat.rl_prompt_format()
+    question = "Ann has 3 pens and buys 4 more. How many pens has she?"
+    rendered = jinja2.Template(task["doc_to_text"]).render(question=question)
+    assert rendered == gsm8k_chat.to_messages(question, "#### 7", template, tokens)[0]["content"]
+    assert task["generation_kwargs"]["until"] == ["</answer>"]
+    reply = "<reasoning>3 + 4 = 7, not 12.</reasoning><answer>7"
+    extracted = {}
+    for f in task["filter_list"]:
+        regex = f["filter"][0]
+        extracted[f["name"]] = RegexFilter(regex_pattern=regex["regex_pattern"], group_select=regex["group_select"]
+                                           ).apply([[reply]], [{}])[0][0]
+    assert extracted == {"strict-match": "7", "flexible-extract": "7"}
+    no_tag = "<reasoning>3 + 4 = 7</reasoning> 7"
+    strict = task["filter_list"][0]["filter"][0]
+    assert RegexFilter(regex_pattern=strict["regex_pattern"]).apply([[no_tag]], [{}])[0][0] == "[invalid]"
+
+
+def rows(flags: list[int], **extra) -> list[dict]:
+    return [{"problem": i, "target": "7", "flexible": f, "strict": 0, **extra} for i, f in enumerate(flags)]
+
+
+@pytest.mark.scores
+def test_gain_is_the_paired_difference_with_its_interval():
+    """The gain's interval is that of the per-problem differences: two models that differ on few
+    problems have a narrow one, narrower than the two scores' own intervals combined."""
+    before, after = rows([1] * 30 + [0] * 70), rows([1] * 30 + [1] * 10 + [0] * 60)
+    out = gsm8k.gain(before, after)
+    diffs = [0] * 30 + [1] * 10 + [0] * 60
+    sd = np.std(diffs, ddof=1)
+    assert out["flexible_gain"] == 10.0
+    assert out["flexible_gain_ci95"] == pytest.approx(100 * metrics.Z95 * sd / 10, abs=0.01)
+    unpaired = 100 * metrics.Z95 * np.hypot(*(np.std(x, ddof=1) / 10 for x in ([1] * 30 + [0] * 70, [1] * 40 + [0] * 60)))
+    assert out["flexible_gain_ci95"] < unpaired / 1.5
+    assert out["strict_gain"] == 0.0 and out["strict_gain_ci95"] == 0.0
+    with pytest.raises(ValueError, match="same test split and evaluate.num_problems"):
+        gsm8k.gain(before, after[:50])
+    with pytest.raises(ValueError, match="different problems"):
+        gsm8k.gain(before, [r | {"target": "8"} for r in after])
 
 
 def test_heldout_loss_is_the_mean_token_nll_of_each_conversation(data, tmp_path):
     files = sorted((data["ultrachat"] / "data").glob("test_sft-*.parquet"))
     port = serving.free_port()
     with serving.serving(serving.server_command("cpu", data["gemma"], port, None), port, tmp_path / "log", 600) as url:
-        result = heldout.evaluate(url, data["gemma"], files, column="messages", count=5, max_length=48)
+        rows = heldout.evaluate(url, data["gemma"], files, column="messages", count=5, max_length=48)
     from transformers import AutoTokenizer
 
     tokenizer, model = AutoTokenizer.from_pretrained(data["gemma"]), numpy_forward.Model(data["gemma"])
@@ -231,9 +277,14 @@ def test_heldout_loss_is_the_mean_token_nll_of_each_conversation(data, tmp_path)
         logits = model.logits(ids)[:-1]
         log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
         losses.append(float(np.mean(log_z - logits[np.arange(len(ids) - 1), ids[1:]])))
+    assert [r["problem"] for r in rows] == list(range(5))
+    assert [r["loss"] for r in rows] == pytest.approx(losses, abs=1e-5)
+    result = heldout.scores(rows)
     assert result["conversations"] == 5 and result["loss"] == pytest.approx(np.mean(losses), abs=1e-5)
     # random weights over a 512-token vocabulary: about log(512) per token
     assert abs(result["loss"] - np.log(embedded.TINY_VOCAB)) < 0.5
+    shifted = [r | {"loss": r["loss"] - 0.25} for r in rows]
+    assert heldout.gain(rows, shifted) == {"loss_gain": 0.25, "loss_gain_ci95": 0.0}  # a uniform drop: no spread
 
 
 def test_the_tpu_server_is_vllms_openai_server_for_the_grpo_tutorial():

@@ -4,11 +4,12 @@ import itertools
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mtpipe.maxtext import maxtext_adapter
 from mtpipe.pipeline import metrics
-from mtpipe.pipeline.metrics import loss_curve, missing_steps, pass_at_k, rl_eval
+from mtpipe.pipeline.metrics import loss_curve, missing_steps, pass_at_k, rl_eval, rl_eval_gain
 
 
 def write_jsonl(path: Path, steps: list[int]) -> None:
@@ -81,6 +82,21 @@ def test_rl_eval_reads_pass_at_k_of_the_evals_before_and_after_grpo() -> None:
     assert post["pass_at_2"] == pytest.approx(100 * (5 / 6 + 0 + 1) / 3, abs=1e-3)
     assert post["pass_at_4"] == pytest.approx(100 * 2 / 3, abs=1e-3)
     assert post["mean_reward"] == 0.5
+
+
+@pytest.mark.rl_learns
+@pytest.mark.scores
+def test_the_gain_of_each_pass_at_k_pairs_the_prompts() -> None:
+    """Prompt i before GRPO against prompt i after: the gain is the mean of the differences and its
+    interval their spread's (1.96 x sd / sqrt(n)), not two independent scores' errors."""
+    gain = rl_eval_gain(EVAL_LOG)
+    assert set(gain) == {f"pass_at_{k}{ci}" for k in (1, 2, 4) for ci in ("", "_ci95")}
+    diffs = np.array([2 / 4 - 0, 0 - 1 / 4, 3 / 4 - 1])
+    assert gain["pass_at_1"] == pytest.approx(100 * diffs.mean(), abs=1e-3)
+    assert gain["pass_at_1_ci95"] == pytest.approx(100 * 1.959964 * diffs.std(ddof=1) / 3 ** 0.5, abs=1e-3)
+    # pass@4 per prompt: 0, 1, 1 before; 1, 0, 1 after: no gain, and an interval from the two that moved
+    assert gain["pass_at_4"] == 0.0 and gain["pass_at_4_ci95"] == pytest.approx(100 * 1.959964 / 3 ** 0.5, abs=1e-3)
+    assert rl_eval_gain("\n".join(line for line in EVAL_LOG.splitlines() if "0/4 1/4 4/4" not in line)) == {}
 
 
 @pytest.mark.rl_learns

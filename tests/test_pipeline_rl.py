@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import yaml
 
-from pipeline import export_logit_diff, orbax_arrays, ran_stages
+from pipeline import dvc, export_logit_diff, orbax_arrays, ran_stages
 
 pytestmark = pytest.mark.slow
 
@@ -52,3 +52,30 @@ def test_rl_export_logits_match_maxtext_forward(pipeline_repo):
     diff = export_logit_diff(pipeline_repo, "rl", "llama3.1-8b", "llama3.1-tiny", n_tokens=64)
     print(f"\nmax |logit diff| RL export vs MaxText: {diff:.2e}")
     assert diff < 2e-5
+
+
+@pytest.mark.scores
+def test_base_warmup_and_grpo_are_scored_on_the_same_problems_with_paired_gains(pipeline_repo):
+    """`dvc metrics show` has each model's lm-eval score and the gains between them; each gain is the
+    paired difference of the per-problem results in scores/rl/, which the three models share."""
+    from mtpipe.evaluation import gsm8k
+
+    view = yaml.safe_load((pipeline_repo / "config/rl/evaluate.yaml").read_text())["evaluate"]
+    assert view["task"] == "gsm8k_rl_format"
+    results = {who: [json.loads(line) for line in (pipeline_repo / "scores/rl" / path).read_text().splitlines()]
+               for who, path in (("base", "before/base.jsonl"), ("warmup", "before/warmup.jsonl"),
+                                 ("trained", "trained.jsonl"))}
+    problems = [(r["problem"], r["target"]) for r in results["base"]]
+    assert len(problems) == view["num_problems"] == 64
+    assert all([(r["problem"], r["target"]) for r in rows] == problems for rows in results.values())
+    metrics = json.loads((pipeline_repo / "metrics/rl/evaluate.json").read_text())
+    for who, rows in results.items():
+        assert metrics[who] == gsm8k.scores(rows)
+    for key, before, after in (("gain", "base", "trained"), ("warmup_gain", "base", "warmup"),
+                               ("grpo_gain", "warmup", "trained")):
+        assert metrics[key] == gsm8k.gain(results[before], results[after])
+    # the warm-up taught train_rl's answer format: the untrained twin never closes an <answer> tag
+    assert metrics["base"]["strict_accuracy"] == 0 < metrics["warmup"]["strict_accuracy"]
+    assert metrics["gain"]["strict_gain"] - metrics["gain"]["strict_gain_ci95"] > 0
+    shown = dvc(pipeline_repo, "metrics", "show", "--json").stdout
+    assert all(f'"{key}"' in shown for key in ("warmup", "warmup_gain", "grpo_gain", "flexible_gain_ci95"))

@@ -38,7 +38,11 @@ def test_the_report_holds_every_metric_and_stage_time(written):
     for line in (COMMITTED / report.TIMES).read_text().splitlines():
         t = json.loads(line)
         assert f"| {t['stage']} | {t['wall_s']} |" in text
-    assert "base (95%)" in text and "| evaluate@sft | held-out loss (lower is better) | 6.6459 +/- 0.04829 |" in text
+    assert "| base | warm-up | trained | gain: trained - base | warm-up - base | GRPO - warm-up |" in text
+    assert "| evaluate@sft | held-out loss (lower is better) | 6.6459 +/- 0.04829 | - | 4.03316 +/- 0.15546 |" in text
+    rl = json.loads((ROOT / "metrics" / "rl" / "evaluate.json").read_text())
+    assert " | ".join(f"{rl[who]['flexible_accuracy']} +/- {rl[who]['flexible_ci95']}"
+                      for who in ("base", "warmup", "trained")) in text
     assert "none: every stage ran on this machine's CPU" in text
     assert yaml.safe_load((ROOT / "dvc.lock").read_text())["stages"]["train_rl"]["outs"][0]["md5"] in text
 
@@ -75,7 +79,7 @@ def test_readme_quotes_the_committed_report():
     rows = {stage: line for line in readme.splitlines() if line.startswith("| ")
             for stage in line.split("|")[1].strip().split(", ")}
     figures = report.read_headlines(COMMITTED / report.REPORT)
-    assert set(figures) == {"train_sft@sft", "train_sft@rl", "train_rl", "evaluate@rl", "evaluate@rl strict",
+    assert set(figures) == {"train_sft@sft", "train_sft@rl", "train_rl", "evaluate@rl", "evaluate@rl stages", "evaluate@rl strict",
                             "evaluate@sft"}
     for stage, text in figures.items():
         row = rows[stage.split()[0]]
@@ -128,3 +132,17 @@ def test_the_committed_demo_run_shows_grpo_raising_answer_accuracy():
     assert rl["eval_pre_samples_per_prompt"] == rl["eval_post_samples_per_prompt"] == 8
     assert rl["eval_post_pass_at_1"] > rl["eval_pre_pass_at_1"], rl
     assert rl["eval_post_accuracy"] == pytest.approx(rl["eval_post_pass_at_1"], abs=0.01)  # what the report quotes
+
+
+@pytest.mark.scores
+def test_the_records_lm_eval_scores_resolve_what_each_stage_added():
+    """The committed RL record: lm-eval (train_rl's format, every held-out problem) puts the whole
+    branch's gain above zero, and resolves a change of a few points between two trained models (the
+    paired interval of GRPO against the warm-up is narrower than +/-4 points)."""
+    scores = json.loads((ROOT / "metrics" / "rl" / "evaluate.json").read_text())
+    gain, grpo = scores["gain"], scores["grpo_gain"]
+    assert gain["flexible_gain"] - gain["flexible_gain_ci95"] > 0, gain
+    assert grpo["flexible_gain_ci95"] < 4, grpo
+    assert scores["base"]["problems"] == scores["warmup"]["problems"] == scores["trained"]["problems"] == 500
+    rl = json.loads((ROOT / "metrics" / "rl" / "train_rl.json").read_text())
+    assert {f"eval_gain_pass_at_{k}{ci}" for k in (1, 2, 4, 8) for ci in ("", "_ci95")} <= set(rl)

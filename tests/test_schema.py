@@ -105,6 +105,10 @@ CASES = {
                                          "rl.train_rl.rollout_tensor_parallelism", "at most one"),
     "rl.train_rl/combination-vllm-cpu": ({"rl": {"train_rl": {"rollout_backend": "vllm"}}},
                                          "rl.train_rl.rollout_backend", "vllm needs a TPU"),
+    # rl.evaluate
+    "rl.evaluate/range-task": ({"rl": {"evaluate": {"task": "gsm8k"}}}, "rl.evaluate.task", "'gsm8k_rl_format'"),
+    "rl.evaluate/combination-fewshot": ({"rl": {"evaluate": {"num_fewshot": 8}}}, "rl.evaluate.num_fewshot",
+                                        "gsm8k_rl_format has no few-shot examples"),
     # rl.to_maxtext, rl.to_huggingface
     "rl.to_maxtext/type": ({"rl": {"to_maxtext": {"scan_layers": 1}}}, "rl.to_maxtext.scan_layers", "true or false"),
     "rl.to_huggingface/type": ({"rl": {"to_huggingface": {"use_multimodal": "no"}}},
@@ -145,7 +149,7 @@ def test_both_tutorial_presets_resolve_together(tmp_path):
     params = OmegaConf.merge(families.load_params(), {"sft": {"preset": "gemma3-4b-ultrachat-v6e8"}, "rl": TUTORIAL_RL})
     written = config.write_resolved(config.compose_all(params), embedded.twin_confs(), tmp_path)
     assert yaml.safe_load((tmp_path / "config" / "rl" / "train_rl.yaml").read_text())["train_rl"]["chips_per_vm"] == 8
-    assert len(written) == 15  # 13 stage views, make_embedded's view and config/run.yaml
+    assert len(written) == 16  # 14 stage views, make_embedded's view and config/run.yaml
 
 
 def test_dvc_set_values_keep_their_types(tmp_path):

@@ -159,7 +159,8 @@ def model_card(root: Path, commit: str, branch: str, repo_id: str, exp: str, bas
     scores = json.loads(at(root, commit, f"metrics/{branch}/evaluate.json"))
     evaluate = _view(root, commit, branch, "evaluate")["evaluate"]
     if branch == "rl":
-        label = (f"GSM8K exact match, flexible extraction (lm-eval gsm8k_cot_llama, {evaluate['num_fewshot']}-shot, "
+        label = (f"GSM8K exact match, flexible extraction (lm-eval {evaluate.get('task', 'gsm8k_cot_llama')}, "
+                 f"{evaluate['num_fewshot']}-shot, "
                  f"{scores['trained']['problems']} problems)")
         results = [EvalResult(task_type="text-generation", dataset_type=dataset["hf_name"], dataset_name="GSM8K",
                               metric_type="exact_match", metric_value=scores["trained"]["flexible_accuracy"],

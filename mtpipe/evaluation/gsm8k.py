@@ -1,30 +1,39 @@
 """GSM8K through lm-eval: the task, its data from the pinned local files, and the scores.
 
-The task is lm-eval's ``gsm8k_cot_llama`` (the setup behind Meta's 84.5 for Llama-3.1-8B-Instruct:
-chain-of-thought prompts through the chat template, few-shot examples as chat turns), with its
-dataset pointed at the branch's pinned parquet test split instead of the Hub (``dataset_path:
-parquet``). lm-eval talks to an OpenAI-compatible completions server (``local-completions``, as
-MaxText's eval runner does on TPU); on the CPU that server is :mod:`mtpipe.evaluation.server`.
+Two tasks (``evaluate.task``), each reading the branch's pinned parquet test split instead of the Hub
+(``dataset_path: parquet``):
 
-Two of the task's filters are reported: ``strict`` (the response ends with "The final answer is N",
-the format the prompt asks for) and ``flexible`` (the last number in the response). The flexible one
-is the headline score: it counts a right answer in any format, which is what a model fine-tuned on
-another answer format (the embedded default's GRPO tags) can show.
+* ``gsm8k_cot_llama``: lm-eval's own (the setup behind Meta's 84.5 for Llama-3.1-8B-Instruct:
+  chain-of-thought prompts through the chat template, few-shot examples as chat turns). The GRPO
+  tutorial's score.
+* ``gsm8k_rl_format``: the project's, in the prompt and answer format train_rl trains and grades in
+  (rl.yml's template, ``<reasoning>..</reasoning><answer>N</answer>``), greedy, generation stopped at
+  ``</answer>``. What a model trained in that format can show; the embedded default's score.
+
+lm-eval talks to an OpenAI-compatible completions server (``local-completions``, as MaxText's eval
+runner does on TPU); on the CPU that server is :mod:`mtpipe.evaluation.server`.
+
+Two answer extractions are reported: ``strict`` (the task's format: "The final answer is N", or the
+number inside ``<answer>``) and ``flexible`` (the last number in the response), the headline score.
+Each problem's result is kept (lm-eval's logged samples), so two models scored on the same problems
+compare problem by problem: :func:`gain` is the paired difference with its 95% interval.
 """
 
 from __future__ import annotations
 
-import math
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-TASK = "gsm8k_cot_llama"
-LOCAL_TASK = "gsm8k_cot_llama_pinned"
+import yaml
+
+from mtpipe.pipeline.metrics import mean_ci
+
+TASKS = ("gsm8k_cot_llama", "gsm8k_rl_format")
 FILTERS = {"flexible": "flexible-extract", "strict": "strict-match"}
-Z95 = 1.959964  # two-sided 95% normal quantile
 
 
 @contextmanager
@@ -48,23 +57,58 @@ def _offline(cache: Path) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def write_task(test_files: list[Path], task_dir: Path) -> None:
-    """lm-eval's gsm8k_cot_llama task, reading ``test_files`` (parquet), as ``LOCAL_TASK`` in ``task_dir``."""
+def rl_format_task(test_files: list[Path]) -> dict[str, Any]:
+    """``gsm8k_rl_format``: train_rl's prompt (rl.yml's template, as the warm-up and GRPO see it) and
+    its answer, the number inside ``<answer>``; lm-eval's GSM8K target and exact-match normalisation."""
+    from mtpipe.data.gsm8k_chat import rl_prompt_format
+
+    template, tokens = rl_prompt_format()
+    answer = re.escape(tokens["solution_start_token"])
+    return {
+        "task": "gsm8k_rl_format", "output_type": "generate_until", "test_split": "test",
+        "dataset_path": "parquet", "dataset_name": None,
+        "dataset_kwargs": {"data_files": {"test": [str(f) for f in sorted(test_files)]}},
+        "doc_to_text": template.replace("{question}", "{{question}}"),
+        "doc_to_target": "{{answer.split('####')[-1].strip()}}", "target_delimiter": "",
+        "generation_kwargs": {"do_sample": False, "until": [tokens["solution_end_token"]]},
+        "filter_list": [
+            {"name": FILTERS["strict"], "filter": [
+                {"function": "regex", "regex_pattern": answer + r"\s*(-?[$0-9.,]+)", "group_select": 0},
+                {"function": "take_first"}]},
+            {"name": FILTERS["flexible"], "filter": [
+                {"function": "regex", "regex_pattern": r"(-?[$0-9.,]{2,})|(-?[0-9]+)", "group_select": -1},
+                {"function": "take_first"}]},
+        ],
+        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
+                         "ignore_case": True, "ignore_punctuation": False,
+                         "regexes_to_ignore": [",", r"\$", r"(?s).*#### ", r"\.$"]}],
+        "repeats": 1, "num_fewshot": 0, "metadata": {"version": 1.0},
+    }  # fmt: skip
+
+
+def write_task(task: str, test_files: list[Path], task_dir: Path) -> str:
+    """``task`` reading ``test_files`` (parquet), written to ``task_dir``; returns the name to run."""
+    task_dir.mkdir(parents=True, exist_ok=True)
+    if task == "gsm8k_rl_format":
+        (task_dir / f"{task}.yaml").write_text(yaml.safe_dump(rl_format_task(test_files), sort_keys=False))
+        return task
     import lm_eval
 
     upstream = Path(lm_eval.__file__).parent / "tasks" / "gsm8k" / "gsm8k-cot-llama.yaml"
+    local = f"{task}_pinned"
     files = "\n".join(f"      - {f}" for f in sorted(test_files))
-    task_dir.mkdir(parents=True, exist_ok=True)
-    (task_dir / f"{LOCAL_TASK}.yaml").write_text(
-        f"include: {upstream}\ntask: {LOCAL_TASK}\ndataset_path: parquet\ndataset_name: null\n"
+    (task_dir / f"{local}.yaml").write_text(
+        f"include: {upstream}\ntask: {local}\ndataset_path: parquet\ndataset_name: null\n"
         f"dataset_kwargs:\n  data_files:\n    test:\n{files}\ntest_split: test\n")
+    return local
 
 
-def evaluate(base_url: str, tokenizer_dir: Path, test_files: list[Path], work: Path, *, num_problems: int | None,
-             num_fewshot: int, max_new_tokens: int) -> dict[str, Any]:
-    """Score the model served at ``base_url`` on the first ``num_problems`` test problems (None: all)."""
+def evaluate(base_url: str, tokenizer_dir: Path, test_files: list[Path], work: Path, *, task: str,
+             num_problems: int | None, num_fewshot: int, max_new_tokens: int) -> list[dict[str, Any]]:
+    """Each of the first ``num_problems`` test problems (None: all), scored on the model served at
+    ``base_url``: ``{"problem", "target", "<filter>": 0 or 1, ...}`` in the test split's order."""
     with _offline(work / "datasets"):
-        write_task(test_files, work / "tasks")
+        name = write_task(task, test_files, work / "tasks")
         from lm_eval import simple_evaluate
         from lm_eval.tasks import TaskManager
 
@@ -72,38 +116,45 @@ def evaluate(base_url: str, tokenizer_dir: Path, test_files: list[Path], work: P
             model="local-completions",
             model_args=f"model=mtpipe,base_url={base_url},tokenizer_backend=huggingface,tokenizer={tokenizer_dir},"
                        "num_concurrent=1,max_retries=1",
-            tasks=[LOCAL_TASK], task_manager=TaskManager(include_path=str(work / "tasks")),
+            tasks=[name], task_manager=TaskManager(include_path=str(work / "tasks")),
             num_fewshot=num_fewshot, limit=num_problems, apply_chat_template=True,
             fewshot_as_multiturn=num_fewshot > 0, gen_kwargs=f"max_gen_toks={max_new_tokens}",
-            log_samples=False, random_seed=0, numpy_random_seed=0, fewshot_random_seed=0,
+            log_samples=True, random_seed=0, numpy_random_seed=0, fewshot_random_seed=0,
         )
-    return scores(results["results"][LOCAL_TASK], results["n-samples"][LOCAL_TASK]["effective"])
+    return problems(results["samples"][name])
 
 
-def scores(task_result: dict[str, Any], n: int) -> dict[str, Any]:
-    """exact-match accuracy in percent per filter, each with its 95% interval half-width, and n."""
-    out: dict[str, Any] = {"problems": n}
-    for name, lm_eval_filter in FILTERS.items():
-        acc, se = task_result[f"exact_match,{lm_eval_filter}"], task_result[f"exact_match_stderr,{lm_eval_filter}"]
-        se = 0.0 if se in (None, "N/A") or (isinstance(se, float) and math.isnan(se)) else float(se)
-        out[f"{name}_accuracy"] = round(100 * float(acc), 2)
-        out[f"{name}_ci95"] = round(100 * Z95 * se, 2)
-        out[f"{name}_stderr"] = se
+def problems(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """lm-eval's logged samples (one per problem and filter) as one row per problem."""
+    names = {lm_eval_filter: name for name, lm_eval_filter in FILTERS.items()}
+    rows: dict[int, dict[str, Any]] = {}
+    for sample in samples:
+        if sample["filter"] in names:
+            row = rows.setdefault(sample["doc_id"], {"problem": sample["doc_id"], "target": str(sample["target"])})
+            row[names[sample["filter"]]] = int(sample["exact_match"])
+    return [rows[i] for i in sorted(rows)]
+
+
+def scores(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Exact-match accuracy in percent per extraction, each with its 95% interval half-width, and n."""
+    out: dict[str, Any] = {"problems": len(rows)}
+    for name in FILTERS:
+        mean, ci, se = mean_ci([row[name] for row in rows])
+        out[f"{name}_accuracy"] = round(100 * mean, 2)
+        out[f"{name}_ci95"] = round(100 * ci, 2)
+        out[f"{name}_stderr"] = round(se, 6)
     return out
 
 
-def gain(base: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
-    """trained - base per filter, with a 95% interval from both standard errors.
-
-    The interval treats the two scores as independent; they are on the same problems, so the true
-    interval is narrower (the paired one needs per-problem results, which MaxText's TPU runner does
-    not keep): this one is conservative and the same on both backends."""
-    if base["problems"] != trained["problems"]:
-        raise ValueError(f"base scored on {base['problems']} problems, trained on {trained['problems']}: "
-                         "evaluate both with the same evaluate.num_problems")
+def gain(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> dict[str, Any]:
+    """after - before per extraction in points, with the 95% interval of the paired difference: both
+    models answered the same problems, so the interval is that of the per-problem differences."""
+    if [(r["problem"], r["target"]) for r in before] != [(r["problem"], r["target"]) for r in after]:
+        raise ValueError(f"scored on different problems ({len(before)} and {len(after)}): evaluate both with "
+                         "the same test split and evaluate.num_problems")
     out = {}
     for name in FILTERS:
-        out[f"{name}_gain"] = round(trained[f"{name}_accuracy"] - base[f"{name}_accuracy"], 2)
-        se = math.hypot(base[f"{name}_stderr"], trained[f"{name}_stderr"])
-        out[f"{name}_gain_ci95"] = round(100 * Z95 * se, 2)
+        mean, ci, _ = mean_ci([a[name] - b[name] for a, b in zip(after, before)])
+        out[f"{name}_gain"] = round(100 * mean, 2)
+        out[f"{name}_gain_ci95"] = round(100 * ci, 2)
     return out

@@ -4,7 +4,7 @@ Each test conversation (the branch's pinned test split, ``messages`` column) is 
 model's own chat template, cut to ``max_length`` tokens, and sent to the model server
 (:mod:`mtpipe.evaluation.serving`: vLLM on TPU, the numpy forward on the CPU) as an echoed prompt;
 the score of a conversation is the mean negative log-likelihood of its tokens after the first. The score is the mean over conversations, with a 95% interval
-from their spread. Base and trained model see the same tokens (the tokenizer is the base model's,
+from their spread; two models' losses on the same conversations compare pairwise (:func:`gain`). Base and trained model see the same tokens (the tokenizer is the base model's,
 which the export copies), so their difference is the fine-tuning's effect on this text.
 
 What it is not: a judge of answer quality (no reference model, no MT-Bench); a loss over assistant
@@ -14,7 +14,6 @@ tokens only (the whole conversation counts, template tokens included, which the 
 from __future__ import annotations
 
 import json
-import math
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from mtpipe.evaluation.gsm8k import Z95
+from mtpipe.pipeline.metrics import mean_ci
 from mtpipe.evaluation.serving import SERVED_NAME, open_loopback
 
 
@@ -44,31 +43,35 @@ def conversation_loss(base_url: str, ids: list[int]) -> float:
 
 
 def evaluate(base_url: str, tokenizer_dir: Path, test_files: list[Path], *, column: str, count: int | None,
-             max_length: int) -> dict[str, Any]:
-    """Mean held-out loss of the served model over ``count`` test conversations."""
+             max_length: int) -> list[dict[str, Any]]:
+    """The held-out loss of the served model on each of ``count`` test conversations (None: all):
+    ``{"problem": index in the test split, "loss"}``, those under two tokens left out."""
     from transformers import AutoTokenizer  # local import: transformers is slow to import
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    losses = []
-    for messages in conversations(test_files, column, count):
+    rows = []
+    for index, messages in enumerate(conversations(test_files, column, count)):
         ids = list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))[:max_length]
         if len(ids) >= 2:
-            losses.append(conversation_loss(base_url, ids))
-    if not losses:
+            # rounded: the float64 forward's last bits follow the CPU's BLAS kernels, and the base
+            # model's score should be the same bytes on every machine
+            rows.append({"problem": index, "loss": round(conversation_loss(base_url, ids), 6)})
+    if not rows:
         raise ValueError(f"no test conversation of {test_files} has two tokens: check the dataset's {column!r} column")
-    mean, sd = float(np.mean(losses)), float(np.std(losses, ddof=1)) if len(losses) > 1 else 0.0
-    se = sd / math.sqrt(len(losses))
-    # rounded like the rest: the float64 forward's last bits follow the CPU's BLAS kernels, and the
-    # base model's score should be the same bytes on every machine
-    return {"conversations": len(losses), "loss": round(mean, 5), "loss_ci95": round(Z95 * se, 5),
-            "loss_stderr": round(se, 8)}
+    return rows
 
 
-def gain(base: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
-    """base - trained loss (positive: the fine-tuned model fits the held-out text better), 95% interval
-    from both standard errors (conservative, as :func:`mtpipe.evaluation.gsm8k.gain`)."""
-    if base["conversations"] != trained["conversations"]:
-        raise ValueError(f"base scored on {base['conversations']} conversations, trained on "
-                         f"{trained['conversations']}: evaluate both with the same evaluate.num_problems")
-    se = math.hypot(base["loss_stderr"], trained["loss_stderr"])
-    return {"loss_gain": round(base["loss"] - trained["loss"], 5), "loss_gain_ci95": round(Z95 * se, 5)}
+def scores(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean held-out loss over the conversations, with its 95% interval from their spread."""
+    mean, ci, se = mean_ci([row["loss"] for row in rows])
+    return {"conversations": len(rows), "loss": round(mean, 5), "loss_ci95": round(ci, 5), "loss_stderr": round(se, 8)}
+
+
+def gain(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> dict[str, Any]:
+    """before - after loss (positive: the later model fits the held-out text better), with the 95%
+    interval of the paired difference (the same conversations)."""
+    if [r["problem"] for r in before] != [r["problem"] for r in after]:
+        raise ValueError(f"scored on different conversations ({len(before)} and {len(after)}): evaluate both "
+                         "with the same test split and evaluate.num_problems")
+    mean, ci, _ = mean_ci([b["loss"] - a["loss"] for a, b in zip(after, before)])
+    return {"loss_gain": round(mean, 5), "loss_gain_ci95": round(ci, 5)}

@@ -351,6 +351,10 @@ def plan(views: dict[str, dict[str, View]], place: Placement, compiled: dict[str
         p.items.append(Item(f"to_huggingface@{branch}", "export (safetensors + tokenizer)", BOOT, dvc * export))
         p.memory[f"to_huggingface@{branch}"] = int(PROCESS_BASE_GB * GB + params * (weight + export_dtype))
         p.memory[f"evaluate@{branch}"] = int(PROCESS_BASE_GB * GB + export)  # the model server loads the export
+        if "train_rl" in stages and sft.steps:  # evaluate_warmup exports the warm-up, scores it, deletes it
+            p.items.append(Item("evaluate_warmup", "the warm-up's export, while it is scored", BOOT, export,
+                                transient=True))
+            p.memory["evaluate_warmup"] = p.memory[f"to_huggingface@{branch}"]
         p.state_keys += _state_keys(branch, stages)
     return p
 

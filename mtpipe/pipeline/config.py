@@ -43,6 +43,7 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "train_rl": ("model", "dataset", "hardware", "train_rl"),
     "to_huggingface": ("model", "to_huggingface"),
     "evaluate_base": ("dataset", "evaluate"),
+    "evaluate_warmup": ("model", "dataset", "to_huggingface", "evaluate"),  # exports the warm-up to score it
     "evaluate": ("dataset", "evaluate"),
 }
 # Keys of those sections outside a stage's address: the preset file names, and what the stage does not
@@ -59,12 +60,14 @@ RUN_KEYS: dict[str, tuple[str, ...]] = {
     "train_rl": (*NAMES, "model.source", "model.export_name", "dataset.source", *XPK_PLACE),
     "to_huggingface": (*NAMES, "model.source", "model.maxtext_name"),
     "evaluate_base": (*NAMES, "dataset.source", "evaluate.server_timeout_s"),
+    "evaluate_warmup": (*NAMES, "model.source", "model.maxtext_name", "dataset.source", "evaluate.server_timeout_s"),
     "evaluate": (*NAMES, "dataset.source", "evaluate.server_timeout_s"),
 }
 RUN_FILE = "config/run.yaml"
 BRANCH_STAGES: dict[str, tuple[str, ...]] = {
     "sft": ("hf_download", "to_maxtext", "train_sft", "to_huggingface", "evaluate_base", "evaluate"),
-    "rl": ("hf_download", "to_maxtext", "train_sft", "train_rl", "to_huggingface", "evaluate_base", "evaluate"),
+    "rl": ("hf_download", "to_maxtext", "train_sft", "train_rl", "to_huggingface", "evaluate_base", "evaluate_warmup",
+           "evaluate"),
 }
 # The stage outside the branches: make_embedded's view holds the twins it writes (each twin's
 # conf/model/<twin>.yaml `maxtext_name` and sizes, :func:`mtpipe.data.embedded.twin_confs`), so a size

@@ -34,6 +34,7 @@ CHILD_ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "train_rl": ("mtpipe/maxtext/launch.py", "mtpipe/maxtext/launch_rl_cpu.py"),
     "to_huggingface": ("mtpipe/maxtext/launch.py",),
     "evaluate_base": ("mtpipe/evaluation/server.py",),  # mtpipe.evaluation.serving.server_command (cpu)
+    "evaluate_warmup": ("mtpipe/maxtext/launch.py", "mtpipe/evaluation/server.py"),
     "evaluate": ("mtpipe/evaluation/server.py",),
 }
 # Modules a stage runs only with one backend: the view's key -> its value -> those modules, each a child

@@ -27,6 +27,7 @@ MAXTEXT_MAPPINGS: dict[str, tuple[str, ...]] = {
     "train_sft": ("hardware.maxtext_args", "model.maxtext_overrides", "train_sft.extra_args"),
     "train_rl": ("hardware.maxtext_args", "model.maxtext_overrides", "train_rl.extra_args"),
     "to_huggingface": ("model.maxtext_overrides",),
+    "evaluate_warmup": ("model.maxtext_overrides",),  # its export of the warm-up, as to_huggingface's
 }
 
 

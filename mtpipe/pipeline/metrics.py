@@ -108,6 +108,19 @@ EVAL_SAMPLES_LINE = "mtpipe eval: right samples per prompt:"
 # an eval's per-prompt counts, then any eval's summary line (pre, post, intermediate)
 RL_EVAL_EVENTS = re.compile(re.escape(EVAL_SAMPLES_LINE) + r" ([\d/ ]*)$|(Pre|Post) RL Training: |Intermediate Eval",
                             re.MULTILINE)
+Z95 = 1.959964  # two-sided 95% normal quantile
+
+
+def mean_ci(values: list[float]) -> tuple[float, float, float]:
+    """(mean, 95% interval half-width, standard error) of ``values``, the error from their spread (sample
+    variance). Of one model's per-problem results: its score's interval; of two models' per-problem
+    differences on the same problems: the paired interval of the gain, narrower than one from the two
+    scores' own errors by what the problems they share explain."""
+    n, mean = len(values), sum(values) / len(values)
+    se = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n) if n > 1 else 0.0
+    return mean, Z95 * se, se
+
+
 PASS_AT_K = (1, 2, 4, 8)
 RL_CURVES = {  # plot column -> tensorboard tag
     "reward_mean": "rewards/train/mean",
@@ -162,6 +175,21 @@ def rl_eval(log_text: str) -> dict[str, dict]:
         for k in (k for k in PASS_AT_K if k <= samples):
             found[when][f"pass_at_{k}"] = round(100 * sum(pass_at_k(n, c, k) for c, n in counts) / len(counts), 4)
     return found
+
+
+def rl_eval_gain(log_text: str) -> dict[str, float]:
+    """pass@k after GRPO - before, in points, for each k up to the samples drawn, with the 95% interval
+    of the per-prompt differences (``pass_at_K`` and ``pass_at_K_ci95``): the evals before and after
+    ask the same prompts in the same order, so they pair prompt by prompt. {} without both counts."""
+    counts = right_samples(log_text)
+    pre, post = counts.get("pre"), counts.get("post")
+    if not pre or not post or len(pre) != len(post):
+        return {}
+    out = {}
+    for k in (k for k in PASS_AT_K if k <= min(n for _, n in pre + post)):
+        gain, ci, _ = mean_ci([pass_at_k(n1, c1, k) - pass_at_k(n0, c0, k) for (c0, n0), (c1, n1) in zip(pre, post)])
+        out[f"pass_at_{k}"], out[f"pass_at_{k}_ci95"] = round(100 * gain, 4), round(100 * ci, 4)
+    return out
 
 
 def rl_curve(scalars: dict[str, list[tuple[int, float]]]) -> list[dict]:

@@ -222,6 +222,9 @@ class Evaluate(Section):
     """The evaluate stages (mtpipe/evaluation): GSM8K through lm-eval (rl), held-out loss (sft)."""
 
     backend: Literal["cpu", "vllm"]        # the model server: ours (numpy, the CPU) | vLLM's (a TPU VM)
+    # rl: lm-eval's gsm8k_cot_llama (how Llama 3.1 Instruct is scored) | gsm8k_rl_format (train_rl's
+    # prompt and <answer> tags, the format a model trained by this branch answers in)
+    task: Literal["gsm8k_cot_llama", "gsm8k_rl_format"] = "gsm8k_cot_llama"
     num_problems: Optional[PositiveInt] = None  # the first N test problems / conversations; null: all of them
     num_fewshot: Annotated[int, Ge(0)] = 0  # rl: few-shot examples as chat turns (gsm8k_cot_llama: 8)
     max_new_tokens: PositiveInt = 256       # rl: the longest answer generated (lm-eval's default)
@@ -560,6 +563,10 @@ def combination_errors(cfg: SftBranch) -> list[ConfigError]:
                 "set rl.train_rl.max_target_length above rl.train_rl.max_prefill_predict_length (null means "
                 "MaxText's {max_prefill_predict_length} and {max_target_length})".format(**MAXTEXT_RL_DEFAULTS))
         errors += _rollout_parallelism_errors(rl)
+        if cfg.evaluate.task == "gsm8k_rl_format" and cfg.evaluate.num_fewshot:
+            add("rl.evaluate.num_fewshot", f"is {cfg.evaluate.num_fewshot}, but task gsm8k_rl_format has no "
+                "few-shot examples (train_rl's prompt is zero-shot)",
+                "set rl.evaluate.num_fewshot: 0, or rl.evaluate.task: gsm8k_cot_llama")
         if rl.rollout_backend == "vllm" and cfg.hardware.env.get("JAX_PLATFORMS") == "cpu":
             add("rl.train_rl.rollout_backend", f"vllm needs a TPU, but hardware {cfg.hardware.name} runs JAX "
                 "on the CPU", "set rl.train_rl.rollout_backend: cpu_jax, or rl.hardware: v6e-8 (on a TPU VM)")

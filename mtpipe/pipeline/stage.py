@@ -38,6 +38,13 @@ def artifact(branch: str, name: str) -> Path:
     return ROOT / "artifacts" / branch / name
 
 
+def scores_path(branch: str, model: str) -> Path:
+    """A model's per-problem results (JSON lines): ``scores/<branch>/trained.jsonl`` for the export, and
+    ``scores/<branch>/before/<model>.jsonl`` for the models scored before it (the base, the RL warm-up),
+    the directory evaluate@<branch> depends on."""
+    return ROOT / "scores" / branch / ("trained.jsonl" if model == "trained" else f"before/{model}.jsonl")
+
+
 def log_path(branch: str, stage: str) -> Path:
     """Where a stage's full MaxText log goes."""
     return WORK / "logs" / branch / f"{stage}.log"

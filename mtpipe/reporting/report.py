@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import re
 import subprocess
 from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
@@ -77,11 +78,21 @@ def headlines(m: dict[str, dict[str, Any]]) -> dict[str, str]:
         score, drawn = ("pass@1", f" x {samples} samples") if samples > 1 else ("accuracy", "")
         figures["train_rl"] = (f"eval {score} {fixed(rl['eval_pre_accuracy'], 1)}% before / "
                                f"{fixed(rl['eval_post_accuracy'], 1)}% after on {rl['eval_post_total']} prompts{drawn}")
+        if "eval_gain_pass_at_1" in rl:
+            k = max(int(key.rsplit("_", 1)[1]) for key in rl if re.fullmatch(r"eval_gain_pass_at_\d+", key))
+            figures["train_rl"] += "".join(
+                f"; pass@{j} gain {signed(rl[f'eval_gain_pass_at_{j}'], 1)} [+/-{fixed(rl[f'eval_gain_pass_at_{j}_ci95'], 1)}]"
+                for j in sorted({1, k}))
     if gsm8k := m.get("evaluate@rl"):
         base, trained, gain = gsm8k["base"], gsm8k["trained"], gsm8k["gain"]
-        figures["evaluate@rl"] = (f"base {fixed(base['flexible_accuracy'], 1)}%, trained "
-                                  f"{fixed(trained['flexible_accuracy'], 1)}%, gain {signed(gain['flexible_gain'], 1)} "
-                                  f"points [95%: +/-{fixed(gain['flexible_gain_ci95'], 1)}]")
+        warmup = f"warm-up {fixed(gsm8k['warmup']['flexible_accuracy'], 1)}%, " if "warmup" in gsm8k else ""
+        figures["evaluate@rl"] = (f"base {fixed(base['flexible_accuracy'], 1)}%, {warmup}trained "
+                                  f"{fixed(trained['flexible_accuracy'], 1)}% on {trained['problems']} problems, gain "
+                                  f"{signed(gain['flexible_gain'], 1)} points [95%: +/-{fixed(gain['flexible_gain_ci95'], 1)}]")
+        if "warmup" in gsm8k:
+            figures["evaluate@rl stages"] = "; ".join(
+                f"{who} {signed(g['flexible_gain'], 1)} [+/-{fixed(g['flexible_gain_ci95'], 1)}]"
+                for who, g in (("warm-up over base", gsm8k["warmup_gain"]), ("GRPO over warm-up", gsm8k["grpo_gain"])))
         figures["evaluate@rl strict"] = (f"base {fixed(base['strict_accuracy'], 1)}%, "
                                          f"trained {fixed(trained['strict_accuracy'], 1)}%")
     if heldout := m.get("evaluate@sft"):
@@ -183,7 +194,10 @@ def lineage(root: Path) -> list[str]:
 
 
 def scores(m: dict[str, dict[str, Any]]) -> list[str]:
-    """Markdown table: base and trained scores with their 95% intervals, and the gain."""
+    """Markdown table: each model's score and each gain, paired on the same problems, with 95% intervals."""
+    def cell(section: dict[str, Any] | None, value: str, ci: str) -> str:
+        return f"{section[value]} +/- {section[ci]}" if section else "-"
+
     rows = []
     for stage, label, value, ci, gain, gain_ci in [
             ("evaluate@rl", "GSM8K flexible extraction (%)", "flexible_accuracy", "flexible_ci95", "flexible_gain",
@@ -192,9 +206,11 @@ def scores(m: dict[str, dict[str, Any]]) -> list[str]:
             ("evaluate@sft", "held-out loss (lower is better)", "loss", "loss_ci95", "loss_gain", "loss_gain_ci95")]:
         if stage in m:
             s = m[stage]
-            rows.append(f"| {stage} | {label} | {s['base'][value]} +/- {s['base'][ci]} | {s['trained'][value]} +/- "
-                        f"{s['trained'][ci]} | {s['gain'][gain]} +/- {s['gain'][gain_ci]} |")
-    return ["| stage | score | base (95%) | trained (95%) | gain (95%) |", "| --- | --- | --- | --- | --- |", *rows]
+            rows.append(" | ".join([
+                f"| {stage}", label, *(cell(s.get(who), value, ci) for who in ("base", "warmup", "trained")),
+                *(cell(s.get(which), gain, gain_ci) for which in ("gain", "warmup_gain", "grpo_gain"))]) + " |")
+    return ["| stage | score | base | warm-up | trained | gain: trained - base | warm-up - base | GRPO - warm-up |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |", *rows]
 
 
 def write(out: Path, root: Path = ROOT, timings: Path | None = None) -> Path:
@@ -218,7 +234,9 @@ def write(out: Path, root: Path = ROOT, timings: Path | None = None) -> Path:
         "README.md's figures come from here.", "",
         HEADLINES, "", *[f"- `{stage}`: {text}" for stage, text in headlines(m).items()], "",
         "## Curves", "", *pictures, "",
-        "## Scores against the base model", "", *scores(m), "",
+        "## Scores against the base model", "",
+        "Every model of a branch is scored on the same held-out problems; a gain and its 95% interval are those "
+        "of the per-problem differences (scores/<branch>/).", "", *scores(m), "",
         "## Stage times", "",
         "Wall time of each stage on the machine that ran it (work/timings.jsonl: not DVC outputs, they differ run "
         "to run).", "",
