@@ -120,7 +120,7 @@ def test_a_twin_size_reruns_the_generator_and_what_reads_the_size(pipeline_repo)
         dvc(pipeline_repo, "repro", "configure")
         stale = dvc(pipeline_repo, "status", "--json").stdout.strip().splitlines()[-1]
         assert set(yaml.safe_load(stale)) == {"make_embedded", "to_maxtext@rl", "train_sft@rl", "train_rl",
-                                              "to_huggingface@rl"}, stale
+                                              "to_huggingface@rl", "evaluate_warmup"}, stale  # it exports too
     finally:
         restore(pipeline_repo)
 

@@ -25,7 +25,7 @@ import pytest
 
 from mtpipe.data import embedded
 from mtpipe.evaluation import gsm8k, heldout, numpy_forward, serving
-from mtpipe.pipeline import metrics
+from mtpipe.pipeline import stats
 import families
 
 pytestmark = pytest.mark.evaluate_publish
@@ -140,7 +140,11 @@ import os, sys, time
 from pathlib import Path
 from mtpipe.evaluation import serving
 port = serving.free_port()
-with serving.serving(serving.server_command("cpu", Path(sys.argv[1]), port, None), port, Path(sys.argv[2]), 600):
+if sys.argv[1] == "cpu":
+    command = serving.server_command("cpu", Path(sys.argv[2]), port, None)
+else:  # a server that knows nothing of its stage, as vLLM's: static files, one of them `health`
+    command = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", sys.argv[2]]
+with serving.serving(command, port, Path(sys.argv[3]), 600):
     print("serving", flush=True)
     time.sleep(600)
 """
@@ -166,11 +170,18 @@ def running(pid: int) -> bool:
         return False
 
 
+@pytest.mark.address
+@pytest.mark.parametrize("server", ["cpu", "unwatched"])
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
-def test_a_killed_stage_leaves_no_model_server_behind(data, tmp_path, signum):
+def test_a_killed_stage_leaves_no_model_server_behind(data, tmp_path, signum, server):
     """The server runs in a session of its own, out of reach of a signal to the stage's process group:
-    a stage stopped by SIGTERM stops it, and one killed by SIGKILL leaves it to end itself."""
-    stage = subprocess.Popen([sys.executable, "-c", STAGE, str(data["llama"]), str(tmp_path / "server.log")],
+    a stage stopped by SIGTERM stops it; one killed by SIGKILL cannot, and the kernel ends the server
+    (its parent-death signal), also one that does not watch its parent itself, as vLLM's does not."""
+    served = data["llama"] if server == "cpu" else tmp_path / "static"
+    if server == "unwatched":
+        served.mkdir()
+        (served / "health").write_text("ok")
+    stage = subprocess.Popen([sys.executable, "-c", STAGE, server, str(served), str(tmp_path / "server.log")],
                              stdout=subprocess.PIPE, text=True)
     servers: list[int] = []
     try:
@@ -211,7 +222,7 @@ def test_gsm8k_through_lm_eval_on_the_pinned_files(data, llama_server, tmp_path,
     for name in gsm8k.FILTERS:
         p = sum(r[name] for r in rows) / 12
         assert result[f"{name}_accuracy"] == pytest.approx(100 * p, abs=0.01)
-        assert result[f"{name}_ci95"] == pytest.approx(100 * metrics.Z95 * (p * (1 - p) / 11) ** 0.5, abs=0.01)
+        assert result[f"{name}_ci95"] == pytest.approx(100 * stats.Z95 * (p * (1 - p) / 11) ** 0.5, abs=0.01)
 
 
 @pytest.mark.scores
@@ -253,8 +264,8 @@ def test_gain_is_the_paired_difference_with_its_interval():
     diffs = [0] * 30 + [1] * 10 + [0] * 60
     sd = np.std(diffs, ddof=1)
     assert out["flexible_gain"] == 10.0
-    assert out["flexible_gain_ci95"] == pytest.approx(100 * metrics.Z95 * sd / 10, abs=0.01)
-    unpaired = 100 * metrics.Z95 * np.hypot(*(np.std(x, ddof=1) / 10 for x in ([1] * 30 + [0] * 70, [1] * 40 + [0] * 60)))
+    assert out["flexible_gain_ci95"] == pytest.approx(100 * stats.Z95 * sd / 10, abs=0.01)
+    unpaired = 100 * stats.Z95 * np.hypot(*(np.std(x, ddof=1) / 10 for x in ([1] * 30 + [0] * 70, [1] * 40 + [0] * 60)))
     assert out["flexible_gain_ci95"] < unpaired / 1.5
     assert out["strict_gain"] == 0.0 and out["strict_gain_ci95"] == 0.0
     with pytest.raises(ValueError, match="same test split and evaluate.num_problems"):

@@ -115,6 +115,28 @@ def test_what_messages_depend_on_still_counts(old, new):
     assert fp(MESSAGES.replace(old, new)) != fp(MESSAGES)
 
 
+@pytest.mark.address
+@pytest.mark.parametrize("helper", ["add", "append", "get"])
+def test_a_method_named_like_a_message_helper_is_not_message_text(helper):
+    """A module whose message helper is named like a common method: the helper's text is wording, the
+    same name called as a method (a set's add, a list's append, a dict's get) computes a result."""
+    source = f'''from mtpipe.errors import ConfigError
+
+
+def check(cfg, errors, seen, table):
+    def {helper}(key, problem):
+        errors.append(ConfigError(key, problem, "fix it"))
+
+    if cfg.backend in seen:
+        {helper}("backend", "is listed twice")
+    seen.{helper}("xpk")
+    return table.{helper}("local")
+'''
+    assert fp(source.replace('"is listed twice"', '"appears twice"')) == fp(source)
+    assert fp(source.replace(f'seen.{helper}("xpk")', f'seen.{helper}("local")')) != fp(source)
+    assert fp(source.replace(f'table.{helper}("local")', f'table.{helper}("xpk")')) != fp(source)
+
+
 def test_an_exit_status_is_not_a_message():
     """``sys.exit(main())`` passes main's result on: main is not wording."""
     source = "import sys\n\ndef main():\n    return 1\n\nsys.exit(main())\n"

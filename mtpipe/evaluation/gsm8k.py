@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from mtpipe.pipeline.metrics import mean_ci
+from mtpipe.pipeline.stats import mean_ci
 
 TASKS = ("gsm8k_cot_llama", "gsm8k_rl_format")
 FILTERS = {"flexible": "flexible-extract", "strict": "strict-match"}

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from mtpipe.pipeline.metrics import mean_ci
+from mtpipe.pipeline.stats import mean_ci
 from mtpipe.evaluation.serving import SERVED_NAME, open_loopback
 
 

@@ -11,11 +11,13 @@ log-probabilities for the held-out loss) and stops it. Only the server differs:
 The server runs in a session of its own (so that stopping it stops its workers too), which a signal to
 the stage's process group does not reach. So the stage stops it when the scoring ends, fails, or is
 interrupted (Ctrl-C, SIGTERM, SIGHUP); a stage killed outright (SIGKILL, a lost SSH session) cannot,
-and the CPU server then ends itself: it watches its parent (``--parent-pid``).
+and the kernel then sends the server SIGTERM (``PR_SET_PDEATHSIG``, Linux): vLLM's server as ours,
+which also watches its parent (``--parent-pid``) where there is no such signal.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -25,7 +27,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
@@ -36,6 +38,7 @@ SERVED_NAME = "mtpipe"
 # global opener keeps the proxies of the environment it was first used in, so one use while a
 # proxy was set (without NO_PROXY later) sent every later loopback request to that proxy.
 _LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent ends
 
 
 def open_loopback(request: str | urllib.request.Request, timeout: float) -> Any:
@@ -73,7 +76,7 @@ def serving(command: list[str], port: int, log: Path, timeout_s: float) -> Itera
     with _signals_raise():
         with open(log, "wb") as out:
             proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    env=env, start_new_session=True)
+                                    env=env, start_new_session=True, preexec_fn=_ended_with(os.getpid()))
         try:
             deadline = time.monotonic() + timeout_s
             while not _healthy(port):
@@ -93,6 +96,21 @@ def serving(command: list[str], port: int, log: Path, timeout_s: float) -> Itera
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
+
+
+def _ended_with(stage_pid: int) -> Callable[[], None] | None:
+    """What the server's process runs before its command (Linux): the kernel sends it SIGTERM when the
+    stage's process ends, however it ends (SIGKILL included), as vLLM's server gets no other word of it;
+    a stage already gone by then ends it at once. None elsewhere (the CPU server watches its parent)."""
+    if not sys.platform.startswith("linux"):
+        return None
+
+    def set_parent_death_signal() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != stage_pid:
+            os._exit(1)
+
+    return set_parent_death_signal
 
 
 def _exit_on_signal(signum: int, _frame: FrameType | None) -> None:

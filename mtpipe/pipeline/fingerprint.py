@@ -128,13 +128,14 @@ def _is_message_call(node: ast.AST, helpers: frozenset[str]) -> bool:
     name = _called_name(node)
     if name == "exit" or name.endswith("Exit"):  # sys.exit(main()) passes a status, not a message
         return bool(node.args) and _is_text(node.args[0])
-    return name.endswith(MESSAGE_SUFFIXES) or name in MESSAGE_CALLS or name in helpers
+    # a helper is called by its bare name: `seen.add("xpk")` is a set's method, not the module's `add`
+    return name.endswith(MESSAGE_SUFFIXES) or name in MESSAGE_CALLS or name in helpers and isinstance(node.func, ast.Name)
 
 
 def _message_helpers(tree: ast.Module) -> frozenset[str]:
     """Functions whose one statement (docstring aside) raises or collects a message, like the schema's
-    ``add(key, problem, fix)``: ``errors.append(ConfigError(key, problem, fix))``. Calls to them are
-    message calls too."""
+    ``add(key, problem, fix)``: ``errors.append(ConfigError(key, problem, fix))``. Calls to them by
+    their bare name are message calls too; a method of the same name (``seen.add(...)``) is not."""
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):

@@ -8,6 +8,8 @@ import math
 import re
 from pathlib import Path
 
+from mtpipe.pipeline.stats import mean_ci
+
 LOSS = "learning/loss"
 EVAL_LOSS = "eval/avg_loss"
 TOKENS_PER_S = "perf/per_device_tokens_per_sec"
@@ -108,19 +110,6 @@ EVAL_SAMPLES_LINE = "mtpipe eval: right samples per prompt:"
 # an eval's per-prompt counts, then any eval's summary line (pre, post, intermediate)
 RL_EVAL_EVENTS = re.compile(re.escape(EVAL_SAMPLES_LINE) + r" ([\d/ ]*)$|(Pre|Post) RL Training: |Intermediate Eval",
                             re.MULTILINE)
-Z95 = 1.959964  # two-sided 95% normal quantile
-
-
-def mean_ci(values: list[float]) -> tuple[float, float, float]:
-    """(mean, 95% interval half-width, standard error) of ``values``, the error from their spread (sample
-    variance). Of one model's per-problem results: its score's interval; of two models' per-problem
-    differences on the same problems: the paired interval of the gain, narrower than one from the two
-    scores' own errors by what the problems they share explain."""
-    n, mean = len(values), sum(values) / len(values)
-    se = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n) if n > 1 else 0.0
-    return mean, Z95 * se, se
-
-
 PASS_AT_K = (1, 2, 4, 8)
 RL_CURVES = {  # plot column -> tensorboard tag
     "reward_mean": "rewards/train/mean",
