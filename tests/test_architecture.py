@@ -105,3 +105,28 @@ def test_every_fake_lives_in_tests_fakes():
                       for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
                       and any(ast.unparse(base).endswith(("Server", "RequestHandler")) for base in node.bases)]
     assert not misplaced, "fakes outside tests/fakes/:\n" + "\n".join(misplaced)
+
+
+# The project's own environment variables: each says where or how patiently something runs, or how to
+# reach a service, never what a stage computes (that is a config key, in the stage's address).
+OPERATIONAL_ENV = {
+    "MTPIPE_WORK_DIR": "where local run directories live",
+    "MTPIPE_WORK_BUCKET": "the bucket run directories live in (docs/decisions.md, 'Training state in a work bucket')",
+    "MTPIPE_WORK_BUCKET_KEEP": "keep the bucket's run directory after success",
+    "MTPIPE_STOP_TIMEOUT_S": "how long a stopped tool may take to save before it is killed",
+    "MTPIPE_HOLD_AFTER_STEP": "the tests' hold after a step, to kill a run at a known point",
+    "MTPIPE_VM_CONFIG": "which VM config file",
+    "MTPIPE_COMPUTE_ENDPOINT": "the Compute API's address (the tests' fake)",
+    "MTPIPE_IAM_ENDPOINT": "the IAM API's address (the tests' fake)",
+    "MTPIPE_NOTIFY_URL": "where run notifications go",
+    "MTPIPE_XPK": "the xpk executable",
+}
+
+
+@pytest.mark.address
+def test_no_environment_variable_of_ours_changes_what_a_stage_computes():
+    """Every MTPIPE_* variable the code names is declared above with what it is for: a switch that
+    changed a result would be in no stage's address, so it has to be a config key instead."""
+    named = {m for path in [*(ROOT / "mtpipe").rglob("*.py"), *(ROOT / "stages").glob("*.py")]
+             for m in re.findall(r"\bMTPIPE_[A-Z0-9_]+\b", path.read_text())}
+    assert named == set(OPERATIONAL_ENV), f"undeclared: {named - set(OPERATIONAL_ENV)}, gone: {set(OPERATIONAL_ENV) - named}"

@@ -76,3 +76,15 @@ def test_a_value_split_from_set_is_refused_with_the_form_that_works(tmp_path: Pa
     assert proc.returncode != 0
     assert "doit took `steps=2000 sft.preset=embedded-sft` off the command line" in proc.stderr, proc.stderr
     assert "--set=KEY=VALUE (e.g. --set=steps=2000)" in proc.stderr
+
+
+@pytest.mark.first_hour
+def test_a_documented_run_with_settings_names_the_tutorial_and_the_target():
+    """A `doit vm_run --set=...` in the docs that names no preset would train the tiny embedded default,
+    both branches, on the paid TPU: every such command sets a branch's preset and a target stage."""
+    runs = [(source, line) for source, line in LINES if line.startswith("doit vm_run") and "--set=" in line]
+    assert runs, "no documented vm_run with --set"
+    for source, line in runs:
+        values = parse(line)
+        assert any(v.split("=")[0] in ("sft.preset", "rl.preset") for v in values["set"]), (source, line)
+        assert values["target"], (source, line)

@@ -138,6 +138,45 @@ def test_each_eval_logs_how_many_samples_of_each_prompt_maxtext_scored_right(eva
     assert counts == {"pre": [(2, 4), (1, 4)]}, run.stderr[-3000:]
 
 
+@pytest.mark.address
+def test_a_resumed_run_reports_its_first_eval_before_grpo(tmp_path, monkeypatch):
+    """Patch 16: the first process of a run evaluates and saves the result in the run directory; a
+    later process of the same run (a resume) returns that record and logs its counts line, and its
+    own evaluate is never called; the process's next evals (after GRPO) run as before."""
+    import multiprocessing.pool  # noqa: F401  (MaxText's evaluate_rl needs it imported first)
+    from types import SimpleNamespace
+
+    from maxtext.trainers.post_train.rl import evaluate_rl
+
+    from mtpipe.maxtext import maxtext_adapter
+
+    calls = []
+
+    def fake_evaluate(cfg, dataset, rl_cluster, **kwargs):
+        calls.append(dataset)
+        return (len(calls), 4, 25.0 * len(calls), 50.0, 100.0, 0.5), ["responses"]
+
+    cfg = SimpleNamespace(base_output_directory=str(tmp_path / "train_rl"), run_name="train_rl-abc")
+
+    def new_process():
+        monkeypatch.setattr(evaluate_rl, "evaluate", fake_evaluate)
+        monkeypatch.setattr(evaluate_rl, "score_responses", evaluate_rl.score_responses)
+        maxtext_adapter.log_right_samples_per_prompt()
+        maxtext_adapter.keep_the_first_pre_eval()
+        return evaluate_rl.evaluate
+
+    first = new_process()
+    assert first(cfg, "pre", None) == ((1, 4, 25.0, 50.0, 100.0, 0.5), ["responses"])
+    assert first(cfg, "post", None)[0][0] == 2
+    saved = tmp_path / "train_rl" / "train_rl-abc" / maxtext_adapter.PRE_EVAL_FILE
+    assert json.loads(saved.read_text())["counts_line"].startswith(maxtext_adapter.EVAL_SAMPLES_LINE)
+
+    resumed = new_process()
+    assert resumed(cfg, "pre", None) == ((1, 4, 25.0, 50.0, 100.0, 0.5), [])  # the first process's
+    assert calls == ["pre", "post"], "the resumed process evaluated before GRPO again"
+    assert resumed(cfg, "post", None)[0][0] == 3 and calls[-1] == "post"
+
+
 # ----------------------------------------------------------------------------- the real run
 
 REWARDS_PY = '''

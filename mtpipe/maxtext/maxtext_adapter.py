@@ -68,6 +68,12 @@ For ``maxtext.trainers.post_train.rl.train_rl``:
     how many of each prompt's samples were right (``EVAL_SAMPLES_LINE``); the scores are MaxText's
     own (``evaluate_rl.score_responses``), and what the eval returns is unchanged.
     ``mtpipe.pipeline.metrics.rl_eval`` turns the counts into pass@k.
+16. ``keep_the_first_pre_eval`` (monkeypatch): train_rl evaluates the policy before GRPO in every
+    process it starts, so a resumed run scored the restored actor, not the warm-up, as "before GRPO".
+    The first eval of a run now saves its result and per-prompt counts in the run directory (local or
+    bucket, ``PRE_EVAL_FILE``), and the first eval of a resumed process returns and logs that record
+    instead of evaluating (no rollouts spent on it). The rollout's eval passes repeat modulo
+    ``num_eval_passes``, so the eval after GRPO draws what the uninterrupted run's drew.
 13. ``grade_without_polling`` (monkeypatch): MaxText's math-verify pool polls its jobs and sleeps
     0.1 s between polls, so every grading call took at least 0.1 s however fast its answers were
     graded: 0.1-0.3 s of each GRPO step, and at least 77 s of each embedded eval, whose reward is
@@ -124,6 +130,7 @@ STOPPED_STATUS = 128 + signal.SIGTERM  # the exit status of a run that SIGTERM s
 # Patch 12's log line; mtpipe.pipeline.metrics parses it (its own copy: an import would make every stage
 # that launches MaxText depend on metrics.py's code; tests/test_metrics.py checks the two are equal)
 EVAL_SAMPLES_LINE = "mtpipe eval: right samples per prompt:"
+PRE_EVAL_FILE = "mtpipe_pre_eval.json"  # patch 16's record of a run's first eval, in its run directory
 
 # transformers in-memory name prefix -> on-disk (legacy) prefix, for Gemma3ForConditionalGeneration.
 GEMMA3_LEGACY_PREFIXES = (
@@ -554,10 +561,42 @@ def log_right_samples_per_prompt() -> None:
     def evaluate_and_log(*args: Any, **kwargs: Any) -> tuple:
         counts.clear()
         result = evaluate(*args, **kwargs)
-        max_logging.warning(f"{EVAL_SAMPLES_LINE} {' '.join(counts)}")
+        evaluate_and_log.counts_line = f"{EVAL_SAMPLES_LINE} {' '.join(counts)}"
+        max_logging.warning(evaluate_and_log.counts_line)
         return result
 
     evaluate_rl.score_responses, evaluate_rl.evaluate = score_and_count, evaluate_and_log
+
+
+def keep_the_first_pre_eval() -> None:
+    """Patch 16: a run's eval before GRPO is its first process's, however often the run resumed.
+
+    Applied after patch 12 (whose counts line it saves) and before train_rl is imported."""
+    import fsspec
+    from maxtext.trainers.post_train.rl import evaluate_rl
+    from maxtext.utils import max_logging
+
+    evaluate, calls = evaluate_rl.evaluate, []
+
+    def first_eval_of_the_run(tmvp_config: Any, *args: Any, **kwargs: Any) -> tuple:
+        calls.append(1)
+        if len(calls) > 1:
+            return evaluate(tmvp_config, *args, **kwargs)
+        url = f"{tmvp_config.base_output_directory}/{tmvp_config.run_name}/{PRE_EVAL_FILE}"
+        fs, path = fsspec.core.url_to_fs(url)
+        if fs.exists(path):
+            saved = json.loads(fs.cat_file(path))
+            max_logging.warning(f"mtpipe: the eval before GRPO is this run's first, saved in {url}")
+            max_logging.warning(saved["counts_line"])
+            return tuple(saved["result"]), []
+        result, responses = evaluate(tmvp_config, *args, **kwargs)
+        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        record = {"result": list(result), "counts_line": getattr(evaluate, "counts_line", "")}
+        fs.pipe_file(f"{path}.partial", json.dumps(record).encode())
+        fs.mv(f"{path}.partial", path)
+        return result, responses
+
+    evaluate_rl.evaluate = first_eval_of_the_run
 
 
 def grade_without_polling() -> None:
@@ -692,6 +731,7 @@ def apply(module: str, argv: list[str]) -> Callable[[], None]:
     elif module in TRAINERS:
         hold_after_checkpoint(hold_after_step())
         log_right_samples_per_prompt()
+        keep_the_first_pre_eval()
         grade_without_polling()
     if module in TRAINERS:
         return release_input_pipeline

@@ -33,8 +33,8 @@ saw the steps before its checkpoint (a prompt that recurs in training, an eval p
 
 Two decoders give the same tokens (tests/test_rollout_cpu.py): MaxText's own KV cache (prefill,
 then one autoregressive step per token; the default), and a full forward over a fixed
-[B, prompt + new] buffer per token (used when the cache does not fit, or with
-MTPIPE_ROLLOUT_KV_CACHE=0).
+[B, prompt + new] buffer per token (used when the cache does not fit; tests ask for it with
+`kv_cache=False`). No environment variable picks one: what a stage runs is in its address.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-import os
 import sys
 import time
 import types
@@ -62,7 +61,6 @@ from tunix.rl.rollout import base_rollout
 PARENT_PACKAGE = "maxtext.integration.vllm"
 ROLLOUT_MODULE = "maxtext.integration.vllm.maxtext_vllm_rollout"
 ADAPTER_MODULE = "maxtext.integration.vllm.maxtext_vllm_adapter"
-KV_CACHE_ENV = "MTPIPE_ROLLOUT_KV_CACHE"  # "0" switches to the full-forward decoder
 # The KV cache in attention's own axis order (batch, length, heads, head dim). MaxText's default, "1,2,0,3"
 # (a TPU layout), made every decode step transpose the whole cache back: 20% of the rollout here.
 CACHE_AXIS_ORDER = "0,1,2,3"
@@ -195,7 +193,7 @@ class CpuJaxRollout(base_rollout.BaseRollout):
       rollout_config: base_rollout.RolloutConfig,
       maxtext_config: Any = None,
       cache_config_or_size: Any = None,
-      kv_cache: Optional[bool] = None,
+      kv_cache: bool = True,
   ):  # pylint: disable=super-init-not-called,too-many-positional-arguments
     del cache_config_or_size
     self._model = rollout_actor  # train_rl's rollout model IS the actor: always the current weights
@@ -206,7 +204,7 @@ class CpuJaxRollout(base_rollout.BaseRollout):
     # trainer's prompt length too, so eval shapes equal train shapes and nothing is cut.
     self._min_prompt_length = int(getattr(maxtext_config, "max_prefill_predict_length", 0) or 0)
     self._train_temperature = rollout_config.temperature
-    self.kv_cache = os.environ.get(KV_CACHE_ENV, "1") != "0" if kv_cache is None else kv_cache
+    self.kv_cache = kv_cache
     self._cache_models: dict[int, _CacheModel] = {}  # by rollout rows: MaxText's cache has a fixed batch
     self._jit_cache: dict[tuple, Any] = {}
     # One seed for the run: MaxText's data_shuffle_seed orders the prompts and, here, seeds sampling.
