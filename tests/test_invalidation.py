@@ -72,9 +72,10 @@ def edit(path, old: str, new: str) -> None:
 def test_a_tool_version_reruns_exactly_the_stages_that_run_it(pipeline_repo):
     """A new tensorstore (Orbax's storage layer) in requirements.lock: configure reruns, then exactly
     the stages that run MaxText are stale, the generator of the embedded default included (it reads
-    MaxText's model tables, and a stage's tools are its packages' whole requirement closure, and the
-    warm-up's evaluation, which exports it with MaxText); the downloads and the other evaluations,
-    which never load MaxText, are not."""
+    MaxText's model tables, and a stage's tools are its packages' whole requirement closure), the
+    warm-up's evaluation, which exports it with MaxText, and the RL branch's other evaluations, whose
+    task is train_rl's format, read from MaxText's rl.yml; the downloads and the SFT branch's
+    evaluations, which never load MaxText, are not."""
     lock = pipeline_repo / "requirements.lock"
     try:
         version = lock_pins(lock.read_text())["tensorstore"]
@@ -82,7 +83,8 @@ def test_a_tool_version_reruns_exactly_the_stages_that_run_it(pipeline_repo):
         assert stale(pipeline_repo) == {"configure"}
         dvc(pipeline_repo, "repro", "configure")
         assert stale(pipeline_repo) == {f"{stage}@{branch}" for stage in ("to_maxtext", "train_sft", "to_huggingface")
-                                        for branch in ("sft", "rl")} | {"train_rl", "make_embedded", "evaluate_warmup"}
+                                        for branch in ("sft", "rl")} | {"train_rl", "make_embedded", "evaluate_warmup",
+                                                                         "evaluate_base@rl", "evaluate@rl"}
     finally:
         restore(pipeline_repo)
 

@@ -44,6 +44,8 @@ BACKEND_MODULES: dict[str, dict[str, tuple[str, ...]]] = {
     "hardware.backend": {"xpk": ("mtpipe/cloud/xpk.py",)},
     "train_rl.rollout_backend": {"cpu_jax": ("mtpipe/maxtext/launch_rl_cpu.py",)},
     "evaluate.backend": {"cpu": ("mtpipe/evaluation/server.py",)},
+    # the task in train_rl's format reads MaxText's rl.yml template (so MaxText is among its tools)
+    "evaluate.task": {"gsm8k_rl_format": ("mtpipe/data/gsm8k_chat.py",)},
 }
 MESSAGE = ast.Constant("<message>")
 
