@@ -108,8 +108,10 @@ def test_every_resolved_view_is_produced_and_consumed_and_the_run_keys_by_no_sta
     ("train_sft", {"hardware.backend": "local"}, {"mtpipe/cloud/xpk.py", "mtpipe/cloud/image.py"}),
     ("train_rl", {"hardware.backend": "local", "train_rl.rollout_backend": "vllm"},
      {"mtpipe/cloud/xpk.py", "mtpipe/cloud/image.py", "mtpipe/maxtext/launch_rl_cpu.py", "mtpipe/maxtext/rollout_cpu.py"}),
-    ("evaluate", {"evaluate.backend": "vllm"}, {"mtpipe/evaluation/server.py", "mtpipe/evaluation/numpy_forward.py"}),
-], ids=["local_training", "vllm_rollouts", "vllm_server"])
+    ("evaluate", {"evaluate.backend": "vllm", "evaluate.task": "gsm8k_rl_format"},
+     {"mtpipe/evaluation/server.py", "mtpipe/evaluation/numpy_forward.py"}),
+    ("evaluate", {"evaluate.backend": "cpu", "evaluate.task": "gsm8k_cot_llama"}, {"mtpipe/data/gsm8k_chat.py"}),
+], ids=["local_training", "vllm_rollouts", "vllm_server", "lm_eval_task"])
 def test_only_the_backend_in_use_is_in_a_stages_code(stage, backends, left_out):
     """A backend's modules (and what only they import) are in the code of a stage whose view selects
     that backend, and only there: a GKE-only edit does not rerun CPU training."""
