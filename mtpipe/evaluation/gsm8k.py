@@ -57,32 +57,37 @@ def _offline(cache: Path) -> Iterator[None]:
                 os.environ[key] = value
 
 
+def upstream_task_file() -> Path:
+    """lm-eval's own gsm8k-cot-llama.yaml, in the installed lm-eval."""
+    import lm_eval
+
+    return Path(lm_eval.__file__).parent / "tasks" / "gsm8k" / "gsm8k-cot-llama.yaml"
+
+
 def rl_format_task(test_files: list[Path]) -> dict[str, Any]:
     """``gsm8k_rl_format``: train_rl's prompt (rl.yml's template, as the warm-up and GRPO see it) and
-    its answer, the number inside ``<answer>``; lm-eval's GSM8K target and exact-match normalisation."""
+    its answer, the number inside ``<answer>``; lm-eval's GSM8K target, flexible extraction and
+    exact-match normalisation, taken from its gsm8k_cot_llama task."""
     from mtpipe.data.gsm8k_chat import rl_prompt_format
 
     template, tokens = rl_prompt_format()
+    upstream = yaml.safe_load(upstream_task_file().read_text())
+    flexible = next(f for f in upstream["filter_list"] if f["name"] == FILTERS["flexible"])
     answer = re.escape(tokens["solution_start_token"])
     return {
         "task": "gsm8k_rl_format", "output_type": "generate_until", "test_split": "test",
         "dataset_path": "parquet", "dataset_name": None,
         "dataset_kwargs": {"data_files": {"test": [str(f) for f in sorted(test_files)]}},
         "doc_to_text": template.replace("{question}", "{{question}}"),
-        "doc_to_target": "{{answer.split('####')[-1].strip()}}", "target_delimiter": "",
+        "doc_to_target": upstream["doc_to_target"], "target_delimiter": "",
         "generation_kwargs": {"do_sample": False, "until": [tokens["solution_end_token"]]},
         "filter_list": [
             {"name": FILTERS["strict"], "filter": [
                 {"function": "regex", "regex_pattern": answer + r"\s*(-?[$0-9.,]+)", "group_select": 0},
                 {"function": "take_first"}]},
-            {"name": FILTERS["flexible"], "filter": [
-                {"function": "regex", "regex_pattern": r"(-?[$0-9.,]{2,})|(-?[0-9]+)", "group_select": -1},
-                {"function": "take_first"}]},
+            flexible,
         ],
-        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
-                         "ignore_case": True, "ignore_punctuation": False,
-                         "regexes_to_ignore": [",", r"\$", r"(?s).*#### ", r"\.$"]}],
-        "repeats": 1, "num_fewshot": 0, "metadata": {"version": 1.0},
+        "metric_list": upstream["metric_list"], "repeats": 1, "num_fewshot": 0, "metadata": {"version": 1.0},
     }  # fmt: skip
 
 
@@ -92,9 +97,7 @@ def write_task(task: str, test_files: list[Path], task_dir: Path) -> str:
     if task == "gsm8k_rl_format":
         (task_dir / f"{task}.yaml").write_text(yaml.safe_dump(rl_format_task(test_files), sort_keys=False))
         return task
-    import lm_eval
-
-    upstream = Path(lm_eval.__file__).parent / "tasks" / "gsm8k" / "gsm8k-cot-llama.yaml"
+    upstream = upstream_task_file()
     local = f"{task}_pinned"
     files = "\n".join(f"      - {f}" for f in sorted(test_files))
     (task_dir / f"{local}.yaml").write_text(
