@@ -1,6 +1,9 @@
 """Stage make_embedded: the embedded default (tiny models, tokenizers, datasets) into embedded/.
 
 Deterministic and offline (see mtpipe/data/embedded.py): writes <out>.partial, then renames it to <out>.
+Then, per branch, artifacts/<branch>/source.json beside <out>: the sha256 of each file of the directories its
+hf_download copies (the view's ``sources``), so a branch's download reruns when its own twin or dataset
+changes and not when another does.
 Run: dvc repro make_embedded   (or: python -m stages.make_embedded embedded)
 """
 
@@ -9,8 +12,8 @@ from pathlib import Path
 
 from mtpipe.data import embedded
 from mtpipe.errors import ConfigError
-from mtpipe.pipeline.config import load_stage
-from mtpipe.pipeline.stage import Timer, atomic_dir, run_stage
+from mtpipe.pipeline.config import EMBEDDED_DIR, load_stage
+from mtpipe.pipeline.stage import Timer, atomic_dir, run_stage, source_manifest, tree_sha256, write_json
 
 
 def main(out: str) -> None:
@@ -21,6 +24,11 @@ def main(out: str) -> None:
     timer = Timer()
     with atomic_dir(Path(out)) as partial:
         embedded.write_all(partial)
+        manifests = {branch: {role: tree_sha256(partial / Path(path).relative_to(EMBEDDED_DIR))
+                              for role, path in sources.items()}
+                     for branch, sources in cfg.sources.items()}
+    for branch, manifest in manifests.items():
+        write_json(source_manifest(branch, root=Path(out).parent), manifest)
     print(f"  wrote {', '.join(embedded.WRITERS)} into {out} in {timer.seconds()} s")
 
 

@@ -126,6 +126,32 @@ def test_a_twin_size_reruns_the_generator_and_what_reads_the_size(pipeline_repo)
 
 
 @pytest.mark.slow
+@pytest.mark.address
+def test_a_twin_no_branch_uses_is_in_no_branchs_address(pipeline_repo):
+    """A download depends on its own twin and dataset (artifacts/<branch>/source.json, written by
+    make_embedded), not on all of embedded/: resizing a twin no branch uses, or adding a family's twin,
+    reruns configure and make_embedded and leaves every branch's stages up to date."""
+    added = pipeline_repo / "conf" / "model" / "llama3.1b-tiny.yaml"
+    try:
+        edit(pipeline_repo / "conf" / "model" / "qwen3-tiny.yaml", "base_mlp_dim: 256", "base_mlp_dim: 128")
+        ran = reproduced_stages(dvc(pipeline_repo, "repro", "make_embedded").stdout)
+        assert ran == {"configure", "make_embedded"}, ran
+        assert dvc(pipeline_repo, "status", "--json").stdout.strip().splitlines()[-1] == "{}"
+
+        added.write_text((pipeline_repo / "conf" / "model" / "llama3.1-tiny.yaml").read_text()
+                         .replace("embedded/llama3.1-tiny", "embedded/llama3.1b-tiny"))
+        edit(pipeline_repo / "mtpipe" / "data" / "embedded.py", "\n# The twins' MaxText model and sizes",
+             '\nFAMILIES["llama3.1b-tiny"] = FAMILIES["llama3.1-tiny"]\n\n# The twins\' MaxText model and sizes')
+        ran = reproduced_stages(dvc(pipeline_repo, "repro", "make_embedded").stdout)
+        assert ran == {"configure", "make_embedded"}, ran
+        assert (pipeline_repo / "embedded" / "llama3.1b-tiny" / "config.json").is_file()
+        assert dvc(pipeline_repo, "status", "--json").stdout.strip().splitlines()[-1] == "{}"
+    finally:
+        added.unlink(missing_ok=True)
+        restore(pipeline_repo)
+
+
+@pytest.mark.slow
 def test_checkpoint_period_reruns_the_training_and_nothing_after_it(pipeline_repo):
     """Other checkpoint periods train the same model: the params are the same bytes, so the export and
     the evaluation are not run again. The run directory is another one (the recipe moved)."""

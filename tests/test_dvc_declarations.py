@@ -62,14 +62,14 @@ def test_code_is_fingerprinted_not_declared(name):
 @pytest.mark.parametrize("script_name", sorted({n.split("@")[0] for n in STAGES}))
 def test_fingerprinted_modules_are_exactly_the_imported_ones(script_name):
     """The modules in a stage's fingerprints are what Python's ModuleFinder says the stage script
-    imports, plus the child processes it starts (`python -m mtpipe.maxtext.launch`, for train_rl
-    on CPU `python -m mtpipe.maxtext.launch_rl_cpu`, for the evaluations `python -m mtpipe.evaluation.server`;
-    evaluate_warmup exports the warm-up with MaxText, then serves it)."""
+    imports, plus the child processes it can start (`python -m mtpipe.maxtext.launch`, or for GRPO
+    on CPU `python -m mtpipe.maxtext.launch_rl_cpu`: MaxTextCommand's launchers; for the evaluations
+    `python -m mtpipe.evaluation.server`; evaluate_warmup exports the warm-up with MaxText, then serves
+    it). Every backend counts here; the view's backends narrow it (the test below)."""
     expected = {f"stages/{script_name}.py"} | project_modules(ROOT / "stages" / f"{script_name}.py")
     if script_name in MAXTEXT_STAGES:
-        expected |= project_modules(ROOT / "mtpipe" / "maxtext" / "launch.py") | {"mtpipe/maxtext/launch.py"}
-    if script_name == "train_rl":
-        expected |= project_modules(ROOT / "mtpipe" / "maxtext" / "launch_rl_cpu.py") | {"mtpipe/maxtext/launch_rl_cpu.py"}
+        for launcher in ("launch", "launch_rl_cpu"):
+            expected |= project_modules(ROOT / "mtpipe" / "maxtext" / f"{launcher}.py") | {f"mtpipe/maxtext/{launcher}.py"}
     if script_name in ("evaluate_base", "evaluate_warmup", "evaluate"):  # the CPU model server, `python -m mtpipe.evaluation.server`
         expected |= project_modules(ROOT / "mtpipe" / "evaluation" / "server.py") | {"mtpipe/evaluation/server.py"}
     found = set(fingerprint.stage_modules(script_name))
@@ -105,7 +105,8 @@ def test_every_resolved_view_is_produced_and_consumed_and_the_run_keys_by_no_sta
 
 @pytest.mark.architecture
 @pytest.mark.parametrize(("stage", "backends", "left_out"), [
-    ("train_sft", {"hardware.backend": "local"}, {"mtpipe/cloud/xpk.py", "mtpipe/cloud/image.py"}),
+    ("train_sft", {"hardware.backend": "local"}, {"mtpipe/cloud/xpk.py", "mtpipe/cloud/image.py",
+                                                  "mtpipe/maxtext/launch_rl_cpu.py", "mtpipe/maxtext/rollout_cpu.py"}),
     ("train_rl", {"hardware.backend": "local", "train_rl.rollout_backend": "vllm"},
      {"mtpipe/cloud/xpk.py", "mtpipe/cloud/image.py", "mtpipe/maxtext/launch_rl_cpu.py", "mtpipe/maxtext/rollout_cpu.py"}),
     ("evaluate", {"evaluate.backend": "vllm", "evaluate.task": "gsm8k_rl_format"},

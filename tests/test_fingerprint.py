@@ -163,8 +163,10 @@ def test_a_view_written_for_other_code_is_refused(tmp_path: Path):
     before any work and names the module and the fix."""
     config.write_resolved(config.compose_all(families.load_params()), embedded.twin_confs(), tmp_path)
     view = config.resolved_path("sft", "to_huggingface", tmp_path)
-    assert config.load_stage("sft", "to_huggingface", tmp_path).code == fingerprint.stage_code("to_huggingface")
     cfg = OmegaConf.load(view)
+    backends = config.backends(OmegaConf.to_container(cfg))
+    assert config.load_stage("sft", "to_huggingface", tmp_path).code == fingerprint.stage_code("to_huggingface",
+                                                                                              backends=backends)
     cfg.code["mtpipe/maxtext/commands.py"] = "0" * 16
     OmegaConf.save(cfg, view)
     with pytest.raises(ConfigError, match=r"config/sft/to_huggingface.yaml: was written for other code "
@@ -186,3 +188,22 @@ def test_a_module_that_is_imported_late_is_found(tmp_path: Path):
     (tmp_path / "stages").mkdir()
     (tmp_path / "stages" / "late.py").write_text("def main():\n    from mtpipe.data import hub\n")
     assert "mtpipe/data/hub.py" in fingerprint.stage_modules("late", tmp_path)
+
+
+@pytest.mark.address
+def test_a_child_process_a_stage_starts_is_in_its_code(tmp_path: Path):
+    """A new `python -m <module>` a stage starts is in the stage's code without a list to update; with
+    a backend that does not start it (BACKEND_MODULES), it is left out like a late import."""
+    shutil.copytree(config.ROOT / "mtpipe", tmp_path / "mtpipe")
+    (tmp_path / "mtpipe" / "data" / "child.py").write_text("from mtpipe.data import hub\n")
+    (tmp_path / "stages").mkdir()
+    (tmp_path / "stages" / "parent.py").write_text(
+        "import subprocess, sys\n\ndef main():\n"
+        '    subprocess.run([sys.executable, "-m", "mtpipe.data.child"], check=True)  # mtpipe.data.publish\n')
+    found = fingerprint.stage_modules("parent", tmp_path)
+    assert {"mtpipe/data/child.py", "mtpipe/data/hub.py"} <= set(found)
+    assert "mtpipe/data/publish.py" not in found  # named in a comment only
+    monkeypatch = pytest.MonkeyPatch()
+    with monkeypatch.context() as m:
+        m.setitem(fingerprint.BACKEND_MODULES, "parent.backend", {"other": ("mtpipe/data/child.py",)})
+        assert "mtpipe/data/child.py" not in fingerprint.stage_modules("parent", tmp_path, backends={})

@@ -71,8 +71,11 @@ BRANCH_STAGES: dict[str, tuple[str, ...]] = {
 }
 # The stage outside the branches: make_embedded's view holds the twins it writes (each twin's
 # conf/model/<twin>.yaml `maxtext_name` and sizes, :func:`mtpipe.data.embedded.twin_confs`), so a size
-# edit reruns it and an `export_name` edit does not.
+# edit reruns it and an `export_name` edit does not, and the embedded directories each branch's
+# hf_download copies (``sources``): make_embedded hashes them into artifacts/<branch>/source.json, the
+# one input hf_download@<branch> declares besides its view, so a twin no branch uses is in no address.
 EMBEDDED_VIEW = ("embedded", "make_embedded")
+EMBEDDED_DIR = "embedded"
 # params.yaml keys that are not stage sections of a branch.
 BRANCH_KEYS = ("preset", *schema.GROUPS)
 
@@ -188,10 +191,12 @@ View = schema.Section  # what a stage reads: an instance of view_model(branch, s
 def view_model(branch: str, stage: str) -> type[View]:
     """The typed view of ``stage`` in ``branch``: the sections it reads, typed as the branch's model types
     them, the branch's name, ``code``, the fingerprints of its code, and ``tools``, the versions of its tools
-    (make_embedded's view: ``twins``, name -> ``maxtext_name`` and ``maxtext_overrides``, instead of sections)."""
+    (make_embedded's view: ``twins``, name -> ``maxtext_name`` and ``maxtext_overrides``, and ``sources``,
+    :func:`embedded_sources`, instead of sections)."""
     fields: dict[str, Any] = {"code": (dict[str, str], {}), "tools": (dict[str, str], {})}
     if (branch, stage) == EMBEDDED_VIEW:
         fields["twins"] = (dict[str, dict[str, Any]], ...)
+        fields["sources"] = (dict[str, dict[str, str]], ...)
     else:
         sections = schema.BRANCHES[branch].model_fields
         fields |= {"branch": (str, ...)} | {s: (sections[s].annotation, ...) for s in STAGE_SECTIONS[stage]}
@@ -253,7 +258,7 @@ def write_resolved(composed: dict[str, schema.SftBranch], twins: dict[str, dict]
     fingerprint holds the generator) and the run keys of all of them (``config/run.yaml``)."""
     views = {(branch, stage): _view_tree(cfg, stage) for branch, cfg in composed.items()
              for stage in BRANCH_STAGES[branch]}
-    views[EMBEDDED_VIEW] = {"twins": twins}
+    views[EMBEDDED_VIEW] = {"twins": twins, "sources": embedded_sources(composed)}
     written, run = [], {}
     for (branch, stage), view in views.items():
         if keys := split_run_keys(view, stage):
@@ -265,6 +270,20 @@ def write_resolved(composed: dict[str, schema.SftBranch], twins: dict[str, dict]
         written.append(path)
     _write_if_changed(root / RUN_FILE, OmegaConf.to_yaml(OmegaConf.create(run), sort_keys=True))
     return [*written, root / RUN_FILE]
+
+
+def embedded_sources(composed: dict[str, schema.SftBranch]) -> dict[str, dict[str, str]]:
+    """Per branch, the directories under embedded/ its hf_download copies: ``{"model": "embedded/gemma3-tiny",
+    "dataset": ...}``; a Hub source (or a local one elsewhere) has no entry, so a branch on the Hub reads
+    nothing make_embedded writes."""
+    return {branch: {role: src.path for role, src in (("model", cfg.model.source), ("dataset", cfg.dataset.source))
+                     if is_embedded(src)}
+            for branch, cfg in composed.items()}
+
+
+def is_embedded(source: schema.Source) -> bool:
+    """Whether a source is a directory make_embedded writes (``kind: local`` under embedded/)."""
+    return source.kind == "local" and Path(source.path).parts[:1] == (EMBEDDED_DIR,)
 
 
 def backends(view: dict) -> dict[str, str]:

@@ -21,22 +21,16 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+import re
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("mtpipe", "stages")  # the project's own top-level packages; every other import is a tool
-# The child processes a stage starts (`python -m <module>`), beyond what its script imports:
-# mtpipe.maxtext.commands.MaxTextCommand.launcher, the evaluation's model server.
-CHILD_ENTRY_POINTS: dict[str, tuple[str, ...]] = {
-    "to_maxtext": ("mtpipe/maxtext/launch.py",),
-    "train_sft": ("mtpipe/maxtext/launch.py",),
-    "train_rl": ("mtpipe/maxtext/launch.py", "mtpipe/maxtext/launch_rl_cpu.py"),
-    "to_huggingface": ("mtpipe/maxtext/launch.py",),
-    "evaluate_base": ("mtpipe/evaluation/server.py",),  # mtpipe.evaluation.serving.server_command (cpu)
-    "evaluate_warmup": ("mtpipe/maxtext/launch.py", "mtpipe/evaluation/server.py"),
-    "evaluate": ("mtpipe/evaluation/server.py",),
-}
+# A string that is a project module's dotted name is the entry point of a child process the code starts
+# (`[sys.executable, "-m", "mtpipe.evaluation.server", ...]`, MaxTextCommand.launcher): it counts as the
+# module imported there, inside a function, so no child's code is left out of a stage's address.
+DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
 # Modules a stage runs only with one backend: the view's key -> its value -> those modules, each a child
 # entry point or imported inside a function (mtpipe.cloud.backend imports xpk only for backend: xpk).
 # With another value they, and what only they import, are not in the stage's code.
@@ -84,6 +78,9 @@ def _imported_by_source(source: str, root: Path) -> tuple[frozenset[Path], froze
             parts = name.split(".")
             found[id(node) in late].update(
                 f for i in range(1, len(parts) + 1) if (f := _module_file(".".join(parts[:i]), root)))
+    found[1].update(f for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and DOTTED.fullmatch(node.value) and node.value.split(".")[0] in PACKAGES
+                    and (f := _module_file(node.value, root)))
     return frozenset(found[0]), frozenset(found[1])
 
 
@@ -97,12 +94,12 @@ def _left_out(backends: dict[str, str] | None) -> set[str]:
 
 
 def stage_modules(stage: str, root: Path = ROOT, backends: dict[str, str] | None = None) -> list[str]:
-    """The project modules stage ``stage`` runs, as sorted paths relative to ``root``. With ``backends``
+    """The project modules stage ``stage`` runs, as sorted paths relative to ``root``: its script, what it
+    imports and the child processes' entry points it names (:data:`DOTTED`), transitively. With ``backends``
     (:data:`BACKEND_MODULES` key -> the value its view has) a backend module of another backend is left
     out where it is a child entry point or imported inside a function; a module-level import keeps it."""
     left_out = {root / m for m in _left_out(backends)}
-    todo = [root / "stages" / f"{stage}.py",
-            *(root / p for p in CHILD_ENTRY_POINTS.get(stage, ()) if root / p not in left_out)]
+    todo = [root / "stages" / f"{stage}.py"]
     seen: set[Path] = set()
     while todo:
         path = todo.pop()

@@ -38,6 +38,13 @@ def artifact(branch: str, name: str) -> Path:
     return ROOT / "artifacts" / branch / name
 
 
+def source_manifest(branch: str, root: Path = ROOT) -> Path:
+    """``artifacts/<branch>/source.json``: the sha256 of each file of the embedded directories the branch's
+    hf_download copies (``{"model": {path: sha256}, "dataset": ...}``, empty for Hub sources), written by
+    make_embedded; hf_download@<branch> depends on it instead of on all of embedded/."""
+    return root / "artifacts" / branch / "source.json"
+
+
 def scores_path(branch: str, model: str) -> Path:
     """A model's per-problem results (JSON lines): ``scores/<branch>/trained.jsonl`` for the export, and
     ``scores/<branch>/before/<model>.jsonl`` for the models scored before it (the base, the RL warm-up),
@@ -77,13 +84,19 @@ def content_digest(out: Path, sha256: dict[str, str] | None = None) -> str:
     h = hashlib.sha256()
     for path in sorted(p for p in out.rglob("*") if p.is_file() and p != out / STAMP):
         rel = str(path.relative_to(out))
-        if sha256 and rel in sha256:
-            file_hex = sha256[rel]
-        else:
-            with path.open("rb") as f:
-                file_hex = hashlib.file_digest(f, "sha256").hexdigest()
-        h.update(f"{rel}\0{file_hex}\n".encode())
+        h.update(f"{rel}\0{sha256[rel] if sha256 and rel in sha256 else file_sha256(path)}\n".encode())
     return h.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 of one file, hex."""
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def tree_sha256(root: Path) -> dict[str, str]:
+    """The sha256 of every file under ``root``, by its relative path."""
+    return {str(p.relative_to(root)): file_sha256(p) for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def recipe(branch: str, stage: str, *inputs: Path) -> str:
