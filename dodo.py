@@ -1,14 +1,16 @@
 """doit tasks around the DVC pipeline: create, set up, use and delete the TPU v6e-8 VM.
 
     doit vm_up [--project P --zone Z --reservation R --name N]   (or env PROJECT/ZONE/RESERVATION/NAME)
-               [--provisioning reservation|spot|on-demand|flex-start]
-    doit vm_run [--set=steps=2000 ...] [--exp-name NAME] [--target STAGE] [--keep] [--down] [--recreate]
+               [--provisioning reservation|spot|on-demand|flex-start] [--yes]
+    doit vm_run [--set=steps=2000 ...] [--exp-name NAME] [--target STAGE] [--keep] [--recreate] [--yes]
                 [--queue --set=steps=500 --set=steps=1000 ...] [--provisioning spot]
     doit vm_setup        doit vm_status       doit vm_shell        doit vm_down
     doit publish --exp NAME --repo ORG/NAME [--branch rl|sft] [--public]   (HF_TOKEN: a write token)
 
-vm_run creates and sets up the VM itself when needed; each run is a DVC experiment (`dvc exp show`);
-a VM lost during the run (Spot preemption) is replaced up to `max_recoveries` times.
+vm_run creates and sets up the VM itself when needed (after the checks, it prints the price and asks;
+--yes answers for a script), runs each experiment as a DVC experiment (`dvc exp show`) and deletes
+the VM when the run ends, unless --keep; a VM lost during the run (Spot preemption) is replaced up to
+`max_recoveries` times.
 
 Configuration: conf/vm.yaml; what vm_up created: .vm_state.json; docs/tpu-vm.md explains it all.
 This file only declares the tasks and their options; the VM's life is mtpipe/cloud/lifecycle.py.
@@ -67,6 +69,9 @@ TARGET_PARAMS = [
 ]
 KEEP = {"name": "keep", "long": "keep", "type": bool, "default": False,
         "help": "keep the VM when this task fails or is interrupted"}
+KEEP_AFTER_RUN = {**KEEP, "help": "keep the VM after the run (it is deleted when the run ends, however it ends)"}
+YES = {"name": "yes", "long": "yes", "type": bool, "default": False,
+       "help": "create the VM without asking (scripts); else the price is printed and confirmed"}
 PROVISIONING = {"name": "provisioning", "long": "provisioning", "type": str, "default": None,
                 "help": "reservation | spot | on-demand | flex-start (else conf/vm.yaml's provisioning; vm_run: "
                         "the recorded VM's)"}
@@ -90,22 +95,22 @@ def _task_action(fn: Callable[..., None]) -> Callable[..., TaskFailed | None]:
     return wrapper
 
 
-def _target(params: dict[str, Any], keep: bool = False) -> VmLifecycle:
+def _target(params: dict[str, Any], keep: bool = False, yes: bool = False) -> VmLifecycle:
     """The VM the options, the environment, conf/vm.yaml and .vm_state.json name."""
     from mtpipe.cloud import vm_config, vm_experiments, vm_state
     from mtpipe.cloud.lifecycle import VmLifecycle
 
     root = vm_experiments.repo_root()
-    return VmLifecycle(vm_config.load_config(params, vm_state.read_state(root)), root, keep)
+    return VmLifecycle(vm_config.load_config(params, vm_state.read_state(root)), root, keep, yes)
 
 
 @_task_action
-def vm_up(keep: bool, **params: Any) -> None:
+def vm_up(keep: bool, yes: bool, **params: Any) -> None:
     from mtpipe.cloud import vm_config, vm_experiments
     from mtpipe.cloud.lifecycle import VmLifecycle
 
     root = vm_experiments.repo_root()
-    VmLifecycle(vm_config.load_config(params), root, keep).ensure([[]], may_create=True)
+    VmLifecycle(vm_config.load_config(params), root, keep, yes).ensure([[]], may_create=True)
 
 
 @_task_action
@@ -118,23 +123,23 @@ def vm_setup(keep: bool, **params: Any) -> None:
 
 
 @_task_action
-def vm_run(keep: bool, down: bool, recreate: bool, target: str | None, set: list[str],
+def vm_run(keep: bool, yes: bool, recreate: bool, target: str | None, set: list[str],
            exp_name: str | None, queue: bool, no_preflight: bool, **params: Any) -> None:
     from mtpipe.cloud import vm_experiments, vm_state
     from mtpipe.cloud.lifecycle import spend_line
 
-    life = _target(params, keep)
+    life = _target(params, keep, yes)
     experiments = vm_experiments.experiments(set, queue)
     names = vm_experiments.experiment_names(exp_name, len(experiments))
     for name in names:
         vm_experiments.check_exp_name(life.root, name)
     life.run_experiments(experiments, names, target, may_create=recreate or bool(life.cfg.recreate),
                          preflight=not no_preflight)
-    if down:
-        life.delete()
+    if keep:
+        print(f"mtpipe: {spend_line(vm_state.read_state(life.root))}; VM {life.cfg.name} keeps running "
+              "(--keep): `doit vm_down` deletes it", flush=True)
     else:
-        print(f"mtpipe: {spend_line(vm_state.read_state(life.root))}; VM {life.cfg.name} keeps running: "
-              "`doit vm_down` deletes it", flush=True)
+        life.delete()
 
 
 @_task_action
@@ -174,8 +179,8 @@ def vm_shell(**params: Any) -> None:
 
 
 def task_vm_up() -> dict:
-    """Check, then create the TPU v6e-8 VM + SSH firewall rule (reuses an existing one); prints the cost."""
-    return {"actions": [vm_up], "io": NO_CAPTURE, "params": TARGET_PARAMS + [PROVISIONING, KEEP]}
+    """Check, then create the TPU v6e-8 VM + SSH firewall rule (reuses an existing one) after you confirm its price."""
+    return {"actions": [vm_up], "io": NO_CAPTURE, "params": TARGET_PARAMS + [PROVISIONING, KEEP, YES]}
 
 
 def task_vm_setup() -> dict:
@@ -184,14 +189,13 @@ def task_vm_setup() -> dict:
 
 
 def task_vm_run() -> dict:
-    """Run the pipeline on the VM as a DVC experiment (creating + setting up the VM when needed)."""
+    """Run the pipeline on the VM as a DVC experiment (creating + setting up the VM when needed), then delete it."""
     return {
         "actions": [vm_run], "io": NO_CAPTURE,
         "params": TARGET_PARAMS + [
             PROVISIONING,
-            KEEP,
-            {"name": "down", "long": "down", "type": bool, "default": False,
-             "help": "delete the VM after a successful run too"},
+            KEEP_AFTER_RUN,
+            YES,
             {"name": "recreate", "long": "recreate", "type": bool, "default": False,
              "help": "create a new VM when the recorded one is gone (else vm_run stops)"},
             {"name": "target", "long": "target", "type": str, "default": None,

@@ -5,6 +5,7 @@ The doit tasks (tests/test_vm_cycle.py, test_vm_recovery.py) check the same rule
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Iterator
 from unittest import mock
@@ -28,7 +29,46 @@ def here(world: Env, monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
 
 
 def lifecycle(w: Env, keep: bool = False) -> VmLifecycle:
-    return VmLifecycle(vm_config.load_config({}, vm_state.read_state(w.repo)), w.repo, keep)
+    return VmLifecycle(vm_config.load_config({}, vm_state.read_state(w.repo)), w.repo, keep, yes=True)
+
+
+class Terminal(io.StringIO):
+    """A stdin that is a terminal, holding what the user types."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.first_hour
+def test_the_price_is_confirmed_before_the_first_insert(world: Env) -> None:
+    """vm_up and vm_run say what they would create, its price and the run's forecast, after every check
+    and before any insert, and ask: no creates nothing; without a terminal nothing is created unless
+    --yes; a VM that exists is reused without a question."""
+    w = world
+    w.configure(run__command='echo run >> "$HOME/runs"')
+    with mock.patch("sys.stdin", Terminal("n\n")):
+        out = w.doit("vm_up", yes=False, ok=False).stdout
+    assert "about to create ct6e-standard-8t VM mt-test (reservation v6e-res" in out
+    assert "no forecast of the run's length" in out and "create it? [y/N]" in out
+    assert "VM mt-test not created (answered 'n'); nothing was spent" in out
+    assert out.index("checks before spending") < out.index("about to create")
+    assert w.fake.inserts() == [] and not w.fake.firewalls
+
+    with mock.patch("sys.stdin", io.StringIO("")):   # a script, a pipe, CI
+        out = w.doit("vm_run", yes=False, ok=False).stdout
+    assert "ConfigError: --yes: is needed to create a VM when there is no terminal to ask on" in out
+    assert w.fake.inserts() == []
+
+    with mock.patch("sys.stdin", Terminal("y\n")):
+        w.doit("vm_up", yes=False)
+    assert len(w.fake.inserts()) == 1 and w.instance() is not None
+    with mock.patch("sys.stdin", io.StringIO("")):
+        out = w.doit("vm_run", "--keep", yes=False).stdout   # reused: nothing to confirm
+    assert "create it?" not in out and "keeps running (--keep)" in out and w.instance() is not None
+    out = w.doit("vm_run").stdout   # --yes (tests/vm_world.py as_script); deleted after the run
+    assert "create it?" not in out and "VM mt-test: deleted" in out
+    assert w.instance() is None and not (w.repo / vm_state.STATE_FILE).exists()
+    assert (w.sshd.home / "runs").read_text() == "run\nrun\n"
 
 
 def test_one_vm_is_created_reused_reported_and_deleted(here: Env) -> None:

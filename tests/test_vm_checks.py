@@ -29,7 +29,7 @@ from mtpipe.cloud import gcp, vm_checks, vm_config, vm_state
 from mtpipe.maxtext import preflight
 from mtpipe.errors import ConfigError
 import families
-from vm_world import hub_with_tutorial_repos
+from vm_world import as_script, hub_with_tutorial_repos
 
 pytestmark = pytest.mark.vm_experiments
 
@@ -51,7 +51,7 @@ class World:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             try:
                 rc = DoitMain().run(["-f", str(ROOT / "dodo.py"), "-d", str(self.repo),
-                                     "--output-file", str(report), *args])
+                                     "--output-file", str(report), *as_script(args)])
             finally:
                 os.chdir(cwd)
         text = out.getvalue() + report.read_text()

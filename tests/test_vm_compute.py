@@ -26,6 +26,7 @@ from google.cloud import compute_v1
 
 from mtpipe.cloud import gcp, prices, vm_config
 from mtpipe.errors import ConfigError
+from vm_world import as_script
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE2fTTNpubliconly mtpipe"
@@ -38,7 +39,8 @@ KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE2fTTNpubliconly mtpipe"
 #   --threads-per-core=1
 # (the tutorials' reservation is one a future reservation in calendar mode created; an 8-chip v6e VM
 # takes one thread per core)
-# plus (docs/tpu-vm.md): a Hyperdisk Balanced boot disk (v6e takes no other), maxRunDuration, labels, the cloud-platform scope, our SSH public key.
+# plus (docs/tpu-vm.md): a Hyperdisk Balanced boot disk (v6e takes no other), maxRunDuration, labels, the cloud-platform scope, our SSH public key,
+# and the idle watch's startup script (without_idle_watch).
 GOLDEN_INSTANCE = {
     "name": "mt-test",
     "machineType": "zones/us-east5-b/machineTypes/ct6e-standard-8t",
@@ -70,6 +72,15 @@ GOLDEN_FIREWALL = {
 }
 
 
+def without_idle_watch(body: dict) -> dict:
+    """An insert body without its startup script, which must be the idle watch of conf/vm.yaml's
+    idle.delete_after_s (tests/test_vm_idle.py runs it)."""
+    items = body["metadata"]["items"]
+    (script,) = [i["value"] for i in items if i["key"] == "startup-script"]
+    assert script.startswith("#!/bin/bash\n# mtpipe: delete this VM after 1800 s with nothing of vm_run running")
+    return {**body, "metadata": {"items": [i for i in items if i["key"] != "startup-script"]}}
+
+
 def drop_empty(value: object) -> object:
     """The client also sends empty lists/maps for unset repeated fields; they carry nothing."""
     if isinstance(value, dict):
@@ -85,7 +96,7 @@ def doit(repo: Path, *args: str) -> tuple[int, str]:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         try:
             extra = [] if args[0] == "list" else ["--output-file", str(report)]
-            rc = DoitMain().run(["-f", str(ROOT / "dodo.py"), "-d", str(repo), *extra, *args])
+            rc = DoitMain().run(["-f", str(ROOT / "dodo.py"), "-d", str(repo), *extra, *as_script(args)])
         finally:
             os.chdir(cwd)
     return rc, out.getvalue() + (report.read_text() if report.exists() else "")
@@ -115,7 +126,7 @@ def test_insert_bodies_match_the_tutorial(fake: FakeCompute) -> None:
                                                          compute.provisioning_model(cfg)))
 
     (insert,) = fake.calls("POST", "/projects/proj-1/zones/us-east5-b/instances")
-    assert drop_empty(insert.json()) == GOLDEN_INSTANCE
+    assert without_idle_watch(drop_empty(insert.json())) == GOLDEN_INSTANCE
     (rule,) = fake.calls("POST", "/projects/proj-1/global/firewalls")
     assert drop_empty(rule.json()) == GOLDEN_FIREWALL
     # Each operation went PENDING -> RUNNING -> DONE through explicit `wait` calls.
@@ -277,7 +288,7 @@ def test_scheduling_per_provisioning_mode(fake: FakeCompute, mode: str,
     instance = compute.create_instance(
         gcp.instance_body(cfg, cfg.name, KEY, {"app": "mtpipe"}, compute.provisioning_model(cfg)))
     (insert,) = fake.inserts()
-    body = drop_empty(insert.json())
+    body = without_idle_watch(drop_empty(insert.json()))
     scheduling, affinity = GOLDEN_SCHEDULING[mode]
     assert body["scheduling"] == scheduling and body.get("reservationAffinity") == affinity
     assert body.pop("params", None) == ({"requestValidForDuration": {"seconds": "3600"}}

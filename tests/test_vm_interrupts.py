@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from doit_forks import DoitForks, Run
 from fakes.gcs_emulator import GCS_TEST_ENV
-from vm_world import ROOT, Env, assert_deleted, sh
+from vm_world import ROOT, Env, as_script, assert_deleted, sh
 
 from mtpipe.cloud import interrupts
 
@@ -43,7 +43,7 @@ def start(forks: DoitForks, w: Env, *args: str, repo: Path | None = None,
           env: dict[str, str] | None = None) -> Run:
     """`doit ARGS` in ``repo`` (the world's by default), in a session of its own."""
     repo = repo or w.repo
-    return forks.start(["-f", str(ROOT / "dodo.py"), "-d", str(repo), *args], repo, env or w.env,
+    return forks.start(["-f", str(ROOT / "dodo.py"), "-d", str(repo), *as_script(args)], repo, env or w.env,
                        repo.parent / f"doit-{next(RUNS)}.log")
 
 

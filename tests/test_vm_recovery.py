@@ -139,7 +139,7 @@ def test_spot_run_preempted_twice_completes(spot: Env, monkeypatch: pytest.Monke
     with webhook() as (url, notices):
         w.env[notify.NOTIFY_URL_ENV] = url
         try:
-            out = w.doit("vm_run", "--set=steps=7", "--exp-name=spot").stdout
+            out = w.doit("vm_run", "--set=steps=7", "--exp-name=spot", "--keep").stdout
         finally:
             preempter.stop.set()
     assert preempter.done == 2
@@ -302,7 +302,7 @@ def test_sweep_resumes_after_the_finished_experiments(spot: Env) -> None:
     preempter.start()
     try:
         out = w.doit("vm_run", "--queue", "--set=steps=1", "--set=steps=2", "--set=steps=3",
-                     "--exp-name=sweep", "--down").stdout
+                     "--exp-name=sweep").stdout
     finally:
         preempter.stop.set()
     assert preempter.done == 1 and len(w.fake.inserts()) == 2
@@ -384,7 +384,7 @@ def test_real_training_on_spot_survives_two_preemptions(project_world: Env, gcs_
     try:
         out = w.doit("vm_run", "--set=sft.train_sft.checkpoint_period=25", "--set=+sft.evaluate.num_problems=16",
                      "--target=evaluate@sft",
-                     "--exp-name=spot", "--down").stdout
+                     "--exp-name=spot").stdout
     finally:
         stop.set()
         thread.join()

@@ -56,7 +56,7 @@ def test_each_experiment_starts_from_the_shipped_commit() -> None:
 def test_sweep_on_one_vm(tmp_path: Path, gcs_emulator: GcsEmulator,
                          local_env: dict[str, str]) -> None:
     """Two `steps` values of the embedded SFT branch: one VM, one conversion, two trainings, two
-    experiments in `dvc exp show`, nothing left after --down. (Two are enough to show what the
+    experiments in `dvc exp show`, nothing left after the run. (Two are enough to show what the
     later experiments reuse; docs/tpu-vm.md's measurement used three and the export.)"""
     repo = copy_project(tmp_path / "repo")
     add_dvc_remote(repo, gcs_emulator, local_env, prefix=tmp_path.name, local=False)
@@ -66,7 +66,7 @@ def test_sweep_on_one_vm(tmp_path: Path, gcs_emulator: GcsEmulator,
                                  'dvc pull --allow-missing && {dvc} && dvc push')
         start = time.monotonic()
         out = w.doit("vm_run", "--queue", "--set=steps=4", "--set=steps=6",
-                     "--target=train_sft@sft", "--exp-name=sweep", "--down").stdout
+                     "--target=train_sft@sft", "--exp-name=sweep").stdout
         wall_s = time.monotonic() - start
         assert len(w.fake.inserts()) == 1
         assert out.count("mtpipe: VM set up") == 1 and "experiment 2 of 2: steps=6" in out

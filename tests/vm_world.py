@@ -40,6 +40,13 @@ PROBE = ("import hashlib, json, os; print(json.dumps({'token_sha256': hashlib.sh
          "'TPU_ACCELERATOR_TYPE'), 'tpu_name': os.environ.get('TPU_NAME')}))")
 
 
+def as_script(args: tuple[str, ...] | list[str]) -> list[str]:
+    """doit's arguments as a script gives them: ``--yes`` after a task that may create a VM (on a terminal
+    it would ask; test_lifecycle's tests of the question pass ``yes=False``)."""
+    args = list(args)
+    return [args[0], "--yes", *args[1:]] if args and args[0] in ("vm_up", "vm_run") else args
+
+
 @dataclass
 class Env:
     """One test's world: the fake API, the fake VM, the local repo and the doit environment."""
@@ -50,15 +57,16 @@ class Env:
     env: dict[str, str]
     config: Path
 
-    def doit(self, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
-        """Run doit in this process (importing google-cloud-compute once saves seconds a call)."""
+    def doit(self, *args: str, ok: bool = True, yes: bool = True) -> subprocess.CompletedProcess:
+        """Run doit in this process (importing google-cloud-compute once saves seconds a call); ``yes``:
+        as a script (:func:`as_script`)."""
         out, err, cwd = io.StringIO(), io.StringIO(), os.getcwd()
         report = self.repo.parent / "doit-report.txt"
         with mock.patch.dict(os.environ, self.env, clear=True), \
                 contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
                 rc = DoitMain().run(["-f", str(ROOT / "dodo.py"), "-d", str(self.repo),
-                                     "--output-file", str(report), *args])
+                                     "--output-file", str(report), *(as_script(args) if yes else args)])
             finally:
                 os.chdir(cwd)
         proc = subprocess.CompletedProcess(args, rc, out.getvalue() + report.read_text(),

@@ -22,7 +22,7 @@ from google.auth import exceptions as auth_exc
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1
 
-from mtpipe.cloud import interrupts, ssh_route
+from mtpipe.cloud import idle_watch, interrupts, ssh_route
 
 ENDPOINT_ENV = "MTPIPE_COMPUTE_ENDPOINT"
 SCOPE = "https://www.googleapis.com/auth/cloud-platform"
@@ -247,6 +247,16 @@ def ssh_metadata(cfg: Any, ssh_public_key: str) -> list[dict[str, str]]:
 SINGLE_THREADED = frozenset({"ct6e-standard-8t"})
 
 
+def idle_metadata(cfg: Any) -> list[dict[str, str]]:
+    """The startup script that deletes the VM once idle (mtpipe.cloud.idle_watch; none with
+    ``idle.delete_after_s: 0``)."""
+    if not cfg.idle.delete_after_s:
+        return []
+    host = str(cfg.run.env.get("GCE_METADATA_HOST") or idle_watch.METADATA_HOST)
+    compute = os.environ.get(ENDPOINT_ENV) or idle_watch.COMPUTE_URL
+    return [{"key": "startup-script", "value": idle_watch.startup_script(cfg.idle, host, compute)}]
+
+
 def instance_body(cfg: Any, name: str, ssh_public_key: str, labels: dict[str, str], model: str) -> dict:
     """The instances.insert body: the tutorial's `gcloud compute instances create` flags + safety;
     `model` is the VM's provisioningModel (:meth:`Compute.provisioning_model`)."""
@@ -269,7 +279,7 @@ def instance_body(cfg: Any, name: str, ssh_public_key: str, labels: dict[str, st
         "scheduling": fields,
         "service_accounts": [{"email": cfg.service_account, "scopes": list(cfg.scopes)}],
         "labels": labels,
-        "metadata": {"items": ssh_metadata(cfg, ssh_public_key)},
+        "metadata": {"items": ssh_metadata(cfg, ssh_public_key) + idle_metadata(cfg)},
     }
     if affinity:
         body["reservation_affinity"] = affinity

@@ -1,8 +1,8 @@
 """The TPU VM's life: create, reach, run, recover, delete; what `doit vm_*` tasks drive.
 
-:class:`VmLifecycle` holds the rules (checks before spending, one VM per state file, delete on
-failure unless kept, replace a lost VM at most ``max_recoveries`` times, never replace one that ran
-out of time); the cloud behind it is a :class:`Provider` (Compute Engine: mtpipe.cloud.gcp.Compute).
+:class:`VmLifecycle` holds the rules (checks before spending, a price to confirm before the first
+insert, one VM per state file, delete on failure unless kept, replace a lost VM at most
+``max_recoveries`` times, never replace one that ran out of time); the cloud behind it is a :class:`Provider` (Compute Engine: mtpipe.cloud.gcp.Compute).
 What happens on the VM over SSH is in vm_ssh (the connection), vm_setup (the environment), vm_host
 (its RAM and /dev/shm against the machine budget) and vm_experiments (shipping the code, the
 pipeline as DVC experiments).
@@ -14,6 +14,7 @@ import functools
 import getpass
 import itertools
 import secrets
+import sys
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -101,6 +102,18 @@ def creation_line(cfg: DictConfig, model: str) -> str:
     return f"creating {cfg.machine_type} VM {cfg.name} ({kind}) in {cfg.zone}: {rate.describe()}{billed}; {limit}"
 
 
+def forecast_line(cfg: DictConfig, forecasts: list[dict[str, Any]]) -> str:
+    """What the run's trainings take and cost by preflight's forecast (its rows), or why there is none."""
+    if not forecasts:
+        return ("no forecast of the run's length (no branch trains on a TPU, or --no-preflight): the VM bills "
+                "until the run ends and it is deleted")
+    hours, usd = sum(r["est_total_s"] for r in forecasts) / 3600, sum(r["est_total_usd"] for r in forecasts)
+    rate = prices.vm_rate(cfg)
+    cost = prices.paid_by(rate.reservation, f"{usd:.2f} USD") if rate.reservation else f"about {usd:.2f} USD"
+    return (f"forecast (doit preflight): the training stages about {hours:.1f} h, {cost}; setup, downloads, "
+            "conversions and evaluation come on top")
+
+
 def _say(line: str) -> None:
     try:
         print(f"mtpipe: {line}", flush=True)
@@ -121,11 +134,13 @@ class VmLifecycle:
     """The VM ``cfg`` names, recorded in ``root``'s state file (.vm_state.json).
 
     ``keep``: a VM survives a failure or an interrupt of the task (never a loss: a lost VM cannot
-    be restarted). ``provider`` makes the cloud for a config (tests pass a loopback one)."""
+    be restarted). ``yes``: create without asking (--yes); else the price is confirmed on the
+    terminal, and without one nothing is created. ``provider`` makes the cloud for a config (tests
+    pass a loopback one)."""
 
-    def __init__(self, cfg: DictConfig, root: Path, keep: bool = False,
+    def __init__(self, cfg: DictConfig, root: Path, keep: bool = False, yes: bool = False,
                  provider: Callable[[DictConfig], Provider] = compute_engine) -> None:
-        self.cfg, self.root, self.keep, self._provider = cfg, root, keep, provider
+        self.cfg, self.root, self.keep, self.yes, self._provider = cfg, root, keep, yes, provider
 
     @functools.cached_property
     def cloud(self) -> Provider:
@@ -208,12 +223,34 @@ class VmLifecycle:
                                                   committed=True, price_basis=rate.per_chip())
         vm_checks.check_spot_resume(cfg, forecasts)
         if created:
+            self._confirm(forecasts)
             state = {}
             instance = self._create(state)
         remote = self._connect(state, instance, created)
         if created and unproven:   # before any setup minute; the VM is deleted unless --keep
             self.guarded(lambda: vm_identity.probe_from_vm(remote, cfg, unproven))
         return remote
+
+    def _confirm(self, forecasts: list[dict[str, Any]]) -> None:
+        """Say what is about to be created, its price and the run's forecast, and ask (the last step
+        before the first insert, after every check): ``yes`` answers for a script; without a terminal
+        to ask on, nothing is created."""
+        cfg = self.cfg
+        what = creation_line(cfg, self.cloud.provisioning_model(cfg)).replace("creating ", "about to create ", 1)
+        _say(what)
+        _say(forecast_line(cfg, forecasts))
+        if self.yes:
+            return
+        if not sys.stdin.isatty():
+            raise ConfigError("--yes", "is needed to create a VM when there is no terminal to ask on",
+                              "rerun with --yes once the price above is right")
+        try:
+            answer = input("mtpipe: create it? [y/N] ")
+        except EOFError:
+            answer = ""
+        if answer.strip().lower() not in ("y", "yes"):
+            raise vm_config.VmError(f"VM {cfg.name} not created (answered {answer.strip() or 'nothing'!r}); "
+                                    "nothing was spent")
 
     def _create(self, state: dict) -> Any:
         """Create the firewall rule (it may exist) and the VM (:meth:`create_vm`: in the first zone
@@ -320,8 +357,8 @@ class VmLifecycle:
             except MaxRunDurationRefused as err:
                 _say(f"Compute refused maxRunDuration for reservation-bound VM {cfg.name} ({err}); creating it "
                      "once more without it. This VM is then not deleted automatically after max_run_duration_s: "
-                     "vm_run still deletes it when the run fails or is interrupted (unless --keep) and after "
-                     "success with --down, Compute when the reservation ends; otherwise `doit vm_down`")
+                     "vm_run still deletes it when the run ends, unless --keep; Compute when the reservation ends; "
+                     "otherwise `doit vm_down`")
                 cfg.max_run_duration_s = 0
 
     def _move_to(self, zone: str) -> None:

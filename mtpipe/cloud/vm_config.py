@@ -74,6 +74,13 @@ class Setup(Section):
     apt_lock_timeout_s: Annotated[float, Ge(0), KEEP_INT]   # how long apt_get waits for the package lock
 
 
+class Idle(Section):
+    delete_after_s: Annotated[int, Ge(0)]  # 0: the VM never deletes itself when idle
+    poll_s: Seconds
+    lock_file: str                         # held (flock -s) by every command vm_run sends
+    poweroff_command: str                  # run as root when the VM's account may not delete it
+
+
 class Run(Section):
     remote_dir: str
     command: str
@@ -115,6 +122,7 @@ class VmConfig(Section):
     service_account: str
     scopes: list[str]
     max_run_duration_s: int                # 0 disables it
+    idle: Idle                             # mtpipe.cloud.idle_watch
     labels: dict[str, str]
     max_recoveries: int
     spot_without_work_bucket: bool         # true: a Spot run may restart training after each preemption

@@ -40,6 +40,7 @@ from google.auth.transport.requests import AuthorizedSession
 from omegaconf import DictConfig
 
 from mtpipe.cloud import gcp
+from mtpipe.cloud.idle_watch import METADATA_HOST
 from mtpipe.cloud.vm_config import VmError
 from mtpipe.cloud.vm_ssh import Remote, run
 from mtpipe.errors import ConfigError
@@ -49,7 +50,6 @@ STORAGE_API = "https://storage.googleapis.com"
 CRM_API = "https://cloudresourcemanager.googleapis.com"
 IAM_API = "https://iam.googleapis.com"
 IAM_ENDPOINT_ENV = "MTPIPE_IAM_ENDPOINT"   # Resource Manager and IAM elsewhere (the loopback fake)
-METADATA_HOST = "metadata.google.internal"
 CREATE, GET, LIST, DELETE = (f"storage.objects.{a}" for a in ("create", "get", "list", "delete"))
 OBJECTS = frozenset((CREATE, GET, LIST, DELETE))
 _ALL, _READ, _BUCKET = OBJECTS, frozenset((GET, LIST)), frozenset((CREATE, DELETE, LIST))

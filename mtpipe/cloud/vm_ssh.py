@@ -50,12 +50,13 @@ class Remote:
     host_key: str | None = None      # OpenSSH public key line; None = trust on first use
     connect_timeout_s: float = 20
     keepalive_s: float = 15          # a VM that vanished is noticed after 3 unanswered keepalives
+    busy_lock: str | None = None     # the idle watch's lock file (conf/vm.yaml idle.lock_file)
 
     @classmethod
     def from_config(cls, cfg: DictConfig, host: str, host_key: str | None) -> Remote:
         return cls(host, int(cfg.ssh.port), cfg.ssh.user, os.path.expanduser(cfg.ssh.key_file),
                    ssh_route.proxy_command(cfg), host_key, float(cfg.ssh.connect_timeout_s),
-                   float(cfg.ssh.keepalive_s))
+                   float(cfg.ssh.keepalive_s), cfg.idle.lock_file if cfg.idle.delete_after_s else None)
 
     async def connect(self) -> asyncssh.SSHClientConnection:
         known: Any = None
@@ -101,8 +102,13 @@ async def _run(remote: Remote, command: str, stdin: bytes, stream: bool) -> tupl
 
 
 def run(remote: Remote, script: str, stdin: bytes = b"", stream: bool = True) -> tuple[int, bytes]:
-    """Run a bash script on the VM (script text in argv: never put secrets in it)."""
-    return asyncio.run(_run(remote, "bash -c " + shlex.quote(script), stdin, stream))
+    """Run a bash script on the VM (script text in argv: never put secrets in it), holding the busy
+    lock (``busy_lock``, shared) meanwhile: the VM's idle watch does not delete a VM in use
+    (mtpipe.cloud.idle_watch)."""
+    command = "bash -c " + shlex.quote(script)
+    if remote.busy_lock:
+        command = f"flock -s {shlex.quote(remote.busy_lock)} {command}"
+    return asyncio.run(_run(remote, command, stdin, stream))
 
 
 def failed(what: str, rc: int) -> str:

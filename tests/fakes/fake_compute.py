@@ -174,6 +174,7 @@ class FakeCompute:
     # False: a RESERVATION_BOUND insert with maxRunDuration is refused (400)
     bound_max_run_duration: bool = True
     firewall_insert_denied: bool = False   # firewalls.insert answers 403 (no compute.firewalls.create)
+    instance_delete_denied: bool = False   # instances.delete answers 403 (no compute.instances.delete)
     # OS Login, Organization Policy, Resource Manager (fakes.fake_org), on the same server; its
     # `disabled` services answer SERVICE_DISABLED, compute.googleapis.com included
     org: FakeOrg = field(default_factory=FakeOrg)
@@ -227,6 +228,13 @@ class FakeCompute:
                     entry["op"]["status"] = "DONE"
                     entry["done"]()
             self._released.notify_all()
+
+    def finish_operations(self) -> None:
+        """Finish every operation nobody polled to its end, as Compute does (a VM's delete of itself)."""
+        with self.lock:
+            for name in list(self.operations):
+                while self.operations[name]["op"]["status"] != "DONE" and not self.operations[name].get("held"):
+                    self._advance(name)
 
     def calls(self, method: str, suffix: str) -> list[Recorded]:
         """Recorded requests with this method whose path (without query) ends with suffix."""
@@ -565,6 +573,9 @@ class FakeCompute:
         if key not in self.instances:
             return _error(404, f"The resource 'projects/{project}/zones/{zone}/instances/{name}' "
                                "was not found")
+        if method == "DELETE" and self.instance_delete_denied:
+            return _error(403, f"Required 'compute.instances.delete' permission for "
+                               f"'projects/{project}/zones/{zone}/instances/{name}'")
         if method == "DELETE":
             self.instances[key]["status"] = "STOPPING"
             return 200, self._operation(project, zone,

@@ -1,6 +1,7 @@
-"""The VM's metadata server on 127.0.0.1, as far as mtpipe's identity probe reads it: the attached
-service account's email and an OAuth access token for it
-(``/computeMetadata/v1/instance/service-accounts/default/{email,token}``).
+"""The VM's metadata server on 127.0.0.1, as far as mtpipe's identity probe and idle watch read it:
+the attached service account's email and an OAuth access token for it
+(``/computeMetadata/v1/instance/service-accounts/default/{email,token}``), and the VM's project,
+zone and name.
 
 Like the real server it answers only requests carrying ``Metadata-Flavor: Google`` (403 otherwise)
 and 404 when the VM has no service account. The token is ``fakes.gcs_emulator.SA_TOKEN_PREFIX`` +
@@ -30,11 +31,17 @@ class FakeMetadata:
     email: Callable[[], str | None]
     host: str = ""
     requests: list[str] = field(default_factory=list)
+    vm: tuple[str, str, str] = ("proj-1", "us-east5-b", "mt-test")   # project, zone, name: who the VM is
 
     def answer(self, path: str, flavor: str | None) -> tuple[int, str, str]:
         """(status, content type, body) for a GET of ``path``."""
         if flavor != "Google":
             return 403, "text/html", "Missing Metadata-Flavor:Google header."
+        project, zone, name = self.vm
+        about = {"/computeMetadata/v1/project/project-id": project, "/computeMetadata/v1/instance/name": name,
+                 "/computeMetadata/v1/instance/zone": f"projects/123456789/zones/{zone}"}
+        if path in about:
+            return 200, "application/text", about[path]
         email = self.email()
         if not path.startswith(ACCOUNT) or email is None:
             return 404, "text/html", "Not Found"

@@ -1,0 +1,126 @@
+"""The VM deletes itself when nothing of vm_run has run on it for ``idle.delete_after_s`` (conf/vm.yaml).
+
+The watch runs on the VM, from its startup script (instance metadata ``startup-script``, run as root
+at boot by the guest agent), so it holds when the laptop is gone, before any setup, and for
+reservation-bound VMs, whose maxRunDuration is not known to hold. What vm_run runs over SSH (setup,
+shipping, the pipeline) holds a shared lock on ``idle.lock_file`` (``flock -s``, mtpipe.cloud.vm_ssh);
+the watch counts the VM busy while anyone holds it. Idle that long, it asks the metadata server who
+it is and sends Compute's ``instances.delete`` for itself with the VM's service account token; where
+that account may not delete it (401/403), it runs ``idle.poweroff_command``: a stopped VM bills its
+disk only. It stops once the metadata server no longer answers (not a VM any more).
+
+This file runs on the VM as a script with the standard library only: :func:`startup_script` sends it.
+    python3 idle_watch.py --idle-s 1800 --poll-s 60 --lock /tmp/mtpipe-busy --metadata HOST \
+        --compute https://compute.googleapis.com --poweroff 'shutdown -h now'
+(the startup script writes it beside the lock file, <lock>.watch.py, and its log, <lock>.log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+COMPUTE_URL = "https://compute.googleapis.com"
+METADATA_HOST = "metadata.google.internal"   # the VM's metadata server (GCE_METADATA_HOST elsewhere)
+LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def busy(lock: str) -> bool:
+    """Whether a vm_run command holds ``lock`` (a missing file: nobody ever did)."""
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def metadata(host: str, path: str) -> str:
+    """One value of the VM's metadata server (``instance/name``, ``project/project-id``, ...)."""
+    request = urllib.request.Request(f"http://{host}/computeMetadata/v1/{path}", headers={"Metadata-Flavor": "Google"})
+    with LOOPBACK.open(request, timeout=10) as answer:
+        return answer.read().decode()
+
+
+def delete_self(host: str, compute: str) -> int:
+    """Send instances.delete for this VM with its service account's token; the HTTP status."""
+    project = metadata(host, "project/project-id")
+    zone = metadata(host, "instance/zone").rsplit("/", 1)[-1]
+    name = metadata(host, "instance/name")
+    token = json.loads(metadata(host, "instance/service-accounts/default/token"))["access_token"]
+    url = f"{compute}/compute/v1/projects/{project}/zones/{zone}/instances/{name}"
+    request = urllib.request.Request(url, method="DELETE", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with LOOPBACK.open(request, timeout=60) as answer:
+            return answer.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def watch(idle_s: float, poll_s: float, lock: str, host: str, compute: str, poweroff: str) -> str:
+    """Poll until the VM has been idle for ``idle_s``, then delete it (or power it off); what was done."""
+    last_busy = time.monotonic()
+    while True:
+        try:
+            metadata(host, "instance/name")
+        except OSError:
+            return "stopped: no metadata server answers (not on a VM)"
+        now = time.monotonic()
+        if busy(lock):
+            last_busy = now
+        elif now - last_busy >= idle_s:
+            status = delete_self(host, compute)
+            if status < 300:
+                return f"idle for {idle_s:g} s: deleting this VM (instances.delete: HTTP {status})"
+            if status in (401, 403):
+                subprocess.run(shlex.split(poweroff), check=False)
+                return f"idle for {idle_s:g} s: not allowed to delete this VM (HTTP {status}): powered off"
+            print(f"mtpipe idle watch: instances.delete answered HTTP {status}; trying again", flush=True)
+        time.sleep(poll_s)
+
+
+def startup_script(idle: Any, metadata_host: str, compute: str = COMPUTE_URL) -> str:
+    """The VM's startup script: write this file and start the watch, detached (``idle``: conf/vm.yaml's)."""
+    args = ["--idle-s", str(idle.delete_after_s), "--poll-s", str(idle.poll_s), "--lock", idle.lock_file,
+            "--metadata", metadata_host, "--compute", compute, "--poweroff", idle.poweroff_command]
+    watch_file, log = (shlex.quote(f"{idle.lock_file}{suffix}") for suffix in (".watch.py", ".log"))
+    return "\n".join([
+        "#!/bin/bash",
+        f"# mtpipe: delete this VM after {idle.delete_after_s} s with nothing of vm_run running (conf/vm.yaml idle:)",
+        f"cat > {watch_file} <<'END_OF_IDLE_WATCH'",
+        Path(__file__).read_text().rstrip("\n"),
+        "END_OF_IDLE_WATCH",
+        f"nohup setsid python3 {watch_file} {shlex.join(args)} >> {log} 2>&1 < /dev/null &",
+        "",
+    ])
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--idle-s", type=float, required=True)
+    parser.add_argument("--poll-s", type=float, required=True)
+    parser.add_argument("--lock", required=True)
+    parser.add_argument("--metadata", required=True)
+    parser.add_argument("--compute", required=True)
+    parser.add_argument("--poweroff", required=True)
+    a = parser.parse_args(argv)
+    print(f"mtpipe idle watch: {watch(a.idle_s, a.poll_s, a.lock, a.metadata, a.compute, a.poweroff)}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
