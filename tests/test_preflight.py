@@ -97,7 +97,7 @@ def _compiled(argument_gib: float, temp_gib: float) -> dict:
 def test_a_step_too_large_for_hbm_names_the_keys_to_change() -> None:
     cfg = sft_view(overrides.apply_sets(PARAMS, ["sft.preset=gemma3-4b-ultrachat-v6e8"]))
     chip, chips = preflight.chip_of("v6e-8", "sft", "v6e-8")
-    fits = preflight.report(cfg, "p", _compiled(5.4, 4.5), chip, chips, usd_per_hour=21.6)
+    fits = preflight.report(cfg, "p", _compiled(5.4, 4.5), chip, chips, usd_per_hour=21.6, args=[])
     preflight.check_fits(fits)
     # the compiled step (5.4 + 4.5 GiB) and what tunix's SFT trainer holds beside it (5 B per parameter, sharded)
     extra = preflight.SFT_TRAINER_EXTRA_BYTES_PER_PARAM * 4_300_000_000 / 8 / 2**30
@@ -108,7 +108,7 @@ def test_a_step_too_large_for_hbm_names_the_keys_to_change() -> None:
     assert fits["est_train_s"] == pytest.approx(train_s, abs=0.1)
     total_s = train_s + preflight.VM_SETUP_S + 2 * 70 * 4.3
     assert fits["est_total_usd"] == pytest.approx(total_s / 3600 * 21.6, abs=0.01)
-    too_big = preflight.report(cfg, "p", _compiled(5.4, 30.0), chip, chips, usd_per_hour=21.6)
+    too_big = preflight.report(cfg, "p", _compiled(5.4, 30.0), chip, chips, usd_per_hour=21.6, args=[])
     assert not too_big["fits"] and too_big["hbm_headroom_gib"] < 0
     with pytest.raises(ConfigError) as err:
         preflight.check_fits(too_big)
@@ -146,3 +146,18 @@ def test_tiny_presets_compile_for_v6e8_and_the_second_run_is_cached(root: Path, 
     again = preflight.run(ON_V6E, 2.70, MACHINE, root)
     assert time.monotonic() - start < 20 and all(r["compile_cached"] for r in again)
     assert [r["hbm_gib_per_chip"] for r in again] == [r["hbm_gib_per_chip"] for r in rows]
+
+    # A sweep of three learning rates and two lengths of training compiles nothing more: the cache is
+    # keyed by what shapes the compiled step (preflight.SHAPE_FREE_ARGS are left out); each row's
+    # steps, time and cost are the run's own.
+    sweep = [[f"sft.train_sft.learning_rate={lr}", f"rl.train_rl.learning_rate={lr}"] for lr in (1e-5, 3e-5, 1e-4)]
+    sweep += [["steps=300", "rl.train_rl.num_batches=50"]]
+    swept = [preflight.run(ON_V6E + sets, 2.70, MACHINE, root) for sets in sweep]
+    assert sum(not r["compile_cached"] for rows_ in swept for r in rows_) == 0, "a sweep value compiled again"
+    assert [r["steps"] for r in swept[-1]] == [300, 50] and [r["steps"] for r in rows] == [sft["steps"], 100]
+    startup = preflight.TRAIN_STARTUP_S
+    assert swept[-1][0]["est_train_s"] == pytest.approx((sft["est_train_s"] - startup) * 300 / sft["steps"] + startup,
+                                                        abs=0.2)
+    assert swept[-1][0]["hbm_gib_per_chip"] == sft["hbm_gib_per_chip"]
+    bigger = preflight.run(ON_V6E + ["sft.train_sft.per_device_batch_size=8"], 2.70, MACHINE, root, branches=("sft",))
+    assert bigger[0]["compile_cached"] is False   # a shape moved: compiled again

@@ -29,6 +29,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -86,6 +87,12 @@ PLACEHOLDER = "/mtpipe-preflight-path"
 # jax_cache_dir is empty: a compile-only TPU executable cannot be loaded back from JAX's disk cache.
 COMPILE_OWN_KEYS = ("hardware", "run_name", "base_output_directory", "compile_topology",
                     "compile_topology_num_slices", "skip_jax_distributed_system", "jax_cache_dir")
+# MaxText arguments that change no shape, dtype or buffer of the compiled training step, only scalars
+# in it (the learning-rate schedule) or what happens around it: the compile's cache key leaves them out,
+# so a sweep over them compiles once, and the report takes the step count from the run's own arguments.
+SHAPE_FREE_ARGS = frozenset({"learning_rate", "steps", "num_batches", "num_test_batches", "warmup_steps_fraction",
+                             "checkpoint_period", "eval_interval", "log_period", "max_num_checkpoints_to_keep"})
+CACHE_FORMAT = 2   # of the cached compile results: 2 records num_batches (GRPO's step count scales with it)
 # The keys that decide the HBM a training step needs, named as params.yaml spells them.
 MEMORY_KEYS = {
     "train_sft": ("per_device_batch_size", "max_target_length", "extra_args.remat_policy"),
@@ -166,9 +173,38 @@ def versions() -> dict[str, str]:
 
 
 def compile_digest(module: str, args: list[str]) -> str:
-    """sha256 of what the compile depends on: the trainer, its arguments, the software versions."""
-    text = json.dumps({"module": module, "args": args, "versions": versions()}, sort_keys=True)
+    """sha256 of what the compiled step depends on: the trainer, its arguments but the
+    :data:`SHAPE_FREE_ARGS`, the software versions."""
+    shaped = [a for a in args if a.partition("=")[0] not in SHAPE_FREE_ARGS]
+    text = json.dumps({"module": module, "args": shaped, "versions": versions(), "format": CACHE_FORMAT},
+                      sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def run_steps(compiled: dict[str, Any], args: list[str]) -> int:
+    """The training steps of the run ``args`` describe, which a cached compile of another step count
+    (:data:`SHAPE_FREE_ARGS`) does not hold: SFT's ``steps``; GRPO's MaxText derives from num_batches
+    (train_steps = num_batches x num_iterations x train_fraction x num_epoch), so it scales with it."""
+    given = dict(a.partition("=")[::2] for a in args)
+    c = compiled["config"]
+    if "num_batches" in given and c.get("num_batches"):
+        return round(int(c["steps"]) * int(given["num_batches"]) / int(c["num_batches"]))
+    return int(given.get("steps", c["steps"]))
+
+
+def _wait_showing_progress(child: subprocess.Popen, log: Path, every_s: float = 60) -> int:
+    """The compile's exit status; meanwhile a line each ``every_s`` with the minutes it has taken."""
+    start = time.monotonic()
+    while True:
+        try:
+            return child.wait(timeout=every_s)
+        except subprocess.TimeoutExpired:
+            print(f"mtpipe preflight: still compiling, {(time.monotonic() - start) / 60:.0f} min so far "
+                  f"(its log: {log})", flush=True)
+        except BaseException:
+            child.kill()
+            child.wait()
+            raise
 
 
 def compile_step(module: str, args: list[str], work: Path, log: Path) -> dict[str, Any]:
@@ -187,7 +223,8 @@ def compile_step(module: str, args: list[str], work: Path, log: Path) -> dict[st
         with open(log, "w", encoding="utf8") as log_file:
             log_file.write(f"$ {' '.join(argv)}\n")
             log_file.flush()
-            code = subprocess.call(argv, env=env, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT)
+            code = _wait_showing_progress(subprocess.Popen(argv, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                                                           cwd=ROOT), log)
         if not out.is_file():
             tail = log.read_text(errors="replace").splitlines()[-30:]
             raise RuntimeError(f"the AOT compile exited with {code} and no result; log {log}:\n" + "\n".join(tail))
@@ -220,8 +257,9 @@ def step_forecast(compiled: dict[str, Any], chip: Chip, chips: int, module: str)
 
 
 def report(cfg: View, preset: str, compiled: dict[str, Any], chip: Chip, chips: int,
-           usd_per_hour: float) -> dict[str, Any]:
-    """HBM per chip, fit, FLOPs, time and cost of one branch from its compile result."""
+           usd_per_hour: float, args: list[str]) -> dict[str, Any]:
+    """HBM per chip, fit, FLOPs, time and cost of one branch from its compile result (of the step
+    ``args`` compile: the step count is theirs, :func:`run_steps`)."""
     stage = TRAINING_STAGE[cfg.branch]
     c = compiled["config"]
     hbm = hbm_parts(compiled, chips, commands.TRAIN_SFT if cfg.branch == "sft" else commands.TRAIN_RL)
@@ -229,7 +267,7 @@ def report(cfg: View, preset: str, compiled: dict[str, Any], chip: Chip, chips: 
     real_batch = c["grpo_sequences"] / c["global_batch_size_to_train_on"] if cfg.branch == "rl" else 1.0
     flops_per_chip = compiled["tflops_per_device"] * 1e12 * real_batch
     step_s = flops_per_chip / (chip.peak_tflops * 1e12 * MFU)
-    steps = int(c["steps"])
+    steps = run_steps(compiled, args)
     notes = ["compiled: the train step (params, optimizer state, temporaries) for the topology"]
     if cfg.branch == "rl":
         extra, needed, step_s = _grpo_estimate(cfg, compiled, chip, chips, hbm, step_s)
@@ -374,10 +412,12 @@ def check(sets: list[str], usd_per_chip_hour: float, machine: budget.Machine, ro
         args = compile_args(cmd, maxtext_topology(topo))
         cached = (work / f"{compile_digest(cmd.module, args)}.json").is_file()
         print(f"mtpipe preflight: {branch} ({preset}): "
-              + ("compile result cached" if cached else f"compiling the training step for {topo} on the CPU "
-                 "(minutes for a full-size model)"), flush=True)
+              + ("compile result cached (the same shapes compiled before)" if cached else
+                 f"compiling the training step for {topo} on the CPU, once per shape (model, batch, lengths, "
+                 "dtypes, remat): a learning-rate or step-count sweep reuses it. The tutorial models took "
+                 "11-15 min on 2 cores (docs/preflight.md), a tiny one about a minute"), flush=True)
         compiled = compile_step(cmd.module, args, work, work / f"{branch}-{preset}.log")
-        row = report(cfg, preset, compiled, chip, chips, usd_per_hour(chips, usd_per_chip_hour))
+        row = report(cfg, preset, compiled, chip, chips, usd_per_hour(chips, usd_per_chip_hour), args)
         (work / f"{branch}-{preset}.json").write_text(json.dumps(row, indent=1) + "\n")
         rows.append(row)
     if rows:
@@ -539,7 +579,7 @@ def _child(out: Path, module: str, args: list[str]) -> int:
         "tflops_per_device": float(maxtext_utils.calculate_tflops_training_per_device(config, log=False)[0]),
         "config": {k: getattr(config, k, None) for k in (
             "model_name", "per_device_batch_size", "global_batch_size_to_train_on", "max_target_length",
-            "max_prefill_predict_length", "steps", "weight_dtype", "dtype", "remat_policy", "scan_layers",
+            "max_prefill_predict_length", "steps", "num_batches", "weight_dtype", "dtype", "remat_policy", "scan_layers",
             "num_decoder_layers", "num_kv_heads", "head_dim", "emb_dim", "vocab_size", "batch_size",
             "hbm_utilization_vllm", "num_generations", "grpo_beta", "grpo_sequences", "compile_topology")},
     }
