@@ -19,7 +19,7 @@ export PATH := $(BIN):$(PATH)
 export GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT := false
 export NO_GCE_CHECK := true
 
-.PHONY: demo test test-fast bench bench-realsize lock lock-check clean-work
+.PHONY: demo test test-fast control bench bench-realsize lock lock-check clean-work
 
 $(VENV)/.installed: requirements.lock pyproject.toml Makefile
 	@test -n "$(PY312)" || { echo "Python 3.12 not found: install it (e.g. 'uv python install 3.12' or 'pyenv install 3.12')" >&2; exit 1; }
@@ -44,6 +44,19 @@ demo: $(VENV)/.installed
 	dvc plots show --out dvc_plots >/dev/null && echo "loss curves: dvc_plots/index.html (draws offline)"
 	python -m mtpipe.reporting.report --out reports/latest
 
+# The control plane alone, on any laptop (Linux, macOS): doit vm_*, dvc, publish and the report, from
+# requirements-control.lock (no JAX, libtpu or MaxText's stack; MaxText's config files for the machine
+# budget) in .venv-control. What needs MaxText (the embedded demo, preflight's compile) needs `make`.
+CONTROL := .venv-control
+control: $(CONTROL)/.installed
+$(CONTROL)/.installed: requirements-control.lock
+	@test -n "$(PY312)" || { echo "Python 3.12 not found: install it (e.g. 'uv python install 3.12' or 'pyenv install 3.12')" >&2; exit 1; }
+	@test -x $(CONTROL)/bin/python || $(PY312) -m venv $(CONTROL)
+	$(CONTROL)/bin/python -m pip install --quiet uv==$(UV_VERSION)
+	$(CONTROL)/bin/uv pip sync --quiet --compile-bytecode --python $(CONTROL)/bin/python --require-hashes requirements-control.lock
+	@touch $@
+	@echo "control plane ready: source $(CONTROL)/bin/activate, then doit / dvc from this directory"
+
 # two pytest-xdist workers: one builds the shared pipeline while the other runs what needs none
 # (tests/conftest.py, docs/testing.md); WORKERS=0 runs everything in one process. pytest runs with the
 # network cut where this machine allows it (tests/offline.py: root): the tests need no index.
@@ -56,7 +69,7 @@ test-fast: $(VENV)/.installed $(CHROMIUM) work/.test-envs
 # What the tests would otherwise fetch from a package index: xpk's and TRL's side environments, the uv
 # tests/test_vm_lock.py runs, requirements-vm.lock in uv's cache (tests/prefetch.py; each kept while
 # its marker matches).
-work/.test-envs: $(VENV)/.installed requirements-vm.lock tests/prefetch.py tests/xpk_parser.py benchmarks/grpo_trl.py
+work/.test-envs: $(VENV)/.installed requirements-vm.lock requirements-control.lock tests/prefetch.py tests/xpk_parser.py benchmarks/grpo_trl.py
 	python tests/prefetch.py
 	@touch $@
 

@@ -6,7 +6,8 @@
 * the TRL side environment, ``work/trl_env`` (benchmarks/grpo_trl.py; tests/test_grpo_trl.py);
 * the uv that tests/test_vm_lock.py runs, ``work/uv-<version>`` (mtpipe.pipeline.requirement_locks.uv);
 * requirements-vm.lock in uv's cache: tests/test_vm_lock.py installs the whole lock into a fresh
-  venv with ``UV_OFFLINE=1``, so uv takes every file from its cache (about 3.5 GB the first time).
+  venv with ``UV_OFFLINE=1``, so uv takes every file from its cache (about 3.5 GB the first time);
+* requirements-control.lock in uv's cache, for tests/test_control_plane.py's fresh venv.
 
 Each one is made only when its marker does not name what it holds (the side environments' own
 markers; for the cache, the lock's sha256). The suite then runs with the network cut (tests/offline.py).
@@ -29,7 +30,6 @@ import xpk_parser  # noqa: E402
 
 from mtpipe.pipeline import requirement_locks  # noqa: E402
 
-CACHED_LOCK = ROOT / "work" / "uv-cache-holds-vm-lock"   # the sha256 of the lock last installed through the cache
 
 
 def uv_cache_dir() -> str:
@@ -37,11 +37,11 @@ def uv_cache_dir() -> str:
     return os.environ.get("UV_CACHE_DIR", str(Path.home() / ".cache" / "uv"))
 
 
-def warm_uv_cache() -> None:
-    """Install requirements-vm.lock into a throwaway venv, so that every file of it is in uv's cache."""
-    lock = requirement_locks.VM_LOCK
+def warm_uv_cache(lock: Path) -> None:
+    """Install ``lock`` into a throwaway venv, so that every file of it is in uv's cache."""
+    marker = ROOT / "work" / f"uv-cache-holds-{lock.stem}"   # the sha256 of the lock last installed through it
     stamp = f"{hashlib.sha256(lock.read_bytes()).hexdigest()} {uv_cache_dir()}"
-    if CACHED_LOCK.exists() and CACHED_LOCK.read_text() == stamp:
+    if marker.exists() and marker.read_text() == stamp:
         return
     uv, env = str(requirement_locks.uv()), {**os.environ, "UV_CACHE_DIR": uv_cache_dir()}
     with tempfile.TemporaryDirectory(dir=ROOT / "work") as tmp:   # beside the cache's disk: hardlinks
@@ -49,13 +49,14 @@ def warm_uv_cache() -> None:
         subprocess.run([uv, "venv", "--quiet", "--python", sys.executable, str(venv)], env=env, check=True)
         subprocess.run([uv, "pip", "sync", "--quiet", "--require-hashes", "--python", str(venv / "bin" / "python"),
                         str(lock)], env=env, check=True)
-    CACHED_LOCK.write_text(stamp)
+    marker.write_text(stamp)
 
 
 def main() -> None:
     (ROOT / "work").mkdir(exist_ok=True)
     for name, make in (("xpk side environment", xpk_parser.side_env), ("TRL side environment", grpo_trl.side_env),
-                       ("requirements-vm.lock in uv's cache", warm_uv_cache)):
+                       ("requirements-vm.lock in uv's cache", lambda: warm_uv_cache(requirement_locks.VM_LOCK)),
+                       ("requirements-control.lock in uv's cache", lambda: warm_uv_cache(requirement_locks.CONTROL_LOCK))):
         print(f"prefetch: {name}", flush=True)
         make()
 

@@ -38,7 +38,7 @@ from typing import Any
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import budget, commands, tpu_check
 from mtpipe.maxtext.runner import child_env
-from mtpipe.pipeline import overrides, toolchain
+from mtpipe.pipeline import maxtext_check, overrides, toolchain
 from mtpipe.pipeline.config import BRANCH_STAGES, ROOT, View, stage_view
 from mtpipe.pipeline.maxtext_check import compose_checked
 
@@ -168,8 +168,20 @@ def compile_args(cmd: commands.MaxTextCommand, topo: str) -> list[str]:
 
 
 def versions() -> dict[str, str]:
-    """What the compiled result depends on besides its arguments."""
-    return {name: metadata.version(name) for name in ("maxtext", "jax", "jaxlib", "libtpu")}
+    """What the compiled result depends on besides its arguments: the installed compiler's versions,
+    which are the VM lock's (one toolchain); the VM lock's where they are not installed (the control
+    plane's light environment, which can still read a result compiled elsewhere)."""
+    names = ("maxtext", "jax", "jaxlib", "libtpu")
+    try:
+        return {name: metadata.version(name) for name in names}
+    except metadata.PackageNotFoundError:
+        pins = toolchain.lock_pins((ROOT / "requirements-vm.lock").read_text())
+        return {name: pins[name] for name in names}
+
+
+def can_compile() -> bool:
+    """Whether JAX and MaxText are installed here (not in requirements-control.lock's environment)."""
+    return maxtext_check.installed()
 
 
 def compile_digest(module: str, args: list[str]) -> str:
@@ -411,6 +423,12 @@ def check(sets: list[str], usd_per_chip_hour: float, machine: budget.Machine, ro
         cmd = stage_command(cfg)
         args = compile_args(cmd, maxtext_topology(topo))
         cached = (work / f"{compile_digest(cmd.module, args)}.json").is_file()
+        if not cached and not can_compile():
+            raise ConfigError("preflight", f"the {branch} branch's step ({preset} on {topo}) is not compiled yet, and "
+                              "this environment (requirements-control.lock: no JAX, no MaxText) cannot compile it",
+                              "run `doit preflight` with the same --set values once where `make` installs the full "
+                              "environment (Linux x86_64) and bring its work/preflight/ here (results are reused by "
+                              "shape), or pass --no-preflight to vm_run")
         print(f"mtpipe preflight: {branch} ({preset}): "
               + ("compile result cached (the same shapes compiled before)" if cached else
                  f"compiling the training step for {topo} on the CPU, once per shape (model, batch, lengths, "

@@ -1,4 +1,4 @@
-"""The two requirement lockfiles and how they are made (``make lock``): one toolchain for laptop and VM.
+"""The requirement lockfiles and how they are made (``make lock``): one toolchain for laptop and VM.
 
 ``requirements-vm.lock`` is the TPU VM's environment. The tutorial installs it as::
 
@@ -29,6 +29,14 @@ checkpoint Orbax writes on the laptop is read on the VM by the same Orbax, and `
 compiles with the VM's jax and libtpu. The ``tpu`` extra's own lower bounds (e.g. libtpu >= 0.0.46)
 are above the ``tpu-post-train`` ones the tutorial installs (libtpu 0.0.44), so the laptop takes the
 extra's package names and the VM's versions, not the extra's bounds (docs/decisions.md).
+
+``requirements-control.lock`` is the control plane's: what drives VMs and experiments (``doit vm_*``,
+``dvc``, publish, the run report) without JAX, libtpu or MaxText's stack, so it installs on any laptop
+(``make control``): the project's pins but MaxText, tunix and lm-eval, the libraries its code imports
+that those brought (:data:`CONTROL_EXTRA`), resolved ``--universal`` (one file for Linux, macOS and
+Windows) with the laptop lock's pins as constraints, and checked to resolve for each of
+:data:`CONTROL_PLATFORMS`; plus MaxText itself without its dependencies, whose config files the machine
+budget reads (``uv pip sync`` installs exactly the lock's lines, no dependency of them).
 
 Versions come from ``pyproject.toml``: the one place for MaxText's version and the project's pins.
 ``--exclude-newer`` fixes the index as of :data:`INDEX_DATE`, so both resolutions are reproducible
@@ -64,6 +72,12 @@ from mtpipe.pipeline.toolchain import lock_pins
 ROOT = Path(__file__).resolve().parents[2]
 VM_LOCK = ROOT / "requirements-vm.lock"
 LAPTOP_LOCK = ROOT / "requirements.lock"
+CONTROL_LOCK = ROOT / "requirements-control.lock"
+# The project's pins the control plane leaves out (MaxText comes in without its dependencies), and what
+# its code imports that they brought (at the laptop lock's versions).
+CONTROL_LEFT_OUT = ("maxtext", "google-tunix", "lm-eval")
+CONTROL_EXTRA = ("huggingface-hub", "matplotlib")
+CONTROL_PLATFORMS = ("x86_64-manylinux_2_35", "aarch64-apple-darwin")   # Linux laptops and CI, Apple silicon
 UV_VERSION = "0.13.9"        # resolves the locks, installs the laptop's, and installed on the VM (conf/vm.yaml)
 PIP_VERSION = "26.3"         # MaxText's extra-deps installer runs `python -m pip install uv` in the venv
 INDEX_DATE = "2026-12-01T00:00:00Z"
@@ -164,9 +178,11 @@ def uv() -> Path:
     return exe
 
 
-def uv_compile(hashes: bool = True) -> list[str]:
-    """``uv pip compile`` for the VM's platform and the index as of INDEX_DATE."""
-    return [str(uv()), "pip", "compile", "--python-platform", PLATFORM, "--python-version", PYTHON,
+def uv_compile(hashes: bool = True, platform: str | None = PLATFORM) -> list[str]:
+    """``uv pip compile`` for ``platform`` (the VM's; None: every platform, ``--universal``) and the index
+    as of INDEX_DATE."""
+    target = ["--python-platform", platform] if platform else ["--universal"]
+    return [str(uv()), "pip", "compile", *target, "--python-version", PYTHON,
             "--exclude-newer", INDEX_DATE, "--index-url", "https://pypi.org/simple", "--no-config", "--quiet",
             "--no-header", *(["--generate-hashes"] if hashes else [])]
 
@@ -224,6 +240,46 @@ def compile_laptop_lock(out: Path, vm_lock: Path = VM_LOCK) -> None:
                        check=True, cwd=t)
         body = (t / "lock.txt").read_text()
     _write(out, laptop_header_lines(), body)
+
+
+def control_requirements() -> list[str]:
+    """The control plane's inputs (see the module docstring), MaxText aside."""
+    rest = [str(r) for name, r in project_pins().items() if name not in CONTROL_LEFT_OUT]
+    return [*rest, *CONTROL_EXTRA, f"pip=={PIP_VERSION}", f"uv=={UV_VERSION}"]
+
+
+def compile_control_lock(out: Path, laptop_lock: Path = LAPTOP_LOCK) -> None:
+    """Resolve the control plane's lock into ``out`` with every pin of ``laptop_lock`` as a constraint,
+    check that it resolves for each of CONTROL_PLATFORMS, and add MaxText without its dependencies
+    (needs PyPI)."""
+    pins = lock_pins(laptop_lock.read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        t = Path(tmp)
+        (t / "laptop-pins.txt").write_text("".join(f"{name}=={version}\n" for name, version in sorted(pins.items())))
+        (t / "control.in").write_text("\n".join(control_requirements()) + "\n")
+        (t / "maxtext.in").write_text(f"maxtext=={maxtext_version()}\n")
+        subprocess.run([*uv_compile(platform=None), "control.in", "--constraint", "laptop-pins.txt", "-o", "lock.txt"],
+                       check=True, cwd=t)
+        for platform in CONTROL_PLATFORMS:
+            subprocess.run([*uv_compile(hashes=False, platform=platform), "control.in", "--constraint",
+                            "laptop-pins.txt", "-o", f"{platform}.txt"], check=True, cwd=t)
+        subprocess.run([*uv_compile(platform=None), "maxtext.in", "--no-deps", "-o", "maxtext.txt"], check=True, cwd=t)
+        body = (t / "lock.txt").read_text() + (t / "maxtext.txt").read_text()
+    _write(out, control_header_lines(), body)
+
+
+def control_header_lines() -> list[str]:
+    return [
+        "The control plane's environment (doit vm_*, dvc, publish, the report: no JAX, libtpu or MaxText's",
+        "stack), installed by `make control` into .venv-control with `uv pip sync`, on Linux or macOS.",
+        "Generated by `make lock` (mtpipe/pipeline/requirement_locks.py); do not edit. Inputs, from pyproject.toml:",
+        f"  {' '.join(control_requirements())}",
+        "  constraints: every pin of requirements.lock (the laptop's versions)",
+        f"  resolved --universal, checked for {' '.join(CONTROL_PLATFORMS)}; Python {PYTHON}, PyPI as of "
+        f"{INDEX_DATE}, uv {UV_VERSION}",
+        f"  and maxtext=={maxtext_version()} without its dependencies (its config files: the machine budget)",
+        "",
+    ]
 
 
 def vm_header_lines(untaken: dict[str, str]) -> list[str]:
@@ -314,30 +370,30 @@ def check() -> int:
     to relock; returns 1 when something moved, else 0."""
     committed = VM_LOCK.read_text()
     with tempfile.TemporaryDirectory() as tmp:
-        vm, laptop = Path(tmp) / VM_LOCK.name, Path(tmp) / LAPTOP_LOCK.name
+        vm, laptop, control = (Path(tmp) / lock.name for lock in (VM_LOCK, LAPTOP_LOCK, CONTROL_LOCK))
         compile_vm_lock(vm)
         compile_laptop_lock(laptop, vm_lock=vm)
+        compile_control_lock(control, laptop_lock=laptop)
         sections = {
-            f"{VM_LOCK.name} (committed pin -> the index now)": lock_diff(committed, vm.read_text()),
-            f"{LAPTOP_LOCK.name} (committed pin -> the index now)": lock_diff(LAPTOP_LOCK.read_text(),
-                                                                              laptop.read_text()),
-        }
+            f"{lock.name} (committed pin -> the index now)": lock_diff(lock.read_text(), new.read_text())
+            for lock, new in ((VM_LOCK, vm), (LAPTOP_LOCK, laptop), (CONTROL_LOCK, control))}
     free = free_packages(committed)
     sections[f"{VM_LOCK.name}, below the newest release although nothing chose it (pin -> newest)"] = [
         f"{name}: {pin} -> {version}" for name, (pin, version) in behind(committed, releases(free, "highest")).items()]
     text = report(sections)
-    print(text or f"both locks are what the index (PyPI as of {INDEX_DATE}) gives now")
+    print(text or f"the locks are what the index (PyPI as of {INDEX_DATE}) gives now")
     return 1 if text else 0
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Write both requirement locks (make lock), or check them (make lock-check)")
+    parser = argparse.ArgumentParser(description="Write the requirement locks (make lock), or check them (make lock-check)")
     parser.add_argument("--check", action="store_true", help="resolve again and compare; exit 1 if something moved")
     if parser.parse_args().check:
         sys.exit(check())
     compile_vm_lock(VM_LOCK)
     compile_laptop_lock(LAPTOP_LOCK)
-    print(f"wrote {VM_LOCK.relative_to(ROOT)} and {LAPTOP_LOCK.relative_to(ROOT)}")
+    compile_control_lock(CONTROL_LOCK)
+    print(f"wrote {', '.join(str(lock.relative_to(ROOT)) for lock in (VM_LOCK, LAPTOP_LOCK, CONTROL_LOCK))}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,93 @@
+"""The control plane runs from its own light environment (requirements-control.lock, `make control`):
+doit's VM tasks and DVC without JAX, libtpu or MaxText's stack, so any laptop can drive the TPU.
+
+A fresh venv is made from the lock (uv's cache only: tests/prefetch.py fills it before the suite) and
+doit runs in it against the fakes; the checks that need MaxText's code say so there (the values passed
+to MaxText are then checked by configure, the first stage on the VM; preflight's compile by a full
+environment)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fakes.hf_server import HubServer
+from vm_world import ROOT, Env, assert_deleted, hub_with_tutorial_repos
+
+from mtpipe.pipeline import requirement_locks
+
+pytestmark = [pytest.mark.first_hour, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def light(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The python of a fresh venv holding exactly requirements-control.lock."""
+    venv = tmp_path_factory.mktemp("control") / "venv"
+    uv = str(requirement_locks.uv())
+    env = {**os.environ, "UV_OFFLINE": "1",
+           "UV_CACHE_DIR": os.environ.get("UV_CACHE_DIR", str(Path.home() / ".cache" / "uv"))}
+    subprocess.run([uv, "venv", "--quiet", "--python", sys.executable, str(venv)], env=env, check=True)
+    subprocess.run([uv, "pip", "sync", "--quiet", "--require-hashes", "--python", str(venv / "bin" / "python"),
+                    str(requirement_locks.CONTROL_LOCK)], env=env, check=True)
+    yield venv / "bin" / "python"
+
+
+def doit(python: Path, w: Env, *args: str) -> subprocess.CompletedProcess:
+    """doit in the light venv, in the world's repo, with the world's environment."""
+    env = {**w.env, "PYTHONPATH": str(ROOT), "PATH": f"{python.parent}:/usr/bin:/bin"}
+    return subprocess.run([str(python), "-m", "doit", "-f", str(ROOT / "dodo.py"), "-d", str(w.repo), *args],
+                          cwd=w.repo, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_the_light_environment_has_no_jax_and_lists_the_tasks(light: Path, world: Env) -> None:
+    for module in ("jax", "jaxlib", "libtpu", "tunix", "transformers", "torch"):
+        proc = subprocess.run([str(light), "-c", f"import {module}"], capture_output=True, text=True)
+        assert proc.returncode != 0 and "ModuleNotFoundError" in proc.stderr, module
+    listed = doit(light, world, "list")
+    assert listed.returncode == 0 and "vm_run" in listed.stdout and "preflight" in listed.stdout, listed.stderr
+    helped = doit(light, world, "help", "vm_run")
+    assert helped.returncode == 0 and "--keep" in helped.stdout and "--yes" in helped.stdout, helped.stderr
+
+
+def test_vm_run_from_the_light_environment(light: Path, world: Env) -> None:
+    """The embedded default on the loopback VM: checks, the question answered by --yes, the run, the
+    deletion; nothing of the laptop's side imports JAX."""
+    w = world
+    w.configure(run__command='echo run >> "$HOME/runs"')
+    proc = doit(light, w, "vm_run", "--yes")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "about to create ct6e-standard-8t VM mt-test" in proc.stdout and "VM mt-test: deleted" in proc.stdout
+    assert (w.sshd.home / "runs").read_text() == "run\n"
+    assert_deleted(w)
+
+
+def test_a_tutorial_run_without_a_compile_says_where_to_compile(light: Path, world: Env, tmp_path: Path) -> None:
+    """A TPU preset needs preflight's compile, which the light environment cannot run: vm_run stops
+    before anything exists and names both ways on. With --no-preflight the checks before spending pass
+    and the machine budget is computed from MaxText's config files (in the lock, without MaxText's
+    dependencies) against the VM's RAM, read after the setup. The loopback VM is this machine: with
+    less than about 30 GB of RAM the 4B export's host memory does not fit and the run stops there,
+    naming the key; with more it runs run.command. Either way the VM is deleted."""
+    w = world
+    w.configure(run__command='echo run >> "$HOME/runs"')
+    with HubServer(tmp_path / "hub") as hub:
+        hub_with_tutorial_repos(hub)
+        w.env.update(HF_ENDPOINT=hub.url, HF_TOKEN=hub.gated["google/gemma-3-4b-it"])
+        sets = "--set=sft.preset=gemma3-4b-ultrachat-v6e8"
+        refused = doit(light, w, "vm_run", "--yes", sets, "--target=evaluate@sft")
+        assert refused.returncode != 0
+        assert ("ConfigError: preflight: the sft branch's step (gemma3-4b-ultrachat-v6e8 on v6e-8) is not compiled "
+                "yet, and this environment (requirements-control.lock: no JAX, no MaxText) cannot compile it") \
+            in refused.stdout + refused.stderr
+        assert w.fake.inserts() == []
+        ran = doit(light, w, "vm_run", "--yes", sets, "--target=evaluate@sft", "--no-preflight")
+    out = ran.stdout + ran.stderr
+    assert "machine budget of sft on one v6e-8 VM" in out and "host memory (during to_huggingface@sft)" in out, out
+    stopped = "ConfigError: sft.train_sft.max_num_checkpoints_to_keep: the run needs" in out
+    assert (ran.returncode != 0) == stopped and (stopped or (w.sshd.home / "runs").read_text() == "run\n"), out
+    assert len(w.fake.inserts()) == 1 and "VM mt-test: deleted" in out
+    assert_deleted(w)
