@@ -19,8 +19,22 @@ from fakes.hf_server import HubServer
 from vm_world import ROOT, Env, assert_deleted, hub_with_tutorial_repos
 
 from mtpipe.pipeline import requirement_locks
+from mtpipe.pipeline.toolchain import lock_pins
 
-pytestmark = [pytest.mark.first_hour, pytest.mark.slow]
+pytestmark = pytest.mark.first_hour
+
+
+def test_the_control_lock_is_the_laptops_versions_without_maxtexts_stack() -> None:
+    """Made from pyproject.toml's pins as `make lock` makes it (its header names the inputs), at the
+    laptop lock's versions, universal, with MaxText but none of what MaxText needs to run."""
+    text = requirement_locks.CONTROL_LOCK.read_text()
+    control, laptop = lock_pins(text), lock_pins(requirement_locks.LAPTOP_LOCK.read_text())
+    assert f"#   {' '.join(requirement_locks.control_requirements())}\n" in text, "run `make lock`"
+    assert "resolved --universal, checked for x86_64-manylinux_2_35 aarch64-apple-darwin" in text
+    # every package the laptop also installs at its version; the others are Windows' (the lock is universal)
+    assert {name for name, version in control.items() if laptop.get(name) != version} == {"pywin32", "tzdata"}
+    assert control["maxtext"] == requirement_locks.maxtext_version()
+    assert not {"jax", "jaxlib", "libtpu", "google-tunix", "transformers", "torch", "lm-eval"} & control.keys()
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +57,7 @@ def doit(python: Path, w: Env, *args: str) -> subprocess.CompletedProcess:
                           cwd=w.repo, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_the_light_environment_has_no_jax_and_lists_the_tasks(light: Path, world: Env) -> None:
     for module in ("jax", "jaxlib", "libtpu", "tunix", "transformers", "torch"):
         proc = subprocess.run([str(light), "-c", f"import {module}"], capture_output=True, text=True)
@@ -53,6 +68,7 @@ def test_the_light_environment_has_no_jax_and_lists_the_tasks(light: Path, world
     assert helped.returncode == 0 and "--keep" in helped.stdout and "--yes" in helped.stdout, helped.stderr
 
 
+@pytest.mark.slow
 def test_vm_run_from_the_light_environment(light: Path, world: Env) -> None:
     """The embedded default on the loopback VM: checks, the question answered by --yes, the run, the
     deletion; nothing of the laptop's side imports JAX."""
@@ -65,6 +81,7 @@ def test_vm_run_from_the_light_environment(light: Path, world: Env) -> None:
     assert_deleted(w)
 
 
+@pytest.mark.slow
 def test_a_tutorial_run_without_a_compile_says_where_to_compile(light: Path, world: Env, tmp_path: Path) -> None:
     """A TPU preset needs preflight's compile, which the light environment cannot run: vm_run stops
     before anything exists and names both ways on. With --no-preflight the checks before spending pass
