@@ -18,11 +18,11 @@ from mtpipe.cloud.backend import run_training
 from mtpipe.data import gsm8k_chat
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import commands
-from mtpipe.maxtext.run_dir import run_dir
+from mtpipe.maxtext.run_dir import run_dir, run_name
 from mtpipe.pipeline.config import load_stage
 from mtpipe.pipeline.metrics import missing_steps, read_tensorboard, rl_curve, rl_eval, rl_eval_gain, write_csv
 from mtpipe.pipeline.stage import (JAX_CACHE, ROOT, Timer, artifact, atomic_dir, log_path, read_stamp,
-                                   recipe, run_stage, write_json, write_stamp)
+                                   run_stage, write_json, write_stamp)
 
 
 def check_rollout_backend(backend: str, runs_here: bool) -> None:
@@ -60,47 +60,49 @@ def main() -> None:
     converted, warmup = artifact("rl", "maxtext"), artifact("rl", "warmup")
     dataset, model = artifact("rl", "dataset"), artifact("rl", "model")
     start = warmup / "model_params" if not read_stamp(warmup).get("skipped") else converted / "0" / "items"
-    run = run_dir("train_rl", f"train_rl-{recipe("rl", "train_rl", converted, warmup, dataset, model)[:12]}")
-    resumed_from = run.latest_checkpoint("checkpoints/actor")
-    if resumed_from is not None:
-        print(f"  {run.url}: an earlier run left actor checkpoints up to step {resumed_from}")
-    files = dataset / "files"
-    check_prompt_budget(cfg, files, model / "files")
-    cmd = commands.train_rl(
-        cfg, ckpt=start, train_files=str(files / cfg.dataset.train_files), eval_files=str(files / cfg.dataset.eval_files),
-        tokenizer_dir=model / "files", base_output=run.base, run_name=run.run_name, jax_cache_dir=JAX_CACHE,
-    )
-    print(f"  GRPO from {'the SFT warm-up' if start.parent == warmup else 'the converted model'}")
-    run_training(cfg, cmd, log_path("rl", "train_rl"), total_steps=cfg.train_rl.num_batches)
+    run = run_dir("train_rl", run_name("train_rl", "rl"))
+    with run.leased():  # one holder: another machine with this recipe stops here, naming it
+        resumed_from = run.latest_checkpoint("checkpoints/actor")
+        if resumed_from is not None:
+            print(f"  {run.url}: an earlier run left actor checkpoints up to step {resumed_from}")
+        files = dataset / "files"
+        check_prompt_budget(cfg, files, model / "files")
+        cmd = commands.train_rl(
+            cfg, ckpt=start, train_files=str(files / cfg.dataset.train_files),
+            eval_files=str(files / cfg.dataset.eval_files),
+            tokenizer_dir=model / "files", base_output=run.base, run_name=run.run_name, jax_cache_dir=JAX_CACHE,
+        )
+        print(f"  GRPO from {'the SFT warm-up' if start.parent == warmup else 'the converted model'}")
+        run_training(cfg, cmd, log_path("rl", "train_rl"), total_steps=cfg.train_rl.num_batches)
 
-    final_step = run.latest_checkpoint("checkpoints/actor")
-    if final_step is None or final_step < cfg.train_rl.num_batches:
-        raise RuntimeError(f"train_rl wrote no final actor checkpoint under {run.url}/checkpoints/actor"
-                           f" (found {final_step}, expected {cfg.train_rl.num_batches})")
-    curve = rl_curve(read_tensorboard(f"{run.url}/tensorboard"))
-    if lost := missing_steps([row for row in curve if "reward_mean" in row], first=1):
-        print(f"  warning: the reward curve has no rows for steps {lost}: a run stopped (killed, preempted) "
-              "before tensorboardX flushed them (every 120 s); the plot has a gap there")
-    this_run = log_path("rl", "train_rl").read_text(errors="replace").split(f"$ {cmd.as_tutorial()}")[-1]
-    evals = rl_eval(this_run)
-    if cfg.train_rl.num_test_batches and set(evals) != {"pre", "post"}:
-        raise RuntimeError(f"train_rl logged no eval before and after GRPO (found {sorted(evals)})")
-    with atomic_dir(artifact("rl", "trained")) as out:
-        run.take(f"checkpoints/actor/{final_step}/model_params", out / "model_params")
-        write_stamp(out, "train_rl", step=final_step)
-    write_csv(ROOT / "plots" / "rl" / "train_rl.csv", curve)
-    rewards = [r["reward_mean"] for r in curve if "reward_mean" in r]
-    summary = {
-        "steps": final_step, "resumed_from_step": resumed_from or 0,
-        "reward_first": rewards[0], "reward_last": rewards[-1],
-        **{f"eval_{when}_{key}": value for when, row in evals.items() for key, value in row.items()},
-        **{f"eval_gain_{key}": value for key, value in rl_eval_gain(this_run).items()},
-    }
-    write_json(ROOT / "metrics" / "rl" / "train_rl.json", summary)
-    timer.record("rl", "train_rl")
-    acc = {w: evals[w]["accuracy"] for w in evals}
-    print(f"  reward {rewards[0]:.3f} -> {rewards[-1]:.3f}; eval accuracy before/after: {acc}")
-    run.remove()
+        final_step = run.latest_checkpoint("checkpoints/actor")
+        if final_step is None or final_step < cfg.train_rl.num_batches:
+            raise RuntimeError(f"train_rl wrote no final actor checkpoint under {run.url}/checkpoints/actor"
+                               f" (found {final_step}, expected {cfg.train_rl.num_batches})")
+        curve = rl_curve(read_tensorboard(f"{run.url}/tensorboard"))
+        if lost := missing_steps([row for row in curve if "reward_mean" in row], first=1):
+            print(f"  warning: the reward curve has no rows for steps {lost}: a run stopped (killed, preempted) "
+                  "before tensorboardX flushed them (every 120 s); the plot has a gap there")
+        this_run = log_path("rl", "train_rl").read_text(errors="replace").split(f"$ {cmd.as_tutorial()}")[-1]
+        evals = rl_eval(this_run)
+        if cfg.train_rl.num_test_batches and set(evals) != {"pre", "post"}:
+            raise RuntimeError(f"train_rl logged no eval before and after GRPO (found {sorted(evals)})")
+        with atomic_dir(artifact("rl", "trained")) as out:
+            run.take(f"checkpoints/actor/{final_step}/model_params", out / "model_params")
+            write_stamp(out, "train_rl", step=final_step)
+        write_csv(ROOT / "plots" / "rl" / "train_rl.csv", curve)
+        rewards = [r["reward_mean"] for r in curve if "reward_mean" in r]
+        summary = {
+            "steps": final_step, "resumed_from_step": resumed_from or 0,
+            "reward_first": rewards[0], "reward_last": rewards[-1],
+            **{f"eval_{when}_{key}": value for when, row in evals.items() for key, value in row.items()},
+            **{f"eval_gain_{key}": value for key, value in rl_eval_gain(this_run).items()},
+        }
+        write_json(ROOT / "metrics" / "rl" / "train_rl.json", summary)
+        timer.record("rl", "train_rl")
+        acc = {w: evals[w]["accuracy"] for w in evals}
+        print(f"  reward {rewards[0]:.3f} -> {rewards[-1]:.3f}; eval accuracy before/after: {acc}")
+        run.remove()
 
 
 if __name__ == "__main__":

@@ -21,10 +21,10 @@ from pathlib import Path
 from mtpipe.cloud.backend import run_training
 from mtpipe.data import gsm8k_chat
 from mtpipe.maxtext import commands
-from mtpipe.maxtext.run_dir import MIRROR_EVERY_S, run_dir
+from mtpipe.maxtext.run_dir import MIRROR_EVERY_S, run_dir, run_name
 from mtpipe.pipeline.config import load_stage
 from mtpipe.pipeline.metrics import loss_curve, missing_steps, summarize_sft, tokens_per_s_median, write_csv
-from mtpipe.pipeline.stage import (JAX_CACHE, ROOT, Timer, artifact, atomic_dir, log_path, recipe, require,
+from mtpipe.pipeline.stage import (JAX_CACHE, ROOT, Timer, artifact, atomic_dir, log_path, require,
                                    run_stage, write_json, write_stamp)
 
 OUTPUT = {"sft": "trained", "rl": "warmup"}  # the SFT branch's final model; the RL branch's warm start
@@ -57,38 +57,39 @@ def main(branch: str) -> None:
         print("  steps: 0, no warm-up")
         return
     converted, dataset, model = artifact(branch, "maxtext"), artifact(branch, "dataset"), artifact(branch, "model")
-    run = run_dir("train_sft", f"train_sft-{branch}-{recipe(branch, "train_sft", converted, dataset, model)[:12]}")
-    run.scratch.mkdir(parents=True, exist_ok=True)
-    resumed_from = run.latest_checkpoint()
-    if resumed_from is not None:
-        print(f"  resuming {run.url}: MaxText restores its checkpoint at step {resumed_from}")
-    train_files, eval_files, columns = chat_files(cfg, dataset, run.scratch)
-    metrics_file = run.scratch / "metrics.jsonl"
-    cmd = commands.train_sft(
-        cfg, ckpt=converted / "0" / "items", train_files=train_files, eval_files=eval_files, columns=columns,
-        tokenizer_dir=model / "files", base_output=run.base, run_name=run.run_name, metrics_file=metrics_file,
-        jax_cache_dir=JAX_CACHE,
-    )
-    with run.mirrored(metrics_file):
-        run_training(cfg, cmd, log_path(branch, "train_sft"), total_steps=cfg.train_sft.steps)
+    run = run_dir("train_sft", run_name("train_sft", branch))
+    with run.leased():  # one holder: another machine with this recipe stops here, naming it
+        run.scratch.mkdir(parents=True, exist_ok=True)
+        resumed_from = run.latest_checkpoint()
+        if resumed_from is not None:
+            print(f"  resuming {run.url}: MaxText restores its checkpoint at step {resumed_from}")
+        train_files, eval_files, columns = chat_files(cfg, dataset, run.scratch)
+        metrics_file = run.scratch / "metrics.jsonl"
+        cmd = commands.train_sft(
+            cfg, ckpt=converted / "0" / "items", train_files=train_files, eval_files=eval_files, columns=columns,
+            tokenizer_dir=model / "files", base_output=run.base, run_name=run.run_name, metrics_file=metrics_file,
+            jax_cache_dir=JAX_CACHE,
+        )
+        with run.mirrored(metrics_file):
+            run_training(cfg, cmd, log_path(branch, "train_sft"), total_steps=cfg.train_sft.steps)
 
-    final_step = run.latest_checkpoint()
-    if final_step is None or final_step < cfg.train_sft.steps - 1:
-        raise RuntimeError(f"train_sft wrote no final checkpoint in {run.url}/checkpoints (found {final_step})")
-    curve = loss_curve(require(metrics_file, "MaxText metrics_file"))
-    if lost := missing_steps(curve):
-        print(f"  warning: the loss curve has no rows for steps {lost}: a run stopped (killed, preempted) after "
-              f"their checkpoint but before their rows were written, or mirrored to the bucket (every "
-              f"{MIRROR_EVERY_S:.0f} s); the plot has a gap there")
-    with atomic_dir(artifact(branch, OUTPUT[branch])) as out:
-        run.take(f"checkpoints/{final_step}/model_params", out / "model_params")
-        write_stamp(out, "train_sft", step=final_step)
-    write_csv(plot_path, curve)
-    summary = summarize_sft(curve) | {"resumed_from_step": resumed_from or 0}
-    timer.record(branch, "train_sft", tokens_per_s=tokens_per_s_median(metrics_file))
-    write_json(metrics_path, summary)
-    print(f"  loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f} over {summary['steps']} steps")
-    run.remove()
+        final_step = run.latest_checkpoint()
+        if final_step is None or final_step < cfg.train_sft.steps - 1:
+            raise RuntimeError(f"train_sft wrote no final checkpoint in {run.url}/checkpoints (found {final_step})")
+        curve = loss_curve(require(metrics_file, "MaxText metrics_file"))
+        if lost := missing_steps(curve):
+            print(f"  warning: the loss curve has no rows for steps {lost}: a run stopped (killed, preempted) after "
+                  f"their checkpoint but before their rows were written, or mirrored to the bucket (every "
+                  f"{MIRROR_EVERY_S:.0f} s); the plot has a gap there")
+        with atomic_dir(artifact(branch, OUTPUT[branch])) as out:
+            run.take(f"checkpoints/{final_step}/model_params", out / "model_params")
+            write_stamp(out, "train_sft", step=final_step)
+        write_csv(plot_path, curve)
+        summary = summarize_sft(curve) | {"resumed_from_step": resumed_from or 0}
+        timer.record(branch, "train_sft", tokens_per_s=tokens_per_s_median(metrics_file))
+        write_json(metrics_path, summary)
+        print(f"  loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f} over {summary['steps']} steps")
+        run.remove()
 
 
 if __name__ == "__main__":

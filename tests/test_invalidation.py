@@ -44,8 +44,9 @@ def test_noop_repro_runs_no_stage(pipeline_repo):
         (lambda p: p.update(steps=7), {"train_sft@sft"}),
         (lambda p: p["sft"]["train_sft"].update(learning_rate=5e-4), {"train_sft@sft"}),
         (lambda p: p["sft"]["to_huggingface"].update(weight_dtype="bfloat16"), {"to_huggingface@sft"}),
-        # another source: the download reruns; what reads the data reruns only if its bytes differ
-        (lambda p: p["sft"].update(dataset="ultrachat-200k"), {"hf_download@sft"}),
+        # another source: the download reruns; what reads the data reruns only if its bytes differ; the
+        # generator writes the branch's manifest of embedded files again (now without a dataset)
+        (lambda p: p["sft"].update(dataset="ultrachat-200k"), {"hf_download@sft", "make_embedded"}),
         (lambda p: p["sft"].update(to_maxtext={"checkpoint_storage": "ocdbt"}), {"to_maxtext@sft"}),
         (lambda p: p["rl"]["train_rl"].update(num_batches=9), {"train_rl"}),
         (lambda p: p["sft"].update(evaluate={"server_timeout_s": 600}), set()),  # config/run.yaml only

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -130,6 +133,44 @@ def test_a_bucket_run_directory_counts_committed_steps_mirrors_and_cleans_up(gcs
     assert fs.find(run.url) == []
 
 
+def _lease(run: rd.RunDir, **fields) -> None:
+    """A lease as another holder left it."""
+    lease = {"holder": "ann@elsewhere", "host": "elsewhere", "pid": 1, "token": "t", "start": rd._now(),
+             "renewed": rd._now()} | fields
+    run._write(rd.LEASE, json.dumps(lease).encode())
+
+
+@pytest.mark.address
+@pytest.mark.parametrize("where", ["local", "bucket"])
+def test_a_run_directory_has_one_holder(where, gcs_emulator, monkeypatch, tmp_path):
+    """A live holder's run directory is refused, naming it; a holder whose process ended on this host,
+    or whose lease was not renewed for STALE_S, is taken over; the lease goes when the holder ends."""
+    if where == "bucket":
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator.endpoint)
+        run = rd.RunDir(f"gs://{gcs_emulator.bucket}/lease-{tmp_path.name}/train_sft", "r", tmp_path / "scratch")
+    else:
+        run = rd.RunDir(str(tmp_path / "work" / "train_sft"), "r", tmp_path / "work" / "train_sft" / "r")
+    with run.leased():
+        with pytest.raises(ConfigError, match=rf"^{re.escape(run.url)}: is in use by \S+@\S+ \(pid {os.getpid()}\), "
+                                              r"training the same recipe since .*Fix: wait for that run"):
+            with run.leased():
+                pass
+    assert run._read(rd.LEASE) is None
+
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    _lease(run, host=socket.gethostname(), pid=int(ended.stdout))
+    with run.leased():   # its process ended here: a killed stage, resumed
+        assert json.loads(run._read(rd.LEASE))["pid"] == os.getpid()
+    _lease(run)   # another host, renewed just now
+    with pytest.raises(ConfigError, match=r"is in use by ann@elsewhere \(pid 1\)"):
+        with run.leased():
+            pass
+    stale = (datetime.now(timezone.utc) - timedelta(seconds=rd.STALE_S + 5)).isoformat(timespec="seconds")
+    _lease(run, renewed=stale)   # another host gone silent: a preempted VM
+    with run.leased():
+        pass
+
+
 @pytest.mark.slow
 def test_a_bad_work_bucket_stops_the_stage_before_maxtext(pipeline_repo):
     proc = subprocess.run([sys.executable, "-m", "stages.train_sft", "sft"], cwd=pipeline_repo,
@@ -174,17 +215,25 @@ def test_killed_training_resumes_from_the_bucket_in_a_fresh_clone(pipeline_repo,
     MTPIPE_HOLD_AFTER_STEP) leaves its checkpoints in the bucket only; in a fresh clone the same stage
     restores that step, skips the 50 batches it trained and ends as the uninterrupted run (the shared
     pipeline's) ended: the same param bytes and the same loss curve, row for row. It writes the
-    output as a local run does and empties the bucket."""
+    output as a local run does and empties the bucket. While the first still runs, the clone's same
+    stage stops before MaxText, naming it (the run directory's lease), and leaves the bucket as it was."""
     bucket, fs = bucket_env(gcs_emulator), emulator_fs(gcs_emulator)
     runs, scratch = f"{gcs_emulator.bucket}/work/train_sft", pipeline_repo / "work" / "train_sft"
     reference = pipeline_repo / "artifacts" / "sft" / "trained"
     params, curve = md5_tree(reference, ["model_params"]), csv_rows(pipeline_repo / "plots" / "sft" / "train_sft.csv")
     before = set(scratch.iterdir()) if scratch.is_dir() else set()
+    clone = fresh_clone(pipeline_repo, tmp_path / "clone")
     try:
         held = start_held(pipeline_repo, "train_sft@sft", PERIOD, pipeline_repo / "work/logs/sft/train_sft.log",
                           extra_env=bucket)
         try:  # the hold is endless: the mirror (every MIRROR_EVERY_S) brings the step's row up meanwhile
             run = wait_for(lambda: checkpoint_to_resume(fs, runs), "the step-50 loss row in the bucket")
+            objects = sorted(fs.find(f"{runs}"))
+            second = dvc(clone, "repro", "-f", "-s", "--no-run-cache", "train_sft@sft", extra_env=bucket, check=False)
+            assert second.returncode != 0 and f"train_sft: gs://{run}: is in use by " in second.stdout, second.stdout
+            assert "training the same recipe since" in second.stdout and "mtpipe.maxtext.launch" not in second.stdout
+            fs.invalidate_cache()
+            assert sorted(fs.find(f"{runs}")) == objects, "the refused stage touched the holder's run directory"
         finally:
             kill_group(held)
         url, run_name = f"gs://{run}", run.rsplit("/", 1)[1]
@@ -195,8 +244,8 @@ def test_killed_training_resumes_from_the_bucket_in_a_fresh_clone(pipeline_repo,
             shutil.rmtree(left)
         restore(pipeline_repo)
 
-    clone = fresh_clone(pipeline_repo, tmp_path / "clone")
     out = dvc(clone, "repro", "-f", "-s", "--no-run-cache", "train_sft@sft", extra_env=bucket).stdout
+    assert f"taking over gs://{run} from " in out and "its process ended on" in out, out[-3000:]
     assert f"resuming {url}: MaxText restores its checkpoint at step {PERIOD}" in out, out[-3000:]
     log = (clone / "work" / "logs" / "sft" / "train_sft.log").read_text()
     assert re.search(rf"Restored params from step: {PERIOD}\b", log), "MaxText did not restore the bucket's step"
@@ -212,3 +261,42 @@ def test_killed_training_resumes_from_the_bucket_in_a_fresh_clone(pipeline_repo,
     assert json.loads((trained / "mtpipe.json").read_text())["step"] == len(curve)
     fs.invalidate_cache()
     assert fs.find(f"{runs}/{run_name}") == [], "the bucket run directory was not deleted after success"
+
+
+@pytest.mark.slow
+@pytest.mark.address
+def test_the_collector_lists_and_removes_what_no_recipe_names(pipeline_repo, gcs_emulator, tmp_path):
+    """Run directories of recipes that changed (left by killed runs), here and in the work bucket, are
+    listed with their sizes and removed; the current recipe's and one a live run holds are kept."""
+    bucket, fs = bucket_env(gcs_emulator, prefix=f"collect-{tmp_path.name}"), emulator_fs(gcs_emulator)
+    local = pipeline_repo / "work" / "train_sft"
+    current = rd.RunDir(str(local), json.loads(subprocess.run(
+        [sys.executable, "-c", "import json; from mtpipe.maxtext import run_dir as r; "
+                               "print(json.dumps(r.run_name('train_sft', 'sft')))"],
+        cwd=pipeline_repo, env=env(), capture_output=True, text=True, check=True).stdout), local / "x")
+    made = [local / "train_sft-sft-000000000000", local / "train_sft-rl-000000000001", Path(current.url)]
+    try:
+        for path in made:
+            (path / "checkpoints" / "5").mkdir(parents=True)
+            (path / "checkpoints" / "5" / "w").write_bytes(b"w" * 1000)
+        held = rd.RunDir(str(local), "train_sft-rl-000000000001", local / "x")
+        _lease(held, host=socket.gethostname(), pid=os.getpid())   # this test process: alive
+        orphan = f"{bucket[rd.WORK_BUCKET_ENV]}/train_rl/train_rl-000000000002"
+        fs.pipe(f"{orphan.removeprefix('gs://')}/checkpoints/5/w", b"w" * 3000)
+
+        def collect(*args: str) -> str:
+            proc = subprocess.run([sys.executable, "-m", "mtpipe.maxtext.collect_runs", *args], cwd=pipeline_repo,
+                                  env={**env(), **bucket}, capture_output=True, text=True, timeout=300)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            return proc.stdout
+
+        listed = collect()
+        assert f"0.000 GB  {made[0]}\n" in listed and f"{orphan}\n" in listed
+        assert f"{made[1]}  (held by " in listed and str(made[2]) not in listed, listed
+        collect("--delete")
+        fs.invalidate_cache()
+        assert not made[0].exists() and not fs.exists(orphan.removeprefix("gs://"))
+        assert made[1].exists() and made[2].exists()
+    finally:
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)

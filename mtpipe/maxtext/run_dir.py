@@ -17,24 +17,33 @@ warm-up's chat parquet, and MaxText's ``metrics_file``, which it appends to with
 stage mirrors that file into the bucket while MaxText runs, so a resumed run's loss curve is whole.
 On success the stage moves (local) or downloads (bucket) the final params into its DVC output and
 deletes the run directory; ``MTPIPE_WORK_BUCKET_KEEP=1`` keeps the bucket's copy.
+A run directory has one holder at a time (:meth:`RunDir.leased`): a lease file, renewed while the
+stage runs, so a second machine (or process) with the same recipe stops naming the holder instead
+of training beside it and deleting the directory under it; a lease whose holder is gone (its process
+ended on this host, or not renewed for STALE_S) is taken over, and the run resumes.
 Credentials: Application Default Credentials, from the environment only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import getpass
+import json
 import os
 import re
+import secrets
 import shutil
+import socket
 import threading
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext.checkpoints import COMMIT_MARKER, latest_checkpoint, normalise_orbax_metadata
-from mtpipe.pipeline.stage import WORK
+from mtpipe.pipeline.stage import WORK, artifact, recipe
 
 if TYPE_CHECKING:
     import gcsfs
@@ -44,6 +53,9 @@ WORK_DIR_ENV = "MTPIPE_WORK_DIR"
 KEEP_ENV = "MTPIPE_WORK_BUCKET_KEEP"
 BUCKET_URL = re.compile(r"gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[^\s]*)?")
 MIRROR_EVERY_S = 5.0
+LEASE = "mtpipe-lease.json"   # in the run directory: who trains there (RunDir.leased)
+RENEW_S = 30.0                # how often the holder renews its lease
+STALE_S = 180.0               # a lease not renewed for this long belongs to a run that is gone
 BUCKET_FIX = (f"export {WORK_BUCKET_ENV}=gs://BUCKET/PREFIX for a bucket this machine's credentials can write "
               "(roles/storage.objectUser), or unset it to keep run directories in work/")
 
@@ -168,6 +180,87 @@ class RunDir:
             if stopping:
                 return
 
+    @contextlib.contextmanager
+    def leased(self) -> Iterator[None]:
+        """Hold the run directory while the block runs: refuse, naming the holder, when another live run
+        holds it; take it over from one that is gone (:meth:`_gone`); renew the lease every RENEW_S;
+        release it at the end (:meth:`remove` deletes it with the directory)."""
+        lease = self.lease()
+        if lease and not (why := self._gone(lease)):
+            raise ConfigError(self.url, f"is in use by {lease['holder']} (pid {lease['pid']}), training the same "
+                              f"recipe since {lease['start']}, lease renewed {self._age(lease):.0f} s ago",
+                              "wait for that run to end (its output then comes with `dvc pull`), or stop it; a "
+                              f"lease not renewed for {STALE_S:.0f} s is taken over and the run resumed")
+        if lease:
+            print(f"  taking over {self.url} from {lease['holder']} (pid {lease['pid']}): {why}")
+        now = _now()
+        mine = {"holder": f"{getpass.getuser()}@{socket.gethostname()}", "host": socket.gethostname(),
+                "pid": os.getpid(), "token": secrets.token_hex(8), "start": now, "renewed": now}
+        self._write(LEASE, json.dumps(mine).encode())
+        stop = threading.Event()
+        renewer = threading.Thread(target=self._renew, args=(mine, stop), daemon=True)
+        renewer.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            renewer.join()
+            with contextlib.suppress(Exception):   # gone with the directory after success
+                if (self.lease() or {}).get("token") == mine["token"]:
+                    self._delete(LEASE)
+
+    def lease(self) -> dict | None:
+        """The run directory's lease as its holder last wrote it (None: nobody holds it)."""
+        found = self._read(LEASE)
+        return json.loads(found) if found else None
+
+    def holder(self) -> str | None:
+        """Who holds the run directory and still runs (None: nobody, or a holder that is gone)."""
+        lease = self.lease()
+        return lease["holder"] if lease and not self._gone(lease) else None
+
+    def _renew(self, mine: dict, stop: threading.Event) -> None:
+        while not stop.wait(RENEW_S):
+            try:
+                self._write(LEASE, json.dumps(mine | {"renewed": _now()}).encode())
+            except Exception as err:  # a network blip must not stop training: renewed next round
+                print(f"  could not renew the lease of {self.url}: {err}")
+
+    @staticmethod
+    def _age(lease: dict) -> float:
+        return (datetime.now(timezone.utc) - datetime.fromisoformat(lease["renewed"])).total_seconds()
+
+    def _gone(self, lease: dict) -> str | None:
+        """Why the lease's holder no longer runs (None while it may): its process ended on this host, or
+        it was not renewed for STALE_S (another host: killed, its VM preempted)."""
+        if lease.get("host") == socket.gethostname() and not _alive(int(lease["pid"])):
+            return f"its process ended on {lease['host']}"
+        if (age := self._age(lease)) > STALE_S:
+            return f"not renewed for {age:.0f} s"
+        return None
+
+    def _read(self, name: str) -> bytes | None:
+        path = f"{self.url}/{name}"
+        if self.in_bucket:
+            fs = gcs()
+            return fs.cat(path) if fs.exists(path) else None
+        return Path(path).read_bytes() if Path(path).is_file() else None
+
+    def _write(self, name: str, data: bytes) -> None:
+        if self.in_bucket:
+            gcs().pipe(f"{self.url}/{name}", data)
+        else:
+            Path(self.url).mkdir(parents=True, exist_ok=True)
+            tmp = Path(self.url) / f".{name}.partial"
+            tmp.write_bytes(data)
+            os.replace(tmp, Path(self.url) / name)
+
+    def _delete(self, name: str) -> None:
+        if self.in_bucket:
+            gcs().rm(f"{self.url}/{name}")
+        else:
+            (Path(self.url) / name).unlink(missing_ok=True)
+
     def remove(self) -> None:
         """After success: delete the run directory (the bucket's kept with MTPIPE_WORK_BUCKET_KEEP=1)."""
         if self.in_bucket and os.environ.get(KEEP_ENV) == "1":
@@ -175,6 +268,33 @@ class RunDir:
         elif self.in_bucket:
             gcs().rm(self.url, recursive=True)
         shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host runs."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # another user's
+        return True
+    return True
+
+
+# The inputs a training stage's recipe covers besides its view, by artifact name: its run name's digest.
+RECIPE_INPUTS = {"train_sft": ("maxtext", "dataset", "model"), "train_rl": ("maxtext", "warmup", "dataset", "model")}
+TRAINING = (("train_sft", "sft"), ("train_sft", "rl"), ("train_rl", "rl"))   # (stage, branch) of each run
+
+
+def run_name(stage: str, branch: str) -> str:
+    """The run name of ``stage`` in ``branch`` as its view and inputs are now: its recipe's digest
+    (:func:`mtpipe.pipeline.stage.recipe`), so the same recipe finds the same run directory."""
+    digest = recipe(branch, stage, *(artifact(branch, name) for name in RECIPE_INPUTS[stage]))[:12]
+    return f"train_sft-{branch}-{digest}" if stage == "train_sft" else f"train_rl-{digest}"
 
 
 def run_dir(stage: str, run_name: str) -> RunDir:
