@@ -88,7 +88,11 @@ def test_the_commands_of_a_page_run_in_order_against_the_fakes(
                 seed_remote(pipeline_repo, bucket, gcs_emulator, w.env)
             proc = subprocess.run(["bash", "-c", line], cwd=repo, env=w.env, capture_output=True, text=True,
                                   timeout=900)
-            assert proc.returncode == 0, f"{line}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+            # DVC's exp apply writes the experiment's git files, then stops at the outputs the local cache
+            # lacks (the page says so): the next line pulls the one the page wants
+            missing = (line.startswith("dvc exp apply") and proc.returncode == 255
+                       and "Is your cache up to date?" in proc.stderr)
+            assert proc.returncode == 0 or missing, f"{line}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
             out[line.split(" --")[0]] = proc.stdout + proc.stderr
         check_what_the_page_promised(w, branch, out, bucket, gcs_emulator)
 
