@@ -105,6 +105,9 @@ def startup_script(idle: Any, metadata_host: str, compute: str = COMPUTE_URL) ->
         f"cat > {watch_file} <<'END_OF_IDLE_WATCH'",
         Path(__file__).read_text().rstrip("\n"),
         "END_OF_IDLE_WATCH",
+        # owned by root, /tmp's owner, and writable by all: every SSH user's `flock -s` may open it (a file
+        # another user made in a sticky directory refuses their O_CREAT under fs.protected_regular)
+        f"touch {shlex.quote(idle.lock_file)} && chmod 666 {shlex.quote(idle.lock_file)}",
         f"nohup setsid python3 {watch_file} {shlex.join(args)} >> {log} 2>&1 < /dev/null &",
         "",
     ])
