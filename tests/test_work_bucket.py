@@ -145,6 +145,7 @@ def _lease(run: rd.RunDir, **fields) -> None:
 def test_a_run_directory_has_one_holder(where, gcs_emulator, monkeypatch, tmp_path):
     """A live holder's run directory is refused, naming it; a holder whose process ended on this host,
     or whose lease was not renewed for STALE_S, is taken over; the lease goes when the holder ends."""
+    monkeypatch.setattr(rd, "DYING_S", 1.0)   # how long a live holder here gets to end before the refusal
     if where == "bucket":
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator.endpoint)
         run = rd.RunDir(f"gs://{gcs_emulator.bucket}/lease-{tmp_path.name}/train_sft", "r", tmp_path / "scratch")

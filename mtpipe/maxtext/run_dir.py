@@ -35,6 +35,7 @@ import secrets
 import shutil
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ MIRROR_EVERY_S = 5.0
 LEASE = "mtpipe-lease.json"   # in the run directory: who trains there (RunDir.leased)
 RENEW_S = 30.0                # how often the holder renews its lease
 STALE_S = 180.0               # a lease not renewed for this long belongs to a run that is gone
+DYING_S = 15.0                # how long a holder on this host gets to finish ending (SIGKILLed, tearing down)
 BUCKET_FIX = (f"export {WORK_BUCKET_ENV}=gs://BUCKET/PREFIX for a bucket this machine's credentials can write "
               "(roles/storage.objectUser), or unset it to keep run directories in work/")
 
@@ -186,6 +188,10 @@ class RunDir:
         holds it; take it over from one that is gone (:meth:`_gone`); renew the lease every RENEW_S;
         release it at the end (:meth:`remove` deletes it with the directory)."""
         lease = self.lease()
+        deadline = time.monotonic() + DYING_S
+        while lease and not self._gone(lease) and lease.get("host") == socket.gethostname() \
+                and time.monotonic() < deadline:   # a killed holder here may still be ending
+            time.sleep(0.5)
         if lease and not (why := self._gone(lease)):
             raise ConfigError(self.url, f"is in use by {lease['holder']} (pid {lease['pid']}), training the same "
                               f"recipe since {lease['start']}, lease renewed {self._age(lease):.0f} s ago",
@@ -195,7 +201,8 @@ class RunDir:
             print(f"  taking over {self.url} from {lease['holder']} (pid {lease['pid']}): {why}")
         now = _now()
         mine = {"holder": f"{getpass.getuser()}@{socket.gethostname()}", "host": socket.gethostname(),
-                "pid": os.getpid(), "token": secrets.token_hex(8), "start": now, "renewed": now}
+                "pid": os.getpid(), "pid_started": _started(os.getpid()), "token": secrets.token_hex(8),
+                "start": now, "renewed": now}
         self._write(LEASE, json.dumps(mine).encode())
         stop = threading.Event()
         renewer = threading.Thread(target=self._renew, args=(mine, stop), daemon=True)
@@ -233,7 +240,7 @@ class RunDir:
     def _gone(self, lease: dict) -> str | None:
         """Why the lease's holder no longer runs (None while it may): its process ended on this host, or
         it was not renewed for STALE_S (another host: killed, its VM preempted)."""
-        if lease.get("host") == socket.gethostname() and not _alive(int(lease["pid"])):
+        if lease.get("host") == socket.gethostname() and not _alive(int(lease["pid"]), lease.get("pid_started")):
             return f"its process ended on {lease['host']}"
         if (age := self._age(lease)) > STALE_S:
             return f"not renewed for {age:.0f} s"
@@ -274,15 +281,29 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` of this host runs."""
+def _started(pid: int) -> str | None:
+    """When process ``pid`` started (Linux: /proc/<pid>/stat's start time, in clock ticks since boot),
+    which tells it from a later process that got the same pid; None where /proc is not there."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int, started: str | None = None) -> bool:
+    """Whether process ``pid`` of this host still runs: not ended, not a zombie (a killed process whose
+    parent has not reaped it), and, where ``started`` is known, not a later process with its pid."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:   # another user's
         return True
-    return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X") and (started is None or _started(pid) == started)
 
 
 # The inputs a training stage's recipe covers besides its view, by artifact name: its run name's digest.
