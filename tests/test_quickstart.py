@@ -68,7 +68,7 @@ def test_the_commands_of_a_page_run_in_order_against_the_fakes(
                      FAKE_GCS_ENDPOINT=gcs_emulator.endpoint, PYTHONPATH=str(repo),
                      **{f"GIT_{who}_{what}": value for who in ("AUTHOR", "COMMITTER")
                         for what, value in (("NAME", "t"), ("EMAIL", "t@t"))})
-        substitutions = {"MY_BUCKET": bucket, "my-project": "proj-1", "us-east5-b": "us-east5-b",
+        substitutions = {"MY_BUCKET": bucket, "my-project": "proj-1",
                          "my-v6e8-reservation": "v6e-res", f"NAME=mtpipe-{'sft' if branch == 'sft' else 'grpo'}":
                          "NAME=mt-test", "PROJECT_NUMBER": w.fake.project_numbers["proj-1"],
                          "HF_TOKEN=hf_...": f"HF_TOKEN={w.env['HF_TOKEN']}", TUTORIAL[branch]: f"embedded-{branch}",
