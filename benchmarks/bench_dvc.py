@@ -353,7 +353,7 @@ def remove(paths: list[Path]) -> None:
 
 
 def printed_command(repo: Path, cmd: str, env: dict[str, str]) -> tuple[str | None, str]:
-    """(`[env K=V ...] python -m mtpipe.maxtext.launch ...` that the stage would run, or None; why not).
+    """(`[env K=V ...] python -m mtpipe.maxtext.adapter.<kind> ...` that the stage would run, or None; why not).
 
     A script without the flag would ignore it and run the whole stage, so the flag must appear in
     the script or in mtpipe/ before it is passed.

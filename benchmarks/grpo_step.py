@@ -65,9 +65,10 @@ def turn_speedups_off() -> None:
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-    from mtpipe.maxtext import maxtext_adapter, rollout_cpu  # pylint: disable=import-outside-toplevel
+    from mtpipe.maxtext import rollout_cpu  # pylint: disable=import-outside-toplevel
+    from mtpipe.maxtext.adapter import training  # pylint: disable=import-outside-toplevel
 
-    maxtext_adapter.grade_without_polling = lambda: None
+    training.grade_without_polling = lambda: None
     rollout_cpu.CACHE_AXIS_ORDER = "1,2,0,3"
 
     def fold_row_by_row(base, texts, repeats, eval_pass):
@@ -199,13 +200,13 @@ def child(out: Path, setup: str, argv: list[str]) -> None:
 def train_rl_command(steps: int, eval_batches: int, out_dir: Path) -> tuple[list[str], dict[str, str], dict]:
     """The train_rl stage's arguments and environment for the configured RL branch, with `steps` GRPO
     steps and `eval_batches` eval batches; and the shapes the FLOP count needs."""
-    from mtpipe.maxtext import commands  # pylint: disable=import-outside-toplevel
-    from mtpipe.pipeline.config import load_stage  # pylint: disable=import-outside-toplevel
+    from mtpipe.maxtext import training_commands  # pylint: disable=import-outside-toplevel
+    from mtpipe.pipeline.view import load_stage  # pylint: disable=import-outside-toplevel
     from mtpipe.pipeline.stage import JAX_CACHE, artifact  # pylint: disable=import-outside-toplevel
 
     cfg = load_stage("rl", "train_rl")
     files, model = artifact("rl", "dataset") / "files", artifact("rl", "model") / "files"
-    cmd = commands.train_rl(
+    cmd = training_commands.train_rl(
         cfg, ckpt=artifact("rl", "warmup") / "model_params", train_files=str(files / cfg.dataset.train_files),
         eval_files=str(files / cfg.dataset.eval_files), tokenizer_dir=model, base_output=out_dir,
         run_name="grpo_step", jax_cache_dir=JAX_CACHE)

@@ -39,8 +39,8 @@ import yaml
 PROJECT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(PROJECT))
 from mtpipe.data.gsm8k_chat import rl_prompt_format  # noqa: E402
-from mtpipe.maxtext import commands  # noqa: E402
-from mtpipe.pipeline.config import load_stage  # noqa: E402
+from mtpipe.maxtext import conversion_commands  # noqa: E402
+from mtpipe.pipeline.view import load_stage  # noqa: E402
 
 SIDE_ENV = PROJECT / "work" / "trl_env"
 # Python 3.11: the CPU build of torch 2.13.0 that pip takes on the project's machines is a cp311 wheel
@@ -94,13 +94,13 @@ def maxtext_settings(stage: dict) -> dict:
 
 
 def export_warmup(repo: Path, out: Path) -> Path:
-    """The warm-up's params as a Hugging Face directory: the rl export's command (mtpipe.maxtext.commands)
-    on the warm-up instead of the GRPO result."""
+    """The warm-up's params as a Hugging Face directory: the rl export's command
+    (mtpipe.maxtext.conversion_commands) on the warm-up instead of the GRPO result."""
     if (out / "config.json").exists():
         return out
     cfg = load_stage("rl", "to_huggingface", root=repo)
-    cmd = commands.to_huggingface(cfg, params=repo / "artifacts/rl/warmup/model_params",
-                                  hf_src_dir=repo / "artifacts/rl/model/files", out_dir=out)
+    cmd = conversion_commands.to_huggingface(cfg, params=repo / "artifacts/rl/warmup/model_params",
+                                             hf_src_dir=repo / "artifacts/rl/model/files", out_dir=out)
     env = dict(os.environ, **cmd.env, PYTHONPATH=str(PROJECT))
     done = subprocess.run(cmd.argv(), env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0 or not (out / "config.json").exists():

@@ -8,7 +8,7 @@ Run: dvc repro configure   (or: python -m stages.configure)
 
 from mtpipe.data import embedded
 from mtpipe.evaluation.cpu_backend import check_cpu_forward
-from mtpipe.pipeline.config import BRANCH_STAGES, load_params, write_resolved
+from mtpipe.pipeline.config import BRANCH_STAGES, load_params, twin_confs, write_resolved
 from mtpipe.pipeline.maxtext_check import compose_checked
 from mtpipe.pipeline.stage import run_stage
 
@@ -18,7 +18,7 @@ def main() -> None:
     composed = {branch: compose_checked(branch, params) for branch in BRANCH_STAGES}
     for cfg in composed.values():
         check_cpu_forward(cfg)  # the CPU model server can run the model
-    for path in write_resolved(composed, embedded.twin_confs()):
+    for path in write_resolved(composed, twin_confs(embedded.FAMILIES)):
         print(f"  {path.relative_to(path.parents[2])}")
 
 

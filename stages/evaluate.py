@@ -15,7 +15,7 @@ import json
 import sys
 
 from mtpipe.evaluation.scoring import gain, read_rows, score, summary, write_rows
-from mtpipe.pipeline.config import load_stage
+from mtpipe.pipeline.view import load_stage
 from mtpipe.pipeline.stage import ROOT, WORK, Timer, artifact, log_path, require, run_stage, scores_path, write_json
 
 

@@ -10,7 +10,7 @@ Run: dvc repro evaluate_base@rl   (or: python -m stages.evaluate_base rl)
 import sys
 
 from mtpipe.evaluation.scoring import score, summary, write_rows
-from mtpipe.pipeline.config import load_stage
+from mtpipe.pipeline.view import load_stage
 from mtpipe.pipeline.stage import ROOT, WORK, Timer, artifact, log_path, run_stage, scores_path, write_json
 
 

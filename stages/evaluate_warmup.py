@@ -12,8 +12,8 @@ Run: dvc repro evaluate_warmup   (or: python -m stages.evaluate_warmup)
 import shutil
 
 from mtpipe.evaluation.scoring import score, summary, write_rows
-from mtpipe.maxtext import commands, runner
-from mtpipe.pipeline.config import load_stage
+from mtpipe.maxtext import conversion_commands, runner
+from mtpipe.pipeline.view import load_stage
 from mtpipe.pipeline.stage import (ROOT, WORK, Timer, artifact, log_path, read_stamp, require, run_stage,
                                    scores_path, write_json)
 
@@ -26,7 +26,8 @@ def main() -> None:
         export = WORK / "evaluate" / "rl-warmup-hf"
         shutil.rmtree(export, ignore_errors=True)
         try:
-            cmd = commands.to_huggingface(cfg, params=warmup / "model_params", hf_src_dir=model / "files", out_dir=export)
+            cmd = conversion_commands.to_huggingface(cfg, params=warmup / "model_params", hf_src_dir=model / "files",
+                                                     out_dir=export)
             runner.run(cmd, log_path("rl", "evaluate_warmup_export"))
             require(export / "config.json", "the warm-up's exported config.json")
             rows = score(cfg, export, artifact("rl", "dataset"), WORK / "evaluate" / "rl-warmup",

@@ -20,8 +20,9 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")  # before huggingface_hub
 
 from mtpipe.data import datasets_check, hub
 from mtpipe.errors import ConfigError
-from mtpipe.pipeline.config import is_embedded, load_stage
-from mtpipe.pipeline.stage import ROOT, artifact, atomic_dir, run_stage, source_manifest, write_json, write_stamp
+from mtpipe.pipeline.stage import (ROOT, artifact, atomic_dir, is_embedded, run_stage, source_manifest, write_json,
+                                   write_stamp)
+from mtpipe.pipeline.view import load_stage
 
 
 def check_rows(cfg, files) -> int:

@@ -1,6 +1,8 @@
 """Stage make_embedded: the embedded default (tiny models, tokenizers, datasets) into embedded/.
 
-Deterministic and offline (see mtpipe/data/embedded.py): writes <out>.partial, then renames it to <out>.
+Deterministic and offline (see mtpipe/data/embedded.py): writes the twins its view names (``twins``: each
+one's MaxText model and sizes, which configure copies from conf/model/<name>.yaml) and the data sets into
+<out>.partial, then renames it to <out>.
 Then, per branch, artifacts/<branch>/source.json beside <out>: the sha256 of each file of the directories its
 hf_download copies (the view's ``sources``), so a branch's download reruns when its own twin or dataset
 changes and not when another does.
@@ -12,24 +14,24 @@ from pathlib import Path
 
 from mtpipe.data import embedded
 from mtpipe.errors import ConfigError
-from mtpipe.pipeline.config import EMBEDDED_DIR, load_stage
-from mtpipe.pipeline.stage import Timer, atomic_dir, run_stage, source_manifest, tree_sha256, write_json
+from mtpipe.pipeline.stage import EMBEDDED_DIR, Timer, atomic_dir, run_stage, source_manifest, tree_sha256, write_json
+from mtpipe.pipeline.view import load_stage
 
 
 def main(out: str) -> None:
     cfg = load_stage("embedded", "make_embedded")  # fails if the code's fingerprints are stale
-    if cfg.twins != embedded.twin_confs():
-        raise ConfigError("config/embedded/make_embedded.yaml", "names other twin sizes than conf/model/*-tiny.yaml",
-                          "run `dvc repro` (it reruns configure first), or `dvc repro configure`")
+    if sorted(cfg.twins) != sorted(embedded.FAMILIES):
+        raise ConfigError("config/embedded/make_embedded.yaml twins", f"names {sorted(cfg.twins)}, not the families "
+                          f"{sorted(embedded.FAMILIES)}", "run `dvc repro` (it reruns configure first)")
     timer = Timer()
     with atomic_dir(Path(out)) as partial:
-        embedded.write_all(partial)
+        embedded.write_all(partial, cfg.twins)
         manifests = {branch: {role: tree_sha256(partial / Path(path).relative_to(EMBEDDED_DIR))
                               for role, path in sources.items()}
                      for branch, sources in cfg.sources.items()}
     for branch, manifest in manifests.items():
         write_json(source_manifest(branch, root=Path(out).parent), manifest)
-    print(f"  wrote {', '.join(embedded.WRITERS)} into {out} in {timer.seconds()} s")
+    print(f"  wrote {', '.join([*cfg.twins, *embedded.DATASETS])} into {out} in {timer.seconds()} s")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ Run: dvc repro to_huggingface@sft   (or: python -m stages.to_huggingface sft)
 
 import sys
 
-from mtpipe.maxtext import commands, runner
-from mtpipe.pipeline.config import load_stage
+from mtpipe.maxtext import conversion_commands, runner
+from mtpipe.pipeline.view import load_stage
 from mtpipe.pipeline.stage import (ROOT, Timer, artifact, atomic_dir, log_path, require, run_stage, size_mib,
                                    write_json, write_stamp)
 
@@ -17,7 +17,8 @@ def main(branch: str) -> None:
     cfg, timer = load_stage(branch, "to_huggingface"), Timer()
     trained, model = artifact(branch, "trained"), artifact(branch, "model")
     with atomic_dir(artifact(branch, "hf")) as out:
-        cmd = commands.to_huggingface(cfg, params=trained / "model_params", hf_src_dir=model / "files", out_dir=out)
+        cmd = conversion_commands.to_huggingface(cfg, params=trained / "model_params", hf_src_dir=model / "files",
+                                                 out_dir=out)
         runner.run(cmd, log_path(branch, "to_huggingface"))
         require(out / "config.json", "exported config.json")
         if not list(out.glob("*.safetensors")):

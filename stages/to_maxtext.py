@@ -8,9 +8,9 @@ Run: dvc repro to_maxtext@sft   (or: python -m stages.to_maxtext sft)
 
 import sys
 
-from mtpipe.maxtext import commands, runner
+from mtpipe.maxtext import conversion_commands, runner
 from mtpipe.maxtext.checkpoints import normalise_orbax_metadata
-from mtpipe.pipeline.config import load_stage
+from mtpipe.pipeline.view import load_stage
 from mtpipe.pipeline.stage import (ROOT, Timer, artifact, atomic_dir, log_path, require, run_stage, size_mib,
                                    write_json, write_stamp)
 
@@ -19,7 +19,7 @@ def main(branch: str) -> None:
     cfg, timer = load_stage(branch, "to_maxtext"), Timer()
     model = artifact(branch, "model")
     with atomic_dir(artifact(branch, "maxtext")) as out:
-        cmd = commands.to_maxtext(cfg, hf_dir=model / "files", out_dir=out)
+        cmd = conversion_commands.to_maxtext(cfg, hf_dir=model / "files", out_dir=out)
         runner.run(cmd, log_path(branch, "to_maxtext"))
         require(out / "0" / "items", "MaxText checkpoint 0/items")
         normalise_orbax_metadata(out)

@@ -17,9 +17,9 @@ from pathlib import Path
 from mtpipe.cloud.backend import run_training
 from mtpipe.data import gsm8k_chat
 from mtpipe.errors import ConfigError
-from mtpipe.maxtext import commands
+from mtpipe.maxtext import training_commands
 from mtpipe.maxtext.run_dir import run_dir, run_name
-from mtpipe.pipeline.config import load_stage
+from mtpipe.pipeline.view import load_stage
 from mtpipe.pipeline.metrics import missing_steps, read_tensorboard, rl_curve, rl_eval, rl_eval_gain, write_csv
 from mtpipe.pipeline.stage import (JAX_CACHE, ROOT, Timer, artifact, atomic_dir, log_path, read_stamp,
                                    run_stage, write_json, write_stamp)
@@ -67,7 +67,7 @@ def main() -> None:
             print(f"  {run.url}: an earlier run left actor checkpoints up to step {resumed_from}")
         files = dataset / "files"
         check_prompt_budget(cfg, files, model / "files")
-        cmd = commands.train_rl(
+        cmd = training_commands.train_rl(
             cfg, ckpt=start, train_files=str(files / cfg.dataset.train_files),
             eval_files=str(files / cfg.dataset.eval_files),
             tokenizer_dir=model / "files", base_output=run.base, run_name=run.run_name, jax_cache_dir=JAX_CACHE,

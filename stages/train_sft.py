@@ -20,9 +20,9 @@ from pathlib import Path
 
 from mtpipe.cloud.backend import run_training
 from mtpipe.data import gsm8k_chat
-from mtpipe.maxtext import commands
+from mtpipe.maxtext import training_commands
 from mtpipe.maxtext.run_dir import MIRROR_EVERY_S, run_dir, run_name
-from mtpipe.pipeline.config import load_stage
+from mtpipe.pipeline.view import load_stage
 from mtpipe.pipeline.metrics import loss_curve, missing_steps, summarize_sft, tokens_per_s_median, write_csv
 from mtpipe.pipeline.stage import (JAX_CACHE, ROOT, Timer, artifact, atomic_dir, log_path, require,
                                    run_stage, write_json, write_stamp)
@@ -65,7 +65,7 @@ def main(branch: str) -> None:
             print(f"  resuming {run.url}: MaxText restores its checkpoint at step {resumed_from}")
         train_files, eval_files, columns = chat_files(cfg, dataset, run.scratch)
         metrics_file = run.scratch / "metrics.jsonl"
-        cmd = commands.train_sft(
+        cmd = training_commands.train_sft(
             cfg, ckpt=converted / "0" / "items", train_files=train_files, eval_files=eval_files, columns=columns,
             tokenizer_dir=model / "files", base_output=run.base, run_name=run.run_name, metrics_file=metrics_file,
             jax_cache_dir=JAX_CACHE,

@@ -1,7 +1,7 @@
 """What the tests run on, found in the project rather than listed in each test file.
 
-* every tiny twin: conf/model/<name>-tiny.yaml (its MaxText name and shrunk dims) with its writer in
-  mtpipe.data.embedded.WRITERS, so a new family's twin is converted, logit-checked and tokenizer-checked
+* every tiny twin: conf/model/<name>-tiny.yaml (its MaxText name and shrunk dims) with its family in
+  mtpipe.data.embedded.FAMILIES, so a new family's twin is converted, logit-checked and tokenizer-checked
   without editing a test;
 * every full-size fixture: tests/fixtures/<dir>/ (the Hub's config.json and tensor inventory), with the
   conf/model file whose `source.repo_id` ends in <dir> and a shipped preset that converts it;
@@ -39,7 +39,7 @@ class Twin:
 
     def write(self, out: str | Path) -> None:
         """Write the twin's Hugging Face directory (config, tokenizer, weights) to ``out``."""
-        embedded.write_twin(self.name, out)
+        embedded.write_twin(self.name, {"maxtext_name": self.maxtext_name, "maxtext_overrides": self.overrides}, out)
 
 
 def _model_conf(path: Path) -> dict[str, Any]:

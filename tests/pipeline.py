@@ -119,11 +119,12 @@ def export_logit_diff(repo: Path, branch: str, maxtext_name: str, tiny: str, n_t
     import numpy as np
     from mtpipe.evaluation import numpy_forward
 
+    import families
     from mtpipe.data import embedded
 
     ids = np.random.default_rng(0).integers(4, embedded.TINY_VOCAB, size=n_tokens)
     ours = maxtext_forward.logits(repo / f"artifacts/{branch}/trained/model_params", maxtext_name, ids,
-                                  embedded.MAXTEXT_OVERRIDES[tiny])
+                                  families.twins()[tiny].overrides)
     ref = numpy_forward.logits(repo / f"artifacts/{branch}/hf", ids, match_maxtext=True)
     assert ref.std() > 0.1, "degenerate logits would make the comparison meaningless"
     return float(np.abs(ours - ref).max())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -171,14 +172,14 @@ def test_sft_keeps_max_num_checkpoints_to_keep(tmp_path: Path) -> None:
     code = f"""
 import orbax.checkpoint as ocp
 from tunix.sft import checkpoint_manager
-from mtpipe.maxtext import maxtext_adapter
+from mtpipe.maxtext.adapter import training
 
 def options():
     manager = checkpoint_manager.CheckpointManager({str(tmp_path)!r}, ocp.CheckpointManagerOptions(save_interval_steps=50))
     return manager._checkpoint_manager._options
 
 print(options().max_to_keep)
-maxtext_adapter.apply(maxtext_adapter.TRAIN_SFT, ["steps=100", "max_num_checkpoints_to_keep=2"])
+training.apply(training.TRAIN_SFT, ["steps=100", "max_num_checkpoints_to_keep=2"])
 print(options().save_interval_steps, options().max_to_keep)
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
@@ -209,3 +210,37 @@ def test_a_v5e_vm_runs_the_tutorials_on_its_own_tpu(tmp_path: Path) -> None:
         budget_of([TUTORIALS[0], "sft.hardware=v5e-8"], budget.Machine(200, {}, "v6e-8"), tmp_path)
     assert err.value.key == "vm.machine_type" and "sft.hardware (v5e-8) runs on a v5e-8" in err.value.problem
     assert "conf/hardware/v5e-8.yaml" in err.value.fix
+
+
+@pytest.mark.address
+def test_run_directories_earlier_runs_left_are_counted_for_the_whole_run(tmp_path: Path, monkeypatch) -> None:
+    """A reused VM: the run directories killed runs left (in the checkout's work/ and in MTPIPE_WORK_DIR
+    on /dev/shm) are read on it and count against each place for the whole run. The tutorials fit a
+    120 GB /dev/shm (96.4 GB at the peak) but not with 30 GB left there; the error names the collector."""
+    from omegaconf import OmegaConf
+
+    from mtpipe.cloud import vm_host
+
+    shm = Path("/dev/shm") / f"mtpipe-test-{tmp_path.name}"
+    (tmp_path / "home" / "mtpipe" / "work" / "train_rl" / "train_rl-000000000001").mkdir(parents=True)
+    (tmp_path / "home" / "mtpipe" / "work" / "train_rl" / "train_rl-000000000001" / "w").write_bytes(b"w" * 50_000)
+    (shm / "train_sft" / "train_sft-sft-000000000002").mkdir(parents=True)
+    try:
+        (shm / "train_sft" / "train_sft-sft-000000000002" / "w").write_bytes(b"w" * 20_000)
+        cfg = OmegaConf.create({"name": "mt-test", "run": {"remote_dir": "mtpipe", "env": {"MTPIPE_WORK_DIR": str(shm)}}})
+        monkeypatch.setattr(vm_host, "run", lambda _remote, script, stream: (0, subprocess.run(
+            ["bash", "-c", script], env={"HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin"},
+            capture_output=True, check=True).stdout))
+        host = vm_host.read_host(None, cfg)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    assert 50_000 <= host.left[budget.BOOT] < 70_000 and 20_000 <= host.left[budget.SHM] < 40_000
+    assert host.memory_gib > 0 and host.shm_gib > 0
+
+    fits = budget.Host(1340.0, 120e9 / 2**30, "read on VM mt-test after the setup")
+    assert budget_of(TUTORIALS, budget.Machine(200, SHM_ENV, "v6e-8", fits), tmp_path)["places"][budget.SHM]["fits"]
+    left = budget.Host(1340.0, 120e9 / 2**30, "read on VM mt-test after the setup", left={budget.SHM: 30 * 10**9})
+    with pytest.raises(ConfigError) as err:
+        budget_of(TUTORIALS, budget.Machine(200, SHM_ENV, "v6e-8", left), tmp_path)
+    assert "needs 126 GB of the v6e-8 VM's /dev/shm at its peak" in str(err.value)
+    assert "left behind: run directories of earlier runs" in str(err.value) and "collect_runs --delete" in str(err.value)

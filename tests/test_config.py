@@ -85,8 +85,8 @@ def test_unpinned_hub_revision_rejected(tmp_path, monkeypatch):
 
 def test_views_change_only_for_the_stages_that_read_a_value(tmp_path):
     base = families.load_params()
-    config.write_resolved(config.compose_all(base), embedded.twin_confs(), tmp_path / "a")
-    config.write_resolved(config.compose_all(OmegaConf.merge(base, {"steps": 7})), embedded.twin_confs(), tmp_path / "b")
+    config.write_resolved(config.compose_all(base), config.twin_confs(embedded.FAMILIES), tmp_path / "a")
+    config.write_resolved(config.compose_all(OmegaConf.merge(base, {"steps": 7})), config.twin_confs(embedded.FAMILIES), tmp_path / "b")
     changed = {
         f"{p.parent.name}/{p.stem}"
         for p in (tmp_path / "a").rglob("*.yaml")
@@ -98,10 +98,10 @@ def test_views_change_only_for_the_stages_that_read_a_value(tmp_path):
 def test_configure_fails_early_and_keeps_existing_views(tmp_path):
     """A bad value stops `configure` with the key and the fix; the files already written stay."""
     good = families.load_params()
-    config.write_resolved(config.compose_all(good), embedded.twin_confs(), tmp_path)
+    config.write_resolved(config.compose_all(good), config.twin_confs(embedded.FAMILIES), tmp_path)
     before = {p: p.read_text() for p in tmp_path.rglob("*.yaml")}
     with pytest.raises(ConfigError):
-        config.write_resolved(config.compose_all(OmegaConf.merge(good, {"steps": 0})), embedded.twin_confs(), tmp_path)
+        config.write_resolved(config.compose_all(OmegaConf.merge(good, {"steps": 0})), config.twin_confs(embedded.FAMILIES), tmp_path)
     assert {p: p.read_text() for p in tmp_path.rglob("*.yaml")} == before
 
 

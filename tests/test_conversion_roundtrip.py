@@ -1,4 +1,4 @@
-"""HF -> MaxText -> HF through `python -m mtpipe.maxtext.launch` keeps every text tensor bit-exact.
+"""HF -> MaxText -> HF through `python -m mtpipe.maxtext.adapter.conversion` keeps every text tensor bit-exact.
 
 The slow tests run the real MaxText converters (to_maxtext with lazy, torch-free loading; then
 to_huggingface) on the tiny twins; the fast ones check the adapter and launcher on their own.
@@ -21,7 +21,7 @@ import maxtext_forward
 from families import TWINS, twins
 from mtpipe.evaluation import numpy_forward
 
-from mtpipe.maxtext import maxtext_adapter
+from mtpipe.maxtext.adapter import conversion
 ROOT = Path(__file__).resolve().parents[1]
 JAX_CACHE = ROOT / "work" / "jax_cache"
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
@@ -60,11 +60,12 @@ def to_huggingface_args(name: str, hf_dir: Path, items: Path, out: Path) -> list
 
 
 def launch(module: str, args: list[str], log: Path) -> tuple[int, float, str]:
-    """Run `python -m mtpipe.maxtext.launch module args` as MaxText runs on CPU; return status, seconds, output."""
+    """Run `python -m mtpipe.maxtext.adapter.conversion module args` as MaxText runs on CPU; return status,
+    seconds, output."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "DECOUPLE_GCLOUD": "TRUE"}
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "mtpipe.maxtext.launch", module, *args],
+        [sys.executable, "-m", "mtpipe.maxtext.adapter.conversion", module, *args],
         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     log.write_text(proc.stdout)
@@ -86,11 +87,11 @@ def test_round_trip_is_bit_exact(models, tmp_path, name, record_property):
 
     src = models / name
     mt, hf = tmp_path / "maxtext", tmp_path / "hf"
-    rc, t1, out = launch(maxtext_adapter.TO_MAXTEXT, to_maxtext_args(name, src, mt), tmp_path / "to_maxtext.log")
+    rc, t1, out = launch(conversion.TO_MAXTEXT, to_maxtext_args(name, src, mt), tmp_path / "to_maxtext.log")
     assert rc == 0, out[-3000:]
     assert (mt / "0" / "items").is_dir()
     items = mt / "0" / "items"
-    rc, t2, out = launch(maxtext_adapter.TO_HUGGINGFACE, to_huggingface_args(name, src, items, hf), tmp_path / "to_hf.log")
+    rc, t2, out = launch(conversion.TO_HUGGINGFACE, to_huggingface_args(name, src, items, hf), tmp_path / "to_hf.log")
     assert rc == 0, out[-3000:]
     record_property("to_maxtext_s", round(t1, 1))
     record_property("to_huggingface_s", round(t2, 1))
@@ -139,8 +140,8 @@ def test_gemma3_mapping_uses_the_checkpoint_names(models, monkeypatch):
     monkeypatch.setitem(param_mapping.PARAM_MAPPING, key, param_mapping.PARAM_MAPPING[key])
     monkeypatch.setitem(hf_shape.HF_SHAPE, key, hf_shape.HF_SHAPE[key])
     src = models / "gemma3-tiny"
-    maxtext_adapter.use_source_config(key, src)
-    assert maxtext_adapter.use_checkpoint_tensor_names(key, src)
+    conversion.use_source_config(key, src)
+    assert conversion.use_checkpoint_tensor_names(key, src)
 
     cfg = hf_model_configs.HF_MODEL_CONFIGS[key].to_dict()
     tensors = read_tensors(src)
@@ -164,14 +165,14 @@ def test_gemma3_mapping_kept_for_in_memory_names(tmp_path, monkeypatch):
 
     monkeypatch.setitem(param_mapping.PARAM_MAPPING, "gemma3-4b", param_mapping.PARAM_MAPPING["gemma3-4b"])
     save_file({"model.language_model.norm.weight": np.zeros(4, np.float32)}, str(tmp_path / "model.safetensors"))
-    assert not maxtext_adapter.use_checkpoint_tensor_names("gemma3-4b", tmp_path)
+    assert not conversion.use_checkpoint_tensor_names("gemma3-4b", tmp_path)
     assert param_mapping.PARAM_MAPPING["gemma3-4b"] is param_mapping.GEMMA3_MAXTEXT_TO_HF_PARAM_MAPPING
 
 
 def test_launch_refuses_a_token_in_argv_without_echoing_it(models):
     secret = "hf_NotARealTokenButSecret123"
     args = ["model_name=gemma3-4b", f"hf_access_token={secret}", f"--hf_model_path={models / 'gemma3-tiny'}"]
-    proc = subprocess.run([sys.executable, "-m", "mtpipe.maxtext.launch", maxtext_adapter.TO_MAXTEXT, *args],
+    proc = subprocess.run([sys.executable, "-m", "mtpipe.maxtext.adapter.conversion", conversion.TO_MAXTEXT, *args],
                           cwd=ROOT, capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 2
     assert "hf_access_token" in proc.stderr and "HF_TOKEN" in proc.stderr
@@ -187,7 +188,7 @@ def test_launch_refuses_a_token_in_argv_without_echoing_it(models):
     ],
 )
 def test_launch_fails_early_on_bad_conversion_args(args, message):
-    proc = subprocess.run([sys.executable, "-m", "mtpipe.maxtext.launch", maxtext_adapter.TO_HUGGINGFACE, *args],
+    proc = subprocess.run([sys.executable, "-m", "mtpipe.maxtext.adapter.conversion", conversion.TO_HUGGINGFACE, *args],
                           cwd=ROOT, capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 2 and message in proc.stderr
 
@@ -196,11 +197,22 @@ def test_launch_exits_with_the_module_status(tmp_path):
     good, bad = tmp_path / "good.py", tmp_path / "bad.py"
     good.write_text("x = 1\n")
     bad.write_text("def broken(:\n")
-    run = lambda f: subprocess.run([sys.executable, "-m", "mtpipe.maxtext.launch", "py_compile", str(f)], cwd=ROOT,  # noqa: E731
-                                   capture_output=True, text=True)  # fmt: skip
+    run = lambda f: subprocess.run([sys.executable, "-m", "mtpipe.maxtext.adapter.conversion", "py_compile", str(f)],  # noqa: E731
+                                   cwd=ROOT, capture_output=True, text=True)  # fmt: skip
     assert run(good).returncode == 0
     failed = run(bad)
     assert failed.returncode == 1 and "SyntaxError" in failed.stderr
+
+
+@pytest.mark.parametrize(("launcher", "module"), [
+    ("mtpipe.maxtext.adapter.conversion", "maxtext.trainers.post_train.sft.train_sft"),
+    ("mtpipe.maxtext.adapter.training", conversion.TO_MAXTEXT),
+])
+def test_each_adapter_refuses_the_other_kinds_module(launcher, module):
+    """A command launched with the other kind's patches stops before MaxText starts, naming its module."""
+    proc = subprocess.run([sys.executable, "-m", launcher, module, "model_name=gemma3-4b"], cwd=ROOT,
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 2 and module in proc.stderr
 
 
 # google/gemma-3-4b-it's config.json as published on the Hub (transformers 4.50 format).
@@ -215,8 +227,8 @@ def test_the_same_patches_serve_the_real_gemma_3_4b(tmp_path, monkeypatch):
     for table in (hf_model_configs.HF_MODEL_CONFIGS, param_mapping.PARAM_MAPPING, hf_shape.HF_SHAPE):
         monkeypatch.setitem(table, key, table[key])
     (tmp_path / "config.json").write_text(GEMMA_3_4B_IT_CONFIG.read_text())
-    maxtext_adapter.use_source_config(key, tmp_path)
-    assert maxtext_adapter.use_checkpoint_tensor_names(key, tmp_path)  # no weights: the Hub's legacy names
+    conversion.use_source_config(key, tmp_path)
+    assert conversion.use_checkpoint_tensor_names(key, tmp_path)  # no weights: the Hub's legacy names
 
     text = hf_model_configs.HF_MODEL_CONFIGS[key].text_config
     assert text.rope_parameters["full_attention"] == {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
@@ -237,14 +249,14 @@ def test_export_config_is_the_source_file_only_for_the_same_model(tmp_path):
     (src / "config.json").write_text(GEMMA_3_4B_IT_CONFIG.read_text())
     AutoConfig.from_pretrained(src).save_pretrained(out)  # what MaxText writes: transformers 5's format
     assert "rope_scaling" not in json.loads((out / "config.json").read_text())["text_config"]
-    maxtext_adapter.copy_source_config(src, str(out))
+    conversion.copy_source_config(src, str(out))
     assert (out / "config.json").read_bytes() == (src / "config.json").read_bytes()
 
     other = AutoConfig.from_pretrained(src)
     other.text_config.sliding_window = 512
     other.save_pretrained(out)
     with pytest.raises(RuntimeError, match="text_config"):
-        maxtext_adapter.copy_source_config(src, str(out))
+        conversion.copy_source_config(src, str(out))
 
 
 def test_padded_vocabulary_rows_come_back_from_the_source(tmp_path):
@@ -259,12 +271,12 @@ def test_padded_vocabulary_rows_come_back_from_the_source(tmp_path):
     trained = embed + 1
     trained[8:] = 0  # MaxText had 8 rows; to_huggingface padded 2 with zeros
     save_file({name: trained, "x.q_proj.weight": other * 0}, str(out / "model.safetensors"), metadata={"format": "pt"})
-    maxtext_adapter.restore_padded_rows(src, str(out), 8)
+    conversion.restore_padded_rows(src, str(out), 8)
     got = load_file(str(out / "model.safetensors"))
     np.testing.assert_array_equal(got[name][:8], embed[:8] + 1)  # trained rows untouched
     np.testing.assert_array_equal(got[name][8:], embed[8:])  # the source's rows
     np.testing.assert_array_equal(got["x.q_proj.weight"], other * 0)  # not a vocabulary tensor
-    maxtext_adapter.restore_padded_rows(src, str(out), None)  # no padding: nothing to do
+    conversion.restore_padded_rows(src, str(out), None)  # no padding: nothing to do
 
 
 def test_the_converters_collect_young_garbage_only(models):
@@ -273,7 +285,7 @@ def test_the_converters_collect_young_garbage_only(models):
     full collection."""
     code = f"""
 import gc, weakref
-from mtpipe.maxtext import maxtext_adapter
+from mtpipe.maxtext.adapter import conversion
 
 class Node: pass
 
@@ -282,7 +294,7 @@ def cycle():
     a.other, b.other = b, a
     return a
 
-maxtext_adapter.apply(maxtext_adapter.TO_MAXTEXT, ["model_name=llama3.1-8b", "--hf_model_path={models / 'llama3.1-tiny'}"])
+conversion.apply(conversion.TO_MAXTEXT, ["model_name=llama3.1-8b", "--hf_model_path={models / 'llama3.1-tiny'}"])
 old = cycle()
 gc.collect(2)  # a full collection when asked for: `old` is alive, so it moves to the oldest generation
 old_ref = weakref.ref(old)

@@ -1,8 +1,8 @@
 """dvc.yaml declares exactly what each stage reads: no hidden inputs, no spurious ones.
 
 * code: the stage script plus every project module it imports (and, for stages that run MaxText,
-  every module the child process `python -m mtpipe.maxtext.launch` imports) are fingerprinted in its
-  view (mtpipe/pipeline/fingerprint.py), and no other module; configure depends on the code;
+  every module the child process `python -m mtpipe.maxtext.adapter.conversion` or `.training` imports)
+  are fingerprinted in its view (mtpipe/pipeline/fingerprint.py), and no other module; configure depends on the code;
 * config: a pipeline stage reads one resolved file, config/<branch>/<stage>.yaml, and declares it;
 * params: `configure` declares every top-level key of params.yaml (it is the only reader).
 """
@@ -18,7 +18,11 @@ from mtpipe.pipeline import config, fingerprint
 import families
 
 ROOT = config.ROOT
-MAXTEXT_STAGES = {"to_maxtext", "train_sft", "train_rl", "to_huggingface", "evaluate_warmup"}
+# MaxText's child entry points per stage: the converters' adapter, or the trainers' and GRPO's CPU launcher
+MAXTEXT_LAUNCHERS = {
+    **dict.fromkeys(("to_maxtext", "to_huggingface", "evaluate_warmup"), ("adapter/conversion",)),
+    **dict.fromkeys(("train_sft", "train_rl"), ("adapter/training", "launch_rl_cpu")),
+}
 
 
 def project_modules(script: Path) -> set[str]:
@@ -62,16 +66,19 @@ def test_code_is_fingerprinted_not_declared(name):
 @pytest.mark.parametrize("script_name", sorted({n.split("@")[0] for n in STAGES}))
 def test_fingerprinted_modules_are_exactly_the_imported_ones(script_name):
     """The modules in a stage's fingerprints are what Python's ModuleFinder says the stage script
-    imports, plus the child processes it can start (`python -m mtpipe.maxtext.launch`, or for GRPO
-    on CPU `python -m mtpipe.maxtext.launch_rl_cpu`: MaxTextCommand's launchers; for the evaluations
+    imports, plus the child processes it can start (`python -m mtpipe.maxtext.adapter.conversion` for the
+    converters, `python -m mtpipe.maxtext.adapter.training` for the trainers, or for GRPO on CPU
+    `python -m mtpipe.maxtext.launch_rl_cpu`: MaxTextCommand's launchers; for the evaluations
     `python -m mtpipe.evaluation.server`; evaluate_warmup exports the warm-up with MaxText, then serves
-    it). Every backend counts here; the view's backends narrow it (the test below)."""
+    it), less the modules that only check (``ADDRESS_EXEMPT``: the fingerprints' and tool versions' checks,
+    which import no project module of their own). Every backend counts here; the view's backends narrow
+    it (the test below)."""
     expected = {f"stages/{script_name}.py"} | project_modules(ROOT / "stages" / f"{script_name}.py")
-    if script_name in MAXTEXT_STAGES:
-        for launcher in ("launch", "launch_rl_cpu"):
-            expected |= project_modules(ROOT / "mtpipe" / "maxtext" / f"{launcher}.py") | {f"mtpipe/maxtext/{launcher}.py"}
+    for launcher in MAXTEXT_LAUNCHERS.get(script_name, ()):
+        expected |= project_modules(ROOT / "mtpipe" / "maxtext" / f"{launcher}.py") | {f"mtpipe/maxtext/{launcher}.py"}
     if script_name in ("evaluate_base", "evaluate_warmup", "evaluate"):  # the CPU model server, `python -m mtpipe.evaluation.server`
         expected |= project_modules(ROOT / "mtpipe" / "evaluation" / "server.py") | {"mtpipe/evaluation/server.py"}
+    expected -= {m for m in expected if fingerprint.is_exempt(ROOT / m)}
     found = set(fingerprint.stage_modules(script_name))
     assert found == expected, f"missing: {expected - found}, not used: {found - expected}"
 

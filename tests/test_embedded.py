@@ -15,6 +15,7 @@ from safetensors.numpy import load_file
 
 from families import TWINS, twins
 from mtpipe.data import embedded
+from mtpipe.pipeline import config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def emb(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("embedded")
-    embedded.write_all(root)
+    embedded.write_all(root, config.twin_confs(embedded.FAMILIES))
     return root
 
 
@@ -49,7 +50,7 @@ def _tensors(model_dir: Path) -> dict[str, np.ndarray]:
 
 
 def test_generators_are_deterministic(emb, tmp_path):
-    embedded.write_all(tmp_path)
+    embedded.write_all(tmp_path, config.twin_confs(embedded.FAMILIES))
     first, second = _hashes(emb), _hashes(tmp_path)
     assert len(first) >= 20
     assert first == second
@@ -61,7 +62,7 @@ def test_make_embedded_stage_is_atomic(tmp_path):
     stale.mkdir()
     (stale / "junk").write_text("left by an interrupted run")
     subprocess.run([sys.executable, "-m", "stages.make_embedded", str(out)], check=True, cwd=ROOT)
-    assert sorted(p.name for p in out.iterdir()) == sorted(embedded.WRITERS)
+    assert sorted(p.name for p in out.iterdir()) == sorted([*embedded.FAMILIES, *embedded.DATASETS])
     assert not stale.exists()
 
 

@@ -1,4 +1,5 @@
-"""The tiny twins come from MaxText's own tables and the sizes in conf/model/<name>-tiny.yaml.
+"""The tiny twins come from MaxText's own tables and the sizes in conf/model/<name>-tiny.yaml (through
+make_embedded's view).
 
 mtpipe/data/embedded.py holds per family only what MaxText cannot know (tokenizer, chat template,
 Hub layout, the few keys where MaxText's table departs from the real model's config.json); these
@@ -15,12 +16,14 @@ import pytest
 import yaml
 
 from mtpipe.data import embedded
+from mtpipe.pipeline import config
 from mtpipe.reporting.report import flatten
 
 pytestmark = pytest.mark.families
 
 ROOT = Path(__file__).resolve().parents[1]
 TWINS = sorted(embedded.FAMILIES)
+CONFS = config.twin_confs(TWINS)  # what configure writes into make_embedded's view
 MISSING = object()
 
 
@@ -28,7 +31,7 @@ MISSING = object()
 def twins(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("twins")
     for name in TWINS:
-        embedded.write_twin(name, root / name)
+        embedded.write_twin(name, CONFS[name], root / name)
     return root
 
 
@@ -40,7 +43,7 @@ def _hub_fixture(name: str) -> Path | None:
     """tests/fixtures/<repo> of the full-size model the twin copies (same maxtext_name), if there is one."""
     for path in sorted((ROOT / "conf" / "model").glob("*.yaml")):
         conf = yaml.safe_load(path.read_text())
-        if path.stem != name and conf["maxtext_name"] == embedded.MAXTEXT_MODEL_NAME[name]:
+        if path.stem != name and conf["maxtext_name"] == CONFS[name]["maxtext_name"]:
             fixture = ROOT / "tests" / "fixtures" / conf["source"]["repo_id"].split("/")[1]
             return fixture if fixture.is_dir() else None
     return None
@@ -50,7 +53,7 @@ def _hub_fixture(name: str) -> Path | None:
 def test_config_sizes_are_the_yaml_s(twins, name):
     tree = json.loads((twins / name / "config.json").read_text())
     text = tree.get("text_config", tree)
-    sizes = {k: v for k, v in embedded.MAXTEXT_OVERRIDES[name].items() if k != "override_model_config"}
+    sizes = {k: v for k, v in CONFS[name]["maxtext_overrides"].items() if k != "override_model_config"}
     assert sizes, f"conf/model/{name}.yaml has no sizes"
     assert {k: text[embedded.SIZE_KEYS[k]] for k in sizes} == sizes
     assert len(text.get("layer_types", [0] * text["num_hidden_layers"])) == text["num_hidden_layers"]
@@ -63,7 +66,7 @@ def test_config_is_maxtexts_table_but_for_sizes_and_the_family_keys(twins, name)
     from maxtext.checkpoint_conversion.utils.hf_model_configs import HF_MODEL_CONFIGS
     from transformers import AutoConfig
 
-    table = flatten(HF_MODEL_CONFIGS[embedded.MAXTEXT_MODEL_NAME[name]].to_dict())
+    table = flatten(HF_MODEL_CONFIGS[CONFS[name]["maxtext_name"]].to_dict())
     twin = flatten(AutoConfig.from_pretrained(twins / name).to_dict())
     text = _text_prefix(json.loads((twins / name / "config.json").read_text()))
     allowed = {text + k for k in (*embedded.SIZE_KEYS.values(), "layer_types", "query_pre_attn_scalar")}
@@ -108,25 +111,32 @@ def test_tokenizer_has_the_family_s_specials(twins, name):
     assert all(t in tok.get_vocab() for t in family.specials) and "hi" in prompt
 
 
-def test_unknown_override_key_is_refused(monkeypatch):
-    overrides = {**embedded.MAXTEXT_OVERRIDES["llama3.1-tiny"], "rope_max_timescale": 10}
-    monkeypatch.setitem(embedded.MAXTEXT_OVERRIDES, "llama3.1-tiny", overrides)
+def _resized(name: str, **sizes: int) -> dict:
+    return {**CONFS[name], "maxtext_overrides": {**CONFS[name]["maxtext_overrides"], **sizes}}
+
+
+def test_unknown_override_key_is_refused():
     with pytest.raises(ValueError, match=r"maxtext_overrides\.rope_max_timescale .*SIZE_KEYS"):
-        embedded.twin_config("llama3.1-tiny", tokenizer=None)
+        embedded.twin_config("llama3.1-tiny", _resized("llama3.1-tiny", rope_max_timescale=10), tokenizer=None)
 
 
-def test_make_embedded_refuses_a_view_written_for_other_twin_sizes(tmp_path, monkeypatch):
-    """conf/model/*-tiny.yaml edited and configure not rerun (`python -m stages.make_embedded` by hand): the
-    stage stops before writing, naming its view and the fix; the committed view matches conf/."""
+@pytest.mark.address
+def test_make_embedded_writes_the_twins_its_view_names(tmp_path, monkeypatch):
+    """The twins' sizes come from make_embedded's view (configure's copy of conf/model/*-tiny.yaml), not
+    from conf/ again; a view whose twins are not the families stops the stage before it writes."""
     from mtpipe.errors import ConfigError
     from stages import make_embedded
 
-    assert make_embedded.load_stage("embedded", "make_embedded").twins == embedded.twin_confs()
-    overrides = {**embedded.MAXTEXT_OVERRIDES["llama3.1-tiny"], "base_mlp_dim": 128}
-    monkeypatch.setitem(embedded.MAXTEXT_OVERRIDES, "llama3.1-tiny", overrides)
-    with pytest.raises(ConfigError, match=r"make_embedded\.yaml.*other twin sizes.*dvc repro configure"):
+    view = make_embedded.load_stage("embedded", "make_embedded")
+    assert view.twins == CONFS
+    monkeypatch.setattr(embedded, "DATASETS", {})
+    resized = {"llama3.1-tiny": _resized("llama3.1-tiny", base_mlp_dim=128)}
+    embedded.write_all(tmp_path / "some", resized)
+    assert json.loads((tmp_path / "some" / "llama3.1-tiny" / "config.json").read_text())["intermediate_size"] == 128
+    monkeypatch.setattr(make_embedded, "load_stage", lambda *_: view.model_copy(update={"twins": resized}))
+    with pytest.raises(ConfigError, match=r"make_embedded\.yaml twins: names \['llama3.1-tiny'\], not the families"):
         make_embedded.main(str(tmp_path / "embedded"))
-    assert not any(tmp_path.iterdir())
+    assert not (tmp_path / "embedded").exists()
 
 
 def test_write_all_reproduces_the_embedded_dir_dvc_lock_records(tmp_path):
@@ -138,7 +148,7 @@ def test_write_all_reproduces_the_embedded_dir_dvc_lock_records(tmp_path):
 
     lock = yaml.safe_load((ROOT / "dvc.lock").read_text())
     recorded = next(o["md5"] for o in lock["stages"]["make_embedded"]["outs"] if o["path"] == "embedded")
-    embedded.write_all(tmp_path / "embedded")
+    embedded.write_all(tmp_path / "embedded", CONFS)
     fs = LocalFileSystem()
     _, _, obj = build(HashFileDB(fs, str(tmp_path / "odb")), str(tmp_path / "embedded"), fs, "md5")
     assert obj.hash_info.value == recorded

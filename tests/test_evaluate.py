@@ -35,8 +35,8 @@ pytestmark = pytest.mark.evaluate_publish
 def data(tmp_path_factory) -> dict[str, Path]:
     """The tiny Llama and Gemma twins and the embedded GSM8K and UltraChat files."""
     root = tmp_path_factory.mktemp("evaluate")
-    embedded.write_llama31_tiny(root / "llama")
-    embedded.write_gemma3_tiny(root / "gemma")
+    families.twins()["llama3.1-tiny"].write(root / "llama")
+    families.twins()["gemma3-tiny"].write(root / "gemma")
     embedded.write_gsm8k_tiny(root / "gsm8k", n_train=10, n_test=12)
     embedded.write_ultrachat_tiny(root / "ultrachat", n_train=10, n_test=12)
     return {"llama": root / "llama", "gemma": root / "gemma", "gsm8k": root / "gsm8k", "ultrachat": root / "ultrachat"}

@@ -25,12 +25,12 @@ ROOT = Path(__file__).resolve().parents[1]
 UNSERVED = {"name": "mixtral-tiny", "maxtext_name": "mixtral-8x7b", "model_type": "mixtral"}
 
 
-def test_every_tiny_model_file_is_a_twin_with_a_writer():
-    """conf/model/*-tiny.yaml are found, each with its writer (so the tests cover a new one by themselves)."""
+def test_every_tiny_model_file_is_a_twin_with_a_family():
+    """conf/model/*-tiny.yaml are found, each with its family (so the tests cover a new one by themselves)."""
     names = {p.stem for p in (config.CONF_DIR / "model").glob("*-tiny.yaml")}
     assert set(families.TWINS) == names and {"gemma3-tiny", "llama3.1-tiny"} <= names
     for twin in families.twins().values():
-        assert twin.name in embedded.WRITERS, f"conf/model/{twin.name}.yaml has no writer in WRITERS"
+        assert twin.name in embedded.FAMILIES, f"conf/model/{twin.name}.yaml has no family in FAMILIES"
         assert twin.overrides["override_model_config"] is True
 
 

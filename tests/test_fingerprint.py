@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 import families
 from mtpipe.data import embedded
 from mtpipe.errors import ConfigError
-from mtpipe.pipeline import config, fingerprint
+from mtpipe.pipeline import config, fingerprint, view
 
 pytestmark = pytest.mark.architecture
 
@@ -143,17 +143,18 @@ def test_an_exit_status_is_not_a_message():
     assert fp(source.replace("return 1", "return 2")) != fp(source)
 
 
-@pytest.mark.parametrize(("old", "new"), [
-    ('"is missing for a kind: hub source"', '"must name the Hub repository"'),
-    ('f"needs held-out prompts, but dataset {', 'f"has no prompts to test on: dataset {'),
-    ('"(one replica on all chips)"', '"(a single replica)"'),
-    ('means="a 40-hex commit sha"', 'means="a full commit hash (40 hex digits)"'),
-    ('return f"a list of {', 'return f"a YAML list of {'),
+@pytest.mark.parametrize(("module", "old", "new"), [
+    ("rules", '"is missing for a kind: hub source"', '"must name the Hub repository"'),
+    ("rules", 'f"needs held-out prompts, but dataset {', 'f"has no prompts to test on: dataset {'),
+    ("rules", '"(one replica on all chips)"', '"(a single replica)"'),
+    ("schema", 'means="a 40-hex commit sha"', 'means="a full commit hash (40 hex digits)"'),
+    ("schema", 'return f"a list of {', 'return f"a YAML list of {'),
 ], ids=["combination_rule", "combination_rule_fstring", "message_variable", "words", "description"])
-def test_rewording_a_schema_message_keeps_its_fingerprint(old, new):
-    """schema.py is in every stage's view: its combination rules (``add(...)``), the wording of its
-    keys (``Words``) and its descriptions of types and ranges are message text."""
-    source = (config.ROOT / "mtpipe" / "pipeline" / "schema.py").read_text()
+def test_rewording_a_schema_message_keeps_its_fingerprint(module, old, new):
+    """The configuration's wording is message text: the combination rules (``add(...)``, rules.py, which
+    only configure runs), and in schema.py, which every stage runs, the wording of its keys (``Words``)
+    and its descriptions of types and ranges."""
+    source = (view.ROOT / "mtpipe" / "pipeline" / f"{module}.py").read_text()
     assert old in source
     assert fp(source.replace(old, new)) == fp(source)
 
@@ -161,22 +162,22 @@ def test_rewording_a_schema_message_keeps_its_fingerprint(old, new):
 def test_a_view_written_for_other_code_is_refused(tmp_path: Path):
     """`python -m stages.X` (or `dvc repro -s`) after a code edit, without configure: the stage stops
     before any work and names the module and the fix."""
-    config.write_resolved(config.compose_all(families.load_params()), embedded.twin_confs(), tmp_path)
-    view = config.resolved_path("sft", "to_huggingface", tmp_path)
-    cfg = OmegaConf.load(view)
-    backends = config.backends(OmegaConf.to_container(cfg))
-    assert config.load_stage("sft", "to_huggingface", tmp_path).code == fingerprint.stage_code("to_huggingface",
-                                                                                              backends=backends)
+    config.write_resolved(config.compose_all(families.load_params()), config.twin_confs(embedded.FAMILIES), tmp_path)
+    path = view.resolved_path("sft", "to_huggingface", tmp_path)
+    cfg = OmegaConf.load(path)
+    backends = view.backends(OmegaConf.to_container(cfg))
+    assert view.load_stage("sft", "to_huggingface", tmp_path).code == fingerprint.stage_code("to_huggingface",
+                                                                                            backends=backends)
     cfg.code["mtpipe/maxtext/commands.py"] = "0" * 16
-    OmegaConf.save(cfg, view)
+    OmegaConf.save(cfg, path)
     with pytest.raises(ConfigError, match=r"config/sft/to_huggingface.yaml: was written for other code "
                                           r"\(changed: mtpipe/maxtext/commands.py\).*dvc repro"):
-        config.load_stage("sft", "to_huggingface", tmp_path)
+        view.load_stage("sft", "to_huggingface", tmp_path)
 
 
 def test_the_committed_views_hold_the_fingerprints_of_the_committed_code(tmp_path: Path):
     """configure would write config/ as committed: no stage runs under another code's address."""
-    config.write_resolved(config.compose_all(families.load_params()), embedded.twin_confs(), tmp_path)
+    config.write_resolved(config.compose_all(families.load_params()), config.twin_confs(embedded.FAMILIES), tmp_path)
     for path in sorted((tmp_path / "config").rglob("*.yaml")):
         committed = config.ROOT / path.relative_to(tmp_path)
         assert path.read_text() == committed.read_text(), f"{committed}: run `dvc repro configure` and commit"
@@ -207,3 +208,42 @@ def test_a_child_process_a_stage_starts_is_in_its_code(tmp_path: Path):
     with monkeypatch.context() as m:
         m.setitem(fingerprint.BACKEND_MODULES, "parent.backend", {"other": ("mtpipe/data/child.py",)})
         assert "mtpipe/data/child.py" not in fingerprint.stage_modules("parent", tmp_path, backends={})
+
+
+@pytest.mark.address
+def test_a_module_that_only_checks_is_in_no_stages_code(tmp_path: Path):
+    """A module declaring ``ADDRESS_EXEMPT`` is left out of a stage's code with what only it imports; a module
+    the stage also imports another way stays in."""
+    shutil.copytree(config.ROOT / "mtpipe", tmp_path / "mtpipe")
+    (tmp_path / "mtpipe" / "data" / "guard.py").write_text(
+        'ADDRESS_EXEMPT = "refuses bad input"\nfrom mtpipe.data import hub, publish\n')
+    (tmp_path / "stages").mkdir()
+    (tmp_path / "stages" / "guarded.py").write_text("from mtpipe.data import guard, hub\n")
+    found = set(fingerprint.stage_modules("guarded", tmp_path))
+    assert "mtpipe/data/hub.py" in found
+    assert not {"mtpipe/data/guard.py", "mtpipe/data/publish.py"} & found
+    (tmp_path / "mtpipe" / "data" / "guard.py").write_text("from mtpipe.data import hub, publish\n")
+    assert {"mtpipe/data/guard.py", "mtpipe/data/publish.py"} <= set(fingerprint.stage_modules("guarded", tmp_path))
+
+
+@pytest.mark.address
+def test_each_stage_runs_only_its_own_configuration_and_patches():
+    """configure's code (composition, presets, the cross-key rules) is in no other stage's address; the
+    address's own checks (fingerprints, tool versions) are in none; a converter holds no training patch and
+    a trainer no conversion patch. The modules that declare themselves exempt are the two checks."""
+    configure_only = {"mtpipe/pipeline/config.py", "mtpipe/pipeline/rules.py", "mtpipe/pipeline/maxtext_check.py"}
+    checks = {"mtpipe/pipeline/fingerprint.py", "mtpipe/pipeline/toolchain.py"}
+    assert {str(p.relative_to(config.ROOT)) for p in (config.ROOT / "mtpipe").rglob("*.py")
+            if fingerprint.is_exempt(p)} == checks
+    stages = [*config.BRANCH_STAGES["rl"], "make_embedded"]
+    code = {stage: set(fingerprint.stage_modules(stage)) for stage in stages}
+    for stage in stages:
+        assert not (configure_only | checks) & code[stage], stage
+        assert "mtpipe/pipeline/view.py" in code[stage]
+    assert configure_only <= set(fingerprint.stage_modules("configure"))
+    for converter in ("to_maxtext", "to_huggingface", "evaluate_warmup"):
+        assert "mtpipe/maxtext/adapter/conversion.py" in code[converter]
+        assert not {"mtpipe/maxtext/adapter/training.py", "mtpipe/maxtext/training_commands.py"} & code[converter]
+    for trainer in ("train_sft", "train_rl"):
+        assert "mtpipe/maxtext/adapter/training.py" in code[trainer]
+        assert not {"mtpipe/maxtext/adapter/conversion.py", "mtpipe/maxtext/conversion_commands.py"} & code[trainer]

@@ -20,6 +20,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from mtpipe.pipeline import config
+import families
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -95,7 +96,7 @@ def test_the_reference_rewards_score_like_maxtexts_with_the_benchmark_weights():
 def test_the_trl_reference_runs_two_grpo_steps_on_the_tiny_twin(tmp_path):
     from mtpipe.data import embedded
 
-    embedded.write_llama31_tiny(tmp_path / "llama")
+    families.twins()["llama3.1-tiny"].write(tmp_path / "llama")
     embedded.write_gsm8k_tiny(tmp_path / "gsm8k", n_train=32, n_test=8)
     settings = {**grpo_trl.maxtext_settings(BENCH_TRAIN_RL), "num_test_batches": 1, "eval_batch_size": 4}
     data = ([tmp_path / "gsm8k/main/train-00000-of-00001.parquet"], [tmp_path / "gsm8k/main/test-00000-of-00001.parquet"])

@@ -25,6 +25,7 @@ from safetensors.numpy import save_file
 from families import TWINS, twins
 from mtpipe.evaluation import numpy_forward
 from mtpipe.data import embedded
+import families
 
 SEQ_LEN = 100  # > the tiny Gemma 3's sliding window (64), so local layers really are local
 
@@ -96,7 +97,7 @@ def test_gqa_equals_mha_with_repeated_kv(twin, tmp_path):
 def test_sliding_window_limits_receptive_field(tmp_path):
     """With every Gemma 3 layer local (window w, L layers) token 0 reaches positions < 1 + L*(w-1) only."""
     src = tmp_path / "gemma3"
-    embedded.write_gemma3_tiny(src)
+    families.twins()["gemma3-tiny"].write(src)
     window = 4
 
     def all_local(config: dict) -> None:
@@ -130,7 +131,7 @@ def test_unknown_architecture_fails_early(tmp_path):
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("llama") / "hf"
-    embedded.write_llama31_tiny(out)
+    families.twins()["llama3.1-tiny"].write(out)
     return out
 
 

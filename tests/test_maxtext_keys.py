@@ -9,7 +9,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from mtpipe.errors import ConfigError
-from mtpipe.maxtext import commands
+from mtpipe.maxtext import commands, training_commands
 from mtpipe.pipeline import config, schema
 
 import families
@@ -22,15 +22,15 @@ SHOW = """
 import sys
 from pathlib import Path
 from mtpipe.errors import ConfigError
-from mtpipe.maxtext import commands
+from mtpipe.maxtext import training_commands
 from mtpipe.pipeline import config, maxtext_check
 try:
     cfg = maxtext_check.compose_checked("sft", config.load_params())
 except ConfigError as err:
     sys.exit(str(err))
-cmd = commands.train_sft(config.stage_view(cfg, "train_sft"), ckpt=Path("/c"), train_files="/t", eval_files=None,
-                         columns=["messages"], tokenizer_dir=Path("/s"), base_output="/o", run_name="r",
-                         metrics_file=Path("/m"), jax_cache_dir=Path("/j"))
+cmd = training_commands.train_sft(config.stage_view(cfg, "train_sft"), ckpt=Path("/c"), train_files="/t",
+                                  eval_files=None, columns=["messages"], tokenizer_dir=Path("/s"), base_output="/o",
+                                  run_name="r", metrics_file=Path("/m"), jax_cache_dir=Path("/j"))
 print(" ".join(cmd.args))
 """
 
@@ -81,7 +81,7 @@ def test_every_marked_key_is_a_key_of_maxtext_and_every_stage_key_reaches_the_co
         section = getattr(cfg, stage)
         keys = schema.maxtext_keys(type(section))
         assert keys and not set(keys) - set(maxtext_types(section.maxtext_config)), stage
-    args = dict(a.split("=", 1) for a in commands.train_rl(
+    args = dict(a.split("=", 1) for a in training_commands.train_rl(
         config.stage_view(cfg, "train_rl"), ckpt="/c", train_files="/t", eval_files="/e", tokenizer_dir="/s",
         base_output="/o", run_name="r", jax_cache_dir="/j").args)
     assert {k: args[k] for k in schema.maxtext_args(cfg.train_rl)} == {

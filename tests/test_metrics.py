@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mtpipe.maxtext import maxtext_adapter
+from mtpipe.maxtext.adapter import training
 from mtpipe.pipeline import metrics
 from mtpipe.pipeline.metrics import loss_curve, missing_steps, pass_at_k, rl_eval, rl_eval_gain
 
@@ -55,12 +55,12 @@ def test_pass_at_k_is_the_share_of_k_subsets_with_a_right_sample(samples: int) -
 
 EVAL_LOG = """\
 0it [00:00, ?it/s]I1205 01:48:23 rollout_cpu.py:229] cpu_jax rollout: 3 prompts
-W1205 01:48:42 maxtext_adapter.py:500] mtpipe eval: right samples per prompt: 0/4 1/4 4/4
+W1205 01:48:42 training.py:207] mtpipe eval: right samples per prompt: 0/4 1/4 4/4
 W1205 01:48:42 train_rl.py:743] Pre RL Training: corr=0.4166, total=3, accuracy=41.66%, partial_accuracy=50.0%, \
 format_accuracy=100.0%, mean_reward=0.4125
-W1205 01:49:00 maxtext_adapter.py:500] mtpipe eval: right samples per prompt: 4/4 4/4 4/4
+W1205 01:49:00 training.py:207] mtpipe eval: right samples per prompt: 4/4 4/4 4/4
 W1205 01:49:00 hooks.py:99] Intermediate Eval (step=10): corr=3.0, total=3, accuracy=100.0%
-W1205 01:49:58 maxtext_adapter.py:500] mtpipe eval: right samples per prompt: 2/4 0/4 3/4
+W1205 01:49:58 training.py:207] mtpipe eval: right samples per prompt: 2/4 0/4 3/4
 W1205 01:50:00 train_rl.py:781] Post RL Training: corr=0.4166, total=3, accuracy=41.66%, partial_accuracy=50.0%, \
 format_accuracy=100.0%, mean_reward=0.5000
 """
@@ -68,7 +68,7 @@ format_accuracy=100.0%, mean_reward=0.5000
 
 @pytest.mark.rl_learns
 def test_rl_eval_reads_pass_at_k_of_the_evals_before_and_after_grpo() -> None:
-    assert maxtext_adapter.EVAL_SAMPLES_LINE == metrics.EVAL_SAMPLES_LINE  # what the launcher logs is what is parsed
+    assert training.EVAL_SAMPLES_LINE == metrics.EVAL_SAMPLES_LINE  # what the launcher logs is what is parsed
     evals = rl_eval(EVAL_LOG)
     pre, post = evals["pre"], evals["post"]
     assert pre["samples_per_prompt"] == post["samples_per_prompt"] == 4

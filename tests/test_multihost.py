@@ -76,7 +76,7 @@ def jax_process(dvc_proc: subprocess.Popen, index: int, timeout: float = 600) ->
     while time.monotonic() < deadline and dvc_proc.poll() is None:
         for child in psutil.Process(dvc_proc.pid).children(recursive=True):
             try:
-                if "mtpipe.maxtext.launch" in child.cmdline() and \
+                if "mtpipe.maxtext.adapter.training" in child.cmdline() and \
                         child.environ().get("JOB_COMPLETION_INDEX") == str(index):
                     return child
             except psutil.NoSuchProcess:

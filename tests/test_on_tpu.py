@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from packaging.utils import canonicalize_name
 
-from mtpipe.maxtext import commands, preflight
+from mtpipe.maxtext import commands, preflight, training_commands
 from mtpipe.pipeline.toolchain import lock_pins
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,13 +50,13 @@ def test_the_chip_pins_name_every_difference_from_the_vm_lock():
 
 
 def stage_command(branch: str, stage: str) -> commands.MaxTextCommand:
-    """The command commands.py builds for ``stage`` of ``branch`` (placeholder paths)."""
+    """The command training_commands.py builds for ``stage`` of ``branch`` (placeholder paths)."""
     cfg = plan.committed_view(branch, stage)
     if stage == "train_rl":
         return preflight.stage_command(cfg)
     p = Path(preflight.PLACEHOLDER)
-    return commands.train_sft(cfg, ckpt=p, train_files=str(p), eval_files=str(p), columns=["messages"], tokenizer_dir=p,
-                              base_output=p, run_name="run", metrics_file=p, jax_cache_dir=p)
+    return training_commands.train_sft(cfg, ckpt=p, train_files=str(p), eval_files=str(p), columns=["messages"],
+                                       tokenizer_dir=p, base_output=p, run_name="run", metrics_file=p, jax_cache_dir=p)
 
 
 @pytest.mark.parametrize("branch,stage", [("sft", "train_sft"), ("rl", "train_sft"), ("rl", "train_rl")])

@@ -17,7 +17,8 @@ from mtpipe.maxtext import commands, preflight
 
 from mtpipe.pipeline import overrides
 from mtpipe.pipeline.toolchain import lock_pins
-from mtpipe.pipeline.config import ROOT, View, compose, stage_view
+from mtpipe.pipeline.config import ROOT, compose, stage_view
+from mtpipe.pipeline.view import View
 from mtpipe.errors import ConfigError
 import families
 

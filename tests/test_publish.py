@@ -18,9 +18,9 @@ import pytest
 import yaml
 
 from fakes.hf_server import HubServer
-from mtpipe.data import embedded
 from mtpipe.pipeline import config
 from pipeline import env, files_containing
+import families
 
 pytestmark = pytest.mark.evaluate_publish
 
@@ -44,7 +44,7 @@ def sh(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProces
 def project(tmp_path_factory) -> Path:
     """A DVC project with one experiment, ``exp-pub``, whose export is in a local DVC remote."""
     repo = tmp_path_factory.mktemp("publish") / "repo"
-    embedded.write_llama31_tiny(repo / "model")
+    families.twins()["llama3.1-tiny"].write(repo / "model")
     views = {"hf_download": {"model": {"name": "llama3.1-8b-instruct", "source": {
                  "kind": "hub", "repo_id": "meta-llama/Llama-3.1-8B-Instruct", "revision": "0e9e39f" + "0" * 33}},
                  "dataset": {"name": "gsm8k", "hf_name": "openai/gsm8k"}},
@@ -52,7 +52,7 @@ def project(tmp_path_factory) -> Path:
              "train_rl": {"hardware": {"name": "v6e-8"}}}
     run = {}  # as configure writes them: each address view, and the keys no output depends on
     for stage, view in views.items():
-        run[stage] = config.split_run_keys(view, stage)
+        run[stage] = config.split_run_keys(view, "rl", stage)
         (repo / "config" / "rl").mkdir(parents=True, exist_ok=True)
         (repo / "config" / "rl" / f"{stage}.yaml").write_text(yaml.safe_dump(view))
     assert run["hf_download"]["model"]["name"] and run["train_rl"]["hardware"]["name"]  # the card reads both

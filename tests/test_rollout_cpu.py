@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from mtpipe.maxtext import rollout_cpu
+import families
 
 RL_YML = Path(importlib.util.find_spec("maxtext").origin).parent / "configs" / "post_train" / "rl.yml"
 PROMPTS = ["Tom has 3 pens. He gets 4 more. How many pens?", "Mia has 12 coins and gives 5 away. How many are left?"]
@@ -134,8 +135,8 @@ def tiny(tmp_path_factory):
     from mtpipe.data import embedded
 
     root = tmp_path_factory.mktemp("tiny")
-    embedded.write_llama31_tiny(root / "llama")
-    dims = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in embedded.MAXTEXT_OVERRIDES["llama3.1-tiny"].items()]
+    families.twins()["llama3.1-tiny"].write(root / "llama")
+    dims = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in families.twins()["llama3.1-tiny"].overrides.items()]
     argv = [
         "", str(RL_YML), "model_name=llama3.1-8b-Instruct", *dims, f"tokenizer_path={root / 'llama'}",
         "convert_checkpoint_if_possible=false", "init_weights_seed=7", "hardware=cpu",

@@ -29,7 +29,7 @@ def test_the_child_gets_no_token_and_the_log_masks_it(tmp_path, monkeypatch, cap
     script = tmp_path / "fake_maxtext.py"
     script.write_text("import os; print('child has', os.environ.get('HF_TOKEN')); print('echo hf_abcdefghijklmnop');"
                       " print(%r)" % LINE)
-    cmd = MaxTextCommand("fake", [])
+    cmd = MaxTextCommand("fake", [], launcher="fake")
     monkeypatch.setattr(MaxTextCommand, "argv", lambda self: [sys.executable, str(script)])
     runner.run(cmd, tmp_path / "log.txt", total_steps=150)
     log, out = (tmp_path / "log.txt").read_text(), capsys.readouterr().out
@@ -44,10 +44,12 @@ def test_grpo_shows_its_steps_and_sft_each_step_once(tmp_path, monkeypatch, caps
     script = tmp_path / "fake_maxtext.py"
     script.write_text(f"print({tunix!r}); print({LINE!r})")
     monkeypatch.setattr(MaxTextCommand, "argv", lambda self: [sys.executable, str(script)])
-    runner.run(MaxTextCommand(commands.TRAIN_RL, []), tmp_path / "rl" / "train_rl.log", total_steps=100)
+    runner.run(MaxTextCommand(commands.TRAIN_RL, [], launcher="fake"), tmp_path / "rl" / "train_rl.log",
+               total_steps=100)
     assert capsys.readouterr().out.count("  step ") == 1
     assert json.loads((tmp_path / "rl" / "train_rl.progress.json").read_text())["step"] == 69
-    runner.run(MaxTextCommand(commands.TRAIN_SFT, []), tmp_path / "sft" / "train_sft.log", total_steps=150)
+    runner.run(MaxTextCommand(commands.TRAIN_SFT, [], launcher="fake"), tmp_path / "sft" / "train_sft.log",
+               total_steps=150)
     out = capsys.readouterr().out
     assert out.count("  step ") == 1 and "step 40/150  loss 2.103" in out
 
@@ -57,7 +59,7 @@ def test_a_failing_tool_fails_the_stage(tmp_path, monkeypatch):
     script.write_text("import sys; print('Traceback: boom'); sys.exit(3)")
     monkeypatch.setattr(MaxTextCommand, "argv", lambda self: [sys.executable, str(script)])
     with pytest.raises(runner.MaxTextFailed, match="exited with 3"):
-        runner.run(MaxTextCommand("fake", []), tmp_path / "log.txt")
+        runner.run(MaxTextCommand("fake", [], launcher="fake"), tmp_path / "log.txt")
     assert "# exit 3" in Path(tmp_path / "log.txt").read_text()
 
 
@@ -79,7 +81,7 @@ def test_processes_get_the_jobset_environment_and_one_failure_stops_all(tmp_path
     monkeypatch.setattr(MaxTextCommand, "argv", lambda self: [sys.executable, str(script)])
     start = time.monotonic()
     with pytest.raises(runner.MaxTextFailed, match=r"process 1 of 2 exited with 9; full log: .*train\.process1\.log"):
-        runner.run(MaxTextCommand("fake", []), tmp_path / "train.log", processes=2)
+        runner.run(MaxTextCommand("fake", [], launcher="fake"), tmp_path / "train.log", processes=2)
     assert time.monotonic() - start < 60, "process 0 was not stopped"
     log0, log1 = (tmp_path / "train.log").read_text(), (tmp_path / "train.process1.log").read_text()
     assert "index 0 of 2 127.0.0.1" in log0 and "# exit -15" in log0
@@ -96,7 +98,7 @@ def test_a_taken_coordinator_port_fails_before_starting(tmp_path, monkeypatch):
         sock.bind(("127.0.0.1", runner.COORDINATOR_PORT))
         sock.listen()
         with pytest.raises(runner.MaxTextFailed, match="port 1234 on 127.0.0.1 is taken"):
-            runner.run(MaxTextCommand("fake", []), tmp_path / "log.txt", processes=2)
+            runner.run(MaxTextCommand("fake", [], launcher="fake"), tmp_path / "log.txt", processes=2)
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "soon"])
@@ -134,7 +136,7 @@ def test_sigterm_reaches_the_tool_which_saves_or_is_killed_after_the_timeout(han
     threading.Thread(target=send_sigterm_once_ready, daemon=True).start()
     start = time.monotonic()
     with pytest.raises(runner.MaxTextStopped, match=f"stopped by SIGTERM \\(exit status {status}"):
-        runner.run(MaxTextCommand("fake", []), log)
+        runner.run(MaxTextCommand("fake", [], launcher="fake"), log)
     assert time.monotonic() - start < 20
     assert signal.getsignal(signal.SIGTERM) == before, "the stage's own SIGTERM handling was not restored"
     assert f"# exit {status}" in log.read_text()
@@ -147,8 +149,8 @@ def test_maxtext_processes_load_vertex_ai_only_when_they_use_it() -> None:
     executes it."""
     code = """
 import sys
-from mtpipe.maxtext import maxtext_adapter
-maxtext_adapter.apply(maxtext_adapter.TRAIN_SFT, [])
+from mtpipe.maxtext.adapter import training
+training.apply(training.TRAIN_SFT, [])
 import maxtext.common.vertex_tensorboard
 print("google.cloud.aiplatform.initializer" in sys.modules)
 from google.cloud import aiplatform
@@ -169,8 +171,8 @@ def test_a_finished_trainer_closes_its_parquet_stream_before_exit(tmp_path: Path
     code = f"""
 import gc, time, weakref
 import datasets, pyarrow as pa, pyarrow.parquet as pq
-from mtpipe.maxtext import maxtext_adapter
-finish = maxtext_adapter.apply(maxtext_adapter.TRAIN_SFT, [])
+from mtpipe.maxtext.adapter import training
+finish = training.apply(training.TRAIN_SFT, [])
 for shard in range(2):
     pq.write_table(pa.table({{"text": [f"row {{i}}" for i in range(64)]}}), {str(tmp_path)!r} + f"/train-{{shard}}.parquet")
 stream = datasets.load_dataset("parquet", data_files={str(tmp_path / "train-*.parquet")!r}, split="train",

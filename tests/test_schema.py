@@ -10,7 +10,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from mtpipe.data import embedded
-from mtpipe.pipeline import config, maxtext_check, schema
+from mtpipe.pipeline import config, maxtext_check, rules, schema, view
 from mtpipe.errors import ConfigError
 import families
 
@@ -142,12 +142,12 @@ def test_every_shipped_preset_passes(preset):
     branch = "rl" if "train_rl" in config.load_preset(preset, "preset") else "sft"
     cfg = compose(branch, {branch: {"preset": preset}})
     assert cfg.branch == branch
-    assert isinstance(schema.check_branch(cfg.model_dump(by_alias=True), preset), schema.BRANCHES[branch])
+    assert isinstance(rules.check_branch(cfg.model_dump(by_alias=True), preset), schema.BRANCHES[branch])
 
 
 def test_both_tutorial_presets_resolve_together(tmp_path):
     params = OmegaConf.merge(families.load_params(), {"sft": {"preset": "gemma3-4b-ultrachat-v6e8"}, "rl": TUTORIAL_RL})
-    written = config.write_resolved(config.compose_all(params), embedded.twin_confs(), tmp_path)
+    written = config.write_resolved(config.compose_all(params), config.twin_confs(embedded.FAMILIES), tmp_path)
     assert yaml.safe_load((tmp_path / "config" / "rl" / "train_rl.yaml").read_text())["train_rl"]["chips_per_vm"] == 8
     assert len(written) == 16  # 14 stage views, make_embedded's view and config/run.yaml
 
@@ -217,8 +217,8 @@ def test_maxtext_defaults_the_schema_relies_on():
     configs = Path(find_spec("maxtext").submodule_search_locations[0]) / "configs"
     rl = yaml.safe_load((configs / "post_train" / "rl.yml").read_text())
     base = yaml.safe_load((configs / "base.yml").read_text())
-    assert {k: rl[k] for k in schema.MAXTEXT_RL_DEFAULTS} == schema.MAXTEXT_RL_DEFAULTS
-    assert base["scan_layers"] is schema.MAXTEXT_SCAN_LAYERS_DEFAULT
+    assert {k: rl[k] for k in rules.MAXTEXT_RL_DEFAULTS} == rules.MAXTEXT_RL_DEFAULTS
+    assert base["scan_layers"] is rules.MAXTEXT_SCAN_LAYERS_DEFAULT
     assert rl["rl"]["num_generations"] >= 2 and 0 < rl["rl"]["grpo_epsilon"] < 1 and rl["rl"]["grpo_beta"] >= 0
 
 
@@ -237,3 +237,26 @@ def test_dvc_repro_stops_at_configure(tmp_path):
     assert "configure: rl.train_rl.num_generations: must be an integer >= 2" in proc.stdout
     assert not (repo / "artifacts").exists() and not (repo / "embedded").exists()
     assert elapsed < 60, f"dvc repro took {elapsed:.0f} s to reject params.yaml"
+
+
+@pytest.mark.address
+def test_each_read_by_mark_names_stages_that_read_its_section():
+    """A key's ReadBy mark names stages whose view holds its section (a misspelt stage would make the key
+    a run key of every stage), and the marks give each stage the run keys configure writes."""
+    readers: dict[type, set[str]] = {}
+    for branch, model in schema.BRANCHES.items():
+        for stage in config.BRANCH_STAGES[branch]:
+            for section in view.STAGE_SECTIONS[stage]:
+                readers.setdefault(model.model_fields[section].annotation, set()).add(stage)
+    readers[schema.Xpk] = readers[schema.Hardware]
+    marked = 0
+    for section, stages in readers.items():
+        for name, field in section.model_fields.items():
+            for mark in (m for m in field.metadata if isinstance(m, schema.ReadBy)):
+                marked += 1
+                assert set(mark.stages) <= stages, f"{section.__name__}.{name}: {mark.stages} vs {stages}"
+    assert marked >= 15
+    assert schema.run_keys(schema.Model, "hf_download") == ("name", "maxtext_name", "export_name", "maxtext_overrides")
+    assert schema.run_keys(schema.Hardware, "train_sft")[:2] == ("name", "xpk.cluster")
+    assert "source" in schema.run_keys(schema.Dataset, "evaluate") and "hf_name" not in schema.run_keys(
+        schema.Dataset, "evaluate")

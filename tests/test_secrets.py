@@ -26,16 +26,16 @@ import yaml
 from conftest import PipelineRun, restore
 from pipeline import ROOT, CanaryEnv, ProcessWatch, dvc, env, files_containing
 
-from mtpipe.maxtext.maxtext_adapter import HOLD_ENV
+from mtpipe.maxtext.adapter.training import HOLD_ENV
 
 pytestmark = pytest.mark.secrets
 
 STAGE = re.compile(r"-m stages\.(\w+)")
 # Every MaxText entry point of the pipeline, as the runner launches it.
-MAXTEXT_CHILDREN = ("mtpipe.maxtext.launch maxtext.checkpoint_conversion.to_maxtext",
-                    "mtpipe.maxtext.launch maxtext.trainers.post_train.sft.train_sft",
+MAXTEXT_CHILDREN = ("mtpipe.maxtext.adapter.conversion maxtext.checkpoint_conversion.to_maxtext",
+                    "mtpipe.maxtext.adapter.training maxtext.trainers.post_train.sft.train_sft",
                     "mtpipe.maxtext.launch_rl_cpu maxtext.trainers.post_train.rl.train_rl",
-                    "mtpipe.maxtext.launch maxtext.checkpoint_conversion.to_huggingface")
+                    "mtpipe.maxtext.adapter.conversion maxtext.checkpoint_conversion.to_huggingface")
 
 
 def leaks(processes: dict) -> list[str]:

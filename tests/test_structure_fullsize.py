@@ -3,8 +3,8 @@
 Every full-size model with a fixture (tests/fixtures/<model>/: the Hub's config.json and the tensor
 inventory of its safetensors, see tests/fixtures/README.md; found by tests/families.py, with a shipped
 preset that converts it) goes through what `to_maxtext` and `to_huggingface` run for the
-tutorial presets (mtpipe.maxtext.commands builds the arguments, mtpipe.maxtext.maxtext_adapter patches MaxText as
-`mtpipe.maxtext.launch` does), with MaxText's own mapping, hook and stacking functions evaluated under
+tutorial presets (mtpipe.maxtext.conversion_commands builds the arguments, mtpipe.maxtext.adapter.conversion
+patches MaxText as in the converters' child process), with MaxText's own mapping, hook and stacking functions evaluated under
 `jax.eval_shape`: shapes and dtypes only, nothing is allocated or downloaded. It checks that
 
 * every source tensor is read exactly once (text model; the vision tower is copied unchanged),
@@ -25,13 +25,15 @@ import pytest
 from omegaconf import OmegaConf
 
 from families import REAL_MODELS, RealModel, real_models
-from mtpipe.maxtext import commands, maxtext_adapter
+from mtpipe.data import maxtext_tables
+from mtpipe.maxtext import commands, conversion_commands
+from mtpipe.maxtext.adapter import conversion as adapter
 from mtpipe.pipeline import config
 
 pytestmark = [pytest.mark.preflight, pytest.mark.slow, pytest.mark.families]
 
 FIXTURES = Path(__file__).parent / "fixtures"
-VISION_PREFIXES = maxtext_adapter.UNTRAINED_PREFIXES
+VISION_PREFIXES = adapter.UNTRAINED_PREFIXES
 
 
 @dataclass
@@ -65,9 +67,9 @@ def stage_args(model: RealModel, hf_dir: Path, out: Path) -> tuple[commands.MaxT
     """The tutorial preset's to_maxtext and to_huggingface commands, as the pipeline builds them."""
     params = OmegaConf.create({"steps": None, model.branch: {"preset": model.preset}})
     cfg = config.compose(model.branch, params)
-    to_mt = commands.to_maxtext(config.stage_view(cfg, "to_maxtext"), hf_dir=hf_dir, out_dir=out / "maxtext")
-    to_hf = commands.to_huggingface(config.stage_view(cfg, "to_huggingface"), params=out / "params",
-                                    hf_src_dir=hf_dir, out_dir=out / "hf")
+    to_mt = conversion_commands.to_maxtext(config.stage_view(cfg, "to_maxtext"), hf_dir=hf_dir, out_dir=out / "maxtext")
+    to_hf = conversion_commands.to_huggingface(config.stage_view(cfg, "to_huggingface"), params=out / "params",
+                                               hf_src_dir=hf_dir, out_dir=out / "hf")
     return to_mt, to_hf
 
 
@@ -182,15 +184,15 @@ def conversion(request, tmp_path_factory) -> tuple[RealModel, Conversion]:
 
         # The adapter patches MaxText's tables in place (as in the child process of a run): restore them after.
         for name in {arg.split("=", 1)[1] for arg in (*to_mt.args, *to_hf.args) if arg.startswith("model_name=")}:
-            for key in maxtext_adapter._table_keys(name):
+            for key in maxtext_tables.table_keys(name):
                 for table in (hf_model_configs.HF_MODEL_CONFIGS, param_mapping.PARAM_MAPPING, hf_shape.HF_SHAPE):
                     mp.setitem(table, key, table[key])
         mp.setattr(pyconfig, "initialize_pydantic", pyconfig.initialize_pydantic)
-        maxtext_adapter.apply(to_mt.module, to_mt.args)
+        adapter.apply(to_mt.module, to_mt.args)
         shapes, vocab = abstract_model_shapes(to_mt)
         conv = Conversion(source=source, maxtext_shapes=shapes, maxtext_vocab=vocab)
         to_maxtext_abstract(to_mt, hf_dir, conv, mp)
-        finish = maxtext_adapter.apply(to_hf.module, to_hf.args)
+        finish = adapter.apply(to_hf.module, to_hf.args)
         to_huggingface_abstract(to_hf, conv, mp)
         finish()
     return model, conv

@@ -18,7 +18,7 @@ from packaging.utils import canonicalize_name
 
 from mtpipe.data import embedded
 from mtpipe.errors import ConfigError
-from mtpipe.pipeline import config, lock_check, requirement_locks, toolchain
+from mtpipe.pipeline import config, lock_check, requirement_locks, toolchain, view
 from mtpipe.pipeline.toolchain import lock_pins
 from pipeline import ROOT, copy_project, env
 import families
@@ -72,14 +72,16 @@ def test_doit_prints_no_warning():
 
 
 def test_each_view_records_the_versions_of_the_tools_its_stage_runs(tmp_path: Path):
-    config.write_resolved(config.compose_all(families.load_params()), embedded.twin_confs(), tmp_path)
+    config.write_resolved(config.compose_all(families.load_params()), config.twin_confs(embedded.FAMILIES), tmp_path)
     tools = {(branch, stage): OmegaConf.load(config.resolved_path(branch, stage, tmp_path)).tools
              for branch, stages in [*config.BRANCH_STAGES.items(), ("embedded", ("make_embedded",))]
              for stage in stages}
     for (branch, stage), recorded in tools.items():
         assert all(LAPTOP[name] == version for name, version in recorded.items()), (branch, stage)
-    for stage in ("to_maxtext", "train_sft", "to_huggingface"):
-        assert MAXTEXT_STACK <= set(tools["sft", stage]), stage
+    for stage in ("to_maxtext", "to_huggingface"):  # the converters' code imports no tunix (only the trainers' patches do)
+        assert MAXTEXT_STACK - {"google-tunix"} <= set(tools["sft", stage]), stage
+        assert "google-tunix" not in tools["sft", stage], stage
+    assert MAXTEXT_STACK <= set(tools["sft", "train_sft"])
     assert MAXTEXT_STACK <= set(tools["rl", "train_rl"])
     # the download runs the Hub client and reads parquet; it compiles nothing
     assert set(tools["sft", "hf_download"]) == {"huggingface-hub", "pyarrow"}
@@ -90,14 +92,14 @@ def test_each_view_records_the_versions_of_the_tools_its_stage_runs(tmp_path: Pa
 def test_a_stage_refuses_to_run_under_other_tool_versions(tmp_path: Path):
     """A view written for another environment (an upgraded lock not installed, a hand-made venv)
     stops the stage before any work: its outputs would be filed under the wrong versions."""
-    config.write_resolved(config.compose_all(families.load_params()), embedded.twin_confs(), tmp_path)
-    view = config.resolved_path("sft", "to_maxtext", tmp_path)
-    cfg = OmegaConf.load(view)
+    config.write_resolved(config.compose_all(families.load_params()), config.twin_confs(embedded.FAMILIES), tmp_path)
+    path = view.resolved_path("sft", "to_maxtext", tmp_path)
+    cfg = OmegaConf.load(path)
     cfg.tools["orbax-checkpoint"] = "0.0.1"
-    OmegaConf.save(cfg, view)
+    OmegaConf.save(cfg, path)
     with pytest.raises(ConfigError, match=rf"config/sft/to_maxtext.yaml: records other tool versions than installed "
                                           rf"\(orbax-checkpoint: 0.0.1 -> {LAPTOP['orbax-checkpoint']}\).*make"):
-        config.load_stage("sft", "to_maxtext", tmp_path)
+        view.load_stage("sft", "to_maxtext", tmp_path)
 
 
 def test_preflight_names_a_compiler_that_is_not_the_vms(tmp_path: Path):

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import families
 from pipeline import orbax_arrays
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,11 +31,11 @@ from types import SimpleNamespace
 from omegaconf import OmegaConf
 from maxtext.trainers.post_train.rl import utils_rl
 
-if sys.argv[3] == "adapted":  # maxtext_adapter's patch 13, which the launchers apply: grading never polls
+if sys.argv[3] == "adapted":  # the adapter's patch 13, which the launchers apply: grading never polls
     import time
-    from mtpipe.maxtext import maxtext_adapter
+    from mtpipe.maxtext.adapter import training
 
-    maxtext_adapter.grade_without_polling()
+    training.grade_without_polling()
 
     def no_polling(seconds):
         raise AssertionError(f"math_verify_pool slept {seconds} s between polls")
@@ -84,9 +85,9 @@ EVAL_CHILD = r"""
 import json, sys
 from types import SimpleNamespace
 from omegaconf import OmegaConf
-from mtpipe.maxtext import maxtext_adapter
+from mtpipe.maxtext.adapter import training
 
-maxtext_adapter.log_right_samples_per_prompt()  # what the launchers apply before train_rl is imported
+training.log_right_samples_per_prompt()  # what the launchers apply before train_rl is imported
 from maxtext.trainers.post_train.rl import evaluate_rl
 
 rl = OmegaConf.load(sys.argv[1])
@@ -115,7 +116,7 @@ import os; os._exit(0)  # the math-verify process pool hangs a normal interprete
 @pytest.mark.rl_learns
 @pytest.mark.parametrize("eval_mode", ["pass_at_1", "pass"])
 def test_each_eval_logs_how_many_samples_of_each_prompt_maxtext_scored_right(eval_mode):
-    """maxtext_adapter's patch 12 around MaxText's real eval and scoring, on hand-written completions:
+    """The adapter's patch 12 around MaxText's real eval and scoring, on hand-written completions:
     the per-prompt counts behind pass@k, in both eval modes (pass_at_1 gives the share, pass one verdict)."""
     import importlib.util
 
@@ -148,7 +149,7 @@ def test_a_resumed_run_reports_its_first_eval_before_grpo(tmp_path, monkeypatch)
 
     from maxtext.trainers.post_train.rl import evaluate_rl
 
-    from mtpipe.maxtext import maxtext_adapter
+    from mtpipe.maxtext.adapter import training
 
     calls = []
 
@@ -161,15 +162,15 @@ def test_a_resumed_run_reports_its_first_eval_before_grpo(tmp_path, monkeypatch)
     def new_process():
         monkeypatch.setattr(evaluate_rl, "evaluate", fake_evaluate)
         monkeypatch.setattr(evaluate_rl, "score_responses", evaluate_rl.score_responses)
-        maxtext_adapter.log_right_samples_per_prompt()
-        maxtext_adapter.keep_the_first_pre_eval()
+        training.log_right_samples_per_prompt()
+        training.keep_the_first_pre_eval()
         return evaluate_rl.evaluate
 
     first = new_process()
     assert first(cfg, "pre", None) == ((1, 4, 25.0, 50.0, 100.0, 0.5), ["responses"])
     assert first(cfg, "post", None)[0][0] == 2
-    saved = tmp_path / "train_rl" / "train_rl-abc" / maxtext_adapter.PRE_EVAL_FILE
-    assert json.loads(saved.read_text())["counts_line"].startswith(maxtext_adapter.EVAL_SAMPLES_LINE)
+    saved = tmp_path / "train_rl" / "train_rl-abc" / training.PRE_EVAL_FILE
+    assert json.loads(saved.read_text())["counts_line"].startswith(training.EVAL_SAMPLES_LINE)
 
     resumed = new_process()
     assert resumed(cfg, "pre", None) == ((1, 4, 25.0, 50.0, 100.0, 0.5), [])  # the first process's
@@ -196,11 +197,12 @@ def test_train_rl_runs_two_grpo_steps_on_cpu(tmp_path):
 
     env = dict(os.environ, JAX_PLATFORMS="cpu", DECOUPLE_GCLOUD="TRUE", PYTHONPATH=str(REPO))
     cache = f"jax_cache_dir={REPO / 'work' / 'jax_cache'}"
-    embedded.write_llama31_tiny(tmp_path / "llama")
+    families.twins()["llama3.1-tiny"].write(tmp_path / "llama")
     embedded.write_gsm8k_tiny(tmp_path / "gsm8k", n_train=8, n_test=2)
-    dims = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in embedded.MAXTEXT_OVERRIDES["llama3.1-tiny"].items()]
+    dims = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in families.twins()["llama3.1-tiny"].overrides.items()]
     subprocess.run(
-        [sys.executable, "-m", "mtpipe.maxtext.launch", "maxtext.checkpoint_conversion.to_maxtext", f"model_name={MODEL_NAME}",
+        [sys.executable, "-m", "mtpipe.maxtext.adapter.conversion", "maxtext.checkpoint_conversion.to_maxtext",
+         f"model_name={MODEL_NAME}",
          *dims, f"base_output_directory={tmp_path / 'conv'}", "scan_layers=True", "use_multimodal=False",
          "hardware=cpu", "skip_jax_distributed_system=true", cache, f"--hf_model_path={tmp_path / 'llama'}"],
         env=env, check=True, capture_output=True, timeout=600,

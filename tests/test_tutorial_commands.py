@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from mtpipe.maxtext import commands
+from mtpipe.maxtext import commands, conversion_commands, training_commands
 
 
 import families
@@ -109,15 +109,15 @@ def tutorial_cfg(branch: str = "sft") -> dict:
 
 
 def sft_command(cfg) -> commands.MaxTextCommand:
-    return commands.train_sft(cfg, ckpt=Path("/ckpt/0/items"), train_files="/data/*.parquet", eval_files=None,
-                              columns=["messages"], tokenizer_dir=Path("/src"), base_output=Path("/out"),
-                              run_name="run", metrics_file=Path("/m.jsonl"), jax_cache_dir=Path("/cache"))
+    return training_commands.train_sft(cfg, ckpt=Path("/ckpt/0/items"), train_files="/data/*.parquet", eval_files=None,
+                                       columns=["messages"], tokenizer_dir=Path("/src"), base_output=Path("/out"),
+                                       run_name="run", metrics_file=Path("/m.jsonl"), jax_cache_dir=Path("/cache"))
 
 
 def rl_command(cfg) -> commands.MaxTextCommand:
-    return commands.train_rl(cfg, ckpt=Path("/ckpt/0/items"), train_files="/d/train.parquet",
-                             eval_files="/d/test.parquet", tokenizer_dir=Path("/src"), base_output=Path("/out"),
-                             run_name="run", jax_cache_dir=Path("/cache"))
+    return training_commands.train_rl(cfg, ckpt=Path("/ckpt/0/items"), train_files="/d/train.parquet",
+                                      eval_files="/d/test.parquet", tokenizer_dir=Path("/src"), base_output=Path("/out"),
+                                      run_name="run", jax_cache_dir=Path("/cache"))
 
 
 def compare(stage: str, tutorial: str, ours: commands.MaxTextCommand) -> None:
@@ -136,19 +136,23 @@ def compare(stage: str, tutorial: str, ours: commands.MaxTextCommand) -> None:
 
 def test_to_maxtext_matches_tutorial():
     cfg = tutorial_cfg()["to_maxtext"]
-    compare("to_maxtext", TUTORIAL_TO_MAXTEXT, commands.to_maxtext(cfg, hf_dir=Path("/src"), out_dir=Path("/ckpt")))
+    cmd = conversion_commands.to_maxtext(cfg, hf_dir=Path("/src"), out_dir=Path("/ckpt"))
+    compare("to_maxtext", TUTORIAL_TO_MAXTEXT, cmd)
+    assert cmd.launcher == "mtpipe.maxtext.adapter.conversion"
 
 
 def test_train_sft_matches_tutorial():
     cmd = sft_command(tutorial_cfg()["train_sft"])
     compare("train_sft", TUTORIAL_TRAIN_SFT, cmd)
     assert cmd.env == TUTORIAL_ENV
+    assert cmd.launcher == "mtpipe.maxtext.adapter.training"
 
 
 def test_to_huggingface_matches_tutorial():
     cfg = tutorial_cfg()["to_huggingface"]
-    cmd = commands.to_huggingface(cfg, params=Path("/params"), hf_src_dir=Path("/src"), out_dir=Path("/hf"))
+    cmd = conversion_commands.to_huggingface(cfg, params=Path("/params"), hf_src_dir=Path("/src"), out_dir=Path("/hf"))
     compare("to_huggingface", TUTORIAL_TO_HF, cmd)
+    assert cmd.launcher == "mtpipe.maxtext.adapter.conversion"
 
 
 def test_tutorial_preset_pins_model_and_data():
@@ -160,7 +164,7 @@ def test_tutorial_preset_pins_model_and_data():
 
 def test_rl_to_maxtext_uses_the_instruct_model():
     cfg = tutorial_cfg("rl")["to_maxtext"]
-    cmd = commands.to_maxtext(cfg, hf_dir=Path("/src"), out_dir=Path("/ckpt"))
+    cmd = conversion_commands.to_maxtext(cfg, hf_dir=Path("/src"), out_dir=Path("/ckpt"))
     compare("to_maxtext", TUTORIAL_TO_MAXTEXT.replace("${MODEL_NAME}", "llama3.1-8b-Instruct"), cmd)
 
 
@@ -169,13 +173,13 @@ def test_train_rl_matches_tutorial():
     cmd = rl_command(cfgs["train_rl"])
     compare("train_rl", TUTORIAL_TRAIN_RL, cmd)
     assert cmd.env == TUTORIAL_ENV
-    assert cmd.launcher == "mtpipe.maxtext.launch", "the tutorial preset keeps MaxText's vLLM rollout"
+    assert cmd.launcher == "mtpipe.maxtext.adapter.training", "the tutorial preset keeps MaxText's vLLM rollout"
     assert cfgs["train_sft"].train_sft.steps == 0, "the tutorial has no SFT warm-up"
 
 
 def test_rl_export_uses_the_base_model_name():
     cfg = tutorial_cfg("rl")["to_huggingface"]
-    cmd = commands.to_huggingface(cfg, params=Path("/params"), hf_src_dir=Path("/src"), out_dir=Path("/hf"))
+    cmd = conversion_commands.to_huggingface(cfg, params=Path("/params"), hf_src_dir=Path("/src"), out_dir=Path("/hf"))
     compare("to_huggingface", TUTORIAL_RL_TO_HF, cmd)
 
 
@@ -190,9 +194,10 @@ def test_no_secret_on_any_command_line(branch, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_secretsecretsecret")
     cfgs = tutorial_cfg(branch)
     cmds = [
-        commands.to_maxtext(cfgs["to_maxtext"], hf_dir=Path("/s"), out_dir=Path("/o")),
+        conversion_commands.to_maxtext(cfgs["to_maxtext"], hf_dir=Path("/s"), out_dir=Path("/o")),
         sft_command(cfgs["train_sft"]) if branch == "sft" else rl_command(cfgs["train_rl"]),
-        commands.to_huggingface(cfgs["to_huggingface"], params=Path("/p"), hf_src_dir=Path("/s"), out_dir=Path("/o")),
+        conversion_commands.to_huggingface(cfgs["to_huggingface"], params=Path("/p"), hf_src_dir=Path("/s"),
+                                           out_dir=Path("/o")),
     ]
     for cmd in cmds:
         assert not any("hf_secret" in a or "hf_access_token" in a for a in cmd.argv())

@@ -180,7 +180,7 @@ def test_a_bad_work_bucket_stops_the_stage_before_maxtext(pipeline_repo):
     assert proc.returncode != 0
     assert ("train_sft: MTPIPE_WORK_BUCKET: 'my-bucket/work' is not a gs://BUCKET[/PREFIX] URL. "
             f"Fix: export {rd.WORK_BUCKET_ENV}=gs://") in proc.stderr, proc.stderr[-3000:]
-    assert "mtpipe.maxtext.launch" not in proc.stdout, proc.stdout  # MaxText never started
+    assert "mtpipe.maxtext.adapter" not in proc.stdout, proc.stdout  # MaxText never started
 
 
 # ------------------------------------------------------------- killed here, resumed elsewhere
@@ -232,7 +232,7 @@ def test_killed_training_resumes_from_the_bucket_in_a_fresh_clone(pipeline_repo,
             objects = sorted(fs.find(f"{runs}"))
             second = dvc(clone, "repro", "-f", "-s", "--no-run-cache", "train_sft@sft", extra_env=bucket, check=False)
             assert second.returncode != 0 and f"train_sft: gs://{run}: is in use by " in second.stdout, second.stdout
-            assert "training the same recipe since" in second.stdout and "mtpipe.maxtext.launch" not in second.stdout
+            assert "training the same recipe since" in second.stdout and "mtpipe.maxtext.adapter" not in second.stdout
             fs.invalidate_cache()
             assert sorted(fs.find(f"{runs}")) == objects, "the refused stage touched the holder's run directory"
         finally:

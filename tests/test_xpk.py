@@ -35,8 +35,8 @@ import xpk_parser
 from fakes.gcs_emulator import GCS_TEST_ENV
 from mtpipe.cloud import image, xpk
 from mtpipe.errors import ConfigError
-from mtpipe.maxtext import commands
-from mtpipe.pipeline import config, schema
+from mtpipe.maxtext import commands, training_commands
+from mtpipe.pipeline import config, rules, schema
 
 pytestmark = pytest.mark.multihost
 
@@ -80,14 +80,14 @@ def make_inputs(root: Path) -> dict[str, Path]:
 
 
 def sft_command(cfg, paths: dict[str, Path], bucket: str = BUCKET) -> commands.MaxTextCommand:
-    return commands.train_sft(
+    return training_commands.train_sft(
         cfg, ckpt=paths["ckpt"], train_files=str(paths["data"] / "train-*.parquet"), eval_files=None,
         columns=["messages"], tokenizer_dir=paths["tok"], base_output=f"{bucket}/train_sft", run_name=SFT_RUN,
         metrics_file=paths["metrics"], jax_cache_dir=paths["cache"])
 
 
 def rl_command(cfg, paths: dict[str, Path], bucket: str = BUCKET) -> commands.MaxTextCommand:
-    return commands.train_rl(
+    return training_commands.train_rl(
         cfg, ckpt=paths["ckpt"], train_files=str(paths["data"] / "train-*.parquet"),
         eval_files=str(paths["data"] / "test-00000.parquet"), tokenizer_dir=paths["tok"],
         base_output=f"{bucket}/train_rl", run_name=RL_RUN, jax_cache_dir=paths["cache"])
@@ -138,7 +138,7 @@ def test_sft_tutorial_on_v6e32_is_an_xpk_workload_running_the_stage_command(tmp_
     assert pod == ["python3", "-m", "mtpipe.cloud.xpk", "pod", "--run-dir", f"{BUCKET}/train_sft/{SFT_RUN}",
                    "--fetch", f"{BUCKET}/inputs/<d>/files=/tmp/mtpipe/inputs/<d>/files",
                    "--metrics", "/tmp/mtpipe/metrics.jsonl"]
-    assert main == ["python3", "-m", "mtpipe.maxtext.launch", commands.TRAIN_SFT, *mapped(single.args, {
+    assert main == ["python3", "-m", "mtpipe.maxtext.adapter.training", commands.TRAIN_SFT, *mapped(single.args, {
         "load_parameters_path": f"{BUCKET}/inputs/<d>/items",
         "hf_train_files": f"{BUCKET}/inputs/<d>/train-*.parquet",
         "tokenizer_path": "/tmp/mtpipe/inputs/<d>/files",
@@ -163,7 +163,7 @@ def test_grpo_on_v6e32_is_a_pathways_workload_running_the_stage_command(tmp_path
     assert env == ["JAX_PLATFORMS=proxy", "JAX_BACKEND_TARGET=grpc://127.0.0.1:29000", "ENABLE_PATHWAYS_PERSISTENCE=1"]
     assert pod == ["python3", "-m", "mtpipe.cloud.xpk", "pod", "--run-dir", f"{BUCKET}/train_rl/{RL_RUN}",
                    "--fetch", f"{BUCKET}/inputs/<d>/files=/tmp/mtpipe/inputs/<d>/files"]
-    assert main == ["python3", "-m", "mtpipe.maxtext.launch", commands.TRAIN_RL, *mapped(single.args, {
+    assert main == ["python3", "-m", "mtpipe.maxtext.adapter.training", commands.TRAIN_RL, *mapped(single.args, {
         "load_parameters_path": f"{BUCKET}/inputs/<d>/items",
         "hf_train_files": f"{BUCKET}/inputs/<d>/train-*.parquet",
         "hf_eval_files": f"{BUCKET}/inputs/<d>/test-00000.parquet",
@@ -213,9 +213,9 @@ def test_backend_xpk_needs_its_section_and_one_process_per_host():
     composed = config.compose("sft", params).model_dump(by_alias=True)
     with pytest.raises(ConfigError, match=r"^sft.hardware.xpk: is missing.*Fix: add an xpk: section to "
                                           r"conf/hardware/v6e-32.yaml"):
-        schema.check_branch({**composed, "hardware": {**composed["hardware"], "xpk": None}}, "p")
+        rules.check_branch({**composed, "hardware": {**composed["hardware"], "xpk": None}}, "p")
     with pytest.raises(ConfigError, match=r"^sft.hardware.processes: is 2.*Fix: set processes: 1"):
-        schema.check_branch({**composed, "hardware": {**composed["hardware"], "processes": 2}}, "p")
+        rules.check_branch({**composed, "hardware": {**composed["hardware"], "processes": 2}}, "p")
 
 
 # ---- the command lines as xpk's own parser reads them ---------------------------------------------

@@ -25,7 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mtpipe.maxtext import commands, runner  # noqa: E402
+from mtpipe.maxtext import conversion_commands, runner  # noqa: E402
 from mtpipe.pipeline.metrics import read_steps, read_tensorboard, rl_curve, rl_eval  # noqa: E402
 from mtpipe.pipeline.stage import ROOT, artifact  # noqa: E402
 from mtpipe.evaluation import scoring  # noqa: E402
@@ -67,8 +67,8 @@ def export_and_score(branch: str, params_tgz: Path, work: Path) -> dict[str, Any
     with tarfile.open(params_tgz) as tar:
         tar.extractall(params, filter="data")
     hf = work / f"{branch}-hf"
-    cmd = commands.to_huggingface(committed_view(branch, "to_huggingface"), params=params / "model_params",
-                                  hf_src_dir=artifact(branch, "model") / "files", out_dir=hf)
+    cmd = conversion_commands.to_huggingface(committed_view(branch, "to_huggingface"), params=params / "model_params",
+                                             hf_src_dir=artifact(branch, "model") / "files", out_dir=hf)
     runner.run(cmd, work / f"{branch}-to_huggingface.log")
     from transformers import AutoConfig  # noqa: PLC0415 (slow import, only here)
     AutoConfig.from_pretrained(hf)

@@ -46,7 +46,8 @@ def main() -> None:
         from mtpipe.maxtext import launch_rl_cpu  # pylint: disable=import-outside-toplevel
         launch_rl_cpu.run_train_rl(args)
     from mtpipe.maxtext import launch  # pylint: disable=import-outside-toplevel
-    status = launch.main([module, *args])
+    from mtpipe.maxtext.adapter import training  # pylint: disable=import-outside-toplevel
+    status = launch.main(training.apply, [module, *args], training.stopped_status)
     write(status)
     sys.exit(status)
 

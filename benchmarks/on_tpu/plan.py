@@ -1,5 +1,5 @@
 """Plan the runs for the lent TPU chip: this project's own MaxText commands, built here by
-mtpipe.maxtext.commands from the stages' views, with their inputs copied into .tpu-chip/.
+mtpipe.maxtext.training_commands from the stages' views, with their inputs copied into .tpu-chip/.
 
     python benchmarks/on_tpu/plan.py [--smoke]      # on the laptop, after `dvc repro to_maxtext@sft to_maxtext@rl`
 
@@ -32,9 +32,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from mtpipe.maxtext import commands, preflight  # noqa: E402
+from mtpipe.maxtext import commands, preflight, training_commands  # noqa: E402
 from mtpipe.pipeline import overrides  # noqa: E402
-from mtpipe.pipeline.config import View, stage_view  # noqa: E402
+from mtpipe.pipeline.config import stage_view  # noqa: E402
+from mtpipe.pipeline.view import View  # noqa: E402
 from mtpipe.pipeline.maxtext_check import compose_checked  # noqa: E402
 from mtpipe.pipeline.stage import ROOT, artifact  # noqa: E402
 from stages.train_sft import chat_files  # noqa: E402
@@ -104,7 +105,7 @@ def embedded_runs(smoke: bool) -> list[dict[str, Any]]:
     cfg = committed_view("sft", "train_sft")
     train, evals, columns = chat_files(cfg, sft_in / "dataset", CHIP / "artifacts" / "sft")
     for name in ("sft_a", "sft_b"):
-        cmd = commands.train_sft(
+        cmd = training_commands.train_sft(
             cfg, ckpt=sft_in / "maxtext" / "0" / "items", train_files=train, eval_files=evals, columns=columns,
             tokenizer_dir=sft_in / "model" / "files", base_output=RUNS, run_name=name,
             metrics_file=RUNS / name / "metrics.jsonl", jax_cache_dir=RUNS / "jax_cache")
@@ -112,14 +113,14 @@ def embedded_runs(smoke: bool) -> list[dict[str, Any]]:
     rl_in = copy_inputs("rl")
     cfg = committed_view("rl", "train_sft")
     train, evals, columns = chat_files(cfg, rl_in / "dataset", rl_in)
-    cmd = commands.train_sft(
+    cmd = training_commands.train_sft(
         cfg, ckpt=rl_in / "maxtext" / "0" / "items", train_files=train, eval_files=evals, columns=columns,
         tokenizer_dir=rl_in / "model" / "files", base_output=RUNS, run_name="rl_warmup",
         metrics_file=RUNS / "rl_warmup" / "metrics.jsonl", jax_cache_dir=RUNS / "jax_cache")
     runs.append(on_chip(cmd) | {"name": "rl_warmup", "stage": "train_sft@rl", "steps": cfg.train_sft.steps})
     cfg = committed_view("rl", "train_rl")
     files = rl_in / "dataset" / "files"
-    cmd = commands.train_rl(
+    cmd = training_commands.train_rl(
         cfg, ckpt=Path("@START@"), train_files=str(files / cfg.dataset.train_files),
         eval_files=str(files / cfg.dataset.eval_files), tokenizer_dir=rl_in / "model" / "files", base_output=RUNS,
         run_name="rl_grpo", jax_cache_dir=RUNS / "jax_cache")
@@ -159,7 +160,7 @@ def slice_command(module: str, layers: int, vocab: int, smoke: bool) -> commands
         args = set_arg(args, key, value)
     if smoke:
         args = set_arg(set_arg(set_arg(args, "base_emb_dim", 256), "base_mlp_dim", 512), "max_target_length", 128)
-    return commands.MaxTextCommand(module, args, env={"DECOUPLE_GCLOUD": "TRUE"})
+    return commands.MaxTextCommand(module, args, env={"DECOUPLE_GCLOUD": "TRUE"}, launcher=cmd.launcher)
 
 
 def slice_runs(smoke: bool) -> list[dict[str, Any]]:
@@ -179,7 +180,7 @@ def slice_runs(smoke: bool) -> list[dict[str, Any]]:
                          "tokenizer_path": str(files["tokenizer"]), "metrics_file": str(RUNS / name / "metrics.jsonl"),
                          "jax_cache_dir": str(RUNS / "jax_cache")}[key]
             args.append(f"{key}={value}")
-        run = on_chip(commands.MaxTextCommand(module, args, cmd.env))
+        run = on_chip(commands.MaxTextCommand(module, args, cmd.env, launcher=cmd.launcher))
         runs.append(placeholders(run | {"name": name, "stage": f"slice of {SFT_TUTORIAL}", "steps": SLICE_STEPS,
                                         "layers": layers, "vocab": vocab}))
     return runs
@@ -187,7 +188,8 @@ def slice_runs(smoke: bool) -> list[dict[str, Any]]:
 
 def slice_forecast(run: dict[str, Any]) -> list[str]:
     """The arguments preflight compiles for a slice on topology v5e-1 (paths left out, as preflight does)."""
-    cmd = commands.MaxTextCommand(run["module"], [a for a in run["args"] if "@CHIP@" not in a and "@RUNS@" not in a])
+    cmd = commands.MaxTextCommand(run["module"], [a for a in run["args"] if "@CHIP@" not in a and "@RUNS@" not in a],
+                                  launcher=run["launcher"])
     return preflight.compile_args(cmd, "v5e-1")
 
 

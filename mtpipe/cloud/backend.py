@@ -10,7 +10,7 @@ from pathlib import Path
 
 from mtpipe.maxtext import runner
 from mtpipe.maxtext.commands import MaxTextCommand
-from mtpipe.pipeline.config import View
+from mtpipe.pipeline.view import View
 
 
 def run_training(cfg: View, cmd: MaxTextCommand, log_path: Path, total_steps: int | None) -> None:

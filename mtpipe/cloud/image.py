@@ -1,7 +1,7 @@
 """The Docker image an xpk workload runs, tagged by its content (docs/multihost.md, "The image").
 
 The image is the TPU VM's environment (``requirements-vm.lock``, installed as ``vm_setup`` installs
-it) plus the ``mtpipe`` package, which the pod runs: MaxText through ``mtpipe.maxtext.launch`` (the
+it) plus the ``mtpipe`` package, which the pod runs: MaxText through ``mtpipe.maxtext.adapter.training`` (the
 same patches as on a VM) under ``mtpipe.cloud.xpk``'s pod side. Its content is exactly
 :data:`FILES` and the package's ``.py`` files; stages, configs, tests and docs are not in it, so
 editing them (or a ``dvc exp run -S`` value) builds nothing. The tag is ``sha-`` and 12 hex digits of

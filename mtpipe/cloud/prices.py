@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from pydantic import Field
 
 from mtpipe.errors import ConfigError
-from mtpipe.pipeline.config import load_yaml
+from mtpipe.pipeline.view import load_yaml
 from mtpipe.pipeline.schema import KEEP_INT, Section, validate
 
 PRICES = Path(__file__).resolve().parents[2] / "conf" / "prices.yaml"

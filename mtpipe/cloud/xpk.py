@@ -49,7 +49,7 @@ from mtpipe.errors import ConfigError
 from mtpipe.maxtext import runner
 from mtpipe.maxtext.commands import TRAIN_RL, MaxTextCommand
 from mtpipe.maxtext.run_dir import WORK_BUCKET_ENV, RunDir, gcs, work_bucket
-from mtpipe.pipeline.config import View
+from mtpipe.pipeline.view import View
 from mtpipe.pipeline.schema import Xpk
 
 XPK_ENV = "MTPIPE_XPK"

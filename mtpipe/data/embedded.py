@@ -12,7 +12,8 @@ Everything here is deterministic (same bytes on every run) and needs no network:
 
 A twin (``write_twin``) is built from MaxText's own tables for its ``maxtext_name``
 (``HF_MODEL_CONFIGS``, ``HF_SHAPE``, ``PARAM_MAPPING`` in ``maxtext.checkpoint_conversion.utils``)
-with the sizes in conf/model/<name>.yaml, the one place they are written; ``FAMILIES`` holds per
+with its sizes, ``maxtext_overrides``: both come from make_embedded's view (``twins``), which
+configure copies from conf/model/<name>.yaml, the one place they are written. ``FAMILIES`` holds per
 family only what MaxText cannot know (tokenizer, chat template, Hub layout, config fixes).
 * ``ultrachat-tiny``: ``HuggingFaceH4/ultrachat_200k`` schema and layout (SFT chat data).
 * ``gsm8k-tiny``: ``openai/gsm8k`` schema and layout (``main`` config, answers end ``#### N``).
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import functools
 import os
 import random
 import re
@@ -36,6 +36,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+
+from mtpipe.data import maxtext_tables
 
 TINY_VOCAB = 512
 SEED = 20251129
@@ -441,25 +443,7 @@ SIZE_KEYS = {
 }
 
 
-def twin_conf(name: str) -> dict[str, Any]:
-    """conf/model/<name>.yaml as a dict: ``maxtext_name`` and the sizes in ``maxtext_overrides``."""
-    from omegaconf import OmegaConf
-
-    from mtpipe.pipeline.config import CONF_DIR, load_yaml
-
-    return OmegaConf.to_container(load_yaml(CONF_DIR / "model" / f"{name}.yaml"))
-
-
-# The twins' MaxText model and sizes, read from conf/model/<name>.yaml, the one place they are written.
-MAXTEXT_MODEL_NAME = {name: twin_conf(name)["maxtext_name"] for name in FAMILIES}
-MAXTEXT_OVERRIDES = {name: twin_conf(name)["maxtext_overrides"] for name in FAMILIES}
-
-
-def twin_confs() -> dict[str, dict[str, Any]]:
-    """What the twins' bytes depend on in conf/: name -> ``maxtext_name`` and ``maxtext_overrides``
-    (make_embedded's view, written by configure)."""
-    return {name: {"maxtext_name": MAXTEXT_MODEL_NAME[name], "maxtext_overrides": MAXTEXT_OVERRIDES[name]}
-            for name in FAMILIES}
+Twin = dict[str, Any]  # a twin's ``maxtext_name`` and ``maxtext_overrides`` (make_embedded's view: ``twins``)
 
 
 def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
@@ -484,18 +468,19 @@ def _resolve_tokens(values: dict[str, Any], tokenizer) -> dict[str, Any]:
     return out
 
 
-def twin_config(name: str, tokenizer):
-    """The twin's Hugging Face config: MaxText's table for its model, the yaml's sizes, the family's keys."""
-    from maxtext.checkpoint_conversion.utils.hf_model_configs import HF_MODEL_CONFIGS
-
+def twin_config(name: str, twin: Twin, tokenizer):
+    """The twin's Hugging Face config: MaxText's table for its model, its sizes, the family's keys."""
     family = FAMILIES[name]
-    table = HF_MODEL_CONFIGS[MAXTEXT_MODEL_NAME[name]]
+    table = maxtext_tables.hf_config(twin["maxtext_name"])
+    if table is None:
+        raise ValueError(f"conf/model/{name}.yaml: MaxText has no Hugging Face config for maxtext_name "
+                         f"{twin['maxtext_name']!r}")
     tree = table.to_dict()
     tree.pop("transformers_version", None)
     text = tree.get("text_config", tree)
     text.pop("layer_types", None)  # recomputed from the layer count
     full_head_dim = text.get("head_dim")  # None: the family derives it (Qwen 2), the twin's config sets it
-    for key, value in MAXTEXT_OVERRIDES[name].items():
+    for key, value in twin["maxtext_overrides"].items():
         if key in SIZE_KEYS:
             text[SIZE_KEYS[key]] = value
         elif key != "override_model_config":
@@ -530,30 +515,21 @@ def _draw_key(name: str) -> tuple:
     return tower, 0, 0, _TOP_ORDER.index(part), name.endswith(".bias"), name
 
 
-def twin_shapes(name: str, cfg) -> dict[str, tuple[int, ...]]:
+def twin_shapes(name: str, twin: Twin, cfg) -> dict[str, tuple[int, ...]]:
     """The tensors MaxText's conversion reads for the twin's model (PARAM_MAPPING), shaped by HF_SHAPE,
     under MaxText's Hugging Face names; a tied output table is not stored."""
-    from maxtext.checkpoint_conversion.utils.hf_shape import HF_SHAPE
-    from maxtext.checkpoint_conversion.utils.param_mapping import PARAM_MAPPING
-
-    model = MAXTEXT_MODEL_NAME[name]
-    tree = cfg.to_dict()
-    shapes = HF_SHAPE[model](tree)
-    read = set()
-    for hf in PARAM_MAPPING[model](tree, None, scan_layers=False).values():
-        read.update(hf if isinstance(hf, list) else [hf])
+    shapes = maxtext_tables.converted_tensors(twin["maxtext_name"], cfg.to_dict())
     if cfg.tie_word_embeddings:
-        read.discard("lm_head.weight")
-    read = {n for n in read if n.rsplit(".", 2)[-2] not in FAMILIES[name].absent}
-    return {n: tuple(shapes[n]) for n in sorted(read & set(shapes), key=_draw_key)}
+        shapes.pop("lm_head.weight", None)
+    return {n: shapes[n] for n in sorted(shapes, key=_draw_key) if n.rsplit(".", 2)[-2] not in FAMILIES[name].absent}
 
 
-def twin_tensors(name: str, cfg) -> dict[str, np.ndarray]:
+def twin_tensors(name: str, twin: Twin, cfg) -> dict[str, np.ndarray]:
     """Random float32 weights under the Hub's names: linear maps with std 1/sqrt(fan-in) (0.02 in a
     vision tower), RMSNorm weights on a grid around the family's centre, LayerNorm weights around 1."""
     family = FAMILIES[name]
     rng = np.random.default_rng(family.seed)
-    shapes = twin_shapes(name, cfg)
+    shapes = twin_shapes(name, twin, cfg)
     w = {}
     for n, shape in shapes.items():
         vision = "vision" in n or "multi_modal" in n
@@ -567,44 +543,36 @@ def twin_tensors(name: str, cfg) -> dict[str, np.ndarray]:
     return w
 
 
-def write_twin(name: str, out_dir: str | os.PathLike) -> None:
-    """A tiny twin of conf/model/<name>.yaml's ``maxtext_name``: config, generation config, tokenizer,
-    sharded safetensors, laid out as the real model on the Hub."""
+def write_twin(name: str, twin: Twin, out_dir: str | os.PathLike) -> None:
+    """The tiny twin ``name`` of ``twin["maxtext_name"]``: config, generation config, tokenizer, sharded
+    safetensors, laid out as the real model on the Hub."""
     from transformers import GenerationConfig
 
     family = FAMILIES[name]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(family.specials, family.bos, family.eos, family.pad, family.unk, family.chat_template)
-    cfg = twin_config(name, tokenizer)
+    cfg = twin_config(name, twin, tokenizer)
     if cfg.get_text_config().vocab_size != len(tokenizer):
         raise ValueError(f"conf/model/{name}.yaml: maxtext_overrides.vocab_size must be {len(tokenizer)}, "
                          f"the tiny tokenizer's size (TINY_VOCAB in mtpipe/data/embedded.py)")
     cfg.save_pretrained(out)
     GenerationConfig(**_resolve_tokens(family.generation, tokenizer)).save_pretrained(out)
     tokenizer.save_pretrained(out)
-    _save_sharded(out, twin_tensors(name, cfg))
+    _save_sharded(out, twin_tensors(name, twin, cfg))
 
 
-def write_gemma3_tiny(out_dir: str | os.PathLike) -> None:
-    """An 8-layer Gemma 3 (multimodal config, minimal vision tower) in the gemma-3-4b-it layout."""
-    write_twin("gemma3-tiny", out_dir)
-
-
-def write_llama31_tiny(out_dir: str | os.PathLike) -> None:
-    """A 4-layer Llama 3.1 (llama3 rope scaling, untied embeddings) in the Llama-3.1-8B-Instruct layout."""
-    write_twin("llama3.1-tiny", out_dir)
-
-
-# Every twin of FAMILIES, then the data sets: what make_embedded writes under embedded/.
-WRITERS: dict[str, Callable[[str | os.PathLike], None]] = {
-    **{name: functools.partial(write_twin, name) for name in FAMILIES},
+# The data sets make_embedded writes under embedded/, after the twins.
+DATASETS: dict[str, Callable[[str | os.PathLike], None]] = {
     "ultrachat-tiny": write_ultrachat_tiny,
     "gsm8k-tiny": write_gsm8k_tiny,
 }
 
 
-def write_all(root: str | os.PathLike) -> None:
-    """Write root/<name> for every entry of :data:`WRITERS`."""
-    for name, write in WRITERS.items():
+def write_all(root: str | os.PathLike, twins: dict[str, Twin]) -> None:
+    """Write root/<name> for every twin of ``twins`` (make_embedded's view: one per family of
+    :data:`FAMILIES`), then for every data set of :data:`DATASETS`."""
+    for name, twin in twins.items():
+        write_twin(name, twin, Path(root) / name)
+    for name, write in DATASETS.items():
         write(Path(root) / name)

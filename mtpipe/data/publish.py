@@ -34,7 +34,7 @@ from typing import Any
 import yaml
 
 from mtpipe.errors import ConfigError
-from mtpipe.pipeline.config import RUN_FILE, with_run_keys
+from mtpipe.pipeline.view import RUN_FILE, with_run_keys
 
 CARD = "README.md"
 CURVES = "training_curves.png"

@@ -8,24 +8,10 @@ its `model_type` and the keys the forward reads (rope type, activation, layer ty
 
 from __future__ import annotations
 
-from typing import Any
-
+from mtpipe.data import maxtext_tables
 from mtpipe.errors import ConfigError
 from mtpipe.evaluation import numpy_forward
 from mtpipe.pipeline.schema import SftBranch
-
-
-def maxtext_hf_config(maxtext_name: str) -> Any | None:
-    """MaxText's Hugging Face config for a model name ("-Instruct" names also by the base name), or None."""
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the table's import warns about configs of unrelated families
-    try:
-        from maxtext.checkpoint_conversion.utils.hf_model_configs import HF_MODEL_CONFIGS
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    return HF_MODEL_CONFIGS.get(maxtext_name) or HF_MODEL_CONFIGS.get(maxtext_name.replace("-Instruct", ""))
 
 
 def cpu_forward_errors(cfg: SftBranch) -> list[ConfigError]:
@@ -34,7 +20,7 @@ def cpu_forward_errors(cfg: SftBranch) -> list[ConfigError]:
     know is left to the conversion's own checks."""
     if cfg.evaluate.backend != "cpu":
         return []
-    hf_config = maxtext_hf_config(cfg.model.maxtext_name)
+    hf_config = maxtext_tables.hf_config(cfg.model.maxtext_name)
     problems = numpy_forward.unsupported(hf_config) if hf_config is not None else []
     if not problems:
         return []

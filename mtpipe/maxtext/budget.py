@@ -6,7 +6,7 @@ Answered before any VM exists, from numbers that need no accelerator and no netw
   :data:`HUB_MODELS` (the Hub index's ``total_size`` and the language model's parameter count of
   each tutorial model, pinned by tests/test_budget.py against tests/fixtures/). With a cached
   preflight compile, its train state's parameter count and weight dtype are used instead.
-* **Dtypes**: the stage's own MaxText command line (:mod:`mtpipe.maxtext.commands`) over MaxText's
+* **Dtypes**: the stage's own MaxText command line (:mod:`mtpipe.maxtext.training_commands`) over MaxText's
   config files (``post_train/sft.yml``, ``rl.yml``, ``base.yml``): ``weight_dtype`` for params,
   ``mu_dtype`` (empty: the weights') for Adam's first moment, the weights' dtype for the second.
 * **Checkpoints**: one every ``checkpoint_period`` steps plus the last; Orbax keeps
@@ -37,9 +37,9 @@ from typing import Any
 import yaml
 
 from mtpipe.errors import ConfigError
-from mtpipe.maxtext import commands
+from mtpipe.maxtext import commands, training_commands
 from mtpipe.maxtext.run_dir import WORK_BUCKET_ENV, WORK_DIR_ENV
-from mtpipe.pipeline.config import ROOT, View
+from mtpipe.pipeline.view import ROOT, View
 
 GIB = 2**30
 GB = 10**9
@@ -52,6 +52,8 @@ class Host:
     memory_gib: float     # the VM's RAM
     shm_gib: float        # /dev/shm (tmpfs), which takes its pages from that memory
     source: str
+    # bytes of run directories earlier runs left, by place (BOOT, SHM), read on the VM; none on a new one
+    left: dict[str, int] = field(default_factory=dict)
 
 
 # The VM's RAM, not the host's DRAM. ct6e-standard-8t: 180 vCPUs and 1,440 GB of RAM (the VM-type
@@ -96,6 +98,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "F32": 4, "BF16": 2, "
 # MaxText's config file per trainer (pyconfig's mapping), relative to maxtext/configs/
 TRAINER_CONFIG = {commands.TRAIN_SFT: "post_train/sft.yml", commands.TRAIN_RL: "post_train/rl.yml"}
 BOOT, SHM, BUCKET = "boot disk", "/dev/shm", "work bucket"
+LEFT_BEHIND = "left behind"  # the plan's first "stage": what earlier runs left on the VM
 
 
 @dataclass(frozen=True)
@@ -147,8 +150,11 @@ class Plan:
         return peak
 
     def memory_peak(self) -> tuple[int, str]:
-        """Host memory: the largest stage's processes plus what /dev/shm holds while it runs."""
-        shm = {stage: sum(i.bytes for i in self.items if i.stage == stage and i.where == SHM) for stage in self.memory}
+        """Host memory: the largest stage's processes plus what /dev/shm holds while it runs (its run
+        directory, and what earlier runs left there)."""
+        left = sum(i.bytes for i in self.items if i.stage == LEFT_BEHIND and i.where == SHM)
+        shm = {stage: left + sum(i.bytes for i in self.items if i.stage == stage and i.where == SHM)
+               for stage in self.memory}
         stage = max(self.memory, key=lambda s: self.memory[s] + shm[s])
         return self.memory[stage] + shm[stage], stage
 
@@ -308,9 +314,14 @@ def training(name: str, cmd: commands.MaxTextCommand, model: Model, compiled: di
 
 
 def plan(views: dict[str, dict[str, View]], place: Placement, compiled: dict[str, dict] | None = None,
-         root: Path = ROOT) -> Plan:
-    """The budget of the branches in ``views`` (branch -> stage -> view), run one after the other."""
+         root: Path = ROOT, left: dict[str, int] | None = None) -> Plan:
+    """The budget of the branches in ``views`` (branch -> stage -> view), run one after the other, on a VM
+    where earlier runs left ``left`` bytes of run directories per place (:attr:`Host.left`): they stay
+    through the whole run."""
     p = Plan()
+    p.items += [Item(LEFT_BEHIND, "run directories of earlier runs (read on the VM; `python -m "
+                     "mtpipe.maxtext.collect_runs --delete` there removes those no recipe names)", where, size)
+                for where, size in (left or {}).items() if size]
     p.items.append(Item("environment", "TPU image + venv + uv cache (estimated)", BOOT, int(ENVIRONMENT_GB * GB)))
     p.items.append(Item("environment", "logs, tensorboard, profile, JAX cache (estimated)", BOOT, int(LOGS_GB * GB)))
     dvc = 1 if place.dvc_links else 2
@@ -363,10 +374,10 @@ def _command(cfg: View, stage: str) -> commands.MaxTextCommand:
     """The stage's MaxText command with placeholder paths (dtypes and checkpoint keys are what it reads)."""
     p = Path("/budget")
     if stage == "train_sft":
-        return commands.train_sft(cfg, ckpt=p, train_files="", eval_files=None, columns=[], tokenizer_dir=p,
-                                  base_output=p, run_name="budget", metrics_file=p, jax_cache_dir=p)
-    return commands.train_rl(cfg, ckpt=p, train_files="", eval_files="", tokenizer_dir=p, base_output=p,
-                             run_name="budget", jax_cache_dir=p)
+        return training_commands.train_sft(cfg, ckpt=p, train_files="", eval_files=None, columns=[], tokenizer_dir=p,
+                                           base_output=p, run_name="budget", metrics_file=p, jax_cache_dir=p)
+    return training_commands.train_rl(cfg, ckpt=p, train_files="", eval_files="", tokenizer_dir=p, base_output=p,
+                                      run_name="budget", jax_cache_dir=p)
 
 
 def _other_files(cfg: View, root: Path) -> int:

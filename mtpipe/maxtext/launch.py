@@ -1,17 +1,21 @@
-"""Child-process entry: patch MaxText, run one of its modules as __main__, exit with its status.
+"""What the child-process entry points of the adapter (:mod:`mtpipe.maxtext.adapter.conversion`,
+:mod:`mtpipe.maxtext.adapter.training`) do: patch MaxText, run one of its modules as __main__, exit
+with its status.
 
-    python -m mtpipe.maxtext.launch maxtext.checkpoint_conversion.to_maxtext model_name=... --hf_model_path=...
+    python -m mtpipe.maxtext.adapter.conversion maxtext.checkpoint_conversion.to_maxtext model_name=... \
+        --hf_model_path=...
 
 Arguments after the module name are passed to it unchanged (as its sys.argv[1:]). Nothing here
-prints argv; secrets come from the environment only (see mtpipe.maxtext.maxtext_adapter.reject_secrets).
+prints argv; secrets come from the environment only (see mtpipe.maxtext.adapter.reject_secrets).
 """
 
 from __future__ import annotations
 
 import runpy
 import sys
+from typing import Callable
 
-from mtpipe.maxtext import maxtext_adapter
+from mtpipe.maxtext.adapter import AdapterError
 
 
 def _exit_status(code: object) -> int:
@@ -34,25 +38,24 @@ def run_module(module: str, args: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Apply the adapter's patches, run the module, then the adapter's post-processing if it succeeded."""
+def main(apply: Callable[[str, list[str]], Callable[[], None]], argv: list[str] | None = None,
+         stopped_status: Callable[[], int | None] = lambda: None) -> int:
+    """Patch MaxText with `apply`, run the module, then the post-processing `apply` returned if it
+    succeeded; a run that SIGTERM stopped after its save exits with `stopped_status()` instead."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-"):
-        print("usage: python -m mtpipe.maxtext.launch <maxtext.module> [args...]", file=sys.stderr)
+        print("usage: python -m mtpipe.maxtext.adapter.{conversion,training} <maxtext.module> [args...]",
+              file=sys.stderr)
         return 2
     module, args = argv[0], argv[1:]
     try:
-        finish = maxtext_adapter.apply(module, args)
-    except maxtext_adapter.AdapterError as exc:
-        print(f"mtpipe.maxtext.launch: error: {exc}", file=sys.stderr)
+        finish = apply(module, args)
+    except AdapterError as exc:
+        print(f"mtpipe.maxtext.adapter: error: {exc}", file=sys.stderr)
         return 2
     status = run_module(module, args)
-    if status == 0 and (stopped := maxtext_adapter.stopped_status()) is not None:
+    if status == 0 and (stopped := stopped_status()) is not None:
         return stopped  # SIGTERM: the run saved its checkpoint but did not finish
     if status == 0:
         finish()
     return status
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,11 +2,11 @@
 
     python -m mtpipe.maxtext.launch_rl_cpu [maxtext.trainers.post_train.rl.train_rl] key=value ...
 
-Applies mtpipe.maxtext.maxtext_adapter, installs the CPU rollout (mtpipe.maxtext.rollout_cpu), runs
-train_rl's `main` through absl (argv[0] is train_rl's file, so MaxText picks its rl.yml by itself)
-and ends the process with `os._exit(status)`: once the math-verify pool has been used, a normal
-interpreter exit hangs in multiprocessing's pool shutdown. train_rl writes its checkpoints
-synchronously and waits for orbax before `main` returns, and the streams are flushed first.
+Applies the training patches (mtpipe.maxtext.adapter.training), installs the CPU rollout
+(mtpipe.maxtext.rollout_cpu), runs train_rl's `main` through absl (argv[0] is train_rl's file, so
+MaxText picks its rl.yml by itself) and ends the process with `os._exit(status)`: once the math-verify
+pool has been used, a normal interpreter exit hangs in multiprocessing's pool shutdown. train_rl writes
+its checkpoints synchronously and waits for orbax before `main` returns, and the streams are flushed first.
 
 Nothing heavy is imported at module level, and train_rl is imported as a module, not run as
 __main__: MaxText grades answers in a pool of *spawned* processes (math_verify_pool), each worker
@@ -35,7 +35,7 @@ def run_train_rl(argv: Sequence[str]) -> NoReturn:
     from absl import app  # pylint: disable=import-outside-toplevel
 
     from mtpipe.maxtext import rollout_cpu  # pylint: disable=import-outside-toplevel
-    from mtpipe.maxtext.maxtext_adapter import apply  # pylint: disable=import-outside-toplevel
+    from mtpipe.maxtext.adapter.training import apply  # pylint: disable=import-outside-toplevel
 
     apply(TRAIN_RL_MODULE, list(argv))  # no token in argv; tunix saves with MaxText's storage flags
     rollout_cpu.install()

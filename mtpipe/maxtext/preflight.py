@@ -5,8 +5,8 @@ Answered on the laptop CPU, with no TPU and no network, before any VM exists:
 * **Compiled** (exact): MaxText's own cross-compilation (``maxtext.trainers.pre_train.train_compile``)
   compiles the training step for the hardware preset's TPU topology (``TPU_ACCELERATOR_TYPE``, e.g.
   v6e-8) with the model, batch, sequence length, dtypes and remat settings of the stage's own
-  command line (:mod:`mtpipe.maxtext.commands`, from the composed config). XLA's memory analysis gives the
-  HBM per chip of the train state (params + optimizer state) and of the step's temporaries.
+  command line (:mod:`mtpipe.maxtext.training_commands`, from the composed config). XLA's memory
+  analysis gives the HBM per chip of the train state (params + optimizer state) and of the step's temporaries.
 * **Estimated** (stated formulas): the FLOPs per step (MaxText's own
   ``calculate_tflops_training_per_device``, the number its MFU logging uses; XLA's cost analysis
   counts a scanned layer block once, not once per layer), step and run time at :data:`MFU`, and for
@@ -36,10 +36,11 @@ from pathlib import Path
 from typing import Any
 
 from mtpipe.errors import ConfigError
-from mtpipe.maxtext import budget, commands, tpu_check
+from mtpipe.maxtext import budget, commands, tpu_check, training_commands
 from mtpipe.maxtext.runner import child_env
 from mtpipe.pipeline import maxtext_check, overrides, toolchain
-from mtpipe.pipeline.config import BRANCH_STAGES, ROOT, View, stage_view
+from mtpipe.pipeline.config import BRANCH_STAGES, ROOT, stage_view
+from mtpipe.pipeline.view import View
 from mtpipe.pipeline.maxtext_check import compose_checked
 
 
@@ -142,11 +143,11 @@ def stage_command(cfg: View) -> commands.MaxTextCommand:
     """The training command the branch's main stage runs, with placeholder paths."""
     p = Path(PLACEHOLDER)
     if cfg.branch == "sft":
-        return commands.train_sft(
+        return training_commands.train_sft(
             cfg, ckpt=p / "ckpt", train_files=f"{p}/train", eval_files=f"{p}/eval", columns=list(cfg.dataset.columns),
             tokenizer_dir=p / "tokenizer", base_output=p / "out", run_name=f"{PLACEHOLDER}-run",
             metrics_file=p / "metrics", jax_cache_dir=p / "jax_cache")
-    return commands.train_rl(
+    return training_commands.train_rl(
         cfg, ckpt=p / "ckpt", train_files=f"{p}/train", eval_files=f"{p}/eval", tokenizer_dir=p / "tokenizer",
         base_output=p / "out", run_name=f"{PLACEHOLDER}-run", jax_cache_dir=p / "jax_cache")
 
@@ -505,7 +506,7 @@ def machine_budget(composed: dict[str, Any], views: dict[str, View], machine: bu
         if cache.is_file():
             compiled[b] = json.loads(cache.read_text())
     place = budget.Placement.from_env(machine.env)
-    plan = budget.plan(stages, place, compiled, root)
+    plan = budget.plan(stages, place, compiled, root, host.left)
     rep = budget.report(plan, topo, machine.boot_disk_gb, host) | {
         "run_dirs": place.run_dirs, "compiled_branches": sorted(compiled), "boot_disk_gb": machine.boot_disk_gb}
     work.mkdir(parents=True, exist_ok=True)

@@ -268,13 +268,25 @@ class RunDir:
         else:
             (Path(self.url) / name).unlink(missing_ok=True)
 
+    def size(self) -> int:
+        """The bytes the run directory holds."""
+        if self.in_bucket:
+            return int(gcs().du(self.url))
+        return sum(p.stat().st_size for p in Path(self.url).rglob("*") if p.is_file())
+
+    def delete(self) -> None:
+        """Delete the run directory and this machine's scratch part of it."""
+        if self.in_bucket:
+            gcs().rm(self.url, recursive=True)
+        shutil.rmtree(self.scratch, ignore_errors=True)  # a local run directory is its own scratch
+
     def remove(self) -> None:
         """After success: delete the run directory (the bucket's kept with MTPIPE_WORK_BUCKET_KEEP=1)."""
         if self.in_bucket and os.environ.get(KEEP_ENV) == "1":
             print(f"  {KEEP_ENV}=1: keeping {self.url}")
-        elif self.in_bucket:
-            gcs().rm(self.url, recursive=True)
-        shutil.rmtree(self.scratch, ignore_errors=True)
+            shutil.rmtree(self.scratch, ignore_errors=True)
+        else:
+            self.delete()
 
 
 def _now() -> str:
@@ -316,6 +328,17 @@ def run_name(stage: str, branch: str) -> str:
     (:func:`mtpipe.pipeline.stage.recipe`), so the same recipe finds the same run directory."""
     digest = recipe(branch, stage, *(artifact(branch, name) for name in RECIPE_INPUTS[stage]))[:12]
     return f"train_sft-{branch}-{digest}" if stage == "train_sft" else f"train_rl-{digest}"
+
+
+def run_dirs(base: str) -> list[RunDir]:
+    """The run directories under ``base`` (a local path or a gs:// URL; none where it does not exist)."""
+    if base.startswith("gs://"):
+        fs = gcs()
+        names = [p.rsplit("/", 1)[-1] for p in fs.ls(base, detail=False)] if fs.exists(base) else []
+    else:
+        names = sorted(p.name for p in Path(base).iterdir() if p.is_dir()) if Path(base).is_dir() else []
+    scratch = WORK / base.rsplit("/", 1)[-1] if base.startswith("gs://") else Path(base)  # as run_dir() has it
+    return [RunDir(base, name, scratch / name) for name in names]
 
 
 def run_dir(stage: str, run_name: str) -> RunDir:

@@ -4,7 +4,7 @@ full logs to files, progress to the console.
 The console shows one line per training step that MaxText reports (step, loss, tokens/s, ETA) and
 the tail of the log if the command fails. SIGTERM (a Spot VM's preemption notice, about 30 s before
 it stops) is passed on to the MaxText processes, which save a checkpoint at the step they reached
-(mtpipe.maxtext.maxtext_adapter, patch 9); those still running after ``MTPIPE_STOP_TIMEOUT_S``
+(mtpipe.maxtext.adapter.training, patch 9); those still running after ``MTPIPE_STOP_TIMEOUT_S``
 seconds (default 25) are killed, and the stage fails, so DVC records nothing. The child never gets a Hub token (``HF_TOKEN``): only
 hf_download needs one, and MaxText would write it into its tensorboard config dump
 (docs/secrets.md). Values of the variables in ``REDACTED_ENV`` are masked in the log.

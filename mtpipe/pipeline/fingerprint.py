@@ -3,8 +3,9 @@
 ``configure`` writes into each stage's resolved view (config/<branch>/<stage>.yaml) a ``code:``
 mapping, module path -> fingerprint, for every project module the stage runs: its script, the
 modules it imports (transitively, imports inside functions included), and the entry points of the
-child processes it starts. DVC hashes the view, so a stage reruns exactly when one of those
-fingerprints moves; the stage's .py files are deps of ``configure`` only.
+child processes it starts, less the modules that declare that they only check (:data:`EXEMPT_MARK`). DVC
+hashes the view, so a stage reruns exactly when one of those fingerprints moves; the stage's .py files are
+deps of ``configure`` only.
 
 A fingerprint is the sha256 of the module's syntax tree with what cannot change a result left out:
 comments and layout (the parser drops them), docstrings, and the text of messages, however it is
@@ -25,6 +26,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+ADDRESS_EXEMPT = "compares a view's recorded fingerprints with the running code's; a mismatch stops the stage"
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("mtpipe", "stages")  # the project's own top-level packages; every other import is a tool
 # A string that is a project module's dotted name is the entry point of a child process the code starts
@@ -41,6 +43,11 @@ BACKEND_MODULES: dict[str, dict[str, tuple[str, ...]]] = {
     # the task in train_rl's format reads MaxText's rl.yml template (so MaxText is among its tools)
     "evaluate.task": {"gsm8k_rl_format": ("mtpipe/data/gsm8k_chat.py",)},
 }
+# A module that only checks, so that it can stop a stage but never change what the stage writes, says so
+# where it is defined: a module-level `ADDRESS_EXEMPT = "<why>"`. It is in no stage's code and the walk
+# does not follow its imports (a module the stage also imports elsewhere is still found there). It stays
+# a dep of configure, which reruns when it changes and rewrites each view whose fingerprints it moves.
+EXEMPT_MARK = "ADDRESS_EXEMPT"
 MESSAGE = ast.Constant("<message>")
 
 
@@ -57,6 +64,18 @@ def _imported(path: Path, root: Path) -> tuple[frozenset[Path], frozenset[Path]]
     """Project files that importing ``path`` loads (each imported module and its parent packages): those
     imported at module level, and those imported inside a function."""
     return _imported_by_source(path.read_text(), root)
+
+
+def is_exempt(path: Path) -> bool:
+    """Whether a module declares itself outside every stage's address (:data:`EXEMPT_MARK`)."""
+    return _declares_exempt(path.read_text())
+
+
+@functools.cache
+def _declares_exempt(source: str) -> bool:
+    return any(isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == EXEMPT_MARK for t in node.targets)
+               and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str) and node.value.value
+               for node in ast.parse(source).body)
 
 
 @functools.cache  # keyed by the source text: an edited file is parsed again
@@ -97,17 +116,23 @@ def stage_modules(stage: str, root: Path = ROOT, backends: dict[str, str] | None
     """The project modules stage ``stage`` runs, as sorted paths relative to ``root``: its script, what it
     imports and the child processes' entry points it names (:data:`DOTTED`), transitively. With ``backends``
     (:data:`BACKEND_MODULES` key -> the value its view has) a backend module of another backend is left
-    out where it is a child entry point or imported inside a function; a module-level import keeps it."""
+    out where it is a child entry point or imported inside a function; a module-level import keeps it. A
+    module that declares itself exempt (:data:`EXEMPT_MARK`) is left out, and so is what only it imports."""
     left_out = {root / m for m in _left_out(backends)}
     todo = [root / "stages" / f"{stage}.py"]
     seen: set[Path] = set()
+    exempt: set[Path] = set()
     while todo:
         path = todo.pop()
-        if path not in seen:
-            seen.add(path)
-            top, late = _imported(path, root)
-            todo.extend((top | (late - left_out)) - seen)
-    return sorted(str(p.relative_to(root)) for p in seen)
+        if path in seen:
+            continue
+        seen.add(path)
+        if is_exempt(path):
+            exempt.add(path)
+            continue
+        top, late = _imported(path, root)
+        todo.extend((top | (late - left_out)) - seen)
+    return sorted(str(p.relative_to(root)) for p in seen - exempt)
 
 
 # Calls whose arguments are message text: exceptions and warnings (by their class name's ending),

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from mtpipe.errors import ConfigError
-from mtpipe.pipeline import config, schema
+from mtpipe.pipeline import config, rules, schema
 from mtpipe.pipeline.schema import Fix, SftBranch
 
 
@@ -87,7 +87,7 @@ def check(cfg: SftBranch, preset: str) -> None:
     where MaxText is not :func:`installed`)."""
     if not installed():
         return
-    errors = maxtext_errors(cfg, schema.fix_for(cfg.model_dump(by_alias=True), preset))
+    errors = maxtext_errors(cfg, rules.fix_for(cfg.model_dump(by_alias=True), preset))
     if errors:
         raise errors[0]
 

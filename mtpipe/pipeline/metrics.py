@@ -105,7 +105,7 @@ def read_tensorboard(log_dir: Path | str) -> dict[str, list[tuple[int, float]]]:
 
 RL_EVAL = re.compile(r"(Pre|Post) RL Training: corr=([\d.]+), total=(\d+), accuracy=([\d.]+)%, "
                      r"partial_accuracy=([\d.]+)%, format_accuracy=([\d.]+)%, mean_reward=([-\d.]+)")
-# train_rl's eval, per prompt: right samples / samples (logged by mtpipe.maxtext.maxtext_adapter, patch 12)
+# train_rl's eval, per prompt: right samples / samples (logged by mtpipe.maxtext.adapter.training, patch 12)
 EVAL_SAMPLES_LINE = "mtpipe eval: right samples per prompt:"
 # an eval's per-prompt counts, then any eval's summary line (pre, post, intermediate)
 RL_EVAL_EVENTS = re.compile(re.escape(EVAL_SAMPLES_LINE) + r" ([\d/ ]*)$|(Pre|Post) RL Training: |Intermediate Eval",
@@ -132,7 +132,7 @@ def pass_at_k(samples: int, right: int, k: int) -> float:
 
 def right_samples(log_text: str) -> dict[str, list[tuple[int, int]]]:
     """(right, samples) per prompt of the evals before and after GRPO: the counts line logged just
-    before each eval's summary line (maxtext_adapter patch 12); {} for a log without them."""
+    before each eval's summary line (mtpipe.maxtext.adapter.training, patch 12); {} for a log without them."""
     found, counts = {}, None
     for event in RL_EVAL_EVENTS.finditer(log_text):
         if event.group(1) is not None:
@@ -147,7 +147,7 @@ def right_samples(log_text: str) -> dict[str, list[tuple[int, int]]]:
 def rl_eval(log_text: str) -> dict[str, dict]:
     """train_rl's eval before and after GRPO, from its log: {"pre": {...}, "post": {...}}.
 
-    With the per-prompt counts (maxtext_adapter patch 12) each also has `samples_per_prompt` and
+    With the per-prompt counts (mtpipe.maxtext.adapter.training, patch 12) each also has `samples_per_prompt` and
     `pass_at_K` (percent, mean over prompts) for each K in PASS_AT_K up to the samples drawn.
     """
     found = {}

@@ -6,11 +6,12 @@ constraints in ``Annotated[...]`` (``Ge(1)``, ``Gt(0), Le(1)``) give its range, 
 error describes it, and ``Optional`` means ``null`` is allowed (null: the key is not passed, MaxText uses
 its own default). A field without a default must be present; one with a default may be left out of
 a preset. A stage key that MaxText reads under its own name is marked :data:`MAXTEXT`; its default is
-null (MaxText's own) or MaxText's value (tests/test_maxtext_keys.py checks them).
+null (MaxText's own) or MaxText's value (tests/test_maxtext_keys.py checks them). A key that only some of
+the stages reading its section compute with is marked :class:`ReadBy`: the others get it as a run key.
 
 Every model is strict (a string is never taken for a number, a bool never for an int) and forbids
-unknown keys. The rules that involve several keys (:func:`combination_errors`) are the branch models'
-validator. :func:`validate` is the one place where pydantic's ``ValidationError`` becomes a
+unknown keys. The rules that involve several keys are :mod:`mtpipe.pipeline.rules` (``configure``
+runs them, a stage does not). :func:`validate` is the one place where pydantic's ``ValidationError`` becomes a
 :class:`ConfigError` naming the key as params.yaml or the conf/ file spells it, with a fix. Ranges
 follow what MaxText 0.2.5 (``configs/types.py``, ``base.yml``, ``post_train/rl.yml``) and Tunix's GRPO
 accept; docs/decisions.md ("Config schema") gives the reasons.
@@ -22,14 +23,13 @@ and ``extra_args`` that MaxText declares.
 """
 
 import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union, get_args, get_origin
 
 from annotated_types import Ge, Gt, Le, Lt
 from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError,
-                      WrapValidator, create_model, model_validator)
+                      WrapValidator, create_model)
 
 from mtpipe.errors import ConfigError
 
@@ -48,11 +48,31 @@ class Words:
 @dataclass(frozen=True)
 class MaxTextKey:
     """Marks a stage key that is passed to MaxText under its own name (``key=value``): the command builders
-    (mtpipe/maxtext/commands.py) and the check against MaxText's own types (mtpipe/pipeline/maxtext_check.py)
-    find it here, through :func:`maxtext_args`. Null is not passed: MaxText's default applies."""
+    (mtpipe/maxtext/conversion_commands.py, training_commands.py) and the check against MaxText's own types
+    (mtpipe/pipeline/maxtext_check.py) find it here, through :func:`maxtext_args`. Null is not passed:
+    MaxText's default applies."""
 
 
 MAXTEXT = MaxTextKey()
+
+
+@dataclass(frozen=True)
+class ReadBy:
+    """Marks a key only the stages named compute with (:func:`read_by`): it is in their addresses only. Any
+    other stage whose view holds the key's section gets it from config/run.yaml, which no stage depends
+    on, so a change to it reruns none of them. :data:`RUN` (no stage) marks a key that only names a preset
+    or says where and how patiently a stage runs. A key without a mark is in the address of every stage
+    that reads its section (mtpipe/pipeline/view.py ``STAGE_SECTIONS``)."""
+
+    stages: tuple[str, ...]
+
+
+def read_by(*stages: str) -> ReadBy:
+    """The mark of a key that only ``stages`` compute with."""
+    return ReadBy(stages)
+
+
+RUN = ReadBy(())
 
 
 def _keep_int(value: Any, handler: Callable[[Any], Any]) -> Any:
@@ -90,21 +110,28 @@ class Source(Section):
 
 
 class Model(Section):
-    name: str                              # the preset's file name (set by compose)
-    maxtext_name: str                      # MaxText model_name for conversion and training
-    export_name: str                       # model_name for to_huggingface
-    source: Source
-    maxtext_overrides: dict[str, Any]      # free-form MaxText keys (a tiny model's dims)
+    name: Annotated[str, RUN]              # the preset's file name (set by compose)
+    # MaxText model_name for conversion and training
+    maxtext_name: Annotated[str, read_by("to_maxtext", "train_sft", "train_rl")]
+    export_name: Annotated[str, read_by("to_huggingface", "evaluate_warmup")]  # model_name for to_huggingface
+    source: Annotated[Source, read_by("hf_download")]
+    # free-form MaxText keys (a tiny model's dims)
+    maxtext_overrides: Annotated[dict[str, Any], read_by(
+        "to_maxtext", "train_sft", "train_rl", "to_huggingface", "evaluate_warmup")]
+
+
+AFTER_DOWNLOAD = read_by("train_sft", "train_rl", "evaluate_base", "evaluate_warmup", "evaluate")
 
 
 class Dataset(Section):
-    name: str
-    source: Source
+    name: Annotated[str, RUN]
+    source: Annotated[Source, read_by("hf_download")]
     row_schema: Literal["chat", "gsm8k"] = Field(alias="schema")  # what hf_download checks each row against
-    hf_name: str                           # the Hub name MaxText sees (GSM8K answer extraction keys on it)
+    # the Hub name MaxText sees (GSM8K answer extraction keys on it)
+    hf_name: Annotated[str, AFTER_DOWNLOAD]
     train_files: str                       # glob inside the download
-    eval_files: Optional[str]              # null: no held-out data
-    train_split: str
+    eval_files: Annotated[Optional[str], AFTER_DOWNLOAD]  # null: no held-out data
+    train_split: Annotated[str, RUN]
     columns: list[str]
 
 
@@ -118,21 +145,22 @@ class Xpk(Section):
     ``null`` in cluster, project, zone, docker_image (and reservation, with provisioning: reservation)
     is a placeholder: the training stage names it with the fix before it submits anything."""
 
-    cluster: Optional[K8sName]             # the GKE cluster `xpk cluster create-pathways` made
-    project: Optional[str]
-    zone: Optional[str]
-    docker_image: Optional[str]            # repository without tag, e.g. us-docker.pkg.dev/P/REPO/mtpipe
+    cluster: Annotated[Optional[K8sName], RUN]  # the GKE cluster `xpk cluster create-pathways` made
+    project: Annotated[Optional[str], RUN]
+    zone: Annotated[Optional[str], RUN]
+    docker_image: Annotated[Optional[str], RUN]  # repository without tag, e.g. us-docker.pkg.dev/P/REPO/mtpipe
     tpu_type: str                          # xpk --tpu-type, e.g. v6e-32
     num_slices: PositiveInt
-    max_restarts: Annotated[int, Ge(0), Le(100), Words(why="JobSet restarts after a failure or preemption")]
-    priority: Literal["very-low", "low", "medium", "high", "very-high"]
-    provisioning: Optional[Literal["reservation", "spot", "on-demand"]]  # null: the cluster's node pools decide
-    reservation: Optional[str]             # provisioning: reservation
+    max_restarts: Annotated[int, Ge(0), Le(100), RUN, Words(why="JobSet restarts after a failure or preemption")]
+    priority: Annotated[Literal["very-low", "low", "medium", "high", "very-high"], RUN]
+    # null: the cluster's node pools decide
+    provisioning: Annotated[Optional[Literal["reservation", "spot", "on-demand"]], RUN]
+    reservation: Annotated[Optional[str], RUN]  # provisioning: reservation
     pathways: bool                         # create-pathways also for SFT (GRPO always runs on Pathways)
 
 
 class Hardware(Section):
-    name: str
+    name: Annotated[str, RUN]
     backend: Literal["local", "xpk"]       # local: MaxText runs here; xpk: a GKE workload (docs/multihost.md)
     processes: Annotated[int, Ge(1), Le(16), Words(why="JAX processes started on this machine")]
     env: dict[str, str]                    # exported for MaxText; environment values are strings
@@ -230,7 +258,7 @@ class Evaluate(Section):
     max_new_tokens: PositiveInt = 256       # rl: the longest answer generated (lm-eval's default)
     max_length: Annotated[int, Ge(16)]     # vLLM's --max-model-len; sft: conversations are cut to it
     tensor_parallel_size: PositiveInt = 1  # vllm: chips per model replica
-    server_timeout_s: Annotated[float, Gt(0), KEEP_INT] = 600  # how long the server may take to load the model
+    server_timeout_s: Annotated[float, Gt(0), KEEP_INT, RUN] = 600  # how long the server may take to load the model
 
 
 # ---- a whole branch, and params.yaml ---------------------------------------------------------------
@@ -268,17 +296,9 @@ class PartNames(Section):
 class SftBranch(SftStages, Parts):
     branch: str
 
-    @model_validator(mode="after")
-    def check_combinations(self) -> "SftBranch":
-        return _first_combination_error(self)
-
 
 class RlBranch(RlStages, Parts):
     branch: str
-
-    @model_validator(mode="after")
-    def check_combinations(self) -> "RlBranch":
-        return _first_combination_error(self)
 
 
 class SftParams(SftStages, PartNames):
@@ -299,12 +319,6 @@ class Params(Section):
 
 BRANCHES: dict[str, type[SftBranch] | type[RlBranch]] = {"sft": SftBranch, "rl": RlBranch}
 GROUPS = ("model", "dataset", "hardware")
-
-
-# MaxText's defaults (post_train/rl.yml) for the keys a combination rule needs when a preset says null.
-# tests/test_schema.py checks them against the installed MaxText.
-MAXTEXT_RL_DEFAULTS = {"max_prefill_predict_length": 256, "max_target_length": 1024}
-MAXTEXT_SCAN_LAYERS_DEFAULT = True  # base.yml: what the trainers use unless told otherwise
 
 
 # ---- pydantic's errors as ConfigErrors -------------------------------------------------------------
@@ -464,167 +478,15 @@ def maxtext_args(section: Section) -> dict[str, Any]:
     return {key: value for key in maxtext_keys(type(section)) if (value := getattr(section, key)) not in (None, "")}
 
 
-# ---- rules that involve several keys ---------------------------------------------------------------
-
-def combination_errors(cfg: SftBranch) -> list[ConfigError]:
-    """Values that are each valid but cannot work together (docs/decisions.md, "Config schema").
-
-    In the order they are checked; :func:`check_branch` reports the first.
-    """
-    b, errors = cfg.branch, []
-    model_file, data_file = f"conf/model/{cfg.model.name}.yaml", f"conf/dataset/{cfg.dataset.name}.yaml"
-
-    def add(key: str, problem: str, fix: str) -> None:
-        errors.append(ConfigError(key, problem, fix))
-
-    # A Hub source is pinned to a commit; a local one needs its directory.
-    for group, part, file in (("model", cfg.model, model_file), ("dataset", cfg.dataset, data_file)):
-        src, key = part.source, f"{b}.{group}.source"
-        if src.kind == "hub" and not src.repo_id:
-            add(f"{key}.repo_id", "is missing for a kind: hub source", f"set source.repo_id: <org>/<name> in {file}")
-        if src.kind == "hub" and src.revision is None:
-            add(f"{key}.revision", "must be a 40-hex commit sha for a kind: hub source, got None",
-                f"pin the commit shown on the Hub's 'Files and versions' page in {file}")
-        if src.kind == "local" and not src.path:
-            add(f"{key}.path", "is missing for a kind: local source", f"set source.path: <directory> in {file}")
-    if cfg.dataset.row_schema == "chat" and len(cfg.dataset.columns) != 1:
-        add(f"{b}.dataset.columns", f"is {cfg.dataset.columns}, but a chat dataset is one column of messages",
-            f"set columns: [messages] in {data_file}")
-
-    hw, hw_file = cfg.hardware, f"conf/hardware/{cfg.hardware.name}.yaml"
-    if hw.processes > 1:  # several JAX processes on one machine: MaxText's CPU start-up (docs/multihost.md)
-        if hw.backend != "local" or hw.env.get("JAX_PLATFORMS") != "cpu" or hw.maxtext_args.get("hardware") != "cpu" \
-                or hw.maxtext_args.get("skip_jax_distributed_system") is not False:
-            add(f"{b}.hardware.processes", f"is {hw.processes}, but only JAX on the CPU starts several processes on "
-                "one machine (a TPU host runs one process for all its chips)",
-                f"set processes: 1 in {hw_file}, or env JAX_PLATFORMS: cpu and maxtext_args hardware: cpu, "
-                "skip_jax_distributed_system: false (as conf/hardware/cpu-2proc.yaml)")
-        if isinstance(cfg, RlBranch):
-            add(f"{b}.hardware", f"is {hw.name} ({hw.processes} processes), but the CPU rollout of train_rl runs in "
-                "one process; multi-host GRPO is a Pathways workload on GKE",
-                "set rl.hardware: cpu (or a v6e-* preset with backend: xpk on GKE)")
-
-    hw, hw_file = cfg.hardware, f"conf/hardware/{cfg.hardware.name}.yaml"
-    if hw.backend == "xpk" and hw.xpk is None:
-        add(f"{b}.hardware.xpk", "is missing, but backend: xpk runs training as an xpk workload and needs its "
-            "cluster, TPU type and image", f"add an xpk: section to {hw_file} (conf/hardware/v6e-32.yaml has one)")
-    if hw.backend == "xpk" and hw.processes != 1:
-        add(f"{b}.hardware.processes", f"is {hw.processes}, but on GKE each host of the slice runs one process",
-            f"set processes: 1 in {hw_file}")
-
-    # Conversion, training and export must agree on the parameter layout, or loading fails.
-    trainers = [("train_sft", cfg.train_sft.extra_args)] if cfg.train_sft.steps > 0 else []
-    if isinstance(cfg, RlBranch):
-        trainers.append(("train_rl", cfg.train_rl.extra_args))
-    for stage, extra_args in trainers:
-        args = {**cfg.hardware.maxtext_args, **extra_args}
-        train_scan = str(args.get("scan_layers", MAXTEXT_SCAN_LAYERS_DEFAULT)).lower() == "true"
-        if cfg.to_maxtext.scan_layers != train_scan:
-            add(f"{b}.to_maxtext.scan_layers", f"is {cfg.to_maxtext.scan_layers}, but {stage} runs with "
-                f"scan_layers={train_scan} and could not load the converted checkpoint",
-                f"set {b}.to_maxtext.scan_layers: {str(train_scan).lower()} in params.yaml")
-    for option in ("scan_layers", "use_multimodal"):
-        converted, exported = getattr(cfg.to_maxtext, option), getattr(cfg.to_huggingface, option)
-        if converted != exported:
-            add(f"{b}.to_huggingface.{option}", f"is {exported}, but the checkpoint was converted with "
-                f"{option}={converted}: the export would look for parameters that are not there",
-                f"set {b}.to_huggingface.{option}: {str(converted).lower()} in params.yaml, like {b}.to_maxtext")
-
-    sft = cfg.train_sft
-    steps_key = "steps" if b == "sft" else f"{b}.train_sft.steps"
-    if sft.steps > 0:  # only the rl branch's warm-up may say 0 (skip); then these may be null
-        for key in ("per_device_batch_size", "checkpoint_period"):
-            if getattr(sft, key) is None:
-                add(f"{b}.train_sft.{key}", f"must be a positive integer when {steps_key} > 0, got None",
-                    f"set {b}.train_sft.{key} >= 1 in params.yaml, or {steps_key}: 0")
-        if sft.eval_interval and cfg.dataset.eval_files is None:
-            add(f"{b}.train_sft.eval_interval", f"asks for an evaluation every {sft.eval_interval} steps, but "
-                f"dataset {cfg.dataset.name} has no eval_files",
-                f"set {b}.train_sft.eval_interval: 0 in params.yaml, or eval_files in {data_file}")
-
-    if isinstance(cfg, RlBranch):
-        rl = cfg.train_rl
-        if cfg.dataset.row_schema != "gsm8k":
-            add("rl.dataset", f"{cfg.dataset.name} has schema {cfg.dataset.row_schema!r}, but train_rl reads "
-                "question/answer rows and rewards the number after `####`",
-                "set rl.dataset to a gsm8k-schema dataset (gsm8k, gsm8k-tiny)")
-        elif cfg.dataset.hf_name != "openai/gsm8k":
-            add("rl.dataset.hf_name", f"is {cfg.dataset.hf_name!r}, but MaxText takes the answer after `####` "
-                "only for dataset_name openai/gsm8k: every answer reward would be 0",
-                f"set hf_name: openai/gsm8k in {data_file}")
-        if cfg.dataset.eval_files is None:
-            add("rl.train_rl.num_test_batches", f"needs held-out prompts, but dataset {cfg.dataset.name} has no "
-                "eval_files", f"set eval_files in {data_file}")
-        prefill = rl.max_prefill_predict_length or MAXTEXT_RL_DEFAULTS["max_prefill_predict_length"]
-        target = rl.max_target_length or MAXTEXT_RL_DEFAULTS["max_target_length"]
-        if prefill >= target:
-            add("rl.train_rl.max_target_length", f"is {target}, not more than max_prefill_predict_length "
-                f"{prefill}: completions get max_target_length - max_prefill_predict_length tokens",
-                "set rl.train_rl.max_target_length above rl.train_rl.max_prefill_predict_length (null means "
-                "MaxText's {max_prefill_predict_length} and {max_target_length})".format(**MAXTEXT_RL_DEFAULTS))
-        errors += _rollout_parallelism_errors(rl)
-        if cfg.evaluate.task == "gsm8k_rl_format" and cfg.evaluate.num_fewshot:
-            add("rl.evaluate.num_fewshot", f"is {cfg.evaluate.num_fewshot}, but task gsm8k_rl_format has no "
-                "few-shot examples (train_rl's prompt is zero-shot)",
-                "set rl.evaluate.num_fewshot: 0, or rl.evaluate.task: gsm8k_cot_llama")
-        if rl.rollout_backend == "vllm" and cfg.hardware.env.get("JAX_PLATFORMS") == "cpu":
-            add("rl.train_rl.rollout_backend", f"vllm needs a TPU, but hardware {cfg.hardware.name} runs JAX "
-                "on the CPU", "set rl.train_rl.rollout_backend: cpu_jax, or rl.hardware: v6e-8 (on a TPU VM)")
-    return errors
-
-
-def _rollout_parallelism_errors(rl: TrainRl) -> list[ConfigError]:
-    """MaxText's rule (get_rollout_kwargs_for_parallelism): the rollout's data x tensor x expert
-    parallelism fills the sampler's chips (all chips_per_vm of one VM); at most one of them is -1."""
-    ep = rl.extra_args.get("rollout_expert_parallelism", 1)
-    sizes = {"rollout_data_parallelism": rl.rollout_data_parallelism,
-             "rollout_tensor_parallelism": rl.rollout_tensor_parallelism}
-    if not isinstance(ep, int) or isinstance(ep, bool):
-        return []  # a free-form extra_args value: MaxText checks it
-    auto = [k for k, v in {**sizes, "rollout_expert_parallelism": ep}.items() if v == -1]
-    product = math.prod(v for v in (*sizes.values(), ep) if v != -1)
-    key = "rl.train_rl.rollout_tensor_parallelism"
-    fix = "set rl.train_rl.rollout_data_parallelism: 1 and rl.train_rl.rollout_tensor_parallelism: -1 " \
-          "(one replica on all chips)"
-    if len(auto) > 1:
-        return [ConfigError(key, f"{' and '.join(auto)} are -1, but MaxText derives at most one of them", fix)]
-    if auto and rl.chips_per_vm % product:
-        return [ConfigError(key, f"the fixed parallelism {product} does not divide chips_per_vm "
-                            f"{rl.chips_per_vm}, so {auto[0]} cannot be derived", fix)]
-    if not auto and product != rl.chips_per_vm:
-        return [ConfigError(key, f"data x tensor x expert parallelism is {product}, but the rollout runs on "
-                            f"the VM's chips (chips_per_vm: {rl.chips_per_vm})", fix)]
-    return []
-
-
-def _first_combination_error[B: SftBranch](cfg: B) -> B:
-    errors = combination_errors(cfg)
-    if errors:
-        raise errors[0]
-    return cfg
-
-
-def fix_for(composed: dict, preset: str) -> Fix:
-    """Where to set a key of the composed branch: params.yaml, or the conf/ file its section comes from."""
-    def fix(key: str, requirement: str) -> str:
-        parts = key.split(".")
-        if len(parts) > 2 and parts[1] in GROUPS:
-            return f"set {'.'.join(parts[2:])} {requirement} in conf/{parts[1]}/{composed[parts[1]]['name']}.yaml"
-        return f"set {key} {requirement} in params.yaml (or in conf/preset/{preset}.yaml)"
-    return fix
-
-
-def check_branch(composed: dict, preset: str) -> SftBranch:
-    """Check a composed branch (plain dicts): every section's keys, types and ranges, then the combinations.
-
-    Keys are named ``<branch>.<section>.<key>``; the fix says where to set them (:func:`fix_for`). The
-    values passed to MaxText are checked against MaxText's own types by :mod:`mtpipe.pipeline.maxtext_check`
-    (``configure``, preflight and the VM checks run it; a stage, which only loads its view, does not).
-    """
-    return validate(BRANCHES[composed["branch"]], composed, composed["branch"], fix_for(composed, preset))
-
-
-def check_params(params: dict) -> None:
-    """Check params.yaml's overrides by themselves, before they are merged into a preset."""
-    validate(partial(Params), params, "", lambda key, req: f"set {key} {req} in params.yaml "
-             "(null keeps the preset's value)")
+@functools.cache
+def run_keys(model: type[Section], stage: str) -> tuple[str, ...]:
+    """The keys of ``model`` (dotted, its sections' keys too) that ``stage`` does not compute with: those
+    marked :class:`ReadBy` without naming it."""
+    out: list[str] = []
+    for name, hint in _fields(model).items():
+        marks = [m for m in _split(hint)[1] if isinstance(m, ReadBy)]
+        if marks and stage not in marks[0].stages:
+            out.append(name)
+        elif not marks and (section := _section(hint)) is not None:
+            out += [f"{name}.{key}" for key in run_keys(section, stage)]
+    return tuple(out)

@@ -23,12 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from mtpipe.errors import ConfigError
-from mtpipe.pipeline.config import ROOT, resolved_path
+from mtpipe.pipeline.schema import Source
+from mtpipe.pipeline.view import ROOT, resolved_path
 
 WORK = ROOT / "work"                # untracked: MaxText run dirs (resume), logs, JAX compile cache
 JAX_CACHE = WORK / "jax_cache"
 TIMINGS = WORK / "timings.jsonl"    # stage wall times (not DVC outputs: they differ run to run)
 STAMP = "mtpipe.json"
+EMBEDDED_DIR = "embedded"           # make_embedded's output: the twins and datasets of the embedded default
 # Hugging Face Hub tokens: only hf_download may hold them (docs/secrets.md).
 HUB_TOKEN_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 
@@ -43,6 +45,11 @@ def source_manifest(branch: str, root: Path = ROOT) -> Path:
     hf_download copies (``{"model": {path: sha256}, "dataset": ...}``, empty for Hub sources), written by
     make_embedded; hf_download@<branch> depends on it instead of on all of embedded/."""
     return root / "artifacts" / branch / "source.json"
+
+
+def is_embedded(source: Source) -> bool:
+    """Whether a source is a directory make_embedded writes (``kind: local`` under embedded/)."""
+    return source.kind == "local" and Path(source.path).parts[:1] == (EMBEDDED_DIR,)
 
 
 def scores_path(branch: str, model: str) -> Path:

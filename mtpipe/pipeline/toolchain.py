@@ -6,7 +6,7 @@ those that write or read an artifact or compile a step) that the stage's code re
 imports of the modules it runs, followed through the installed packages' requirements (MaxText through
 the extra the laptop installs). The versions are requirements.lock's, which pins every package the VM
 shares with the laptop at the VM's version (:mod:`mtpipe.pipeline.requirement_locks`), and ``configure``
-depends on both locks: a version bump in the lock reruns exactly the stages that run that package.
+depends on that lock (dvc.yaml): a version bump in it reruns exactly the stages that run that package.
 
 ``load_stage`` refuses to run when the installed version of a recorded package is not the view's (an
 environment that is not the lock's: run ``make``), so the address always names the tools that ran.
@@ -27,6 +27,7 @@ from packaging.utils import canonicalize_name
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline import fingerprint
 
+ADDRESS_EXEMPT = "compares a view's recorded tool versions with the installed ones; a mismatch stops the stage"
 ROOT = Path(__file__).resolve().parents[2]
 LAPTOP_LOCK = ROOT / "requirements.lock"
 # Packages whose version can change an artifact's bytes: they write or read checkpoints, weights,
