@@ -1,4 +1,4 @@
-# The image of an xpk workload (mtpipe/cloud/image.py builds it as <hardware.xpk.docker_image>:sha-<digest>;
+# The image of an xpk workload (mtpipe/training/image.py builds it as <hardware.xpk.docker_image>:sha-<digest>;
 # docs/multihost.md): the TPU VM's environment, installed as `doit vm_setup` installs it on a VM
 # (conf/vm.yaml setup.commands, docs/tpu-vm.md "The VM's environment"), plus the mtpipe package.
 # Built from a context holding only this file, requirements-vm.lock and mtpipe/**/*.py (image.files).

@@ -238,7 +238,7 @@ def preflight(set: list[str]) -> None:
     """The machine budget (disks, host memory) of the TPU VM's branches, then each one's training step
     AOT-compiled on this CPU for HBM, time and cost; fail when one does not fit."""
     from mtpipe.cloud import prices, vm_config, vm_experiments
-    from mtpipe.maxtext import preflight as preflight_checks
+    from mtpipe.planning import preflight as preflight_checks
 
     cfg = vm_config.load_config()
     rate = prices.vm_rate(cfg)

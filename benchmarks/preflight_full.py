@@ -4,7 +4,7 @@
 
 Compiles Gemma 3 4B (SFT tutorial) and Llama 3.1 8B Instruct (GRPO tutorial) for a TPU v6e-8 with
 MaxText's train_compile (about 10 minutes per model on 2 busy cores, several GiB of host memory),
-prints mtpipe.maxtext.preflight's table and the wall time of each compile. Results are cached in
+prints mtpipe.planning.preflight's table and the wall time of each compile. Results are cached in
 work/preflight/: a second run prints the same table at once. Not a test: nothing is asserted.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mtpipe.cloud import prices, vm_config  # noqa: E402
-from mtpipe.maxtext import preflight  # noqa: E402
+from mtpipe.planning import preflight  # noqa: E402
 
 TUTORIALS = {"sft": "sft.preset=gemma3-4b-ultrachat-v6e8", "rl": "rl.preset=llama3.1-8b-gsm8k-v6e8"}
 

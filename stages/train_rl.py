@@ -14,7 +14,7 @@ Run: dvc repro train_rl   (or: python -m stages.train_rl)
 
 from pathlib import Path
 
-from mtpipe.cloud.backend import run_training
+from mtpipe.training.backend import run_training
 from mtpipe.data import gsm8k_chat
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import training_commands

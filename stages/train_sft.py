@@ -18,7 +18,7 @@ Run: dvc repro train_sft@sft   (or: python -m stages.train_sft sft)
 import sys
 from pathlib import Path
 
-from mtpipe.cloud.backend import run_training
+from mtpipe.training.backend import run_training
 from mtpipe.data import gsm8k_chat
 from mtpipe.maxtext import training_commands
 from mtpipe.maxtext.run_dir import MIRROR_EVERY_S, run_dir, run_name

@@ -1,4 +1,4 @@
-"""The machine budget (mtpipe/maxtext/budget.py): disk peaks per file system and host memory of a
+"""The machine budget (mtpipe/planning/budget.py): disk peaks per file system and host memory of a
 run on its TPU VM, before the VM exists; and its forecast against what the embedded default wrote.
 """
 
@@ -15,7 +15,7 @@ import pytest
 
 from mtpipe.cloud import vm_config
 from mtpipe.errors import ConfigError
-from mtpipe.maxtext import budget, preflight
+from mtpipe.planning import budget, preflight
 from mtpipe.maxtext.run_dir import run_dir
 from mtpipe.pipeline import overrides
 from mtpipe.pipeline.config import ROOT, compose, stage_view

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 from packaging.utils import canonicalize_name
 
-from mtpipe.maxtext import commands, preflight, training_commands
+from mtpipe.maxtext import commands, training_commands
+from mtpipe.planning import preflight
 from mtpipe.pipeline.toolchain import lock_pins
 
 ROOT = Path(__file__).resolve().parents[1]

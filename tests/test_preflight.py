@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from mtpipe.cloud import vm_config
-from mtpipe.maxtext import commands, preflight
+from mtpipe.maxtext import commands
+from mtpipe.planning import preflight
 
 from mtpipe.pipeline import overrides
 from mtpipe.pipeline.toolchain import lock_pins

@@ -110,7 +110,7 @@ def test_preflight_names_a_compiler_that_is_not_the_vms(tmp_path: Path):
 
 
 def preflight_line(vm_lock: Path) -> str:
-    from mtpipe.maxtext import preflight
+    from mtpipe.planning import preflight
     return preflight.versions_line(vm_lock)
 
 

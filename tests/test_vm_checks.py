@@ -26,7 +26,7 @@ from fakes.hf_server import HubServer
 
 from mtpipe.cloud import gcp, vm_checks, vm_config, vm_state
 
-from mtpipe.maxtext import preflight
+from mtpipe.planning import preflight
 from mtpipe.errors import ConfigError
 import families
 from vm_world import as_script, hub_with_tutorial_repos

@@ -1,4 +1,4 @@
-"""The xpk backend (mtpipe/cloud/xpk.py) and the workload's image (mtpipe/cloud/image.py), without GKE.
+"""The xpk backend (mtpipe/training/xpk.py) and the workload's image (mtpipe/training/image.py), without GKE.
 
 * Golden command lines: the SFT tutorial on v6e-32 (`xpk workload create`, multi-controller JAX)
   and GRPO on v6e-32 (`xpk workload create-pathways`), built from the presets' resolved configs. The
@@ -12,7 +12,7 @@
   emulator as the work bucket: completed, failed, restarted, out of restarts, a leftover workload
   of the same name; errors that stop the stage before any xpk or docker call; a canary HF_TOKEN
   that must appear in no xpk command line, environment, log or console line.
-* The pod side (`python3 -m mtpipe.cloud.xpk pod`) with a tiny command instead of MaxText.
+* The pod side (`python3 -m mtpipe.training.xpk pod`) with a tiny command instead of MaxText.
 * Image tags: they change with the lock and the package's code, and only with them.
 No MaxText runs here; the module takes seconds.
 """
@@ -33,7 +33,7 @@ from omegaconf import OmegaConf
 
 import xpk_parser
 from fakes.gcs_emulator import GCS_TEST_ENV
-from mtpipe.cloud import image, xpk
+from mtpipe.training import image, xpk
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import commands, training_commands
 from mtpipe.pipeline import config, rules, schema
@@ -135,7 +135,7 @@ def test_sft_tutorial_on_v6e32_is_an_xpk_workload_running_the_stage_command(tmp_
     assert args[-2] == "--command"
     env, pod, main = split_command(args[-1])
     assert env == []
-    assert pod == ["python3", "-m", "mtpipe.cloud.xpk", "pod", "--run-dir", f"{BUCKET}/train_sft/{SFT_RUN}",
+    assert pod == ["python3", "-m", "mtpipe.training.xpk", "pod", "--run-dir", f"{BUCKET}/train_sft/{SFT_RUN}",
                    "--fetch", f"{BUCKET}/inputs/<d>/files=/tmp/mtpipe/inputs/<d>/files",
                    "--metrics", "/tmp/mtpipe/metrics.jsonl"]
     assert main == ["python3", "-m", "mtpipe.maxtext.adapter.training", commands.TRAIN_SFT, *mapped(single.args, {
@@ -161,7 +161,7 @@ def test_grpo_on_v6e32_is_a_pathways_workload_running_the_stage_command(tmp_path
         "--pathways-gcs-location", f"{BUCKET}/pathways"]
     env, pod, main = split_command(args[-1])
     assert env == ["JAX_PLATFORMS=proxy", "JAX_BACKEND_TARGET=grpc://127.0.0.1:29000", "ENABLE_PATHWAYS_PERSISTENCE=1"]
-    assert pod == ["python3", "-m", "mtpipe.cloud.xpk", "pod", "--run-dir", f"{BUCKET}/train_rl/{RL_RUN}",
+    assert pod == ["python3", "-m", "mtpipe.training.xpk", "pod", "--run-dir", f"{BUCKET}/train_rl/{RL_RUN}",
                    "--fetch", f"{BUCKET}/inputs/<d>/files=/tmp/mtpipe/inputs/<d>/files"]
     assert main == ["python3", "-m", "mtpipe.maxtext.adapter.training", commands.TRAIN_RL, *mapped(single.args, {
         "load_parameters_path": f"{BUCKET}/inputs/<d>/items",
@@ -531,7 +531,7 @@ def test_the_pod_side_fetches_runs_and_mirrors_on_the_first_host(bucket, tmp_pat
 
 def image_tree(root: Path) -> Path:
     for rel, text in {"Dockerfile": "FROM ubuntu:22.04\n", "requirements-vm.lock": "jax==0.11.0 \\\n",
-                      "mtpipe/__init__.py": "", "mtpipe/cloud/xpk.py": "X = 1\n", "docs/multihost.md": "# doc\n",
+                      "mtpipe/__init__.py": "", "mtpipe/training/xpk.py": "X = 1\n", "docs/multihost.md": "# doc\n",
                       "tests/test_a.py": "", "stages/train_sft.py": "", "params.yaml": "steps: null\n",
                       "conf/hardware/v6e-32.yaml": "backend: xpk\n", "README.md": "hi\n"}.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -543,7 +543,7 @@ def image_tree(root: Path) -> Path:
     ("docs/multihost.md", False), ("tests/test_a.py", False), ("stages/train_sft.py", False),
     ("params.yaml", False), ("conf/hardware/v6e-32.yaml", False), ("README.md", False),
     ("mtpipe/__pycache__/xpk.cpython-312.pyc", False),
-    ("mtpipe/cloud/xpk.py", True), ("mtpipe/cloud/new.py", True), ("requirements-vm.lock", True),
+    ("mtpipe/training/xpk.py", True), ("mtpipe/cloud/new.py", True), ("requirements-vm.lock", True),
     ("Dockerfile", True),
 ])
 def test_the_image_tag_changes_with_the_lock_and_the_code_only(edit, rebuilds, tmp_path):
@@ -567,7 +567,7 @@ def test_the_image_is_built_and_pushed_only_when_the_registry_lacks_its_tag(fake
     build, push = fake.calls("docker")[2:]
     assert build["argv"][:5] == ["build", "--platform", "linux/amd64", "--tag", ref] and push["argv"] == ["push", ref]
     assert image.files(root) == [Path("Dockerfile"), Path("requirements-vm.lock"), Path("mtpipe/__init__.py"),
-                                 Path("mtpipe/cloud/xpk.py")]
+                                 Path("mtpipe/training/xpk.py")]
 
 
 def test_the_project_dockerfile_installs_the_vm_lock_and_copies_the_package():

@@ -23,7 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from mtpipe.maxtext import preflight  # noqa: E402
+from mtpipe.planning import preflight  # noqa: E402
 
 RECORDS = Path(__file__).resolve().parent / "records"
 COMPILED = RECORDS / "compiled.json"

@@ -27,7 +27,7 @@ from mtpipe.cloud import (interrupts, notify, prices, run_status, ssh_route, vm_
                           vm_experiments, vm_host, vm_identity, vm_setup, vm_ssh, vm_state, vm_tpu)
 from mtpipe.cloud.gcp import SETTLING, CapacityError, Compute, GcpError, MaxRunDurationRefused, QuotaExceeded, region
 from mtpipe.errors import ConfigError
-from mtpipe.maxtext import preflight as preflight_checks
+from mtpipe.planning import preflight as preflight_checks
 
 STOCKOUT_MAX_WAIT_S = 300  # the longest wait between two rounds of the zones during a stockout
 # Labels every VM gets besides conf/vm.yaml's `labels` (app: mtpipe); firewall rules, which have no

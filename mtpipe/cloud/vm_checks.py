@@ -43,7 +43,7 @@ from mtpipe.cloud.gcp import Compute, GcpError, reservation_path
 from mtpipe.cloud.google_apis import GoogleApis, enforced
 from mtpipe.data import hub
 from mtpipe.errors import ConfigError
-from mtpipe.maxtext.preflight import TRAIN_STARTUP_S
+from mtpipe.planning.preflight import TRAIN_STARTUP_S
 from mtpipe.maxtext.run_dir import WORK_BUCKET_ENV, WORK_DIR_ENV
 from mtpipe.pipeline import config, maxtext_check, overrides
 from mtpipe.pipeline.schema import SftBranch
@@ -191,7 +191,7 @@ def _check_chips(cfg: DictConfig, aggregate: compute_v1.AllocationAggregateReser
 def check_spot_resume(cfg: DictConfig, forecasts: list[dict[str, Any]]) -> None:
     """A Spot run keeps its training state in run.env's MTPIPE_WORK_BUCKET, where the VM that replaces
     a preempted one resumes it, unless `spot_without_work_bucket` accepts that each preemption restarts
-    training from step 0. ``forecasts``: preflight's rows for the run (mtpipe.maxtext.preflight.report),
+    training from step 0. ``forecasts``: preflight's rows for the run (mtpipe.planning.preflight.report),
     whose training time and price say what each preemption would throw away."""
     if (cfg.provisioning != "spot" or cfg.spot_without_work_bucket
             or str(cfg.run.env.get(WORK_BUCKET_ENV) or "").strip()):

@@ -18,7 +18,7 @@ from mtpipe.cloud import prices
 from mtpipe.cloud.gcp import SHARED_RESERVATION
 from mtpipe.cloud.vm_env import CONFIG_ENV, ENV_KEYS
 from mtpipe.errors import ConfigError
-from mtpipe.maxtext.budget import Machine
+from mtpipe.planning.budget import Machine
 from mtpipe.pipeline.schema import KEEP_INT, PositiveInt, Section, validate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -295,7 +295,7 @@ def check_create(cfg: DictConfig) -> None:
 
 
 def budget_machine(cfg: DictConfig) -> Machine:
-    """What the machine budget (mtpipe.maxtext.budget) reads of a loaded VM config: the boot disk's size,
+    """What the machine budget (mtpipe.planning.budget) reads of a loaded VM config: the boot disk's size,
     the run's environment and the TPU its machine type holds."""
     tpu, chips = prices.machine_tpu(cfg.machine_type)
     return Machine(int(cfg.boot_disk_gb), {str(k): str(v) for k, v in cfg.run.env.items()}, f"{tpu}-{chips}")

@@ -1,6 +1,6 @@
 """The VM's RAM and /dev/shm, read on it after the setup and held to the machine budget before training.
 
-Before the VM exists the budget (mtpipe/maxtext/budget.py) takes them from Google's VM-type table
+Before the VM exists the budget (mtpipe/planning/budget.py) takes them from Google's VM-type table
 and the tmpfs default (half of RAM). A VM can have less: another image, a /dev/shm mounted smaller.
 After the setup vm_run reads both over SSH (``df`` of /dev/shm, MemTotal of /proc/meminfo), and the
 bytes of the run directories earlier runs left on a reused VM (``du`` of the checkout's work/<stage>/
@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from mtpipe.cloud import vm_config
 from mtpipe.cloud.vm_ssh import Remote, run
-from mtpipe.maxtext import budget, preflight
+from mtpipe.planning import budget, preflight
 from mtpipe.maxtext.run_dir import RECIPE_INPUTS, WORK_DIR_ENV
 
 # /dev/shm's size in bytes, then MemTotal in KiB, then the bytes under each place's run directories

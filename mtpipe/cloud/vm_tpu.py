@@ -4,7 +4,7 @@ After the setup and shipping HEAD (which holds the check), vm_run runs `python -
 mtpipe.maxtext.tpu_check --chips N --generation G` in the VM's MaxText venv (`run.tpu_check` in
 conf/vm.yaml), once for each TPU that the branches running on the VM target: a branch whose hardware
 preset runs MaxText where DVC runs (`backend: local`) and names a TPU (preflight's
-:func:`~mtpipe.maxtext.preflight.topology`: its TPU_ACCELERATOR_TYPE, e.g. v6e-8). CPU presets and
+:func:`~mtpipe.planning.preflight.topology`: its TPU_ACCELERATOR_TYPE, e.g. v6e-8). CPU presets and
 xpk presets (their training runs on a GKE slice, not on this VM) need no check. A failure is a
 VmError carrying the check's own words (what JAX found, the fix); vm_run then deletes the VM as after
 a failed setup, before `dvc pull` or any stage starts.
@@ -22,7 +22,8 @@ from mtpipe.cloud import vm_checks, vm_experiments
 from mtpipe.cloud.vm_config import VmError
 from mtpipe.cloud.vm_ssh import Remote, run
 from mtpipe.errors import ConfigError
-from mtpipe.maxtext import preflight, tpu_check
+from mtpipe.maxtext import tpu_check
+from mtpipe.planning import preflight
 
 
 @dataclass

@@ -34,10 +34,10 @@ PACKAGES = ("mtpipe", "stages")  # the project's own top-level packages; every o
 # module imported there, inside a function, so no child's code is left out of a stage's address.
 DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
 # Modules a stage runs only with one backend: the view's key -> its value -> those modules, each a child
-# entry point or imported inside a function (mtpipe.cloud.backend imports xpk only for backend: xpk).
+# entry point or imported inside a function (mtpipe.training.backend imports xpk only for backend: xpk).
 # With another value they, and what only they import, are not in the stage's code.
 BACKEND_MODULES: dict[str, dict[str, tuple[str, ...]]] = {
-    "hardware.backend": {"xpk": ("mtpipe/cloud/xpk.py",)},
+    "hardware.backend": {"xpk": ("mtpipe/training/xpk.py",)},
     "train_rl.rollout_backend": {"cpu_jax": ("mtpipe/maxtext/launch_rl_cpu.py",)},
     "evaluate.backend": {"cpu": ("mtpipe/evaluation/server.py",)},
     # the task in train_rl's format reads MaxText's rl.yml template (so MaxText is among its tools)

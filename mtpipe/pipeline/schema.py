@@ -140,7 +140,7 @@ K8sName = Annotated[str, StringConstraints(pattern=r"^[a-z]([-a-z0-9]{0,38}[a-z0
 
 
 class Xpk(Section):
-    """Where and how an xpk workload runs (``hardware.backend: xpk``, mtpipe/cloud/xpk.py).
+    """Where and how an xpk workload runs (``hardware.backend: xpk``, mtpipe/training/xpk.py).
 
     ``null`` in cluster, project, zone, docker_image (and reservation, with provisioning: reservation)
     is a placeholder: the training stage names it with the fix before it submits anything."""

@@ -5,11 +5,11 @@ name first. State lives in $FAKE_XPK_DIR: `calls.jsonl` gets one record per call
 whether a Hugging Face token was in its environment), `scenario.json` says what the workload does,
 `workload.json` is the submitted workload.
 
-xpk (the subcommands mtpipe.cloud.xpk uses, with the output format of xpk v1.13's
+xpk (the subcommands mtpipe.training.xpk uses, with the output format of xpk v1.13's
 `workload list`: "[XPK]" lines around a fixed-width table, commands/workload.py, core/workload.py):
 * `workload create` / `create-pathways`: records the workload; `--command` is not run. Instead each
   later `workload list` advances one step of the scenario and writes what the pod side of
-  mtpipe.cloud.xpk would have written into the bucket (STORAGE_EMULATOR_HOST): the first host's log
+  mtpipe.training.xpk would have written into the bucket (STORAGE_EMULATOR_HOST): the first host's log
   of each attempt under `<run dir>/xpk-logs/`, and MaxText's metrics file.
 * `workload list --filter-by-job NAME`: the table, with Kueue's state for the current step.
 * `workload delete --workload NAME`: forgets it.

@@ -219,7 +219,7 @@ def model_size(cfg: View, root: Path = ROOT) -> Model:
     if source.repo_id not in HUB_MODELS:
         raise ConfigError(f"{cfg.branch}.model", f"the budget knows no size for {source.repo_id}",
                           "add its safetensors index's total_size and language-model parameters to "
-                          "mtpipe/maxtext/budget.py HUB_MODELS")
+                          "mtpipe/planning/budget.py HUB_MODELS")
     hub = HUB_MODELS[source.repo_id]
     lm_bytes = hub.lm_params * 2  # the Hub checkpoints are bf16
     return Model(files_bytes=hub.total_bytes + hub.other_files_bytes, lm_params=hub.lm_params,

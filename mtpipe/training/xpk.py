@@ -1,11 +1,11 @@
 """A training stage's MaxText command as an xpk workload on a GKE TPU slice (``hardware.backend: xpk``).
 
-On this machine, :func:`run` (called by mtpipe.cloud.backend for train_sft and train_rl):
+On this machine, :func:`run` (called by mtpipe.training.backend for train_sft and train_rl):
 
 1. checks before it submits or uploads anything: the ``xpk:`` section of the hardware preset is
    filled in, ``MTPIPE_WORK_BUCKET`` holds the run directory (the hosts share no disk), the ``xpk``
    binary exists (``MTPIPE_XPK`` may name it);
-2. makes sure the image exists (:func:`mtpipe.cloud.image.ensure`: built and pushed once per tag);
+2. makes sure the image exists (:func:`mtpipe.training.image.ensure`: built and pushed once per tag);
 3. uploads the local files the command names (converted checkpoint, dataset files, tokenizer) once,
    content-addressed, to ``<work bucket>/inputs/<digest>/`` (skipped when they are there);
 4. runs ``xpk workload create`` (multi-controller JAX, as MaxText's sft_on_multi_host.md) or
@@ -16,7 +16,7 @@ On this machine, :func:`run` (called by mtpipe.cloud.backend for train_sft and t
    workload, its state and the log) when it fails. On success the stage reads its checkpoints from
    the bucket as after a local run (mtpipe.maxtext.run_dir).
 
-In the pod, the workload's command starts with ``python3 -m mtpipe.cloud.xpk pod`` (:func:`pod_main`):
+In the pod, the workload's command starts with ``python3 -m mtpipe.training.xpk pod`` (:func:`pod_main`):
 it copies the tokenizer into the container (Hugging Face's loaders and vLLM read local directories
 only), runs the MaxText command, and on the first host mirrors its output and MaxText's metrics file
 into the run directory (``RunDir.mirrored``), where :func:`run` reads them. No secret reaches the
@@ -43,14 +43,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-from mtpipe.cloud import image
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import runner
 from mtpipe.maxtext.commands import TRAIN_RL, MaxTextCommand
 from mtpipe.maxtext.run_dir import WORK_BUCKET_ENV, RunDir, gcs, work_bucket
 from mtpipe.pipeline.view import View
 from mtpipe.pipeline.schema import Xpk
+from mtpipe.training import image
 
 XPK_ENV = "MTPIPE_XPK"
 INSTALL_FIX = ("install xpk in its own virtual environment (`python3 -m venv ~/xpk && ~/xpk/bin/pip install xpk`; "
@@ -230,7 +229,7 @@ def plan(cmd: MaxTextCommand, bucket: str, pathways: bool) -> Plan:
             value = PATHWAYS_ARGS[key]
         elif value.startswith("/") and Path(value).exists():
             raise RuntimeError(f"{key}={value} names a file on this machine, which the workload cannot read; "
-                               "mtpipe.cloud.xpk.plan must upload it")
+                               "mtpipe.training.xpk.plan must upload it")
         out.args.append(f"{key}{sep}{value}")
     if pathways:
         out.args += [f"{k}={v}" for k, v in PATHWAYS_ARGS.items() if not any(a.startswith(f"{k}=") for a in out.args)]
@@ -238,8 +237,8 @@ def plan(cmd: MaxTextCommand, bucket: str, pathways: bool) -> Plan:
 
 
 def workload_command(cmd: MaxTextCommand, p: Plan, run_url: str, pathways: bool) -> str:
-    """``[Pathways env] python3 -m mtpipe.cloud.xpk pod ... -- python3 -m <launcher> <module> <args>``."""
-    pod = ["python3", "-m", "mtpipe.cloud.xpk", "pod", "--run-dir", run_url]
+    """``[Pathways env] python3 -m mtpipe.training.xpk pod ... -- python3 -m <launcher> <module> <args>``."""
+    pod = ["python3", "-m", "mtpipe.training.xpk", "pod", "--run-dir", run_url]
     for url, directory in p.fetches:
         pod += ["--fetch", f"{url}={directory}"]
     if p.metrics:
@@ -484,7 +483,7 @@ def pod_main(argv: list[str]) -> int:
     On the first host the log (this process's output, its own errors included) and the metrics
     file are mirrored into the run directory; every host prints the command's output as it comes."""
     split = argv.index("--") if "--" in argv else len(argv)
-    parser = argparse.ArgumentParser(prog="python3 -m mtpipe.cloud.xpk pod")
+    parser = argparse.ArgumentParser(prog="python3 -m mtpipe.training.xpk pod")
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--fetch", action="append", default=[], metavar="URL=DIR")
     parser.add_argument("--metrics", type=Path)
@@ -538,8 +537,8 @@ def fetch(specs: list[str]) -> None:
 
 def main(argv: list[str]) -> int:
     if argv[:1] != ["pod"]:
-        print("usage: python3 -m mtpipe.cloud.xpk pod --run-dir URL [--fetch URL=DIR]... [--metrics FILE] -- "
-              "COMMAND...  (the start of an xpk workload's command; see mtpipe/cloud/xpk.py)", file=sys.stderr)
+        print("usage: python3 -m mtpipe.training.xpk pod --run-dir URL [--fetch URL=DIR]... [--metrics FILE] -- "
+              "COMMAND...  (the start of an xpk workload's command; see mtpipe/training/xpk.py)", file=sys.stderr)
         return 2
     return pod_main(argv[1:])
 

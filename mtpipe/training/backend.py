@@ -17,7 +17,7 @@ def run_training(cfg: View, cmd: MaxTextCommand, log_path: Path, total_steps: in
     """Run a training command where ``cfg.hardware`` says; raise if it fails."""
     hardware = cfg.hardware
     if hardware.backend == "xpk":
-        from mtpipe.cloud import xpk
+        from mtpipe.training import xpk
 
         xpk.run(cfg, cmd, log_path, total_steps)
         return

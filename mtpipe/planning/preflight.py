@@ -11,7 +11,7 @@ Answered on the laptop CPU, with no TPU and no network, before any VM exists:
   ``calculate_tflops_training_per_device``, the number its MFU logging uses; XLA's cost analysis
   counts a scanned layer block once, not once per layer), step and run time at :data:`MFU`, and for
   GRPO the reference model, the rollout engine's weights and KV cache, and the rollout time.
-* The compile runs in a child process (``python -m mtpipe.maxtext.preflight --compile``), cached in
+* The compile runs in a child process (``python -m mtpipe.planning.preflight --compile``), cached in
   ``work/preflight/<digest>.json`` by the digest of its command line and the MaxText/JAX/libtpu
   versions: an unchanged preflight costs nothing the second time.
 
@@ -36,12 +36,13 @@ from pathlib import Path
 from typing import Any
 
 from mtpipe.errors import ConfigError
-from mtpipe.maxtext import budget, commands, tpu_check, training_commands
+from mtpipe.maxtext import commands, tpu_check, training_commands
 from mtpipe.maxtext.runner import child_env
 from mtpipe.pipeline import maxtext_check, overrides, toolchain
 from mtpipe.pipeline.config import BRANCH_STAGES, ROOT, stage_view
 from mtpipe.pipeline.view import View
 from mtpipe.pipeline.maxtext_check import compose_checked
+from mtpipe.planning import budget
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,7 @@ def chip_of(topo: str, branch: str, hardware: str) -> tuple[Chip, int]:
     if generation not in CHIPS:
         raise ConfigError(f"{branch}.hardware", f"preflight knows no TPU {topo!r} (conf/hardware/{hardware}.yaml)",
                           f"use one of {sorted(CHIPS)}-<chips> (v5e: v5litepod-<chips>), or add its specs to "
-                          "mtpipe/maxtext/preflight.py CHIPS")
+                          "mtpipe/planning/preflight.py CHIPS")
     return CHIPS[generation], chips
 
 
@@ -231,7 +232,7 @@ def compile_step(module: str, args: list[str], work: Path, log: Path) -> dict[st
     env = child_env({"JAX_PLATFORMS": "cpu", "DECOUPLE_GCLOUD": "TRUE", "ALLOW_MULTIPLE_LIBTPU_LOAD": "true"})
     with tempfile.TemporaryDirectory(dir=work) as tmp:
         out = Path(tmp) / "result.json"
-        argv = [sys.executable, "-m", "mtpipe.maxtext.preflight", "--compile", str(out), module,
+        argv = [sys.executable, "-m", "mtpipe.planning.preflight", "--compile", str(out), module,
                 *args, f"base_output_directory={tmp}"]
         with open(log, "w", encoding="utf8") as log_file:
             log_file.write(f"$ {' '.join(argv)}\n")
@@ -473,7 +474,7 @@ BUDGET_STAGES = {"sft": ("hf_download", "train_sft", "to_huggingface"),
 def machine_budget(composed: dict[str, Any], views: dict[str, View], machine: budget.Machine, root: Path,
                    work: Path, refuse: bool) -> dict[str, Any] | None:
     """Print the budget of the branches that run on one TPU VM (backend local): disk peaks per file
-    system and host memory next to the VM's capacity (mtpipe/maxtext/budget.py), from the compiled
+    system and host memory next to the VM's capacity (mtpipe/planning/budget.py), from the compiled
     train state where a compile is cached, else from the model's files. Written to
     ``work/preflight/budget.json`` and returned (None when no branch runs on a TPU VM); ``refuse``:
     raise ConfigError naming the key to change when it does not fit."""
@@ -491,7 +492,7 @@ def machine_budget(composed: dict[str, Any], views: dict[str, View], machine: bu
     host = machine.host or budget.HOSTS.get(topo)
     if host is None:
         raise ConfigError(f"{on_vm[0]}.hardware", f"the machine budget knows no host for {topo}",
-                          "add it to mtpipe/maxtext/budget.py HOSTS")
+                          "add it to mtpipe/planning/budget.py HOSTS")
     stages = {b: {s: stage_view(composed[b], s) for s in BUDGET_STAGES[b]} for b in on_vm}
     missing = [str(root / cfg.model.source.path) for b in on_vm for cfg in [stages[b]["hf_download"]]
                if cfg.model.source.kind == "local" and not (root / cfg.model.source.path).is_dir()]
@@ -621,5 +622,5 @@ def _child(out: Path, module: str, args: list[str]) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) < 4 or sys.argv[1] != "--compile":
-        sys.exit("usage: python -m mtpipe.maxtext.preflight --compile OUT.json <maxtext trainer module> key=value ...")
+        sys.exit("usage: python -m mtpipe.planning.preflight --compile OUT.json <maxtext trainer module> key=value ...")
     sys.exit(_child(Path(sys.argv[2]), sys.argv[3], sys.argv[4:]))
