@@ -77,14 +77,14 @@ def test_a_behaviour_preserving_edit_of_a_stage_script_reruns_only_that_stage(pi
 
 @pytest.mark.slow
 def test_rewording_error_messages_reruns_only_configure(pipeline_repo):
-    """Message text in the forms the code builds it: a schema combination rule (``add(...)``), the
-    schema's wording of a key (``Words``), a variable only messages read, a stage's own error.
-    schema.py is in every stage's view; the views are written as they were."""
-    schema = pipeline_repo / "mtpipe" / "pipeline" / "schema.py"
+    """Message text in the forms the code builds it: a combination rule (``add(...)``) and a variable
+    only messages read (rules.py, configure's alone), the schema's wording of a key (``Words``:
+    schema.py is in every stage's view), a stage's own error. The views are written as they were."""
+    schema, rules = (pipeline_repo / "mtpipe" / "pipeline" / f"{m}.py" for m in ("schema", "rules"))
     try:
-        edit(schema, '"is missing for a kind: hub source"', '"names no Hub repository"')
+        edit(rules, '"is missing for a kind: hub source"', '"names no Hub repository"')
         edit(schema, 'means="a 40-hex commit sha"', 'means="a full commit hash"')
-        edit(schema, '"(one replica on all chips)"', '"(a single replica)"')
+        edit(rules, '"(one replica on all chips)"', '"(a single replica)"')
         edit(pipeline_repo / "stages" / "train_rl.py", "not installed here", "missing on this machine")
         out = dvc(pipeline_repo, "repro").stdout
         assert ran_stages(out) == {"configure"}, out
@@ -140,8 +140,8 @@ def test_a_twin_no_branch_uses_is_in_no_branchs_address(pipeline_repo):
 
         added.write_text((pipeline_repo / "conf" / "model" / "llama3.1-tiny.yaml").read_text()
                          .replace("embedded/llama3.1-tiny", "embedded/llama3.1b-tiny"))
-        edit(pipeline_repo / "mtpipe" / "data" / "embedded.py", "\n# The twins' MaxText model and sizes",
-             '\nFAMILIES["llama3.1b-tiny"] = FAMILIES["llama3.1-tiny"]\n\n# The twins\' MaxText model and sizes')
+        edit(pipeline_repo / "mtpipe" / "data" / "embedded.py", "\n# A twin's sizes: MaxText override key",
+             '\nFAMILIES["llama3.1b-tiny"] = FAMILIES["llama3.1-tiny"]\n\n# A twin\'s sizes: MaxText override key')
         ran = reproduced_stages(dvc(pipeline_repo, "repro", "make_embedded").stdout)
         assert ran == {"configure", "make_embedded"}, ran
         assert (pipeline_repo / "embedded" / "llama3.1b-tiny" / "config.json").is_file()
