@@ -54,9 +54,9 @@ def _places() -> list[str]:
     return sorted(places)
 
 
-def left_behind() -> list[Left]:
-    """Every run directory under the places of :func:`_places` that no current recipe names."""
-    names, _ = current()
+def left_behind(names: dict[str, set[str]]) -> list[Left]:
+    """Every run directory under the places of :func:`_places` that no name of ``names`` (stage -> the run
+    names its recipes give now, :func:`current`) is."""
     return [Left(run, run.size(), run.holder()) for base in _places() for stage, kept in names.items()
             for run in rd.run_dirs(f"{base}/{stage}") if run.run_name not in kept]
 
@@ -65,9 +65,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--delete", action="store_true", help="remove them (never one a live run holds)")
     args = parser.parse_args()
-    if unknown := current()[1]:
+    names, unknown = current()
+    if unknown:
         print(f"not looked at: {', '.join(unknown)} (an input of its recipe is missing: `dvc pull` first)")
-    left = left_behind()
+    left = left_behind(names)
     for item in left:
         note = f"held by {item.holder}, kept" if item.holder else ("removed" if args.delete else "")
         if args.delete and not item.holder:
