@@ -3,7 +3,8 @@
 Fast tests check the sampling pieces and the stand-in modules without MaxText's model. The slow ones
 build the tiny Llama 3.1 twin's MaxText model the way train_rl does (random weights, the embedded
 tokenizer) and compare the sampler with an independent reference decode: MaxText's own forward on
-the unpadded, growing sequence (no left padding, no fixed buffer, plain positions), argmax per step.
+the growing sequence (no left padding, no KV cache, plain positions; right-padded to a fixed width
+so that it compiles once, which the causal mask hides from every real position), argmax per step.
 """
 
 from __future__ import annotations
@@ -165,28 +166,32 @@ _REFERENCE: dict[tuple[str, int], list[int]] = {}  # the module's `tiny` model i
 
 
 def _reference_greedy(tiny, prompt: str, steps: int) -> list[int]:
-    """MaxText forward on the unpadded sequence, re-run from scratch for every new token (slow:
-    computed once per prompt for the module)."""
+    """MaxText's forward over the whole sequence, re-run from scratch for every new token (computed
+    once per prompt for the module)."""
     if (prompt, steps) not in _REFERENCE:
         _REFERENCE[prompt, steps] = _reference_greedy_uncached(tiny, prompt, steps)
     return _REFERENCE[prompt, steps]
 
 
 def _reference_greedy_uncached(tiny, prompt: str, steps: int) -> list[int]:
+    from flax import nnx
     from flax.linen import partitioning as nn_partitioning
+
+    @nnx.jit
+    def forward(base, tokens, segments):  # one compile per prompt: the sequence grows into a fixed width
+        positions = jnp.arange(tokens.shape[1])[None]
+        return base(decoder_input_tokens=tokens, decoder_positions=positions, decoder_segment_ids=segments)
 
     rollout, model, tokenizer, mesh, config = tiny
     seq = list(rollout._tokenize(prompt))
+    width = len(seq) + steps
     out = []
     with mesh, nn_partitioning.axis_rules(config.logical_axis_rules):
         for _ in range(steps):
-            x = jnp.asarray([seq], jnp.int32)
-            logits = model.base(
-                decoder_input_tokens=x,
-                decoder_positions=jnp.arange(len(seq))[None],
-                decoder_segment_ids=jnp.ones_like(x),
-            )
-            last = np.asarray(logits[0, -1], np.float64)
+            n = len(seq)  # the tokens after position n - 1 are padding it cannot attend to (causal mask)
+            x = jnp.asarray([seq + [0] * (width - n)], jnp.int32)
+            logits = forward(model.base, x, jnp.asarray([[1] * n + [0] * (width - n)], jnp.int32))
+            last = np.asarray(logits[0, n - 1], np.float64)
             last[tokenizer.pad_token_id] = -np.inf  # the sampler never emits the pad token
             out.append(int(np.argmax(last)))
             seq.append(out[-1])
