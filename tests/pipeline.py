@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 if TYPE_CHECKING:
     import numpy as np
@@ -76,6 +76,17 @@ def copy_project(dest: Path, test_params: bool = True) -> Path:
     git(dest, "init", "-q")
     git(dest, "add", "-A")
     git(dest, "commit", "-qm", "test copy")
+    return dest
+
+
+def fresh_clone(repo: Path, dest: Path) -> Path:
+    """`git clone` of ``repo`` with its DVC outputs checked out: DVC's cache is shared, standing in
+    for `dvc pull` from a remote; a warm XLA compile cache, as a set-up VM keeps."""
+    git(dest.parent, "clone", "-q", str(repo), str(dest))
+    dvc(dest, "cache", "dir", "--local", str(repo / ".dvc" / "cache"))
+    dvc(dest, "checkout")
+    (dest / "work").mkdir()
+    (dest / "work" / "jax_cache").symlink_to(ROOT / "work" / "jax_cache")
     return dest
 
 
@@ -317,14 +328,15 @@ HOLD_LINE = "mtpipe: holding after step {step} "
 
 
 def start_held(repo: Path, target: str, step: int, log: Path, extra_env: dict[str, str] | None = None,
-               timeout: float = 900) -> subprocess.Popen:
+               timeout: float = 900, stdout: IO[str] | None = None) -> subprocess.Popen:
     """Start ``dvc repro -f -s --no-run-cache <target>`` (that stage alone) in a process group of its own, with MaxText
     holding after ``step`` (MTPIPE_HOLD_AFTER_STEP: that step's checkpoint and loss row are written);
-    return once the stage's ``log`` says it holds. The caller kills the group."""
+    return once the stage's ``log`` says it holds. The caller kills the group. What DVC and the stage
+    print goes to ``stdout`` (a file; discarded when None)."""
     offset = log.stat().st_size if log.exists() else 0
     proc = subprocess.Popen(["dvc", "repro", "-f", "-s", "--no-run-cache", target], cwd=repo,
                             env={**env(), **(extra_env or {}), "MTPIPE_HOLD_AFTER_STEP": str(step)},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=stdout or subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
     deadline, line = time.monotonic() + timeout, HOLD_LINE.format(step=step)
     while not (log.exists() and line in log.read_text(errors="replace")[offset:]):
         if proc.poll() is not None or time.monotonic() > deadline:

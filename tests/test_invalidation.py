@@ -5,8 +5,6 @@ the stages whose inputs changed. One real `dvc exp run -S steps=N` shows the sam
 """
 
 import json
-import re
-import shutil
 import time
 
 import pytest
@@ -14,7 +12,7 @@ import yaml
 
 from conftest import restore
 from mtpipe.pipeline.toolchain import lock_pins
-from pipeline import dvc, git, kill_group, ran_stages, reproduced_stages, start_held
+from pipeline import dvc, git, ran_stages, reproduced_stages
 
 pytestmark = pytest.mark.slow
 
@@ -150,38 +148,11 @@ def test_exp_run_steps_as_typed_reruns_only_training_export_and_evaluation(pipel
         restore(pipeline_repo)
 
 
-def test_killed_training_resumes_from_its_checkpoint(pipeline_repo):
-    """SIGKILL train_sft (and DVC) once its step-10 checkpoint is committed (held there:
-    tests/pipeline.py::start_held); no output is left that DVC would cache; the rerun restores step 10
-    (MaxText's log starts at step 11, not 1)."""
-    log = pipeline_repo / "work/logs/sft/train_sft.log"
-    try:
-        edit_params(pipeline_repo, lambda p: (p.update(steps=30), p["sft"]["train_sft"].update(checkpoint_period=10)))
-        log.write_text("")
-        shutil.rmtree(pipeline_repo / "work/train_sft", ignore_errors=True)
-        dvc(pipeline_repo, "repro", "-s", "configure")  # start_held runs train_sft@sft alone (-s)
-        kill_group(start_held(pipeline_repo, "train_sft@sft", 10, log))
-        assert next((pipeline_repo / "work/train_sft").glob("*/checkpoints/10/model_params/commit_success.txt"), None)
-        killed_log = log.read_text()
-        assert "completed step: 30," not in killed_log
-        assert not (pipeline_repo / "artifacts/sft/trained").exists()
-        assert "train_sft@sft" in stale(pipeline_repo)
-
-        out = dvc(pipeline_repo, "repro", "--no-run-cache", "train_sft@sft").stdout
-        assert "checkpoint at step 10" in out, out
-        resumed = log.read_text()[len(killed_log):]
-        steps = [int(n) for n in re.findall(r"completed step: (\d+),", resumed)]
-        assert steps[0] == 11 and steps[-1] == 30, steps[:3]
-        assert json.loads((pipeline_repo / "metrics/sft/train_sft.json").read_text())["resumed_from_step"] == 10
-    finally:
-        restore(pipeline_repo)
-
-
 def test_queued_sweep_runs_and_exp_show_lists_final_losses(pipeline_repo):
     """`dvc exp run --queue -S ... train_sft@sft` twice, `dvc queue start`, then `dvc exp show` has
     each final loss (the training is the target: the export and its score add nothing to a queue)."""
     try:
-        for steps in (20, 30):
+        for steps in (4, 6):  # a few steps: what is checked is the queue, not the training
             dvc(pipeline_repo, "exp", "run", "--queue", "-S", f"steps={steps}", "train_sft@sft")
         dvc(pipeline_repo, "queue", "start", "--jobs", "1")
         deadline = time.monotonic() + 1200
@@ -199,9 +170,9 @@ def test_queued_sweep_runs_and_exp_show_lists_final_losses(pipeline_repo):
                     data = rev.get("data", {})
                     steps = data.get("params", {}).get("params.yaml", {}).get("data", {}).get("steps")
                     loss = data.get("metrics", {}).get("metrics/sft/train_sft.json", {}).get("data", {})
-                    if steps in (20, 30) and "loss_last" in loss:
+                    if steps in (4, 6) and "loss_last" in loss:
                         found[steps] = loss
-        assert set(found) == {20, 30}, rows
-        assert found[20]["steps"] == 20 and found[30]["steps"] == 30
+        assert set(found) == {4, 6}, rows
+        assert found[4]["steps"] == 4 and found[6]["steps"] == 6
     finally:
         restore(pipeline_repo)

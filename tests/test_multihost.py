@@ -146,6 +146,8 @@ def test_two_processes_survive_a_killed_process_resume_exactly_and_export(pipeli
         assert proc.returncode != 0 and "process 1 of 2 exited with -9" in out, out[-3000:]
         assert not host0.is_running() or host0.status() == psutil.STATUS_ZOMBIE, "process 0 was left running"
         assert not (pipeline_repo / "artifacts" / "sft" / "trained").exists()
+        status = dvc(pipeline_repo, "status", "--json").stdout.strip().splitlines()
+        assert "train_sft@sft" in json.loads(status[-1]), "DVC does not see the killed training as to be run"
         # one checkpoint, written by both: a sharded array has one chunk from each process
         (run,) = {p.parents[2] for p in runs.glob(f"*/checkpoints/{PERIOD}/{COMMIT_MARKER}")}
         kernel = run / "checkpoints" / str(PERIOD) / "model_params" / "decoder.layers.layers_0.mlp.wo.kernel.value"

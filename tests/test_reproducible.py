@@ -14,14 +14,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.reproducible]
 
 
 def test_forced_rerun_gives_identical_outputs(pipeline_repo):
-    """`-f to_huggingface@sft` reruns every stage of the branch (download, conversion, training,
-    export) and the stages before it: each must write the bytes it wrote before."""
-    target = "to_huggingface@sft"
+    """`-f to_maxtext@sft` reruns the SFT branch's download and conversion and the stages before them
+    (configure, the generator of the embedded default), `-f -s to_huggingface@sft` the export alone:
+    each must write the bytes it wrote before. The training between them is rerun on identical inputs by
+    tests/test_content_address.py (another checkpoint period, the same params) and the resume tests."""
     lock = (pipeline_repo / "dvc.lock").read_text()
     try:
-        ran = ran_stages(dvc(pipeline_repo, "repro", "-f", target).stdout)
-        assert {"hf_download@sft", "to_maxtext@sft", "train_sft@sft", target} <= set(ran), ran
-        assert (pipeline_repo / "dvc.lock").read_text() == lock, f"`dvc repro -f {target}` changed dvc.lock"
+        ran = ran_stages(dvc(pipeline_repo, "repro", "-f", "to_maxtext@sft").stdout)
+        assert {"configure", "make_embedded", "hf_download@sft", "to_maxtext@sft"} <= set(ran), ran
+        ran = ran_stages(dvc(pipeline_repo, "repro", "-f", "-s", "to_huggingface@sft").stdout)
+        assert ran == {"to_huggingface@sft"}, ran
+        assert (pipeline_repo / "dvc.lock").read_text() == lock, "a forced rerun changed dvc.lock"
         assert dvc(pipeline_repo, "status", "--json").stdout.strip().splitlines()[-1] == "{}"
     finally:
         restore(pipeline_repo)

@@ -2,10 +2,9 @@
 ends with the bytes and the curve of the uninterrupted run, which is the shared pipeline's own.
 
 The kill points do not depend on the machine's speed: MaxText holds after a chosen step
-(MTPIPE_HOLD_AFTER_STEP, tests/pipeline.py::start_held), or SIGTERM lands at whatever step the run has
-reached and the assertions follow that step. The SIGKILL from the bucket into a fresh clone is
-tests/test_work_bucket.py's; the two-process run's is tests/test_multihost.py's; the Spot VM's is
-tests/test_vm_recovery.py's.
+(MTPIPE_HOLD_AFTER_STEP, tests/pipeline.py::start_held) until the signal comes. The two-process run's
+kill (its run directory in work/) is tests/test_multihost.py's; the Spot VM's (SIGKILL, resumed from
+the bucket on a new VM) is tests/test_vm_recovery.py's.
 """
 
 from __future__ import annotations
@@ -13,10 +12,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -24,13 +23,15 @@ import pytest
 import yaml
 from conftest import restore
 from fakes.gcs_emulator import GcsEmulator
-from pipeline import ROOT, csv_rows, dvc, env, group_alive, kill_group, md5_tree, start_held
+from pipeline import ROOT, csv_rows, dvc, env, fresh_clone, group_alive, kill_group, md5_tree, start_held
 from work_bucket import bucket_env, committed, emulator_fs
+
+from mtpipe.maxtext.run_dir import LEASE
 
 pytestmark = pytest.mark.resume_exact
 
 STOP_TIMEOUT_S = 20  # MTPIPE_STOP_TIMEOUT_S for the test: the run must save and exit within it
-SIGTERM_AT = 60  # SIGTERM once the console shows this step: between checkpoints (50 steps apart)
+SIGTERM_AT = 60  # held after this step, then SIGTERM: between checkpoints (50 steps apart)
 
 
 def reference(repo: Path, out: str, plot: str) -> tuple[dict[str, str], list[dict[str, str]]]:
@@ -39,66 +40,81 @@ def reference(repo: Path, out: str, plot: str) -> tuple[dict[str, str], list[dic
 
 
 @pytest.mark.slow
-def test_sigterm_saves_the_step_reached_and_the_resumed_run_is_the_uninterrupted_one(
-        pipeline_repo: Path, gcs_emulator: GcsEmulator) -> None:
-    """SIGTERM to the whole process group (as a VM's shutdown sends it) during train_sft@sft with a
-    work bucket: MaxText finishes its step, saves a checkpoint at it and writes its loss row, the
-    stage flushes the mirror and everything has exited within MTPIPE_STOP_TIMEOUT_S; the bucket holds
-    that step, checkpoint and row. The rerun resumes there and ends byte-identical."""
+def test_sigterm_saves_the_step_reached_and_a_fresh_clone_resumes_it_from_the_bucket(
+        pipeline_repo: Path, gcs_emulator: GcsEmulator, tmp_path: Path) -> None:
+    """train_sft@sft with a work bucket holds after step SIGTERM_AT, between checkpoints. Meanwhile the
+    same stage in a fresh clone stops before MaxText, naming the holder (the run directory's lease),
+    and leaves the bucket as it was. Then SIGTERM to the whole process group (as a VM's shutdown sends
+    it): MaxText saves a checkpoint at the step reached and writes its loss row, the stage flushes the
+    mirror, releases the lease and everything has exited within MTPIPE_STOP_TIMEOUT_S, leaving no
+    output; the bucket holds that step, checkpoint and row, and work/ holds no checkpoint. The clone
+    then restores that step from the bucket, skips the batches it trained and ends as the
+    uninterrupted run (the shared pipeline's) ended: the same param bytes, loss curve and stamp. It
+    empties the bucket."""
     bucket, fs = bucket_env(gcs_emulator, prefix="sigterm"), emulator_fs(gcs_emulator)
-    runs = f"{gcs_emulator.bucket}/sigterm/train_sft"
+    runs, scratch = f"{gcs_emulator.bucket}/sigterm/train_sft", pipeline_repo / "work" / "train_sft"
     params, curve = reference(pipeline_repo, "sft/trained", "sft/train_sft.csv")
+    before = set(scratch.iterdir()) if scratch.is_dir() else set()
+    clone = fresh_clone(pipeline_repo, tmp_path / "clone")
     log = pipeline_repo / "work" / "logs" / "sft" / "train_sft.log"
     offset = log.stat().st_size if log.exists() else 0
-    stage_env = {**env(), **bucket, "MTPIPE_STOP_TIMEOUT_S": str(STOP_TIMEOUT_S)}
-    proc = subprocess.Popen(["dvc", "repro", "-f", "-s", "--no-run-cache", "train_sft@sft"], cwd=pipeline_repo,
-                            env=stage_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    lines: list[str] = []
-    reached = threading.Event()
-
-    def read() -> None:  # the stage keeps writing to this pipe after DVC itself died of the SIGTERM
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if (m := re.match(r"\s+step (\d+)/", line)) and int(m[1]) >= SIGTERM_AT:
-                reached.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    printed = tmp_path / "stopped.out"
     try:
-        try:
-            assert reached.wait(900), "".join(lines[-40:])
-            os.killpg(proc.pid, signal.SIGTERM)
-            sent = time.monotonic()
-            while group_alive(proc) and time.monotonic() - sent < STOP_TIMEOUT_S + 30:
-                time.sleep(0.2)
-            took = time.monotonic() - sent
-        finally:
-            kill_group(proc)
-            reader.join(10)
-        out = "".join(lines)
+        with printed.open("w") as sink:  # the stage keeps writing here after DVC itself died of the SIGTERM
+            held = start_held(pipeline_repo, "train_sft@sft", SIGTERM_AT, log, stdout=sink,
+                              extra_env={**bucket, "MTPIPE_STOP_TIMEOUT_S": str(STOP_TIMEOUT_S)})
+            try:
+                (run,) = set(committed(fs, runs).values())
+                objects = sorted(fs.find(runs))
+                second = dvc(clone, "repro", "-f", "-s", "--no-run-cache", "train_sft@sft", extra_env=bucket,
+                             check=False)
+                assert second.returncode != 0 and f"train_sft: gs://{run}: is in use by " in second.stdout, \
+                    second.stdout
+                assert "training the same recipe since" in second.stdout
+                assert "mtpipe.maxtext.adapter" not in second.stdout
+                fs.invalidate_cache()
+                assert sorted(fs.find(runs)) == objects, "the refused stage touched the holder's run directory"
+                os.killpg(held.pid, signal.SIGTERM)
+                sent = time.monotonic()
+                while group_alive(held) and time.monotonic() - sent < STOP_TIMEOUT_S + 30:
+                    time.sleep(0.2)
+                took = time.monotonic() - sent
+            finally:
+                kill_group(held)
+        out = printed.read_text()
         print(f"\nSIGTERM to exit: {took:.1f} s")
         assert took <= STOP_TIMEOUT_S + 5, f"the stage took {took:.1f} s to exit after SIGTERM:\n{out[-3000:]}"
         assert f"stopped by SIGTERM (exit status {128 + signal.SIGTERM}" in out, out[-3000:]
         text = log.read_text(errors="replace")[offset:]
-        stopped = int(re.search(r"mtpipe: SIGTERM: stopping after step (\d+)", text)[1])
-        assert SIGTERM_AT <= stopped < len(curve), stopped
+        assert f"mtpipe: SIGTERM: stopping after step {SIGTERM_AT}" in text, text[-3000:]
         saved = committed(fs, runs)
-        assert max(saved) == stopped, f"the bucket's checkpoints: {sorted(saved)}, stopped after {stopped}"
-        rows = [json.loads(line) for line in fs.cat(f"{saved[stopped]}/metrics.jsonl").splitlines()]
-        assert max(row["step"] for row in rows) == stopped, "the stopped step's loss row did not reach the bucket"
+        assert max(saved) == SIGTERM_AT, f"the bucket's checkpoints: {sorted(saved)}"
+        rows = [json.loads(line) for line in fs.cat(f"{saved[SIGTERM_AT]}/metrics.jsonl").splitlines()]
+        assert max(row["step"] for row in rows) == SIGTERM_AT, "the stopped step's loss row did not reach the bucket"
+        assert not fs.exists(f"{run}/{LEASE}"), "the stopped run kept its lease"
         assert not (pipeline_repo / "artifacts" / "sft" / "trained").exists(), "a stopped run left an output"
-
-        out = dvc(pipeline_repo, "repro", "-f", "-s", "--no-run-cache", "train_sft@sft", extra_env=bucket).stdout
-        assert f"MaxText restores its checkpoint at step {stopped}" in out, out[-3000:]
-        assert f"mtpipe: resumed at step {stopped}: skipped the {stopped} batches" in log.read_text()
-        assert md5_tree(pipeline_repo / "artifacts" / "sft" / "trained", ["model_params"]) == params, \
-            "the resumed run's params differ from the uninterrupted run's"
-        assert csv_rows(pipeline_repo / "plots" / "sft" / "train_sft.csv") == curve
-        assert "the loss curve has no rows" not in out
+        assert not list(scratch.glob("*/checkpoints")), "checkpoints went to work/, not the bucket"
     finally:
+        for left in set(scratch.glob("train_sft-*")) - before:
+            shutil.rmtree(left)
         restore(pipeline_repo)
+
+    out = dvc(clone, "repro", "-f", "-s", "--no-run-cache", "train_sft@sft", extra_env=bucket).stdout
+    assert f"resuming gs://{run}: MaxText restores its checkpoint at step {SIGTERM_AT}" in out, out[-3000:]
+    resumed = (clone / "work" / "logs" / "sft" / "train_sft.log").read_text()
+    assert re.search(rf"Restored params from step: {SIGTERM_AT}\b", resumed), "MaxText did not restore the step"
+    assert f"mtpipe: resumed at step {SIGTERM_AT}: skipped the {SIGTERM_AT} batches it trained" in resumed
+    steps = [int(n) for n in re.findall(r"completed step: (\d+),", resumed)]
+    assert steps[0] == SIGTERM_AT + 1 and steps[-1] == len(curve), steps
+    trained = clone / "artifacts" / "sft" / "trained"
+    assert md5_tree(trained, ["model_params"]) == params, "the resumed run's params differ from the uninterrupted run's"
+    assert csv_rows(clone / "plots" / "sft" / "train_sft.csv") == curve, "the loss curves differ"
+    assert "the loss curve has no rows" not in out
+    metrics = json.loads((clone / "metrics" / "sft" / "train_sft.json").read_text())
+    assert metrics["resumed_from_step"] == SIGTERM_AT
+    assert json.loads((trained / "mtpipe.json").read_text())["step"] == len(curve)
+    fs.invalidate_cache()
+    assert fs.find(run) == [], "the bucket run directory was not deleted after success"
 
 
 @pytest.mark.slow

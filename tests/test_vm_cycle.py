@@ -162,11 +162,9 @@ def test_full_cycle(project_world: Env, pipeline_repo: Path) -> None:
     # The GRPO-like run trains (train_rl, 2 batches) with HF_TOKEN in its environment: the canary.
     outputs.append(w.doit("vm_run", "--set=rl.train_rl.num_batches=2",
                           "--set=rl.train_rl.num_test_batches=1",
-                          "--set=rl.to_huggingface.weight_dtype=bfloat16",
                           "--exp-name=grpo-short", "--keep").stdout + w.doit("vm_status").stdout)
-    # the warm-up is scored in the export's dtype too, so that its score and the trained one's compare
-    assert ran_stages(outputs[-1]) == {"configure", "train_rl", "to_huggingface@rl", "evaluate_warmup",
-                                       "evaluate@rl"}, outputs[-1]
+    # the warm-up's score stands: its training, export settings and evaluation did not change
+    assert ran_stages(outputs[-1]) == {"configure", "train_rl", "to_huggingface@rl", "evaluate@rl"}, outputs[-1]
     assert "USD so far" in outputs[-1]
     probe = json.loads((w.sshd.home / "probe.json").read_text())   # the pipeline's environment
     assert probe["token_sha256"] == hashlib.sha256(TOKEN.encode()).hexdigest()

@@ -29,8 +29,8 @@ from conftest import restore
 from mtpipe.pipeline import config
 from mtpipe.maxtext import run_dir as rd
 from mtpipe.errors import ConfigError
-from pipeline import ROOT, csv_rows, dvc, env, git, kill_group, md5_tree, start_held
-from work_bucket import PERIOD, bucket_env, checkpoint_to_resume, committed, emulator_fs
+from pipeline import ROOT, csv_rows, dvc, env, git, kill_group, md5_tree
+from work_bucket import bucket_env, emulator_fs
 
 pytestmark = pytest.mark.preemption
 
@@ -181,87 +181,6 @@ def test_a_bad_work_bucket_stops_the_stage_before_maxtext(pipeline_repo):
     assert ("train_sft: MTPIPE_WORK_BUCKET: 'my-bucket/work' is not a gs://BUCKET[/PREFIX] URL. "
             f"Fix: export {rd.WORK_BUCKET_ENV}=gs://") in proc.stderr, proc.stderr[-3000:]
     assert "mtpipe.maxtext.adapter" not in proc.stdout, proc.stdout  # MaxText never started
-
-
-# ------------------------------------------------------------- killed here, resumed elsewhere
-
-def completed_steps(log: str) -> list[int]:
-    return [int(n) for n in re.findall(r"completed step: (\d+),", log)]
-
-
-def wait_for(condition, what: str, timeout: float = 120.0):
-    """Poll ``condition()`` until it returns something true; fail naming ``what``."""
-    deadline = time.monotonic() + timeout
-    while not (found := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
-    return found
-
-
-def fresh_clone(repo: Path, dest: Path) -> Path:
-    """`git clone` of ``repo`` with its DVC outputs checked out: DVC's cache is shared, standing in
-    for `dvc pull` from a remote; a warm XLA compile cache, as a set-up VM keeps."""
-    git(dest.parent, "clone", "-q", str(repo), str(dest))
-    dvc(dest, "cache", "dir", "--local", str(repo / ".dvc" / "cache"))
-    dvc(dest, "checkout")
-    (dest / "work").mkdir()
-    (dest / "work" / "jax_cache").symlink_to(ROOT / "work" / "jax_cache")
-    return dest
-
-
-@pytest.mark.slow
-@pytest.mark.resume_exact
-def test_killed_training_resumes_from_the_bucket_in_a_fresh_clone(pipeline_repo, gcs_emulator, tmp_path):
-    """train_sft@sft SIGKILLed after its step-50 checkpoint reached the bucket (MaxText holds there:
-    MTPIPE_HOLD_AFTER_STEP) leaves its checkpoints in the bucket only; in a fresh clone the same stage
-    restores that step, skips the 50 batches it trained and ends as the uninterrupted run (the shared
-    pipeline's) ended: the same param bytes and the same loss curve, row for row. It writes the
-    output as a local run does and empties the bucket. While the first still runs, the clone's same
-    stage stops before MaxText, naming it (the run directory's lease), and leaves the bucket as it was."""
-    bucket, fs = bucket_env(gcs_emulator), emulator_fs(gcs_emulator)
-    runs, scratch = f"{gcs_emulator.bucket}/work/train_sft", pipeline_repo / "work" / "train_sft"
-    reference = pipeline_repo / "artifacts" / "sft" / "trained"
-    params, curve = md5_tree(reference, ["model_params"]), csv_rows(pipeline_repo / "plots" / "sft" / "train_sft.csv")
-    before = set(scratch.iterdir()) if scratch.is_dir() else set()
-    clone = fresh_clone(pipeline_repo, tmp_path / "clone")
-    try:
-        held = start_held(pipeline_repo, "train_sft@sft", PERIOD, pipeline_repo / "work/logs/sft/train_sft.log",
-                          extra_env=bucket)
-        try:  # the hold is endless: the mirror (every MIRROR_EVERY_S) brings the step's row up meanwhile
-            run = wait_for(lambda: checkpoint_to_resume(fs, runs), "the step-50 loss row in the bucket")
-            objects = sorted(fs.find(f"{runs}"))
-            second = dvc(clone, "repro", "-f", "-s", "--no-run-cache", "train_sft@sft", extra_env=bucket, check=False)
-            assert second.returncode != 0 and f"train_sft: gs://{run}: is in use by " in second.stdout, second.stdout
-            assert "training the same recipe since" in second.stdout and "mtpipe.maxtext.adapter" not in second.stdout
-            fs.invalidate_cache()
-            assert sorted(fs.find(f"{runs}")) == objects, "the refused stage touched the holder's run directory"
-        finally:
-            kill_group(held)
-        url, run_name = f"gs://{run}", run.rsplit("/", 1)[1]
-        assert max(step for step, where in committed(fs, runs).items() if where == run) == PERIOD
-        assert not (scratch / run_name / "checkpoints").exists(), "checkpoints went to work/, not the bucket"
-    finally:
-        for left in set(scratch.glob("train_sft-*")) - before:
-            shutil.rmtree(left)
-        restore(pipeline_repo)
-
-    out = dvc(clone, "repro", "-f", "-s", "--no-run-cache", "train_sft@sft", extra_env=bucket).stdout
-    assert f"taking over gs://{run} from " in out and "its process ended on" in out, out[-3000:]
-    assert f"resuming {url}: MaxText restores its checkpoint at step {PERIOD}" in out, out[-3000:]
-    log = (clone / "work" / "logs" / "sft" / "train_sft.log").read_text()
-    assert re.search(rf"Restored params from step: {PERIOD}\b", log), "MaxText did not restore the bucket's step"
-    assert f"mtpipe: resumed at step {PERIOD}: skipped the {PERIOD} batches it trained" in log
-    steps = completed_steps(log)
-    assert steps[0] == PERIOD + 1 and steps[-1] == len(curve), steps
-
-    trained = clone / "artifacts" / "sft" / "trained"
-    assert md5_tree(trained, ["model_params"]) == params, "the resumed run's params differ from the uninterrupted run's"
-    assert csv_rows(clone / "plots" / "sft" / "train_sft.csv") == curve, "the loss curves differ"
-    metrics = json.loads((clone / "metrics" / "sft" / "train_sft.json").read_text())
-    assert metrics["resumed_from_step"] == PERIOD
-    assert json.loads((trained / "mtpipe.json").read_text())["step"] == len(curve)
-    fs.invalidate_cache()
-    assert fs.find(f"{runs}/{run_name}") == [], "the bucket run directory was not deleted after success"
 
 
 @pytest.mark.slow

@@ -27,7 +27,9 @@ from mtpipe.pipeline.schema import Source
 from mtpipe.pipeline.view import ROOT, resolved_path
 
 WORK = ROOT / "work"                # untracked: MaxText run dirs (resume), logs, JAX compile cache
-JAX_CACHE = WORK / "jax_cache"
+# JAX's compile cache is content-addressed, so every workspace of a checkout shares one: DVC_ROOT is the
+# checkout where DVC runs a queued experiment in a temporary copy (.dvc/tmp/exps/), which has no work/.
+JAX_CACHE = Path(os.environ.get("DVC_ROOT") or ROOT) / "work" / "jax_cache"
 TIMINGS = WORK / "timings.jsonl"    # stage wall times (not DVC outputs: they differ run to run)
 STAMP = "mtpipe.json"
 EMBEDDED_DIR = "embedded"           # make_embedded's output: the twins and datasets of the embedded default
