@@ -1,10 +1,11 @@
-"""Training state in a work bucket (mtpipe/maxtext/run_dir.py): a killed training stage resumes on
-another machine from the bucket's latest complete checkpoint.
+"""Training state in a work bucket (mtpipe/maxtext/run_dir.py): the run directory's place, lease and
+mirror, and the collector of run directories no recipe names. A stopped training resuming on another
+machine from the bucket is tests/test_resume_exact.py's (a fresh clone) and tests/test_vm_recovery.py's
+(a new Spot VM).
 
 The patched GCS emulator (tests/fakes/gcs_emulator.py) is the bucket for every client a stage has:
 gcsfs and google-cloud-storage read STORAGE_EMULATOR_HOST, tensorstore (Orbax's storage)
-TENSORSTORE_GCS_HTTP_URL with GOOGLE_AUTH_TOKEN_FOR_TESTING. A fresh `git clone` of the session's
-pipeline repo is the new machine.
+TENSORSTORE_GCS_HTTP_URL with GOOGLE_AUTH_TOKEN_FOR_TESTING.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -25,11 +25,10 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from conftest import restore
 from mtpipe.pipeline import config
 from mtpipe.maxtext import run_dir as rd
 from mtpipe.errors import ConfigError
-from pipeline import ROOT, csv_rows, dvc, env, git, kill_group, md5_tree
+from pipeline import ROOT, env
 from work_bucket import bucket_env, emulator_fs
 
 pytestmark = pytest.mark.preemption
