@@ -11,6 +11,7 @@ prints argv; secrets come from the environment only (see mtpipe.maxtext.adapter.
 
 from __future__ import annotations
 
+import gc
 import runpy
 import sys
 from typing import Callable
@@ -41,7 +42,12 @@ def run_module(module: str, args: list[str]) -> int:
 def main(apply: Callable[[str, list[str]], Callable[[], None]], argv: list[str] | None = None,
          stopped_status: Callable[[], int | None] = lambda: None) -> int:
     """Patch MaxText with `apply`, run the module, then the post-processing `apply` returned if it
-    succeeded; a run that SIGTERM stopped after its save exits with `stopped_status()` instead."""
+    succeeded; a run that SIGTERM stopped after its save exits with `stopped_status()` instead.
+
+    The heap is frozen (`gc.freeze`) twice: after the patches' imports, so that the collector's full
+    passes during the run skip JAX's, tunix's and transformers' modules, and after the run, so that the
+    interpreter's exit frees the modules by their reference counts without a full collection over
+    them (docs/testing.md, "Garbage collection in MaxText's processes")."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-"):
         print("usage: python -m mtpipe.maxtext.adapter.{conversion,training} <maxtext.module> [args...]",
@@ -53,9 +59,11 @@ def main(apply: Callable[[str, list[str]], Callable[[], None]], argv: list[str] 
     except AdapterError as exc:
         print(f"mtpipe.maxtext.adapter: error: {exc}", file=sys.stderr)
         return 2
+    gc.freeze()  # what is imported by now lives as long as the process: no full collection scans it again
     status = run_module(module, args)
     if status == 0 and (stopped := stopped_status()) is not None:
         return stopped  # SIGTERM: the run saved its checkpoint but did not finish
     if status == 0:
         finish()
+    gc.freeze()  # the run is over: the interpreter's exit does not collect its heap (3-4 s of CPU)
     return status

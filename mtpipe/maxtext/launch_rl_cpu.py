@@ -17,6 +17,7 @@ worker start from here: benchmarks/grading_workers.py, docs/rl-rollout.md).
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import traceback
@@ -40,6 +41,7 @@ def run_train_rl(argv: Sequence[str]) -> NoReturn:
     apply(TRAIN_RL_MODULE, list(argv))  # no token in argv; tunix saves with MaxText's storage flags
     rollout_cpu.install()
     train_rl = importlib.import_module(TRAIN_RL_MODULE)
+    gc.freeze()  # the imports live as long as the process: the collector's full passes skip them (launch.main)
     code = 0
     try:
         app.run(train_rl.main, argv=[train_rl.__file__, *argv])

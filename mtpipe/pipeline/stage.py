@@ -12,6 +12,7 @@ in the work bucket): identical recipes resume a killed run, changed ones start c
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import json
 import os
@@ -193,6 +194,7 @@ def run_stage(main: Callable[..., None], *args: str, hub_token: bool = False) ->
         main(*args)
     except ConfigError as err:
         sys.exit(f"{Path(sys.argv[0]).stem}: {err}")
+    gc.freeze()  # done: the interpreter's exit frees the modules without a full collection over them
 
 
 def require(path: Path, what: str) -> Path:
