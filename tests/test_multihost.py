@@ -39,13 +39,13 @@ pytestmark = [pytest.mark.multihost, pytest.mark.slow, pytest.mark.xdist_group("
 STEPS, PERIOD = 12, 4
 
 
-def two_processes(repo: Path) -> None:
-    """params.yaml: the SFT branch as 2 JAX processes, STEPS steps, a checkpoint every PERIOD."""
+def two_processes(repo: Path, period: int = PERIOD) -> None:
+    """params.yaml: the SFT branch as 2 JAX processes, STEPS steps, a checkpoint every ``period``."""
     path = repo / "params.yaml"
     params = yaml.safe_load(path.read_text())
     params["steps"] = STEPS
     params["sft"].update(hardware="cpu-2proc")
-    params["sft"]["train_sft"].update(checkpoint_period=PERIOD)
+    params["sft"]["train_sft"].update(checkpoint_period=period)
     path.write_text(yaml.safe_dump(params, sort_keys=False))
 
 
@@ -88,10 +88,12 @@ def jax_process(dvc_proc: subprocess.Popen, index: int, timeout: float = 600) ->
 @pytest.fixture(scope="module")
 def uninterrupted(pipeline_repo: Path, gcs_emulator: GcsEmulator) -> dict:
     """The 2-process run without interruption, its run directory in the bucket (the emulator): what
-    its processes logged, its params (md5 per file) and its loss curve."""
+    its processes logged, its params (md5 per file) and its loss curve. It checkpoints at its last step
+    only (each save into the emulator costs the two processes seconds): the params are the same bytes
+    for any checkpoint period."""
     bucket, fs = bucket_env(gcs_emulator, prefix="multihost"), emulator_fs(gcs_emulator)
     try:
-        two_processes(pipeline_repo)
+        two_processes(pipeline_repo, period=STEPS)
         fresh_logs_and_runs(pipeline_repo)
         dvc(pipeline_repo, "repro", "--no-run-cache", "train_sft@sft", extra_env=bucket)
         trained = pipeline_repo / "artifacts" / "sft" / "trained"

@@ -168,14 +168,17 @@ def test_killed_and_failed_training_leave_the_token_nowhere(pipeline_repo: Path,
     preset = pipeline_repo / "conf" / "preset" / "embedded-sft.yaml"
     cfg, proc = yaml.safe_load(preset.read_text()), None
     try:
-        # tensorboardX flushes every 120 s (flush_secs) or on close; the demo's 150 steps can end
-        # before the first flush, so the killed run is held after its first step's checkpoint
-        # (MTPIPE_HOLD_AFTER_STEP: waiting, not training) until its config dump is flushed.
-        cfg["train_sft"].update(steps=5000)
+        # tensorboardX flushes every 120 s (flush_secs) or on close; a run can end before the first
+        # flush, so the killed run is held after its first step's checkpoint (MTPIPE_HOLD_AFTER_STEP:
+        # waiting, not training) until its config dump is flushed. Its 6 steps and the failed run's 4
+        # are the sweeps' (tests/test_invalidation.py, tests/test_vm_sweep.py): one compile each.
+        cfg["train_sft"].update(steps=6)
         preset.write_text(yaml.safe_dump(cfg, sort_keys=False))
         with ProcessWatch(canary.canary, canary.marker) as watch:
-            # Not --single-item: `configure` must rerun to resolve the 5000 steps into the stage's config.
-            proc = start_dvc(pipeline_repo, canary, "repro", "train_sft@sft", extra_env={HOLD_ENV: "1"})
+            # Not --single-item: `configure` must rerun to resolve the 6 steps into the stage's config.
+            # --no-run-cache: a sweep's 6-step run of the same recipe may have been cached on this worker.
+            proc = start_dvc(pipeline_repo, canary, "repro", "--no-run-cache", "train_sft@sft",
+                             extra_env={HOLD_ENV: "1"})
             deadline, training = time.monotonic() + 600, None
             while training is None and time.monotonic() < deadline and proc.poll() is None:
                 time.sleep(0.2)
@@ -185,10 +188,10 @@ def test_killed_and_failed_training_leave_the_token_nowhere(pipeline_repo: Path,
             assert training is not None, ("no run with a config dump and a checkpoint in 600 s: "
                                           f"{tensorboard_listing(set(runs.glob('train_sft-*')) - before)}")
             os.killpg(proc.pid, signal.SIGKILL)
-            assert " steps=5000 " in proc.communicate()[0], "the killed run did not get the edited preset"
+            assert " steps=6 " in proc.communicate()[0], "the killed run did not get the edited preset"
             killed = set(runs.glob("train_sft-*")) - before
 
-            cfg["train_sft"].update(steps=3, extra_args={"metrics_file": ""})  # MaxText writes none
+            cfg["train_sft"].update(steps=4, extra_args={"metrics_file": ""})  # MaxText writes none
             preset.write_text(yaml.safe_dump(cfg, sort_keys=False))
             failed = dvc(pipeline_repo, "repro", "train_sft@sft", check=False, extra_env=canary.env())
             assert failed.returncode != 0 and "MaxText metrics_file missing" in failed.stdout, failed.stdout[-3000:]
