@@ -334,9 +334,15 @@ def stage_infos(repo: Path, env: dict[str, str]) -> dict[str, StageInfo]:
     return {name: StageInfo(*info) for name, info in found.items() if stage_script(info[0])}
 
 
+def command_argv(cmd: str) -> list[str]:
+    """A dvc.yaml `cmd` as argv, without the `exec` the project's commands start with."""
+    argv = shlex.split(cmd)
+    return argv[1:] if argv[:1] == ["exec"] else argv
+
+
 def stage_script(cmd: str) -> str | None:
     """`stages/<stage>.py` for `python stages/<stage>.py ...` or `python -m stages.<stage> ...`."""
-    argv = shlex.split(cmd)
+    argv = command_argv(cmd)
     if argv[:2] == ["python", "-m"] and len(argv) > 2 and argv[2].startswith("stages."):
         return argv[2].replace(".", "/") + ".py"
     if len(argv) > 1 and argv[0] == "python" and argv[1].startswith("stages/"):
@@ -355,20 +361,21 @@ def remove(paths: list[Path]) -> None:
 def printed_command(repo: Path, cmd: str, env: dict[str, str]) -> tuple[str | None, str]:
     """(`[env K=V ...] python -m mtpipe.maxtext.adapter.<kind> ...` that the stage would run, or None; why not).
 
-    A script without the flag would ignore it and run the whole stage, so the flag must appear in
-    the script or in mtpipe/ before it is passed.
+    The flag is MaxText's runner's (mtpipe.maxtext.runner.run): a stage that runs no MaxText command
+    would ignore it and run whole, so it is passed only to a script that imports mtpipe.maxtext or
+    mtpipe.training.
     """
-    argv, script = shlex.split(cmd), stage_script(cmd)
-    sources = [repo / str(script), *sorted((repo / "mtpipe").glob("*.py"))]
-    if not any(p.is_file() and "--print-command" in p.read_text() for p in sources):
-        return None, f"{script} has no --print-command flag yet"
+    argv, script = command_argv(cmd), stage_script(cmd)
+    source = (repo / script).read_text() if script and (repo / script).is_file() else ""
+    if not re.search(r"^from mtpipe\.(maxtext|training)\b", source, re.M):
+        return None, f"{script} runs no MaxText command"
     try:
         proc = subprocess.run([*argv, "--print-command"], cwd=repo, env=env, capture_output=True,
                               text=True, timeout=120)
     except subprocess.TimeoutExpired:
         return None, f"`{cmd} --print-command` ran over 120 s"
     lines = proc.stdout.strip().splitlines()
-    if proc.returncode == 0 and lines and re.match(r"(env (\S+=\S+ )+)?python -m mtpipe\.(launch|rollout_cpu) ", lines[-1]):
+    if proc.returncode == 0 and lines and re.match(r"(env (\S+=\S+ )+)?python -m mtpipe\.maxtext\.(adapter\.\w+|launch_rl_cpu) ", lines[-1]):
         return lines[-1], ""
     said = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or ["nothing"]
     return None, f"`{cmd} --print-command` gave rc={proc.returncode}: {said[0][:80]}"
