@@ -18,6 +18,7 @@ Run as a script it is that child: `python tests/maxtext_forward.py TOKENS.npy OU
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -118,3 +119,4 @@ def _child(tokens_path: str, out_path: str, maxtext_args: list[str]) -> None:
 
 if __name__ == "__main__":
     _child(sys.argv[1], sys.argv[2], sys.argv[3:])
+    gc.freeze()  # the exit frees MaxText's modules without a collection over them (mtpipe.maxtext.launch)

@@ -22,6 +22,7 @@ Entry points: :func:`run` (``doit preflight``, and ``doit vm_run`` before it cre
 from __future__ import annotations
 
 import functools
+import gc
 import hashlib
 import json
 import math
@@ -623,4 +624,6 @@ def _child(out: Path, module: str, args: list[str]) -> int:
 if __name__ == "__main__":
     if len(sys.argv) < 4 or sys.argv[1] != "--compile":
         sys.exit("usage: python -m mtpipe.planning.preflight --compile OUT.json <maxtext trainer module> key=value ...")
-    sys.exit(_child(Path(sys.argv[2]), sys.argv[3], sys.argv[4:]))
+    _status = _child(Path(sys.argv[2]), sys.argv[3], sys.argv[4:])
+    gc.freeze()  # the exit frees MaxText's modules without a collection over them (mtpipe.maxtext.launch)
+    sys.exit(_status)
