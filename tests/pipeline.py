@@ -28,12 +28,12 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parents[1]
 # What a test copy changes in the committed params.yaml: the RL warm-up runs 120 steps, not 400 (enough for
-# the answer format: tests/test_pipeline_rl.py), GRPO 16 steps, not the demo's 100, and its eval takes 16
+# the answer format: tests/test_pipeline_rl.py), GRPO 8 steps, not the demo's 100, and its eval takes 16
 # prompts, not 96. The code path is the same; the demo's settings would cost about 10 minutes more in the
 # shared pipeline and in every test that reruns train_rl (docs/testing.md). The demo's own result is
 # metrics/rl/train_rl.json.
 TEST_PARAMS = {"    steps: null                  # SFT warm-up before GRPO (0: none)\n": "    steps: 120\n",
-               "    num_batches: null\n": "    num_batches: 16\n", "    num_test_batches: null\n": "    num_test_batches: 1\n",
+               "    num_batches: null\n": "    num_batches: 8\n", "    num_test_batches: null\n": "    num_test_batches: 1\n",
                "    num_problems: null           # held-out problems each model is scored on (null: the preset's)\n":
                    "    num_problems: 64\n"}
 GIT_ID = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}

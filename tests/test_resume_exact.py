@@ -119,35 +119,35 @@ def test_sigterm_saves_the_step_reached_and_a_fresh_clone_resumes_it_from_the_bu
 
 @pytest.mark.slow
 def test_grpo_killed_after_a_checkpoint_resumes_as_the_uninterrupted_run(pipeline_repo: Path) -> None:
-    """train_rl with an actor checkpoint every 4 steps, SIGKILLed while it holds after step 4, resumed
-    and SIGKILLed again after step 8, then rerun: the final actor params are the uninterrupted run's
-    (the pipeline's, whose only checkpoint is the last) byte for byte, and so is every reward row
-    after step 8 and every eval metric, the one before GRPO included (the run's first eval, adapter
-    patch 16, not the restored actor's). tunix's GRPO learner fast-forwards its data iterator by
-    itself; this keeps it so."""
+    """train_rl (the test copies' 8 steps) with an actor checkpoint every 2 steps, SIGKILLed while it
+    holds after step 2, resumed and SIGKILLed again after step 4, then rerun: the final actor params
+    are the uninterrupted run's (the pipeline's, whose only checkpoint is the last) byte for byte, and
+    so is every reward row after step 4 and every eval metric, the one before GRPO included (the run's
+    first eval, adapter patch 16, not the restored actor's). tunix's GRPO learner fast-forwards its
+    data iterator by itself; this keeps it so."""
     params, curve = reference(pipeline_repo, "rl/trained", "rl/train_rl.csv")
     evals = {k: v for k, v in json.loads((pipeline_repo / "metrics/rl/train_rl.json").read_text()).items()
              if k.startswith("eval_")}
     path = pipeline_repo / "params.yaml"
     settings = yaml.safe_load(path.read_text())
-    settings["rl"]["train_rl"]["extra_args"] = {"checkpoint_period": 4}
+    settings["rl"]["train_rl"]["extra_args"] = {"checkpoint_period": 2}
     log = pipeline_repo / "work" / "logs" / "rl" / "train_rl.log"
     try:
         path.write_text(yaml.safe_dump(settings, sort_keys=False))
         dvc(pipeline_repo, "repro", "-s", "configure")  # start_held runs train_rl alone (-s)
-        assert "checkpoint_period: 4" in (pipeline_repo / "config" / "rl" / "train_rl.yaml").read_text()
+        assert "checkpoint_period: 2" in (pipeline_repo / "config" / "rl" / "train_rl.yaml").read_text()
+        kill_group(start_held(pipeline_repo, "train_rl", 2, log))
         kill_group(start_held(pipeline_repo, "train_rl", 4, log))
-        kill_group(start_held(pipeline_repo, "train_rl", 8, log))
         out = dvc(pipeline_repo, "repro", "-f", "-s", "--no-run-cache", "train_rl").stdout
-        assert "an earlier run left actor checkpoints up to step 8" in out, out[-3000:]
+        assert "an earlier run left actor checkpoints up to step 4" in out, out[-3000:]
         assert log.read_text().count("the eval before GRPO is this run's first") == 2
         resumed_metrics = json.loads((pipeline_repo / "metrics/rl/train_rl.json").read_text())
         assert {k: v for k, v in resumed_metrics.items() if k.startswith("eval_")} == evals
         assert md5_tree(pipeline_repo / "artifacts" / "rl" / "trained", ["model_params"]) == params, \
             "the resumed GRPO run's actor params differ from the uninterrupted run's"
         resumed = csv_rows(pipeline_repo / "plots" / "rl" / "train_rl.csv")
-        after = [row for row in curve if int(row["step"]) > 8]
-        assert [row for row in resumed if int(row["step"]) > 8] == after and len(after) == len(curve) - 8
+        after = [row for row in curve if int(row["step"]) > 4]
+        assert [row for row in resumed if int(row["step"]) > 4] == after and len(after) == len(curve) - 4 > 0
     finally:
         restore(pipeline_repo)
 
