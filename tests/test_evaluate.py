@@ -226,6 +226,19 @@ def test_gsm8k_through_lm_eval_on_the_pinned_files(data, llama_server, tmp_path,
 
 
 @pytest.mark.scores
+def test_lm_eval_indexes_only_the_tasks_the_stage_wrote(data, tmp_path):
+    """Both tasks, written to one folder, are all lm-eval's task manager knows (the pinned one reads
+    its upstream file by path), and each loads: no bundled task is indexed."""
+    files = sorted((data["gsm8k"] / "main").glob("test-*.parquet"))
+    names = {gsm8k.write_task(task, files, tmp_path) for task in gsm8k.TASKS}
+    manager = gsm8k.task_manager(tmp_path)
+    indexed = {name: entry.yaml_path for name, entry in manager.task_index.items() if entry.yaml_path}
+    assert set(indexed) == names and {path.parent for path in indexed.values()} == {tmp_path}
+    for name in names:
+        assert manager.load([name])
+
+
+@pytest.mark.scores
 def test_the_rl_format_task_asks_in_train_rls_prompt_and_reads_its_answer_tag(tmp_path):
     """gsm8k_rl_format renders train_rl's own prompt (the warm-up's user turn, token for token) and
     scores the number in <answer>; the last number anywhere is the flexible extraction."""
