@@ -91,8 +91,11 @@ def project(tmp_path_factory) -> Path:
 
 
 def _pytest(repo: Path, *args: str) -> subprocess.CompletedProcess:
+    """pytest in ``repo`` with ``args`` only: the outer run's PYTEST_ADDOPTS (`-v` turns `--collect-only -q`
+    into a tree of nodes) stays out."""
+    nested = {k: v for k, v in env().items() if k != "PYTEST_ADDOPTS"}
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", *args],
-                          cwd=repo, env=env(), capture_output=True, text=True, timeout=900)
+                          cwd=repo, env=nested, capture_output=True, text=True, timeout=900)
 
 
 def _set_params(repo: Path, values: dict[str, object]) -> None:

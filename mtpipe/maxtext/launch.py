@@ -61,9 +61,8 @@ def main(apply: Callable[[str, list[str]], Callable[[], None]], argv: list[str] 
         return 2
     gc.freeze()  # what is imported by now lives as long as the process: no full collection scans it again
     status = run_module(module, args)
-    if status == 0 and (stopped := stopped_status()) is not None:
-        return stopped  # SIGTERM: the run saved its checkpoint but did not finish
-    if status == 0:
+    stopped = stopped_status() if status == 0 else None  # SIGTERM: the run saved its checkpoint, not finished
+    if status == 0 and stopped is None:
         finish()
     gc.freeze()  # the run is over: the interpreter's exit does not collect its heap (3-4 s of CPU)
-    return status
+    return status if stopped is None else stopped
