@@ -21,6 +21,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,12 +55,22 @@ def warm_uv_cache(lock: Path) -> None:
 
 
 def main() -> None:
+    """Make the four side by side: pip and uv each wait on the network or use one core, so together they
+    take about as long as the TRL side environment alone (docs/testing.md, "Offline: no index, no network")."""
     (ROOT / "work").mkdir(exist_ok=True)
-    for name, make in (("xpk side environment", xpk_parser.side_env), ("TRL side environment", grpo_trl.side_env),
-                       ("requirements-vm.lock in uv's cache", lambda: warm_uv_cache(requirement_locks.VM_LOCK)),
-                       ("requirements-control.lock in uv's cache", lambda: warm_uv_cache(requirement_locks.CONTROL_LOCK))):
-        print(f"prefetch: {name}", flush=True)
-        make()
+    requirement_locks.uv()  # the uv both cache warmers run, made before them (its install takes no lock)
+    makers = {"xpk side environment": xpk_parser.side_env, "TRL side environment": grpo_trl.side_env,
+              "requirements-vm.lock in uv's cache": lambda: warm_uv_cache(requirement_locks.VM_LOCK),
+              "requirements-control.lock in uv's cache": lambda: warm_uv_cache(requirement_locks.CONTROL_LOCK)}
+    start = time.monotonic()
+
+    def made(name: str) -> None:
+        makers[name]()
+        print(f"prefetch: {name} ({time.monotonic() - start:.0f} s)", flush=True)
+
+    with ThreadPoolExecutor(max_workers=len(makers)) as pool:
+        for future in [pool.submit(made, name) for name in makers]:
+            future.result()  # the first failure is raised here, with its own message
 
 
 if __name__ == "__main__":
