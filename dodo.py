@@ -69,7 +69,8 @@ TARGET_PARAMS = [
 ]
 KEEP = {"name": "keep", "long": "keep", "type": bool, "default": False,
         "help": "keep the VM when this task fails or is interrupted"}
-KEEP_AFTER_RUN = {**KEEP, "help": "keep the VM after the run (it is deleted when the run ends, however it ends)"}
+KEEP_AFTER_RUN = {**KEEP, "help": "keep the VM when the run ends, however it ends (else it is deleted; "
+                                   "`doit vm_down` deletes a kept one)"}
 YES = {"name": "yes", "long": "yes", "type": bool, "default": False,
        "help": "create the VM without asking (scripts); else the price is printed and confirmed"}
 PROVISIONING = {"name": "provisioning", "long": "provisioning", "type": str, "default": None,
@@ -225,8 +226,9 @@ def task_vm_shell() -> dict:
 
 
 def task_vm_down() -> dict:
-    """Delete the VM and its firewall rule (fine when already gone); without .vm_state.json or a name,
-    your VMs labelled app=mtpipe in the zone."""
+    """Delete the VM and its firewall rule, or your labelled ones (fine when already gone).
+
+    Without .vm_state.json or a name (a fresh clone, another laptop): your VMs labelled app=mtpipe in the zone."""
     return {"actions": [vm_down], "io": NO_CAPTURE, "params": TARGET_PARAMS}
 
 

@@ -56,8 +56,9 @@ def available(group: str) -> list[str]:
 def _load_named(group: str, name: Any, key: str) -> DictConfig:
     path = CONF_DIR / group / f"{name}.yaml"
     if not isinstance(name, str) or not path.is_file():
-        raise ConfigError(
-            key, f"unknown {group} preset {name!r}", f"use one of {available(group)} (files in conf/{group}/)"
+        raise ConfigError(   # "unknown preset 'x'", "unknown model preset 'x'"
+            key, f"unknown {'preset' if group == 'preset' else f'{group} preset'} {name!r}",
+            f"use one of {available(group)} (files in conf/{group}/)",
         )
     return load_yaml(path)
 
