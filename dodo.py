@@ -4,6 +4,7 @@
                [--provisioning reservation|spot|on-demand|flex-start] [--yes]
     doit vm_run [--set=steps=2000 ...] [--exp-name NAME] [--target STAGE] [--keep] [--recreate] [--yes]
                 [--queue --set=steps=500 --set=steps=1000 ...] [--provisioning spot]
+    doit vm_run --rehearse [--provisioning on-demand] [--keep] [--yes]   (one chip, the embedded default)
     doit vm_setup        doit vm_status       doit vm_shell        doit vm_down
     doit publish --exp NAME --repo ORG/NAME [--branch rl|sft] [--public]   (HF_TOKEN: a write token)
 
@@ -125,17 +126,23 @@ def vm_setup(keep: bool, **params: Any) -> None:
 
 @_task_action
 def vm_run(keep: bool, yes: bool, recreate: bool, target: str | None, set: list[str],
-           exp_name: str | None, queue: bool, no_preflight: bool, **params: Any) -> None:
-    from mtpipe.cloud import vm_experiments, vm_state
-    from mtpipe.cloud.lifecycle import spend_line
+           exp_name: str | None, queue: bool, no_preflight: bool, rehearse: bool, **params: Any) -> None:
+    from mtpipe.cloud import rehearsal, vm_experiments, vm_state
+    from mtpipe.cloud.lifecycle import VmLifecycle, spend_line
 
-    life = _target(params, keep, yes)
-    experiments = vm_experiments.experiments(set, queue)
-    names = vm_experiments.experiment_names(exp_name, len(experiments))
-    for name in names:
-        vm_experiments.check_exp_name(life.root, name)
-    life.run_experiments(experiments, names, target, may_create=recreate or bool(life.cfg.recreate),
-                         preflight=not no_preflight)
+    if rehearse:   # the embedded default on a new one-chip VM (mtpipe/cloud/rehearsal.py)
+        rehearsal.check_options(set, queue, target)
+        root = vm_experiments.repo_root()
+        life = VmLifecycle(rehearsal.load_config(params, root), root, keep, yes)
+        rehearsal.run(life, exp_name)
+    else:
+        life = _target(params, keep, yes)
+        experiments = vm_experiments.experiments(set, queue)
+        names = vm_experiments.experiment_names(exp_name, len(experiments))
+        for name in names:
+            vm_experiments.check_exp_name(life.root, name)
+        life.run_experiments(experiments, names, target, may_create=recreate or bool(life.cfg.recreate),
+                             preflight=not no_preflight)
     if keep:
         print(f"mtpipe: {spend_line(vm_state.read_state(life.root))}; VM {life.cfg.name} keeps running "
               "(--keep): `doit vm_down` deletes it", flush=True)
@@ -211,6 +218,9 @@ def task_vm_run() -> dict:
                      "several such keys), run one after another on one VM"},
             {"name": "no_preflight", "long": "no-preflight", "type": bool, "default": False,
              "help": "skip the AOT compile that checks the preset fits the TPU (doit preflight)"},
+            {"name": "rehearse", "long": "rehearse", "type": bool, "default": False,
+             "help": "the first paid step: the embedded default through every step of the run on a new "
+                     "one-chip VM of the same generation (Spot unless --provisioning), then deleted"},
         ],
     }
 

@@ -16,7 +16,7 @@ import itertools
 import secrets
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
@@ -541,13 +541,15 @@ class VmLifecycle:
     # ------------------------------------------------------------ running and reporting
 
     def run_experiments(self, experiments: list[list[str]], names: list[str | None], target: str | None,
-                        may_create: bool, preflight: bool) -> None:
+                        may_create: bool, preflight: bool,
+                        checks: Sequence[tuple[str, Callable[[vm_ssh.Remote], str]]] = ()) -> None:
         """Each experiment as a DVC experiment on the VM, brought back into this repository; a
-        replacement VM runs only what is left. The end of the run, a recovery and a spend past
-        budget_usd are notices (mtpipe.cloud.notify)."""
+        replacement VM runs only what is left. ``checks``: (what, check) pairs run on the VM after the
+        TPU checks, before the pipeline (the rehearsal's: mtpipe.cloud.rehearsal), each saying its line.
+        The end of the run, a recovery and a spend past budget_usd are notices (mtpipe.cloud.notify)."""
         watch = self._budget_watch()
         try:
-            got = self._run_experiments(experiments, names, target, may_create, preflight)
+            got = self._run_experiments(experiments, names, target, may_create, preflight, checks)
         except BaseException as e:
             what = "interrupted" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
             notify.send(notify.Event.FAILED, self.cfg.name, f"{what}\n{self._spent()}", _say)
@@ -577,7 +579,8 @@ class VmLifecycle:
         return watch
 
     def _run_experiments(self, experiments: list[list[str]], names: list[str | None], target: str | None,
-                         may_create: bool, preflight: bool) -> list[str]:
+                         may_create: bool, preflight: bool,
+                         checks: Sequence[tuple[str, Callable[[vm_ssh.Remote], str]]]) -> list[str]:
         """:meth:`run_experiments`' work; the names of the experiments that came back."""
         cfg, root = self.cfg, self.root
         secret_lines, secret_data = vm_experiments.secrets_stdin(list(cfg.run.secrets))
@@ -596,6 +599,9 @@ class VmLifecycle:
             for target in tpus:   # before anything is downloaded; a failure deletes the VM (mtpipe.cloud.vm_tpu)
                 _say(f"checking the TPU runtime on VM {cfg.name}: {target.command()}")
                 _say(vm_tpu.check(remote, cfg, root, target))
+            for what, check in checks:
+                _say(what)
+                _say(check(remote))
             _say(f"shipped {commit[:12]}; running the pipeline on {cfg.name}")
             while todo:
                 sets, script = todo[0]
