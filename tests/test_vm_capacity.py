@@ -2,7 +2,7 @@
 the flex-start provisioning). A stockout in the first of `zones` moves the insert to the next one,
 leaving nothing in the zone it left; a quota short in a region skips that region's zones before the
 insert, or stops the run naming the quota when no zone is left; a Flex-start VM is created as Compute
-takes one and priced as conf/prices.yaml says.
+takes one and priced as conf/prices.yaml says (tests/test_first_run_compute.py, with the Flex-start queue).
 
 `doit vm_up` runs in process against the loopback world (tests/vm_world.py): the fake Compute API
 keeps each VM's boot disk as a disk of its zone and refuses an on-demand insert past the region's
@@ -13,14 +13,12 @@ checked against its discovery document.
 from __future__ import annotations
 
 import json
-import os
-from unittest import mock
 
 import pytest
 from fakes.fake_org import bucket
 from vm_world import Env
 
-from mtpipe.cloud import gcp, prices, vm_config, vm_quota, vm_state
+from mtpipe.cloud import vm_quota, vm_state
 
 pytestmark = pytest.mark.first_request
 EAST, WEST = "us-east5-b", "europe-west4-a"   # zones of two regions that offer ct6e-standard-8t
@@ -117,37 +115,3 @@ def test_a_quota_short_in_a_region_is_stopped_before_the_insert(world: Env) -> N
     assert "quota TPUS_PER_TPU_FAMILY (tpu_family=CT6E) allows 0 chips in us-east5, and a ct6e-standard-8t " \
            "takes 8: a spot VM takes the preemptible TPU v6e quota first (not read here), so going on" in out, out
     down(w)
-
-
-def test_a_flex_start_run(world: Env) -> None:
-    """--provisioning=flex-start: a FLEX_START VM that consumes no reservation, runs at most
-    max_run_duration_s and is then deleted, and whose insert may wait flex_start.request_valid_for_s
-    for capacity; priced from conf/prices.yaml's flex-start row (a relative figure, said so) in the
-    creation line and in what preflight's forecast reads. The fake refuses a Flex-start body without
-    maxRunDuration, as Compute does."""
-    w = world
-    w.configure(flex_start={"request_valid_for_s": 1800})
-    out = w.doit("vm_up", "--provisioning=flex-start").stdout
-    assert "creating ct6e-standard-8t VM mt-test (flex-start) in us-east5-b: about 10.16 USD per hour (8 chips x " \
-           "1.27 USD, v6e flex-start price as of on-demand less 53%, the largest DWS discount (no v6e figure): " \
-           "conf/prices.yaml) while it exists; Compute looks for capacity for up to 1800 s " \
-           "(flex_start.request_valid_for_s); Compute deletes it after 4 h (at most 40.64 USD)." in out, out
-    (insert,) = w.fake.inserts()
-    body = insert.json()
-    assert body["scheduling"] | {"maxRunDuration": body["scheduling"]["maxRunDuration"]["seconds"]} == {
-        "provisioningModel": "FLEX_START", "instanceTerminationAction": "DELETE", "onHostMaintenance": "TERMINATE",
-        "automaticRestart": False, "maxRunDuration": "14400"}
-    assert body["reservationAffinity"] == {"consumeReservationType": "NO_RESERVATION"}
-    assert body["params"] == {"requestValidForDuration": {"seconds": "1800"}} and "VM mt-test ready at" in out
-    assert body["labels"]["mtpipe-provisioning"] == "flex-start"
-    assert "ct6e-standard-8t, FLEX_START, external IP" in w.doit("vm_status").stdout
-    down(w)
-
-    with mock.patch.dict(os.environ, w.env, clear=True):
-        cfg = vm_config.load_config({"provisioning": "flex-start"})
-        assert prices.vm_rate(cfg).per_chip().startswith("v6e flex-start price as of on-demand less 53%")  # preflight's
-        body = gcp.instance_body(cfg, cfg.name, "ssh-ed25519 AAAA", {}, "FLEX_START")
-        del body["scheduling"]["max_run_duration"]
-        with pytest.raises(gcp.GcpError, match="Flex-start VMs need a maxRunDuration of at most 7 days"):
-            gcp.Compute(cfg.project, cfg.zone).create_instance(body)
-    assert not w.fake.instances

@@ -282,6 +282,9 @@ def test_scheduling_per_provisioning_mode(fake: FakeCompute, mode: str,
     """Each mode's insert body, as sent; the fake accepts it (it refuses what Compute refuses)."""
     if mode != "reservation":
         monkeypatch.delenv("RESERVATION")      # only a reservation's VM needs one
+    zone = "us-east5-a" if mode == "flex-start" else "us-east5-b"   # us-east5-a grants Flex-start v6e VMs
+    monkeypatch.setenv("ZONE", zone)
+    golden = json.loads(json.dumps(GOLDEN_INSTANCE).replace("us-east5-b", zone))
     cfg = vm_config.load_config({"provisioning": mode})
     vm_config.check_create(cfg)
     compute = gcp.Compute(cfg.project, cfg.zone)
@@ -294,8 +297,7 @@ def test_scheduling_per_provisioning_mode(fake: FakeCompute, mode: str,
     assert body.pop("params", None) == ({"requestValidForDuration": {"seconds": "3600"}}
                                         if mode == "flex-start" else None)
     assert {k: v for k, v in body.items() if k not in ("scheduling", "reservationAffinity", "labels")} \
-        == {k: v for k, v in GOLDEN_INSTANCE.items()
-            if k not in ("scheduling", "reservationAffinity", "labels")}
+        == {k: v for k, v in golden.items() if k not in ("scheduling", "reservationAffinity", "labels")}
     assert instance.status == "RUNNING" and instance.scheduling.provisioning_model == scheduling[
         "provisioningModel"]
     rate = prices.vm_rate(cfg)   # 8 chips at conf/prices.yaml's v6e price; a reservation: on demand

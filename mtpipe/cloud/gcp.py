@@ -51,12 +51,30 @@ QUOTA_REASONS = {"quotaExceeded", "rateLimitExceeded", "QUOTA_EXCEEDED"}
 # sky/backends/cloud_vm_ray_backend.py, citing Compute's "Troubleshooting VM creation" page) blocks the
 # zone; it has seen UNSUPPORTED_OPERATION when a Spot VM is preempted while it is created.
 STOCKOUT_CODES = {"ZONE_RESOURCE_POOL_EXHAUSTED", "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS",
-                  "UNSUPPORTED_OPERATION", "insufficientCapacity"}
+                  "UNSUPPORTED_OPERATION", "insufficientCapacity",
+                  "RESOURCE_POOL_EXHAUSTED"}   # treated as full by other public code, as SkyPilot treats the zone's
+# The whole region has none free: its other zones are skipped too (public failover code treats it so).
+REGION_STOCKOUT_CODES = {"REGION_RESOURCE_POOL_EXHAUSTED"}
+# Transient answers worth the same request again in the same zone after a wait (SkyPilot handles both:
+# RESOURCE_NOT_READY among its zone errors, RESOURCE_OPERATION_RATE_EXCEEDED apart).
+RETRY_CODES = {"RESOURCE_NOT_READY", "RESOURCE_OPERATION_RATE_EXCEEDED"}
 SETTLING = ("PROVISIONING", "STAGING")   # a VM's status while Compute still creates it
+# A Flex-start VM's status while Dynamic Workload Scheduler looks for its capacity (compute.v1 Instance.status):
+# the insert's operation is DONE, the VM exists, runs nothing and gets no external IP yet.
+WAITING_FOR_CAPACITY = "PENDING"
 
 
 class CapacityError(GcpError):
-    """The zone has no free machine of this type now (a stockout): the same request may work later."""
+    """The zone has no free machine of this type now (a stockout): the same request may work later.
+    ``region_wide``: the whole region has none (REGION_STOCKOUT_CODES)."""
+
+    def __init__(self, message: str, region_wide: bool = False) -> None:
+        super().__init__(message)
+        self.region_wide = region_wide
+
+
+class TryAgain(CapacityError):
+    """A transient refusal (RETRY_CODES): the same insert in the same zone may work after a short wait."""
 
 
 class QuotaExceeded(GcpError):
@@ -613,6 +631,11 @@ class Compute:
                                "check the Cloud console, then rerun")
         codes = {e.code for e in op.error.errors}
         errors = [f"{e.code}: {e.message}" for e in op.error.errors]
+        if codes & RETRY_CODES:
+            raise TryAgain(f"{what}: Compute is not ready for it in {self.zone} ({'; '.join(errors)})")
+        if codes & REGION_STOCKOUT_CODES:
+            raise CapacityError(f"{what}: no capacity in region {region(self.zone)} now ({'; '.join(errors)})",
+                                region_wide=True)
         if codes & STOCKOUT_CODES:
             raise CapacityError(f"{what}: no capacity in {self.zone} now ({'; '.join(errors)})")
         if codes & QUOTA_REASONS:

@@ -25,11 +25,17 @@ from omegaconf import DictConfig, OmegaConf
 
 from mtpipe.cloud import (interrupts, notify, prices, run_status, ssh_route, vm_checks, vm_config,
                           vm_experiments, vm_host, vm_identity, vm_setup, vm_ssh, vm_state, vm_tpu)
-from mtpipe.cloud.gcp import SETTLING, CapacityError, Compute, GcpError, MaxRunDurationRefused, QuotaExceeded, region
+from mtpipe.cloud.gcp import (SETTLING, WAITING_FOR_CAPACITY, CapacityError, Compute, GcpError, MaxRunDurationRefused,
+                              QuotaExceeded, TryAgain, region)
 from mtpipe.errors import ConfigError
 from mtpipe.planning import preflight as preflight_checks
 
 STOCKOUT_MAX_WAIT_S = 300  # the longest wait between two rounds of the zones during a stockout
+# A transient refusal of an insert (gcp.RETRY_CODES: RESOURCE_NOT_READY, RESOURCE_OPERATION_RATE_EXCEEDED) is
+# retried in the same zone this many times, after waits of INSERT_RETRY_FIRST_WAIT_S doubled each time, then
+# the zone is left as after a stockout.
+INSERT_RETRIES = 3
+INSERT_RETRY_FIRST_WAIT_S = 10.0
 # Labels every VM gets besides conf/vm.yaml's `labels` (app: mtpipe); firewall rules, which have no
 # labels, carry them in their description.
 RUN_LABEL = "mtpipe-run"                    # a fresh id per VM creation
@@ -42,7 +48,8 @@ class Provider(Protocol):
     """What the lifecycle needs from a cloud. Instances have ``status`` (``RUNNING`` while usable)
     and ``creation_timestamp`` (ISO 8601) and ``labels``; each call waits until the cloud has done it.
     ``create_vm`` raises :class:`mtpipe.cloud.gcp.CapacityError` when the zone has no such machine
-    free now, :class:`mtpipe.cloud.gcp.QuotaExceeded` when the project's quota is spent; after it
+    free now, :class:`mtpipe.cloud.gcp.QuotaExceeded` when the project's quota is spent, and may return
+    a VM whose status is ``PENDING`` (a Flex-start VM waiting for capacity: :meth:`VmLifecycle._await_capacity`); after it
     failed or was interrupted, ``settle`` waits until the cloud says whether the VM exists, and
     ``delete_orphan_disk`` deletes a boot disk the VM left. ``zone``: the zone it works in."""
 
@@ -183,7 +190,8 @@ class VmLifecycle:
         """
         cfg, root = self.cfg, self.root
         state = vm_state.read_state(root)
-        vm_config.check_create(cfg)
+        for line in vm_config.check_create(cfg):   # before any request
+            _say(line)
         cloud = self.cloud
         recorded = (state.get("project"), state.get("zone"), state.get("name"))
         if state and recorded != (cfg.project, cfg.zone, cfg.name):
@@ -315,15 +323,18 @@ class VmLifecycle:
         deadline, wait = time.monotonic() + cfg.stockout.retry_for_s, cfg.stockout.first_wait_s
         quota: QuotaExceeded | None = None
         while True:
-            tried, stockout = [], None
+            tried, stockout, full = [], None, set()   # full: regions out of stock this round
             for zone in zones:
-                if region(zone) in spent:
+                if region(zone) in spent | full:
                     continue
                 self._move_to(zone)
                 try:
                     return self._insert(public_key, labels, state)
                 except CapacityError as err:
                     stockout, why = err, f"no {cfg.machine_type} free there now (stockout: {err})"
+                    if err.region_wide:
+                        full.add(region(zone))
+                        why += f"; skipping the other zones of region {region(zone)} this round"
                 except QuotaExceeded as err:
                     if err.global_quota:
                         raise
@@ -346,20 +357,55 @@ class VmLifecycle:
             wait = min(wait * 2, STOCKOUT_MAX_WAIT_S)
 
     def _insert(self, public_key: str, labels: dict[str, str], state: dict | None) -> Any:
-        """One insert in ``cfg.zone``, its price printed and (with ``state``) recorded first."""
+        """One insert in ``cfg.zone``, its price printed and (with ``state``) recorded first; a transient
+        refusal (TryAgain) retried INSERT_RETRIES times after doubling waits, then a CapacityError; a
+        Flex-start VM waited on until it has capacity (:meth:`_await_capacity`)."""
         cfg = self.cfg
         _say(creation_line(cfg, self.cloud.provisioning_model(cfg)))
         if state is not None:
             _record_insert(self.root, cfg, state)
+        retries, wait = 0, INSERT_RETRY_FIRST_WAIT_S
         while True:
             try:
-                return self.cloud.create_vm(cfg, public_key, labels)
+                return self._await_capacity(self.cloud.create_vm(cfg, public_key, labels))
             except MaxRunDurationRefused as err:
                 _say(f"Compute refused maxRunDuration for reservation-bound VM {cfg.name} ({err}); creating it "
                      "once more without it. This VM is then not deleted automatically after max_run_duration_s: "
                      "vm_run still deletes it when the run ends, unless --keep; Compute when the reservation ends; "
                      "otherwise `doit vm_down`")
                 cfg.max_run_duration_s = 0
+            except TryAgain as err:
+                if retries == INSERT_RETRIES:
+                    raise CapacityError(f"{err}; the same after {INSERT_RETRIES} retries") from err
+                retries += 1
+                self._clear_zone()
+                _say(f"{err}: the same insert again in {wait:g} s (retry {retries} of {INSERT_RETRIES})")
+                time.sleep(wait)
+                wait *= 2
+
+    def _await_capacity(self, instance: Any) -> Any:
+        """``instance`` once it has capacity. A Flex-start VM is PENDING while Compute looks for its
+        capacity: it is waited on, said every flex_start.poll_s, until it is RUNNING (returned); one
+        that disappears (its request window, flex_start.request_valid_for_s, expired) or is still
+        PENDING a poll after that window is a stockout (CapacityError), whose zone the caller clears."""
+        cfg = self.cfg
+        if instance.status != WAITING_FOR_CAPACITY:
+            return instance
+        window, poll = float(cfg.flex_start.request_valid_for_s), float(cfg.flex_start.poll_s)
+        start = time.monotonic()
+        while instance is not None and instance.status in (WAITING_FOR_CAPACITY, *SETTLING):
+            waited = time.monotonic() - start
+            if waited > window + poll:
+                raise CapacityError(f"Flex-start VM {cfg.name} is still {instance.status} in {cfg.zone} after its "
+                                    f"request window ({window:g} s, flex_start.request_valid_for_s)")
+            _say(f"VM {cfg.name} is {instance.status} in {cfg.zone}: Compute is looking for its capacity ({waited:.0f} "
+                 f"s so far, at most {window:g} s: flex_start.request_valid_for_s); Ctrl-C deletes it")
+            time.sleep(poll)
+            instance = self.cloud.get_instance(cfg.name)
+        if instance is None:
+            raise CapacityError(f"Flex-start VM {cfg.name} got no capacity in {cfg.zone} within its request window "
+                                f"({window:g} s, flex_start.request_valid_for_s): Compute removed it")
+        return instance
 
     def _move_to(self, zone: str) -> None:
         """Make ``zone`` the VM's zone, and the cloud's client that zone's."""
@@ -391,8 +437,8 @@ class VmLifecycle:
         cfg = self.cfg
         state.update(_recorded(cfg), created=instance.creation_timestamp)
         vm_state.write_state(self.root, state)
-        remote = self.remote(state)
         try:
+            remote = self.remote(state)   # inside: a new VM without an address is deleted too
             state["host_key"] = vm_ssh.wait_ready(remote, float(cfg.ssh.ready_timeout_s))
         except BaseException:
             if created and not self.keep:

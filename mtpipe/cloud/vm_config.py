@@ -33,6 +33,16 @@ NAME_RE = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")   # Compute's resourc
 NAME_MAX = 63
 LABEL_KEY_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
 LABEL_VALUE_RE = re.compile(r"^[a-z0-9_-]{0,63}$")
+# Compute Engine's bounds on params.requestValidForDuration (a Flex-start insert's wait for capacity):
+# it refuses values outside 90-7200 s (the error text a Flex-start report quotes, /work/shared notes)
+FLEX_START_WAIT_S = (90, 7200)
+# The zones that grant Flex-start VMs of a TPU machine family on Compute Engine: SkyPilot's table
+# (sky/clouds/gcp.py, _COMPUTE_TPU_FLEX_START_ZONES); Google's TPU Flex-start page lists the first two.
+FLEX_START_ZONES = {"ct6e": ("asia-northeast1-b", "us-east5-a", "us-south1-ai1b")}
+# TPU machine families Compute Engine lists but refuses to create: for ct5lp (v5e) instances.insert
+# answers 403 "This user agent is not allowed to use the machine type [ct5lp-hightpu-Nt]", also for
+# projects holding v5e quota (public reports); v5e is reached through the Cloud TPU API or GKE.
+COMPUTE_REFUSED = frozenset({"ct5lp"})
 
 
 class VmError(RuntimeError):
@@ -97,6 +107,7 @@ class Stockout(Section):
 
 class FlexStart(Section):
     request_valid_for_s: Seconds           # params.requestValidForDuration: how long Compute looks for capacity
+    poll_s: Seconds                        # how often vm_up looks at a PENDING VM (and says it still waits)
 
 
 class VmConfig(Section):
@@ -151,6 +162,11 @@ class VmConfig(Section):
                               "flex-start, which Compute runs for a limited time only (its maxRunDuration, at "
                               "most 7 days)", f"set max_run_duration_s between 1 and {FLEX_START_MAX_RUN_S} in "
                               "conf/vm.yaml (Compute deletes the VM then)")
+        low, high = FLEX_START_WAIT_S
+        if not low <= self.flex_start.request_valid_for_s <= high:
+            raise ConfigError("vm.flex_start.request_valid_for_s", f"is {self.flex_start.request_valid_for_s:g} s, "
+                              f"and Compute takes a request window (requestValidForDuration) of {low}-{high} s "
+                              "only", f"set flex_start.request_valid_for_s between {low} and {high} in conf/vm.yaml")
         if problem := name_problem(self.name):
             raise ConfigError("vm.name", f"{self.name!r} {problem}",
                               f"use at most {NAME_MAX - len('-ssh')} lowercase letters, digits and dashes, "
@@ -288,10 +304,53 @@ def require(cfg: DictConfig, *keys: str) -> None:
                               f"export {var}=... or pass `--{key} ...` (or set {key}: in conf/vm.yaml)")
 
 
-def check_create(cfg: DictConfig) -> None:
-    """The settings vm_up needs, before any request (vm_checks asks Compute about the rest)."""
+def check_create(cfg: DictConfig) -> list[str]:
+    """The settings vm_up needs, before any request (vm_checks asks Compute about the rest): the
+    machine type on a route that creates it (:func:`check_route`), the required keys, a Flex-start
+    VM's zones (:func:`flex_start_zones`). Returns what to say about the zones dropped."""
+    check_route(cfg)
     reservation = ["reservation"] if cfg.provisioning == "reservation" else []
     require(cfg, "project", "zone", *reservation, "name")
+    return flex_start_zones(cfg)
+
+
+def check_route(cfg: DictConfig) -> None:
+    """Refuse a machine type Compute Engine lists but does not create (COMPUTE_REFUSED: TPU v5e),
+    before any request. The one place that decides the route of a machine type: a Cloud TPU API
+    route would take these VMs here instead of refusing them."""
+    family = cfg.machine_type.split("-", 1)[0]
+    if family not in COMPUTE_REFUSED:
+        return
+    tpu, chips = prices.machine_tpu(cfg.machine_type)
+    raise ConfigError(
+        "vm.machine_type", f"{cfg.machine_type} ({tpu}) cannot be created on Compute Engine, the route vm_up "
+        f"takes: Compute answers instances.insert with 403 \"This user agent is not allowed to use the machine "
+        f"type [{cfg.machine_type}]\", even for a project holding {tpu} quota (docs/tpu-vm.md, \"What Google "
+        "refuses\"); nothing was requested",
+        f"use a ct6e (v6e) machine type here (machine_type: ct6e-standard-8t), or create a {tpu} VM through the "
+        f"Cloud TPU API (`gcloud compute tpus tpu-vm create NAME --zone ZONE --accelerator-type=v5litepod-{chips} "
+        f"--version v2-alpha-tpuv5-lite`, or queued resources: `gcloud compute tpus queued-resources create`) or "
+        "GKE through xpk (a branch's hardware preset with backend: xpk); `doit preflight` still forecasts a "
+        f"{tpu} run (conf/hardware/{tpu}-{chips}.yaml)")
+
+
+def flex_start_zones(cfg: DictConfig) -> list[str]:
+    """Keep, of a Flex-start VM's zones, those known to grant its TPU family Flex-start VMs
+    (FLEX_START_ZONES); refuse the config when none is left. Returns a line for each zone dropped
+    (nothing for other modes and machine types)."""
+    known = FLEX_START_ZONES.get(cfg.machine_type.split("-", 1)[0])
+    if cfg.provisioning != "flex-start" or known is None:
+        return []
+    zones = candidate_zones(cfg)
+    kept = [z for z in zones if z in known]
+    if not kept:
+        raise ConfigError("vm.zones", f"{', '.join(zones)} grant no Flex-start {cfg.machine_type} VMs: the zones "
+                          f"known to are {', '.join(known)} (SkyPilot's table, Google's TPU Flex-start page)",
+                          "list one of those in zones: (or ZONE / --zone), or use --provisioning=spot, on-demand "
+                          "or reservation")
+    cfg.zone, cfg.zones = kept[0], kept
+    return [f"zone {z} dropped: it grants no Flex-start {cfg.machine_type} VMs (those that do: {', '.join(known)})"
+            for z in zones if z not in known]
 
 
 def budget_machine(cfg: DictConfig) -> Machine:

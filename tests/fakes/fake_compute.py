@@ -45,7 +45,10 @@ forms below in :func:`matches`). :meth:`FakeCompute.hold_inserts` keeps the oper
 insert PENDING (its VM PROVISIONING) until :meth:`FakeCompute.release_inserts`, which finishes them
 whether or not anyone polls, as Compute does; a `wait` on a held operation answers PENDING after a
 short while (Compute's own `wait` answers after at most two minutes), so a test can interrupt a
-client in the middle of an insert. :meth:`FakeCompute.hold_requests` keeps the answer to matching
+client in the middle of an insert. ``flex_start_capacity`` makes Flex-start VMs wait for capacity as
+Dynamic Workload Scheduler does: the insert's operation ends DONE with the VM PENDING (no external IP
+yet), which then becomes RUNNING, or disappears when its request window expires, after a set time
+whether or not anyone polls. :meth:`FakeCompute.hold_requests` keeps the answer to matching
 requests back until :meth:`FakeCompute.release_requests` (a client blocked in a request);
 ``on_insert`` sees each insert's body before it is answered.
 """
@@ -57,6 +60,7 @@ import itertools
 import json
 import re
 import threading
+import time
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -158,6 +162,10 @@ class FakeCompute:
     # What the next inserts answer instead of creating the VM, first one first: ("http", status,
     # reason, message) for a refused request, ("operation", code, message) for an operation that fails.
     insert_failures: list[tuple] = field(default_factory=list)
+    # What each FLEX_START insert's VM does once its operation is DONE, first one first: (outcome, seconds)
+    # with outcome "RUNNING" (capacity found) or "gone" (the request window expired): PENDING for that
+    # long, then that. None left: RUNNING at once.
+    flex_start_capacity: list[tuple[str, float]] = field(default_factory=list)
     # True: an insert that fails as an operation leaves its boot disk (no VM uses it) in the zone, the
     # leftover mtpipe looks for in a zone it leaves; Compute's docs do not say it cannot happen
     failed_insert_leaves_disk: bool = False
@@ -191,6 +199,8 @@ class FakeCompute:
     holding_inserts: bool = False
     on_insert: Callable[[dict], None] | None = None
     held_requests: list[Recorded] = field(default_factory=list)
+    # PENDING Flex-start VMs: key -> (monotonic time of their change, outcome)
+    pending: dict[tuple[str, str, str], tuple[float, str]] = field(default_factory=dict)
     _ids: Iterator[int] = field(default_factory=lambda: itertools.count(1000))
 
     def __post_init__(self) -> None:
@@ -275,6 +285,7 @@ class FakeCompute:
         path = urlsplit(url).path
         parts = path[len(PREFIX):].split("/") if path.startswith(PREFIX) else []
         with self.lock:
+            self._end_pending()
             if "compute.googleapis.com" in self.org.disabled:
                 return disabled("compute.googleapis.com")
             match parts:
@@ -471,9 +482,38 @@ class FakeCompute:
             self.disks[key] = self._boot_disk(project, zone, body["name"], users=[link])
             disk["source"] = self.disks[key]["selfLink"]
         self.instances[key] = instance
-        op = self._operation(project, zone, done=lambda: instance.update(status="RUNNING"))
+        op = self._operation(project, zone, done=functools.partial(self._created, key, instance, model))
         self.operations[op["name"]]["held"] = self.holding_inserts
         return 200, op
+
+    def _created(self, key: tuple[str, str, str], instance: dict, model: str) -> None:
+        """The insert's operation is DONE: the VM RUNNING, or a Flex-start VM PENDING without an
+        external IP while it waits for capacity (``flex_start_capacity``)."""
+        if model != "FLEX_START" or not self.flex_start_capacity:
+            instance.update(status="RUNNING")
+            return
+        outcome, seconds = self.flex_start_capacity.pop(0)
+        instance.update(status="PENDING")
+        for nic in instance.get("networkInterfaces", []):
+            for ac in nic.get("accessConfigs", []):
+                ac.pop("natIP", None)
+        self.pending[key] = (time.monotonic() + seconds, outcome)
+
+    def _end_pending(self) -> None:
+        """The PENDING Flex-start VMs whose time has come: RUNNING with their external IP, or gone."""
+        for key, (when, outcome) in list(self.pending.items()):
+            instance = self.instances.get(key)
+            if instance is None or instance["status"] != "PENDING":   # deleted meanwhile
+                del self.pending[key]
+            elif time.monotonic() >= when:
+                del self.pending[key]
+                if outcome == "RUNNING":
+                    instance.update(status="RUNNING")
+                    for nic in instance.get("networkInterfaces", []):
+                        for ac in nic.get("accessConfigs", []):
+                            ac["natIP"] = self.nat_ip
+                else:
+                    self._release(self.instances.pop(key))
 
     @staticmethod
     def _flex_start_refusal(scheduling: dict, specific: bool) -> tuple[int, dict] | None:
