@@ -9,11 +9,13 @@ environment)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import families
 import pytest
 from fakes.hf_server import HubServer
 from vm_world import ROOT, Env, assert_deleted, hub_with_tutorial_repos
@@ -81,9 +83,34 @@ def test_vm_run_from_the_light_environment(light: Path, world: Env) -> None:
     assert_deleted(w)
 
 
+@pytest.mark.first_run
+def test_preflight_of_the_sft_tutorial_answers_without_jax(light: Path, tmp_path: Path) -> None:
+    """No compile: the SFT tutorial's committed result (mtpipe/planning/compiled/) gives the HBM per
+    chip and its fit, the step time and the whole run's price, the row preflight prints with MaxText
+    (tests/test_compiled_presets.py)."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "params.yaml").write_text(families.committed_params_text())
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    env = {"HOME": str(tmp_path), "PYTHONPATH": str(ROOT), "PATH": f"{light.parent}:/usr/bin:/bin"}
+    proc = subprocess.run([str(light), "-m", "doit", "-f", str(ROOT / "dodo.py"), "-d", str(repo), "preflight",
+                           "--set=sft.preset=gemma3-4b-ultrachat-v6e8"],
+                          cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "compile result committed (mtpipe/planning/compiled/sft-gemma3-4b-ultrachat-v6e8.json)" in out, out
+    head, row = next(lines for lines in zip(out.splitlines(), out.splitlines()[1:]) if lines[0].startswith("branch"))
+    cells = dict(zip(re.split(r"\s{2,}", head), re.split(r"\s{2,}", row)))
+    hbm, available = (float(v.split()[0]) for v in cells["HBM GiB/chip"].split(" / "))
+    assert cells["preset"] == "gemma3-4b-ultrachat-v6e8" and cells["TPU"] == "v6e-8" and cells["fits"] == "yes"
+    assert 0 < hbm < available == 31.25 and float(cells["step s"].split()[0]) > 0 and float(cells["USD"]) > 0, row
+    assert "compiled with maxtext" in out and "the TPU VM's (requirements-vm.lock)" in out
+
+
 @pytest.mark.slow
 def test_a_tutorial_run_without_a_compile_says_where_to_compile(light: Path, world: Env, tmp_path: Path) -> None:
-    """A TPU preset needs preflight's compile, which the light environment cannot run: vm_run stops
+    """A TPU preset of a shape no committed result holds (mtpipe/planning/compiled/: the tutorials' own)
+    needs preflight's compile, which the light environment cannot run: vm_run stops
     before anything exists and names both ways on. With --no-preflight the checks before spending pass
     and the machine budget is computed from MaxText's config files (in the lock, without MaxText's
     dependencies) against the VM's RAM, read after the setup. The loopback VM is this machine: with
@@ -95,11 +122,13 @@ def test_a_tutorial_run_without_a_compile_says_where_to_compile(light: Path, wor
         hub_with_tutorial_repos(hub)
         w.env.update(HF_ENDPOINT=hub.url, HF_TOKEN=hub.gated["google/gemma-3-4b-it"])
         sets = "--set=sft.preset=gemma3-4b-ultrachat-v6e8"
-        refused = doit(light, w, "vm_run", "--yes", sets, "--target=evaluate@sft")
+        refused = doit(light, w, "vm_run", "--yes", sets, "--set=sft.train_sft.per_device_batch_size=2",
+                       "--target=evaluate@sft")
         assert refused.returncode != 0
         assert ("ConfigError: preflight: the sft branch's step (gemma3-4b-ultrachat-v6e8 on v6e-8) is not compiled "
-                "yet, and this environment (requirements-control.lock: no JAX, no MaxText) cannot compile it") \
-            in refused.stdout + refused.stderr
+                "yet (the committed mtpipe/planning/compiled/sft-gemma3-4b-ultrachat-v6e8.json is of another shape, "
+                "per_device_batch_size=1 there, 2 here), and this environment (requirements-control.lock: no JAX, "
+                "no MaxText) cannot compile it") in refused.stdout + refused.stderr
         assert w.fake.inserts() == []
         ran = doit(light, w, "vm_run", "--yes", sets, "--target=evaluate@sft", "--no-preflight")
     out = ran.stdout + ran.stderr

@@ -43,7 +43,7 @@ from mtpipe.pipeline import maxtext_check, overrides, toolchain
 from mtpipe.pipeline.config import BRANCH_STAGES, ROOT, stage_view
 from mtpipe.pipeline.view import View
 from mtpipe.pipeline.maxtext_check import compose_checked
-from mtpipe.planning import budget
+from mtpipe.planning import budget, compiled_presets
 
 
 @dataclass(frozen=True)
@@ -187,13 +187,24 @@ def can_compile() -> bool:
     return maxtext_check.installed()
 
 
-def compile_digest(module: str, args: list[str]) -> str:
-    """sha256 of what the compiled step depends on: the trainer, its arguments but the
-    :data:`SHAPE_FREE_ARGS`, the software versions."""
+def compile_key(module: str, args: list[str]) -> dict[str, Any]:
+    """What the compiled step depends on: the trainer, its arguments but the :data:`SHAPE_FREE_ARGS`,
+    the software versions, the cache format."""
     shaped = [a for a in args if a.partition("=")[0] not in SHAPE_FREE_ARGS]
-    text = json.dumps({"module": module, "args": shaped, "versions": versions(), "format": CACHE_FORMAT},
-                      sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()
+    return {"module": module, "args": shaped, "versions": versions(), "format": CACHE_FORMAT}
+
+
+def compile_digest(module: str, args: list[str]) -> str:
+    """sha256 of :func:`compile_key`: the name of the step's compile result."""
+    return hashlib.sha256(json.dumps(compile_key(module, args), sort_keys=True).encode()).hexdigest()
+
+
+def stored_compile(module: str, args: list[str], work: Path) -> dict[str, Any] | None:
+    """The step's compile result from ``work`` (this machine's cache), else the committed one of a
+    shipped preset with the same digest (:mod:`mtpipe.planning.compiled_presets`), else None."""
+    digest = compile_digest(module, args)
+    cache = work / f"{digest}.json"
+    return json.loads(cache.read_text()) if cache.is_file() else compiled_presets.find(digest)
 
 
 def run_steps(compiled: dict[str, Any], args: list[str]) -> int:
@@ -224,9 +235,10 @@ def _wait_showing_progress(child: subprocess.Popen, log: Path, every_s: float = 
 
 def compile_step(module: str, args: list[str], work: Path, log: Path) -> dict[str, Any]:
     """Cross-compile the training step in a child process; the result is cached by its digest."""
+    stored = stored_compile(module, args, work)
+    if stored is not None:
+        return stored | {"cached": True}
     cache = work / f"{compile_digest(module, args)}.json"
-    if cache.is_file():
-        return json.loads(cache.read_text()) | {"cached": True}
     work.mkdir(parents=True, exist_ok=True)
     # No Hub token (as for every MaxText child). The compile touches no TPU, so libtpu's one-process
     # lock (/tmp/libtpu_lockfile) would only stop two preflights, or a preflight and a test, side by side.
@@ -425,18 +437,23 @@ def check(sets: list[str], usd_per_chip_hour: float, machine: budget.Machine, ro
         chip, chips = chip_of(topo, branch, cfg.hardware.name)
         cmd = stage_command(cfg)
         args = compile_args(cmd, maxtext_topology(topo))
-        cached = (work / f"{compile_digest(cmd.module, args)}.json").is_file()
-        if not cached and not can_compile():
-            raise ConfigError("preflight", f"the {branch} branch's step ({preset} on {topo}) is not compiled yet, and "
-                              "this environment (requirements-control.lock: no JAX, no MaxText) cannot compile it",
+        stored = stored_compile(cmd.module, args, work)
+        # a shipped preset's committed result that does not hold for these shapes or versions: why
+        missed = "" if stored else compiled_presets.mismatch(branch, preset, compile_key(cmd.module, args))
+        if stored is None and not can_compile():
+            raise ConfigError("preflight", f"the {branch} branch's step ({preset} on {topo}) is not compiled yet"
+                              + (f" ({missed})" if missed else "") + ", and this environment "
+                              "(requirements-control.lock: no JAX, no MaxText) cannot compile it",
                               "run `doit preflight` with the same --set values once where `make` installs the full "
                               "environment (Linux x86_64) and bring its work/preflight/ here (results are reused by "
                               "shape), or pass --no-preflight to vm_run")
         print(f"mtpipe preflight: {branch} ({preset}): "
-              + ("compile result cached (the same shapes compiled before)" if cached else
-                 f"compiling the training step for {topo} on the CPU, once per shape (model, batch, lengths, "
-                 "dtypes, remat): a learning-rate or step-count sweep reuses it. The tutorial models took "
-                 "11-15 min on 2 cores (docs/preflight.md), a tiny one about a minute"), flush=True)
+              + (f"compile result committed ({stored['committed']})" if stored and "committed" in stored else
+                 "compile result cached (the same shapes compiled before)" if stored else
+                 (f"{missed}; " if missed else "") + f"compiling the training step for {topo} on the CPU, once "
+                 "per shape (model, batch, lengths, dtypes, remat): a learning-rate or step-count sweep reuses it. "
+                 "The tutorial models took 11-15 min on 2 cores (docs/preflight.md), a tiny one about a minute"),
+              flush=True)
         compiled = compile_step(cmd.module, args, work, work / f"{branch}-{preset}.log")
         row = report(cfg, preset, compiled, chip, chips, usd_per_hour(chips, usd_per_chip_hour), args)
         (work / f"{branch}-{preset}.json").write_text(json.dumps(row, indent=1) + "\n")
@@ -504,9 +521,9 @@ def machine_budget(composed: dict[str, Any], views: dict[str, View], machine: bu
     compiled = {}
     for b in on_vm:
         cmd = stage_command(views[b])
-        cache = work / f"{compile_digest(cmd.module, compile_args(cmd, topo))}.json"
-        if cache.is_file():
-            compiled[b] = json.loads(cache.read_text())
+        stored = stored_compile(cmd.module, compile_args(cmd, topo), work)
+        if stored is not None:
+            compiled[b] = stored
     place = budget.Placement.from_env(machine.env)
     plan = budget.plan(stages, place, compiled, root, host.left)
     rep = budget.report(plan, topo, machine.boot_disk_gb, host) | {
