@@ -80,5 +80,5 @@ def test_a_result_of_other_versions_or_another_shape_is_not_used_and_says_why(mo
     monkeypatch.setattr(preflight, "versions", lambda: moved)
     assert preflight.stored_compile(module, args, ROOT / "no-such-work") is None
     why = compiled_presets.mismatch("sft", preset, preflight.compile_key(module, args))
-    assert "was compiled with other versions, jax " in why and "99.0 here" in why
+    assert "was compiled by another toolchain, jax " in why and "99.0 here" in why
     assert f"refresh it with `{compiled_presets.RECORD_COMMAND}`" in why

@@ -59,9 +59,10 @@ def mismatch(branch: str, preset: str, key: dict[str, Any]) -> str:
     theirs, where = json.loads(file.read_text())["key"], file.relative_to(ROOT)
     moved = [f"{name} {theirs['versions'].get(name)} there, {version} here"
              for name, version in key["versions"].items() if theirs["versions"].get(name) != version]
-    if moved or theirs["module"] != key["module"] or theirs["format"] != key["format"]:
-        what = "; ".join(moved) or f"cache format {theirs['format']} there, {key['format']} here"
-        return (f"the committed {where} was compiled with other versions, {what}: refresh it with "
+    moved += [f"{name} {theirs[field]} there, {key[field]} here"
+              for name, field in (("trainer", "module"), ("cache format", "format")) if theirs[field] != key[field]]
+    if moved:
+        return (f"the committed {where} was compiled by another toolchain, {'; '.join(moved)}: refresh it with "
                 f"`{RECORD_COMMAND}` in the full environment (`make`)")
     ours, recorded = _args(key), _args(theirs)
     differ = [f"{name}={recorded.get(name, '(unset)')} there, {ours.get(name, '(unset)')} here"
