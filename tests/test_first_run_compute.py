@@ -15,6 +15,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+from fakes.fake_compute import FakeCompute
 from vm_world import Env
 
 from mtpipe.cloud import gcp, lifecycle, prices, vm_config, vm_state
@@ -27,12 +28,13 @@ V6E = "ct6e-standard-8t"
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE2e7Q2Wn5mJ0o7P1E5c1kdP0b4o3FqXg0aWQkMGxS5f test"
 
 
-def insert_zones(fake) -> list[str]:
+def insert_zones(fake: FakeCompute) -> list[str]:
     """The zone of each instances.insert, in order."""
     return [r.path.split("/zones/")[1].split("/")[0] for r in fake.inserts()]
 
 
 def offer_v6e(fake, *zones: str) -> None:
+    """The fake's ``zones`` offer the v6e-8 machine type (by default only us-east5-b and europe-west4-a do)."""
     for zone in zones:
         fake.machine_types[zone] = {V6E}
 
@@ -60,9 +62,10 @@ def test_a_v5e_vm_is_refused_before_any_request(world: Env) -> None:
         vm_config.check_route(cfg)
 
 
-def test_flex_start_request_window_and_zones_are_checked_at_load(fake) -> None:
-    """requestValidForDuration outside 90-7200 s, and a Flex-start v6e VM in no zone known to grant
-    one, are refused naming the key and what is allowed; zones outside the known list are dropped."""
+def test_flex_start_window_and_zones_are_checked_before_any_request(fake: FakeCompute) -> None:
+    """requestValidForDuration outside 90-7200 s (at config load), and a Flex-start v6e VM in no zone
+    known to grant one (vm_up's first check), are refused naming the key and what is allowed; zones
+    outside the known list are dropped, each said; other modes keep their zones."""
     for seconds in (60, 7201):
         with pytest.raises(ConfigError) as err:
             vm_config.load_config({"flex_start.request_valid_for_s": seconds})
@@ -141,7 +144,7 @@ def test_a_flex_start_run(world: Env) -> None:
     assert not w.fake.instances
 
 
-def test_ctrl_c_while_pending_deletes_the_vm(fake, tmp_path: Path) -> None:
+def test_ctrl_c_while_pending_deletes_the_vm(fake: FakeCompute, tmp_path: Path) -> None:
     """Ctrl-C while the Flex-start VM is PENDING: the VM is deleted and the state file forgotten."""
     offer_v6e(fake, EAST_A)
     cfg = vm_config.load_config({"provisioning": "flex-start", "zone": EAST_A, "flex_start.poll_s": 0.1,
@@ -160,7 +163,7 @@ def test_ctrl_c_while_pending_deletes_the_vm(fake, tmp_path: Path) -> None:
     assert not fake.instances and not fake.disks and not (tmp_path / vm_state.STATE_FILE).exists()
 
 
-def test_a_new_vm_without_an_address_is_deleted(fake, tmp_path: Path) -> None:
+def test_a_new_vm_without_an_address_is_deleted(fake: FakeCompute, tmp_path: Path) -> None:
     """A new VM that comes up without the external IP SSH needs is deleted, not left billing."""
     fake.nat_ip = ""
     life = lifecycle.VmLifecycle(vm_config.load_config({"provisioning": "on-demand"}), tmp_path, yes=True)
@@ -186,7 +189,8 @@ RETRIES = lifecycle.INSERT_RETRIES
     ("RESOURCE_NOT_READY", RETRIES + 1, [EAST_B] * (RETRIES + 1) + [EAST_A]),   # then the next zone
     ("RESOURCE_OPERATION_RATE_EXCEEDED", RETRIES + 1, [EAST_B] * (RETRIES + 1) + [EAST_A]),
 ])
-def test_capacity_codes(fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+def test_capacity_codes(fake: FakeCompute, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                        capsys: pytest.CaptureFixture,
                         code: str, failures: int, zones: list[str]) -> None:
     """The insert's operation fails with ``code`` in us-east5-b ``failures`` times: a stockout moves to
     the next zone, a region-wide one to the next region's zone, a transient code retries the same zone
@@ -212,7 +216,7 @@ def test_capacity_codes(fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, c
         assert "; skipping the other zones of region us-east5 this round" in out
 
 
-def test_every_zone_out_of_stock_names_the_zones(fake, tmp_path: Path) -> None:
+def test_every_zone_out_of_stock_names_the_zones(fake: FakeCompute, tmp_path: Path) -> None:
     """A region-wide stockout in the only region listed: the CapacityError names the zones tried."""
     offer_v6e(fake, EAST_A)
     cfg = vm_config.load_config({"provisioning": "spot", "zones": [EAST_B, EAST_A], "stockout.retry_for_s": 0})

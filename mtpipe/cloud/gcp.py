@@ -571,8 +571,8 @@ class Compute:
     def create_vm(self, cfg: Any, public_key: str, labels: dict[str, str]) -> compute_v1.Instance:
         """Create the VM ``cfg.name`` describes, admitting ``public_key`` over SSH. A reservation-bound
         VM whose ``maxRunDuration`` Compute refuses raises MaxRunDurationRefused (nothing created). A
-        Flex-start insert is waited on for flex_start.request_valid_for_s more, while Compute looks for
-        capacity."""
+        Flex-start insert's operation is given flex_start.request_valid_for_s more; it may end with the
+        VM PENDING (WAITING_FOR_CAPACITY), which the caller waits on (mtpipe.cloud.lifecycle)."""
         model = self.provisioning_model(cfg)
         body = instance_body(cfg, cfg.name, public_key, labels, model)
         wait = float(cfg.flex_start.request_valid_for_s) if model == "FLEX_START" else 0

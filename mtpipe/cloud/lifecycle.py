@@ -48,9 +48,10 @@ class Provider(Protocol):
     """What the lifecycle needs from a cloud. Instances have ``status`` (``RUNNING`` while usable)
     and ``creation_timestamp`` (ISO 8601) and ``labels``; each call waits until the cloud has done it.
     ``create_vm`` raises :class:`mtpipe.cloud.gcp.CapacityError` when the zone has no such machine
-    free now, :class:`mtpipe.cloud.gcp.QuotaExceeded` when the project's quota is spent, and may return
-    a VM whose status is ``PENDING`` (a Flex-start VM waiting for capacity: :meth:`VmLifecycle._await_capacity`); after it
-    failed or was interrupted, ``settle`` waits until the cloud says whether the VM exists, and
+    free now, :class:`mtpipe.cloud.gcp.QuotaExceeded` when the project's quota is spent, and may
+    return a VM whose status is ``PENDING`` (a Flex-start VM waiting for capacity:
+    :meth:`VmLifecycle._await_capacity`); after it failed or was interrupted, ``settle`` waits
+    until the cloud says whether the VM exists, and
     ``delete_orphan_disk`` deletes a boot disk the VM left. ``zone``: the zone it works in."""
 
     zone: str
