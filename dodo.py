@@ -5,6 +5,7 @@
     doit vm_run [--set=steps=2000 ...] [--exp-name NAME] [--target STAGE] [--keep] [--recreate] [--yes]
                 [--queue --set=steps=500 --set=steps=1000 ...] [--provisioning spot]
     doit vm_run --rehearse [--provisioning on-demand] [--keep] [--yes]   (one chip, the embedded default)
+    doit check [--set=...] [--provisioning spot] [--project P ...]   (every prerequisite of vm_run; creates nothing)
     doit vm_setup        doit vm_status       doit vm_shell        doit vm_down
     doit publish --exp NAME --repo ORG/NAME [--branch rl|sft] [--public]   (HF_TOKEN: a write token)
 
@@ -77,6 +78,11 @@ YES = {"name": "yes", "long": "yes", "type": bool, "default": False,
 PROVISIONING = {"name": "provisioning", "long": "provisioning", "type": str, "default": None,
                 "help": "reservation | spot | on-demand | flex-start (else conf/vm.yaml's provisioning; vm_run: "
                         "the recorded VM's)"}
+SET = {"name": "set", "long": "set", "type": list, "default": [],
+       "help": "`dvc exp run -S VALUE`: --set=steps=2000 (repeatable)"}
+QUEUE = {"name": "queue", "long": "queue", "type": bool, "default": False,
+         "help": "one experiment per value of a --set key given several times (a grid for "
+                 "several such keys), run one after another on one VM"}
 
 
 def _task_action(fn: Callable[..., None]) -> Callable[..., TaskFailed | None]:
@@ -186,6 +192,18 @@ def vm_shell(**params: Any) -> None:
 # ---------------------------------------------------------------- tasks
 
 
+@_task_action
+def check(set: list[str], queue: bool, **params: Any) -> None:
+    from mtpipe.cloud import prerequisites
+
+    prerequisites.check_everything(params, set, queue)
+
+
+def task_check() -> dict:
+    """Every prerequisite of `doit vm_run` with the same options, one line each; creates nothing."""
+    return {"actions": [check], "io": NO_CAPTURE, "params": TARGET_PARAMS + [PROVISIONING, SET, QUEUE]}
+
+
 def task_vm_up() -> dict:
     """Check, then create the TPU v6e-8 VM + SSH firewall rule (reuses an existing one) after you confirm its price."""
     return {"actions": [vm_up], "io": NO_CAPTURE, "params": TARGET_PARAMS + [PROVISIONING, KEEP, YES]}
@@ -208,14 +226,11 @@ def task_vm_run() -> dict:
              "help": "create a new VM when the recorded one is gone (else vm_run stops)"},
             {"name": "target", "long": "target", "type": str, "default": None,
              "help": "DVC stage to reproduce (default: the whole pipeline)"},
-            {"name": "set", "long": "set", "type": list, "default": [],
-             "help": "`dvc exp run -S VALUE`: --set=steps=2000 (repeatable)"},
+            SET,
             {"name": "exp_name", "long": "exp-name", "type": str, "default": None,
              "help": "the experiment's name (default: one DVC makes up); NAME-1, NAME-2, ... "
                      "with --queue"},
-            {"name": "queue", "long": "queue", "type": bool, "default": False,
-             "help": "one experiment per value of a --set key given several times (a grid for "
-                     "several such keys), run one after another on one VM"},
+            QUEUE,
             {"name": "no_preflight", "long": "no-preflight", "type": bool, "default": False,
              "help": "skip the AOT compile that checks the preset fits the TPU (doit preflight)"},
             {"name": "rehearse", "long": "rehearse", "type": bool, "default": False,

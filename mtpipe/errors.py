@@ -1,4 +1,5 @@
-"""The project's error type for bad input: it names the key, the problem and the fix."""
+"""The project's error type for bad input (it names the key, the problem and the fix), and what a
+check raises when it cannot tell."""
 
 
 class ConfigError(ValueError):
@@ -12,3 +13,8 @@ class ConfigError(ValueError):
 
     def __str__(self) -> str:
         return f"{self.key}: {self.problem}. Fix: {self.fix}"
+
+
+class Unknown(Exception):
+    """A check that cannot tell (a policy it may not read, an API it may not ask): reported as unknown,
+    never as fine (mtpipe.cloud.prerequisites)."""

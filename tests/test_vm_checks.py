@@ -178,12 +178,14 @@ def test_gated_model_needs_hf_token(world: World, tmp_path: Path,
         out = world.doit("vm_run", SFT_TUTORIAL)
         assert "HF_TOKEN: google/gemma-3-4b-it (sft.model) is gated (manual) and HF_TOKEN is not set" in out
         world.nothing_created()
-        # With a token the same presets pass; the open dataset never needed one.
+        # With the granted token the same presets pass (the Hub's auth check says the token's account
+        # may download the gated model); the open dataset never needed one.
         monkeypatch.setenv("HF_TOKEN", hub.gated["google/gemma-3-4b-it"])
         branches = vm_checks.composed_branches(world.repo, [SFT_TUTORIAL.removeprefix("--set=")])
         vm_checks.check_hub_tokens(branches.values())
         asked = {r.path.split("?")[0] for r in hub.requests}
     assert asked == {f"/api/models/google/gemma-3-4b-it/revision/{branches['sft'].model.source.revision}",
+                     "/api/models/google/gemma-3-4b-it/auth-check",   # the token's account may download it
                      f"/api/datasets/HuggingFaceH4/ultrachat_200k/revision/"
                      f"{branches['sft'].dataset.source.revision}"}
 
@@ -268,7 +270,8 @@ def test_spot_run_without_a_work_bucket_is_refused_with_what_a_preemption_costs(
     """A Spot run whose checkpoints would go with a preempted VM stops before anything is created,
     naming the key, the one that accepts it, and each preemption's cost by preflight's forecast (the
     compile planted: 100 TFLOP per chip and step at 918 TFLOP/s x MFU 33.5% is 0.325 s, 1000 steps
-    + 180 s start-up 8.4 min, 8 chips x 0.54 USD Spot); vm_up, which runs no preflight, says so."""
+    + 180 s start-up 8.4 min, 8 chips x 0.54 USD Spot), read from preflight's cache before any compile;
+    vm_up, whose branches have no compile cached, says so."""
     monkeypatch.delenv("RESERVATION")
     sets = ["sft.preset=gemma3-4b-ultrachat-v6e8"]
     with HubServer(tmp_path / "hub") as hub:
@@ -285,7 +288,8 @@ def test_spot_run_without_a_work_bucket_is_refused_with_what_a_preemption_costs(
                 f"{step_s:.3f} s + 180 s start-up), about {train_min / 60 * 4.32:.2f} USD at 4.32 USD/h") in out
         assert "spot_without_work_bucket: true" in out and "up to max_recoveries = 3 times" in out
         world.nothing_created()
-        assert "no forecast without preflight" in world.doit("vm_up", "--provisioning=spot")
+        out = world.doit("vm_up", "--provisioning=spot")   # params.yaml's branches: none compiled for a TPU
+        assert "no forecast: preflight has compiled no TPU branch's step yet" in out, out
         world.nothing_created()
 
         overlay = Path(os.environ[vm_config.CONFIG_ENV])

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from omegaconf import DictConfig, OmegaConf
 
-from mtpipe.cloud import (interrupts, notify, prices, run_status, ssh_route, vm_checks, vm_config,
+from mtpipe.cloud import (interrupts, notify, prerequisites, prices, run_status, ssh_route, vm_checks, vm_config,
                           vm_experiments, vm_host, vm_identity, vm_setup, vm_ssh, vm_state, vm_tpu)
 from mtpipe.cloud.gcp import (SETTLING, WAITING_FOR_CAPACITY, CapacityError, Compute, GcpError, MaxRunDurationRefused,
                               QuotaExceeded, TryAgain, region)
@@ -181,17 +181,19 @@ class VmLifecycle:
     def _ensure(self, experiments: list[list[str]], may_create: bool, preflight: bool) -> vm_ssh.Remote:
         """The VM, reachable over SSH: reused when it exists, else created.
 
-        Before creating anything the checks before spending run (vm_checks.before_spending) for the
-        `--set` values of every experiment; a VM that exists only gets the project checks.
-        `preflight` then AOT-compiles the TPU branches (after the quick checks: a compile takes
-        minutes the first time); a Spot run without a work bucket is refused next, with what each
-        preemption would cost by preflight's forecast (vm_checks.check_spot_resume). `may_create`
+        PROJECT, ZONE, RESERVATION and the credentials are checked first, all named at once. Before
+        creating anything every check before spending runs (prerequisites.before_spending, what `doit
+        check` runs) for the `--set` values of every experiment, and one error lists every failure; a
+        VM that exists only gets the project checks and the Spot one (vm_checks.check_spot_resume,
+        with preflight's cached forecast). `preflight` then AOT-compiles the TPU branches (after the
+        quick checks: a compile takes minutes the first time). `may_create`
         False refuses to replace a VM that .vm_state.json records but the cloud no longer has (vm_run
         without --recreate).
         """
         cfg, root = self.cfg, self.root
         state = vm_state.read_state(root)
-        for line in vm_config.check_create(cfg):   # before any request
+        prerequisites.check_settings(cfg)   # before any request
+        for line in vm_config.check_create(cfg):
             _say(line)
         cloud = self.cloud
         recorded = (state.get("project"), state.get("zone"), state.get("name"))
@@ -211,6 +213,7 @@ class VmLifecycle:
             _say(f"reusing VM {cfg.name} ({instance.status}) in {cfg.zone}")
             vm_config.use_recorded_login(cfg, state)
             vm_checks.check_project(cfg, root, experiments)
+            vm_checks.check_spot_resume(cfg, vm_checks.cached_forecasts(cfg, root, experiments)[0])
             if not state.get("vms"):   # created elsewhere: its cost counts from its creation
                 vm_state.vm_started(state, cfg, instance.creation_timestamp)
         else:
@@ -223,14 +226,13 @@ class VmLifecycle:
                     f"a new one ({prices.vm_rate(cfg).describe()}), or `doit vm_down` to forget it")
             _say("checks before spending: Compute, the network and SSH, the presets with the --set values, "
                  "HF_TOKEN, the DVC remote, your APIs and permissions, the VM's service account")
-            unproven = vm_checks.before_spending(cfg, cloud, root, experiments)
+            unproven = prerequisites.before_spending(cfg, cloud, root, experiments)
         forecasts = []
         if preflight:
             rate = prices.vm_rate(cfg)
             for sets in experiments:
                 forecasts += preflight_checks.run(sets, rate.price.usd, vm_config.budget_machine(cfg), root,
                                                   committed=True, price_basis=rate.per_chip())
-        vm_checks.check_spot_resume(cfg, forecasts)
         if created:
             self._confirm(forecasts)
             state = {}

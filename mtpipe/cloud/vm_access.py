@@ -13,6 +13,7 @@ import shlex
 import shutil
 import subprocess
 
+from google.oauth2.credentials import Credentials as UserCredentials
 from omegaconf import DictConfig
 
 from mtpipe.cloud import gcp, ssh_route, vm_ssh
@@ -31,17 +32,8 @@ def _say(line: str) -> None:
     print(f"mtpipe: {line}", flush=True)
 
 
-def check_access(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> bool:
-    """Every check below, in order; whether vm_up will create its own firewall rule."""
-    check_network(cfg, compute)
-    check_external_ip(cfg, compute, apis)
-    creates_rule = check_firewall(cfg, compute)
-    check_os_login(cfg, compute, apis)
-    return creates_rule
-
-
 def check_region(cfg: DictConfig, compute: Compute) -> None:
-    """What :func:`check_access` checks of the zone's region, for another zone the VM may be created
+    """What the checks of the first zone check of its region, for another zone the VM may be created
     in: the subnetwork there and, without an external IP, a Cloud NAT."""
     check_network(cfg, compute)
     if not cfg.external_ip:
@@ -115,8 +107,14 @@ def check_external_ip(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> No
 
 
 def gcloud_account(program: str) -> str:
-    """The account gcloud runs as (``gcloud config get-value account``); '' when it has none."""
-    command = [program, "config", "get-value", "account"]
+    """The account gcloud runs as: the service account it impersonates (``gcloud config get-value
+    auth/impersonate_service_account``), else its login (``account``); '' when it has none."""
+    return gcloud_value(program, "auth/impersonate_service_account") or gcloud_value(program, "account")
+
+
+def gcloud_value(program: str, key: str) -> str:
+    """``gcloud config get-value KEY``; '' when unset (gcloud then prints `(unset)` on stderr)."""
+    command = [program, "config", "get-value", key]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=GCLOUD_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as err:
@@ -126,6 +124,28 @@ def gcloud_account(program: str) -> str:
         raise ConfigError("vm.ssh.proxy_command", f"`{shlex.join(command)}` failed (exit {done.returncode}): "
                           f"{done.stderr.strip()}", f"check that `{program}` works (`{program} info`)")
     return done.stdout.strip()
+
+
+def check_gcloud(cfg: DictConfig, apis: GoogleApis) -> str:
+    """The quota project of the Application Default Credentials and, where SSH goes through IAP (gcloud
+    runs the tunnel), gcloud's account and project.
+    User credentials without a quota project fail here: Service Usage and the Organization Policy API
+    refuse such calls ("requires a quota project"), and gcloud warns of it at `gcloud auth
+    application-default login` when no project is set. Whether SSH through IAP runs as the same
+    account is the SSH route's check (:func:`check_iap_account`)."""
+    credentials = apis.credentials
+    if isinstance(credentials, UserCredentials) and not credentials.quota_project_id:
+        raise ConfigError("ADC quota project", "the Application Default Credentials are a user's, with no quota "
+                          "project: Service Usage and the Organization Policy API refuse their calls",
+                          f"gcloud auth application-default set-quota-project {cfg.project or 'PROJECT'}")
+    quota = getattr(credentials, "quota_project_id", None) or "none needed"
+    if not ssh_route.through_iap(cfg):
+        return f"ADC quota project {quota}; gcloud is not used (SSH goes straight to the VM's external IP)"
+    if shutil.which("gcloud") is None:
+        return f"ADC quota project {quota}; gcloud is not on PATH (the SSH route's line says what to do)"
+    account, project = gcloud_account("gcloud"), gcloud_value("gcloud", "project")
+    other = f" (mtpipe passes --project {cfg.project} to it)" if cfg.project and project != cfg.project else ""
+    return f"ADC quota project {quota}; gcloud account {account or '(none)'}, project {project or '(none)'}{other}"
 
 
 def check_iap_account(program: str, apis: GoogleApis) -> None:
@@ -216,17 +236,17 @@ def os_login_source(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> str 
     return "organisation policy constraints/compute.requireOsLogin" if enforced(policy) else None
 
 
-def check_os_login(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> None:
+def check_os_login(cfg: DictConfig, compute: Compute, apis: GoogleApis, import_key: bool = True) -> str:
     """Where OS Login is on: 2-step verification is off for the account (an unattended SSH cannot
-    answer its challenge), the caller may log in as an administrator, and our public key goes into
-    their OS Login profile (oslogin users.importSshPublicKey); ``ssh.user`` becomes the profile's
-    primary POSIX user name. Sets ``ssh.os_login`` to what was decided."""
+    answer its challenge), the caller may log in as an administrator, and (``import_key``) our public
+    key goes into their OS Login profile (oslogin users.importSshPublicKey); ``ssh.user`` becomes the
+    profile's primary POSIX user name. Sets ``ssh.os_login`` to what was decided; returns what it is."""
     if cfg.ssh.os_login is False:
-        return
+        return "off (ssh.os_login: false): SSH keys go into the VM's metadata"
     why = "ssh.os_login: true" if cfg.ssh.os_login is True else os_login_source(cfg, compute, apis)
     if why is None:
         cfg.ssh.os_login = False
-        return
+        return "off (neither the project metadata nor the organisation policy turns it on)"
     account = cfg.ssh.os_login_account or apis.account()
     if not account:
         raise ConfigError("vm.ssh.os_login_account", f"OS Login is on ({why}), and the Google credentials do "
@@ -245,6 +265,9 @@ def check_os_login(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> None:
                           f"gcloud projects add-iam-policy-binding {cfg.project} --member {member(account)} --role "
                           "roles/compute.osAdminLogin (from outside the organisation also "
                           "roles/compute.osLoginExternalUser on the organisation)")
+    cfg.ssh.os_login = True
+    if not import_key:
+        return f"on ({why}): vm_up imports the SSH key into the OS Login profile of {account}"
     try:
         profile = apis.import_ssh_key(account, cfg.project, vm_ssh.ssh_public_key(cfg))
     except GcpError as err:
@@ -257,8 +280,9 @@ def check_os_login(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> None:
     if not primary.get("username"):
         raise ConfigError("vm.ssh.os_login", f"the OS Login profile of {account} has no POSIX account",
                           f"log in once with `gcloud compute ssh` to a VM of {cfg.project}, or ask an admin")
-    cfg.ssh.os_login, cfg.ssh.user = True, primary["username"]
+    cfg.ssh.user = primary["username"]
     _say(f"OS Login ({why}): the SSH key is in the OS Login profile of {account}; SSH as {cfg.ssh.user}")
+    return f"on ({why}), SSH as {cfg.ssh.user}"
 
 
 def check_two_step(cfg: DictConfig, compute: Compute, account: str) -> None:
@@ -273,7 +297,11 @@ def check_two_step(cfg: DictConfig, compute: Compute, account: str) -> None:
                       f"metadata enable-oslogin-2fa={value}): each SSH login as {account} would wait for a second "
                       "factor that vm_up's unattended SSH cannot give, and the VM would be deleted after "
                       "ssh.ready_timeout_s without ever being reached",
-                      "run as a service account, on which Google does not enforce 2-step verification "
-                      "(GOOGLE_APPLICATION_CREDENTIALS=KEY.json, ssh.os_login_account: its email in conf/vm.yaml, "
-                      "roles/compute.osAdminLogin), or ask the project's owner to turn it off: gcloud compute "
-                      f"project-info add-metadata --metadata enable-oslogin-2fa=FALSE --project {cfg.project}")
+                      "run as a service account, on which Google does not enforce 2-step verification, by "
+                      "impersonating it (no key file: organisations created since May 2024 forbid service-account "
+                      "keys, iam.disableServiceAccountKeyCreation): `gcloud config set "
+                      "auth/impersonate_service_account SA` and `gcloud auth application-default login "
+                      "--impersonate-service-account SA` (you need roles/iam.serviceAccountTokenCreator on SA, "
+                      "and SA roles/compute.osAdminLogin; the checks then run as SA), or ask the project's owner "
+                      "to turn it off: gcloud compute project-info add-metadata --metadata "
+                      f"enable-oslogin-2fa=FALSE --project {cfg.project}")

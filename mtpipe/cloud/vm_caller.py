@@ -4,8 +4,8 @@ there, as `sky check` tests them (Service Usage, Cloud Resource Manager testIamP
 
 A disabled API stops the run naming `gcloud services enable`, unless ``enable_apis: true`` (conf/vm.yaml)
 lets vm_up enable it (never without that key). A missing permission stops it naming the predefined role
-that holds it. What cannot be read (Service Usage or Resource Manager refusing the caller) is said and
-passed over: the call that needs it then fails with its own message.
+that holds it. What cannot be read (Service Usage or Resource Manager refusing the caller) is reported
+as unknown (mtpipe.errors.Unknown), not as fine: the call that needs it then fails with its own message.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from mtpipe.cloud import gcp, ssh_route, vm_identity
 from mtpipe.cloud.gcp import GcpError
 from mtpipe.cloud.google_apis import GoogleApis, member
-from mtpipe.errors import ConfigError
+from mtpipe.errors import ConfigError, Unknown
 
 INSTANCE_ADMIN = "roles/compute.instanceAdmin.v1"
 SECURITY_ADMIN = "roles/compute.securityAdmin"
@@ -44,12 +44,6 @@ def _say(line: str) -> None:
     print(f"mtpipe: {line}", flush=True)
 
 
-def check_caller(cfg: DictConfig, apis: GoogleApis, creates_rule: bool, uses_gcs: bool) -> None:
-    """The APIs, then the permissions (testing them needs the Resource Manager API)."""
-    check_apis(cfg, apis, services(cfg, uses_gcs))
-    check_permissions(cfg, apis, permissions(cfg, creates_rule))
-
-
 def services(cfg: DictConfig, uses_gcs: bool) -> dict[str, str]:
     """The APIs the run calls in ``project``, each with what for: Compute, Resource Manager (these
     checks), OS Login where it is on, IAP for SSH through its tunnel, Cloud Storage for a gs:// DVC
@@ -64,24 +58,25 @@ def services(cfg: DictConfig, uses_gcs: bool) -> dict[str, str]:
     return wanted
 
 
-def check_apis(cfg: DictConfig, apis: GoogleApis, wanted: dict[str, str]) -> None:
+def check_apis(cfg: DictConfig, apis: GoogleApis, wanted: dict[str, str], enable: bool = True) -> str:
     """Every API in ``wanted`` is enabled in the project; with ``enable_apis: true`` the disabled ones
-    are enabled now (free of charge), else the run stops naming them."""
+    are enabled now (``enable``; free of charge), else the run stops naming them. Returns what it found."""
     try:
         enabled = apis.enabled_services(cfg.project, list(wanted))
     except GcpError as err:
-        _say(f"could not read which APIs project {cfg.project} has enabled ({err}); going on (a disabled one "
-             "fails its first call, naming `gcloud services enable`)")
-        return
+        raise Unknown(f"could not read which APIs project {cfg.project} has enabled ({err}); a disabled one "
+                      "fails its first call, naming `gcloud services enable`") from err
     disabled = [s for s in wanted if s not in enabled]
     if not disabled:
-        return
+        return f"enabled: {', '.join(wanted)}"
     named = "; ".join(f"{gcp.SERVICE_TITLES.get(s, s)} ({s}, for {wanted[s]})" for s in disabled)
     if not cfg.enable_apis:
         raise ConfigError("vm.enable_apis", f"project {cfg.project} has not enabled: {named}",
                           f"gcloud services enable {' '.join(disabled)} --project {cfg.project} (needs "
                           "roles/serviceusage.serviceUsageAdmin), or set enable_apis: true in conf/vm.yaml and "
                           "vm_up enables them")
+    if not enable:
+        return f"vm_up enables {', '.join(disabled)} (enable_apis: true)"
     _say(f"enabling in project {cfg.project} (enable_apis: true; free of charge, can take a minute): {named}")
     try:
         apis.enable_services(cfg.project, disabled)
@@ -90,6 +85,7 @@ def check_apis(cfg: DictConfig, apis: GoogleApis, wanted: dict[str, str]) -> Non
                           f"ask for roles/serviceusage.serviceUsageAdmin on {cfg.project}, or have someone who "
                           f"holds it run: gcloud services enable {' '.join(disabled)} --project {cfg.project}") from err
     _say(f"enabled {', '.join(disabled)}")
+    return f"enabled {', '.join(disabled)} now (enable_apis: true)"
 
 
 def permissions(cfg: DictConfig, creates_rule: bool) -> dict[str, str]:
@@ -107,15 +103,14 @@ def permissions(cfg: DictConfig, creates_rule: bool) -> dict[str, str]:
     return wanted
 
 
-def check_permissions(cfg: DictConfig, apis: GoogleApis, wanted: dict[str, str]) -> None:
+def check_permissions(cfg: DictConfig, apis: GoogleApis, wanted: dict[str, str]) -> str:
     """projects.testIamPermissions for ``wanted``; iam.serviceAccounts.actAs, when the project does
     not grant it, once more on the VM's service account (where it is often granted). Every missing
     permission is named, grouped by the role that holds it."""
     try:
         granted = apis.granted(cfg.project, sorted(wanted))
     except GcpError as err:
-        _say(f"could not test your permissions on project {cfg.project} ({err}); going on")
-        return
+        raise Unknown(f"could not test your permissions on project {cfg.project} ({err})") from err
     email = ""
     if ACT_AS in wanted and ACT_AS not in granted:
         try:
@@ -129,7 +124,7 @@ def check_permissions(cfg: DictConfig, apis: GoogleApis, wanted: dict[str, str])
         if permission not in granted:
             missing[role].append(permission)
     if not missing:
-        return
+        return f"all {len(wanted)} the run uses"
     account = apis.account()
     who, principal = (account, member(account)) if account else ("the account of your credentials", "user:ACCOUNT")
     fixes = [f"gcloud iam service-accounts add-iam-policy-binding {email} --member {principal} --role {role}"

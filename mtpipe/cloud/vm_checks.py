@@ -1,78 +1,65 @@
 """Checks before spending: what a TPU VM run needs that the laptop can verify in seconds.
 
-`doit vm_up` and `doit vm_run` call :func:`before_spending` before they create anything billable
-(the firewall rule and the VM), and :func:`check_project` before they ship code to a VM that already
-runs. Each failure is a ConfigError naming the key and the fix:
+mtpipe.cloud.prerequisites runs them all, each a named check, for `doit check` and before `doit
+vm_up` / `doit vm_run` create anything billable; :func:`check_project` runs alone before they ship
+code to a VM that already runs. Each failure is a ConfigError naming the key and the fix:
 
-* Compute: the credentials work (the first call is authenticated), the zone offers the machine type
-  (TPU v6e), and with `provisioning: reservation` the reservation exists (another project's: shared
-  with this one), is READY, reserves that machine type (or its TPU chips) and has room for one VM,
-  and how its VMs are provisioned is decided (RESERVATION_BOUND or STANDARD);
-* how the VM is reached (mtpipe.cloud.vm_access): network, subnetwork, external IP or IAP (gcloud
-  as the credentials' account), a firewall rule for SSH, OS Login without 2-step verification;
+* Compute: the zone offers the machine type (TPU v6e), and with `provisioning: reservation` the
+  reservation exists (another project's: shared with this one), is READY, reserves that machine
+  type (or its TPU chips) and has room for one VM, and how its VMs are provisioned is decided
+  (RESERVATION_BOUND or STANDARD);
 * the project as the VM will run it (HEAD's params.yaml with each experiment's `--set` values
-  applied): every branch composes (what the `configure` stage checks), HF_TOKEN is set when a Hub
-  model or dataset of a composed preset is gated, the default DVC remote is the one HEAD's
-  .dvc/config ships and accepts a write;
-* the caller (mtpipe.cloud.vm_caller): the APIs the run uses are enabled (or enabled now, with
-  `enable_apis: true`), and the caller holds the permissions the run will use;
+  applied): every branch composes (what the `configure` stage checks), HF_TOKEN is set and may
+  download each gated Hub model or dataset of a composed preset, the default DVC remote is the one
+  HEAD's .dvc/config ships and accepts a write;
 * every other zone of ``zones`` as the first (it offers the machine type; its region has the
   subnetwork and, without an external IP, a Cloud NAT), and the TPU quota of each zone's region
   (mtpipe.cloud.vm_quota: a region without room is left out, none with room stops the run);
-* the organisation policy compute.requireShieldedVm against what the insert sends;
-* the VM's identity (mtpipe/cloud/vm_identity.py): its service account may use the DVC remote and
-  the work bucket, as far as the allow policies readable here prove; the rest is probed from the VM;
-* after preflight (:func:`check_spot_resume`): a Spot run has a work bucket to resume from, or says
-  it does without one.
-"""
+* a Spot run has a work bucket to resume from, or says it does without one, with what each
+  preemption would cost by preflight's cached compile (:func:`check_spot_resume`), before any compile.
 
+How the VM is reached (vm_access), the caller's APIs and permissions (vm_caller), the organisation
+policies (org_policies) and the VM's identity (vm_identity) are checked in their own modules.
+"""
 from __future__ import annotations
 
 import os
 import threading
 import uuid
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from google.cloud import compute_v1
 from omegaconf import DictConfig, OmegaConf
 
-from mtpipe.cloud import gcp, prices, vm_access, vm_caller, vm_config, vm_identity, vm_quota
-from mtpipe.cloud.gcp import Compute, GcpError, reservation_path
-from mtpipe.cloud.google_apis import GoogleApis, enforced
+from mtpipe.cloud import gcp, prices, vm_access, vm_config, vm_identity, vm_quota
+from mtpipe.cloud.gcp import Compute, reservation_path
+from mtpipe.cloud.google_apis import GoogleApis
 from mtpipe.data import hub
 from mtpipe.errors import ConfigError
+from mtpipe.planning import preflight
 from mtpipe.planning.preflight import TRAIN_STARTUP_S
 from mtpipe.maxtext.run_dir import WORK_BUCKET_ENV, WORK_DIR_ENV
 from mtpipe.pipeline import config, maxtext_check, overrides
 from mtpipe.pipeline.schema import SftBranch
 
 
-def before_spending(cfg: DictConfig, compute: Compute, root: Path,
-                    experiments: list[list[str]]) -> list[vm_identity.Target]:
-    """Everything below, Compute first (it also proves the credentials), then how the VM is reached,
-    the project, the caller's APIs and permissions, the other zones and the quota, Shielded VM, the
-    VM's identity; returns the buckets only the VM can tell it may use (vm_identity.probe_from_vm)."""
-    apis = GoogleApis()
-    check_compute(cfg, compute)
-    creates_rule = vm_access.check_access(cfg, compute, apis)
-    check_project(cfg, root, experiments)
-    vm_caller.check_caller(cfg, apis, creates_rule, uses_gcs=bool(vm_identity.targets(cfg, root)))
-    check_zones(cfg, compute, apis)
-    check_shielded_vm(cfg, apis)
-    return vm_identity.check_identity(cfg, root)
-
-
 def check_compute(cfg: DictConfig, compute: Compute) -> None:
-    """The credentials work, the zone offers the machine type, a reservation has room for one VM."""
-    if compute.get_machine_type(cfg.machine_type) is None:   # authenticated: bad credentials fail here
+    """The zone offers the machine type, a reservation has room for one VM."""
+    check_machine_type(cfg, compute)
+    if cfg.provisioning == "reservation":
+        check_reservation(cfg, compute)
+
+
+def check_machine_type(cfg: DictConfig, compute: Compute) -> None:
+    """The zone offers the machine type (an authenticated call: bad credentials fail here too)."""
+    if compute.get_machine_type(cfg.machine_type) is None:
         raise ConfigError("vm.zones" if cfg.zones else "vm.zone", f"zone {cfg.zone!r} does not offer "
                           f"{cfg.machine_type} (TPU v6e)", "pick zones listed for v6e at "
                           "cloud.google.com/tpu/docs/regions-zones (e.g. us-east5-b) with ZONE / --zone or "
                           "zones: in conf/vm.yaml, where your reservation is")
-    if cfg.provisioning == "reservation":
-        check_reservation(cfg, compute)
 
 
 def check_zones(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> None:
@@ -89,33 +76,6 @@ def check_zones(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> None:
             vm_access.check_region(here, there)
     usable = vm_quota.usable_zones(cfg, apis, zones)
     cfg.zone, cfg.zones = usable[0], usable
-
-
-SHIELDED = ("enable_secure_boot", "enable_vtpm", "enable_integrity_monitoring")
-
-
-def check_shielded_vm(cfg: DictConfig, apis: GoogleApis) -> None:
-    """Where the organisation policy compute.requireShieldedVm is enforced, Compute refuses a new VM
-    that does not boot with Secure Boot, vTPM and Integrity Monitoring on: the insert body
-    (gcp.instance_body) must send all three (a policy that cannot be read is said and passed over)."""
-    try:
-        policy = apis.effective_policy(cfg.project, "compute.requireShieldedVm")
-    except GcpError as err:
-        print(f"mtpipe: could not read the organisation policy compute.requireShieldedVm ({err}); going on as "
-              "if it were not enforced (if it is, Compute refuses the insert)", flush=True)
-        return
-    if not enforced(policy):
-        return
-    sent = gcp.instance_body(cfg, cfg.name, "", {}, "STANDARD").get("shielded_instance_config", {})
-    off = [name for name in SHIELDED if not sent.get(name)]
-    if off:
-        raise ConfigError("vm.project", "the organisation policy constraints/compute.requireShieldedVm is "
-                          f"enforced for project {cfg.project}: Compute creates only VMs with Secure Boot, vTPM and "
-                          f"Integrity Monitoring on, and the insert does not turn on {', '.join(off)} (mtpipe does not turn "
-                          "Secure Boot on: whether the TPU image's drivers load under it is not known here)",
-                          "use a project where the policy is not enforced, or ask your organisation's policy "
-                          "administrator for an exception: gcloud resource-manager org-policies disable-enforce "
-                          f"compute.requireShieldedVm --project {cfg.project} (needs roles/orgpolicy.policyAdmin)")
 
 
 FULL_FIX = ("delete a VM that uses it (`gcloud compute instances list --filter=labels.app=mtpipe`), wait "
@@ -191,8 +151,8 @@ def _check_chips(cfg: DictConfig, aggregate: compute_v1.AllocationAggregateReser
 def check_spot_resume(cfg: DictConfig, forecasts: list[dict[str, Any]]) -> None:
     """A Spot run keeps its training state in run.env's MTPIPE_WORK_BUCKET, where the VM that replaces
     a preempted one resumes it, unless `spot_without_work_bucket` accepts that each preemption restarts
-    training from step 0. ``forecasts``: preflight's rows for the run (mtpipe.planning.preflight.report),
-    whose training time and price say what each preemption would throw away."""
+    training from step 0 (conf/vm.yaml alone decides it). ``forecasts``: preflight's rows for the run
+    (:func:`cached_forecasts`), whose training time and price say what each preemption would throw away."""
     if (cfg.provisioning != "spot" or cfg.spot_without_work_bucket
             or str(cfg.run.env.get(WORK_BUCKET_ENV) or "").strip()):
         return
@@ -200,8 +160,8 @@ def check_spot_resume(cfg: DictConfig, forecasts: list[dict[str, Any]]) -> None:
              f"{r['est_step_s']:.3f} s + {TRAIN_STARTUP_S:.0f} s start-up), about "
              f"{r['est_train_s'] / 3600 * r['usd_per_hour']:.2f} USD at {r['usd_per_hour']:.2f} USD/h"
              for r in forecasts]
-    lost = "; ".join(costs) or ("the training done so far (no forecast without preflight: `doit preflight "
-                                "--set ...` prints each TPU branch's)")
+    lost = "; ".join(costs) or ("the training done so far (no forecast: preflight has compiled no TPU branch's step "
+                                "yet; `doit preflight --set ...` prints each one's)")
     where = str(cfg.run.env.get(WORK_DIR_ENV) or "").strip() or "work/ on the boot disk"
     raise ConfigError(
         f"vm.run.env.{WORK_BUCKET_ENV}", f"is not set for a Spot run: training keeps its checkpoints in {where} "
@@ -210,6 +170,30 @@ def check_spot_resume(cfg: DictConfig, forecasts: list[dict[str, Any]]) -> None:
         f"add {WORK_BUCKET_ENV}: gs://BUCKET/work to run.env in conf/vm.yaml (training then resumes from its last "
         "checkpoint there), or set spot_without_work_bucket: true to accept the restarts, or use "
         "--provisioning=on-demand or reservation")
+
+
+def cached_forecasts(cfg: DictConfig, root: Path, experiments: list[list[str]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """preflight's rows (mtpipe.planning.preflight.report) of the TPU branches of every experiment whose
+    training step preflight has a compile result of (preflight.stored_compile: its cache in
+    work/preflight/, or a shipped preset's committed one), and the branches it has not compiled yet;
+    nothing compiles here."""
+    rate, rows, missing = prices.vm_rate(cfg), [], []
+    for sets in experiments:
+        params, _, views = preflight.composed_views(sets, root, tuple(config.BRANCH_STAGES), committed=True)
+        for branch, view in views.items():
+            topo = preflight.topology(view)
+            if topo is None:
+                continue
+            chip, chips = preflight.chip_of(topo, branch, view.hardware.name)
+            cmd = preflight.stage_command(view)
+            args = preflight.compile_args(cmd, preflight.maxtext_topology(topo))
+            compiled = preflight.stored_compile(cmd.module, args, root / "work" / "preflight")
+            if compiled is None:
+                missing.append(f"{branch} ({params[branch].preset} on {topo})")
+                continue
+            rows.append(preflight.report(view, params[branch].preset, compiled, chip, chips,
+                                         preflight.usd_per_hour(chips, rate.price.usd), args))
+    return rows, missing
 
 
 def check_project(cfg: DictConfig, root: Path, experiments: list[list[str]]) -> None:
@@ -228,20 +212,49 @@ def composed_branches(root: Path, sets: list[str]) -> dict[str, SftBranch]:
 
 
 def check_hub_tokens(branches: Iterable[SftBranch]) -> None:
-    """HF_TOKEN is set when a Hub model or dataset of a branch is gated (the Hub's model info says)."""
-    seen: set[tuple[str, str, str]] = set()
+    """Every Hub repo of the branches that is gated may be downloaded with HF_TOKEN (:func:`check_hub_repo`)."""
+    for repo in hub_repos(branches):
+        check_hub_repo(repo)
+
+
+@dataclass(frozen=True)
+class HubRepo:
+    """A pinned Hub model or dataset a branch downloads (the first branch that names it)."""
+
+    branch: str
+    repo_type: str
+    source: dict[str, Any]
+
+    @property
+    def repo_id(self) -> str:
+        return self.source["repo_id"]
+
+
+def hub_repos(branches: Iterable[SftBranch]) -> list[HubRepo]:
+    """The Hub models and datasets of the branches, each pinned repo once."""
+    found: dict[tuple[str, str, str], HubRepo] = {}
     for cfg in branches:
         for repo_type in ("model", "dataset"):
             source = getattr(cfg, repo_type).source
-            if source.kind != "hub" or (repo_type, source.repo_id, source.revision) in seen:
-                continue
-            seen.add((repo_type, source.repo_id, source.revision))
-            access = hub.gated(source.model_dump(), repo_type)
-            if access and not os.environ.get("HF_TOKEN"):
-                raise ConfigError("HF_TOKEN", f"{source.repo_id} ({cfg.branch}.{repo_type}) is gated "
-                                  f"({access}) and HF_TOKEN is not set",
-                                  f"accept its license at {hub.repo_url(source.repo_id, repo_type)}, "
-                                  "then `export HF_TOKEN=...` (a read token) before doit")
+            if source.kind == "hub":
+                found.setdefault((repo_type, source.repo_id, source.revision),
+                                 HubRepo(cfg.branch, repo_type, source.model_dump()))
+    return list(found.values())
+
+
+def check_hub_repo(repo: HubRepo) -> str:
+    """What the Hub says of the repo's access (its model or dataset info); a gated one needs HF_TOKEN,
+    and the Hub's auth check must grant that token's account the repo (mtpipe.data.hub.check_access)."""
+    access = hub.gated(repo.source, repo.repo_type)
+    if not access:
+        return "not gated"
+    if not os.environ.get("HF_TOKEN"):
+        raise ConfigError("HF_TOKEN", f"{repo.repo_id} ({repo.branch}.{repo.repo_type}) is gated "
+                          f"({access}) and HF_TOKEN is not set",
+                          f"accept its license at {hub.repo_url(repo.repo_id, repo.repo_type)}, "
+                          "then `export HF_TOKEN=...` (a read token) before doit")
+    hub.check_access(repo.source, repo.repo_type)
+    return f"gated ({access}); HF_TOKEN's account may download it"
 
 
 def check_remote_writable(root: Path, timeout_s: float) -> None:

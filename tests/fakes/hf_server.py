@@ -6,6 +6,8 @@ that ``huggingface_hub`` 1.x uses for ``snapshot_download`` and ``repo_info``:
 
 * ``GET /api/{models,datasets}/<repo>/revision/<rev>``: repo info (``sha``, ``siblings``)
 * ``GET /api/{models,datasets}/<repo>/tree/<rev>[/<dir>]?recursive=``: file listing, LFS metadata
+* ``GET /api/{models,datasets}/<repo>/auth-check``: what ``HfApi.auth_check`` (huggingface_hub 1.32)
+  asks: 200 when the request's token may read the repo, else the gated repo's 401/403
 * ``HEAD|GET /<repo>/resolve/<rev>/<path>``, ``/datasets/<repo>/resolve/<rev>/<path>``: files with
   ``X-Repo-Commit``, ``ETag`` and, for LFS files, ``X-Linked-Etag`` / ``X-Linked-Size``
 
@@ -42,6 +44,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 LFS_SUFFIXES = (".safetensors", ".parquet", ".bin", ".model")  # stored in LFS, like the Hub's .gitattributes
 _API = re.compile(r"/api/(models|datasets)/(.+?)/(revision|tree)/([^/]+)(?:/(.*))?")
 _RESOLVE = re.compile(r"/(datasets/)?(.+?)/resolve/([^/]+)/(.+)")
+_AUTH_CHECK = re.compile(r"/api/(models|datasets)/(.+?)/auth-check")
 _SHA = re.compile(r"[0-9a-f]{40}")
 _PREUPLOAD_OR_COMMIT = re.compile(r"/api/models/(.+?)/(preupload|commit)/([^/]+)")
 _LFS_BATCH = re.compile(r"/(.+?)\.git/info/lfs/objects/batch")
@@ -222,6 +225,10 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
                         recursive = parse_qs(url.query).get("recursive", ["false"])[0].lower() == "true"
                         data = _tree(repo / sha, unquote(m[5] or ""), recursive)
                     self._send(200, json.dumps(data).encode(), {"Content-Type": "application/json"}, body)
+                elif m := _AUTH_CHECK.fullmatch(url.path):
+                    self._repo(m[1], m[2])
+                    self._gate(m[1], m[2])
+                    self._send(200, b"{}", {"Content-Type": "application/json"}, body)
                 elif m := _RESOLVE.fullmatch(url.path):
                     kind = "datasets" if m[1] else "models"
                     repo, sha = self._open(kind, m[2], unquote(m[3]))
@@ -237,21 +244,31 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
 
         def _open(self, kind: str, repo_id: str, rev: str, gate: bool = True) -> tuple[Path, str]:
             """Find the repo directory and the commit sha of ``rev``, enforcing gating."""
-            repo = hub.root / kind / repo_id
-            if not (repo / "refs").is_dir():
-                raise _HubError(404, "RepoNotFound", f"Repository {repo_id} not found")
-            if gate and repo_id in hub.gated:
-                auth = self.headers.get("Authorization")
-                what = f"Access to {kind[:-1]} {repo_id} is restricted"
-                if auth is None:
-                    raise _HubError(401, "GatedRepo", f"{what}. You must be authenticated to access it.")
-                if auth != f"Bearer {hub.gated[repo_id]}":
-                    raise _HubError(403, "GatedRepo", f"{what} and you are not in the authorized list.")
+            repo = self._repo(kind, repo_id)
+            if gate:
+                self._gate(kind, repo_id)
             ref = repo / "refs" / rev
             sha = ref.read_text() if not _SHA.fullmatch(rev) and ref.is_file() else rev
             if not _SHA.fullmatch(sha) or not (repo / sha).is_dir():
                 raise _HubError(404, "RevisionNotFound", f"Invalid rev id: {rev}")
             return repo, sha
+
+        def _repo(self, kind: str, repo_id: str) -> Path:
+            repo = hub.root / kind / repo_id
+            if not (repo / "refs").is_dir():
+                raise _HubError(404, "RepoNotFound", f"Repository {repo_id} not found")
+            return repo
+
+        def _gate(self, kind: str, repo_id: str) -> None:
+            """A gated repo answers 401 without a token, 403 with one it did not grant."""
+            if repo_id not in hub.gated:
+                return
+            auth = self.headers.get("Authorization")
+            what = f"Access to {kind[:-1]} {repo_id} is restricted"
+            if auth is None:
+                raise _HubError(401, "GatedRepo", f"{what}. You must be authenticated to access it.")
+            if auth != f"Bearer {hub.gated[repo_id]}":
+                raise _HubError(403, "GatedRepo", f"{what} and you are not in the authorized list.")
 
         def _file(self, snapshot: Path, rel: str, sha: str, body: bool) -> None:
             target = snapshot / rel

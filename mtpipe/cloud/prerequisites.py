@@ -1,0 +1,263 @@
+"""Every prerequisite of a TPU VM run, checked at once: `doit check`, and the checks before spending
+of `doit vm_up` / `doit vm_run`.
+
+Each prerequisite is a named check that says ok (with what it found), fails (the ConfigError or
+GcpError text: what is wrong and the fix), unknown (what cannot be read here: an organisation policy
+without the Org Policy API, a permission test refused; never passed as fine) or not checked (a check
+it needs failed: nothing about Compute is asked without credentials). All of them run, so one run
+lists every failure; :class:`ChecksFailed` is the one error that names them all. `doit check` asks
+and creates nothing (no API enabled, no SSH key imported); before spending, vm_up does both where
+conf/vm.yaml says so (enable_apis, OS Login).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from mtpipe.cloud import org_policies, vm_access, vm_caller, vm_checks, vm_config, vm_identity
+from mtpipe.cloud.gcp import Compute, GcpError
+from mtpipe.cloud.google_apis import GoogleApis
+from mtpipe.cloud.vm_config import VmError
+from mtpipe.errors import ConfigError, Unknown
+from mtpipe.planning import preflight
+
+OK, FAILS, UNKNOWN, NOT_CHECKED = "ok", "FAILS", "unknown", "not checked"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one check found."""
+
+    name: str
+    status: str
+    detail: str
+
+    def line(self) -> str:
+        return f"{self.status:>11}  {self.name}: {self.detail}"
+
+
+class ChecksFailed(ConfigError):
+    """Several checks failed: one error listing each (its key, the problem, the fix)."""
+
+    def __init__(self, failures: list[str]) -> None:
+        super().__init__("checks", f"{len(failures)} of them failed", "each fix above")
+        self.failures = failures
+
+    def __reduce__(self) -> tuple[type, tuple[list[str]]]:
+        return ChecksFailed, (self.failures,)
+
+    def __str__(self) -> str:
+        return f"{len(self.failures)} checks failed; nothing was created:\n" + "\n".join(
+            f"  - {failure}" for failure in self.failures)
+
+
+@dataclass
+class Runner:
+    """Runs named checks in order and keeps their outcomes; ``say`` prints each line as it comes."""
+
+    say: Callable[[str], None] | None = None
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
+    errors: list[Exception] = field(default_factory=list)
+
+    def check(self, name: str, body: Callable[[], Any], needs: tuple[str, ...] = ()) -> Any:
+        """Run ``body`` unless a check it ``needs`` failed or was not checked (a need that never ran,
+        e.g. RESERVATION without provisioning: reservation, does not hold it back). ``body`` returns
+        the ok line's detail (a str), or a (detail, value) pair whose value this returns; None when
+        the check did not pass."""
+        held = [n for n in needs if n in self.outcomes and self.outcomes[n].status in (FAILS, NOT_CHECKED)]
+        if held:
+            return self._record(name, NOT_CHECKED, f"needs {', '.join(held)}")
+        try:
+            result = body()
+        except Unknown as err:
+            return self._record(name, UNKNOWN, str(err))
+        except (ConfigError, GcpError, VmError) as err:
+            self.errors.append(err)
+            return self._record(name, FAILS, str(err))
+        detail, value = result if isinstance(result, tuple) else (result, None)
+        self._record(name, OK, detail or "")
+        return value
+
+    def _record(self, name: str, status: str, detail: str) -> None:
+        self.outcomes[name] = outcome = Outcome(name, status, detail)
+        if self.say:
+            self.say(outcome.line())
+
+    def failed(self) -> list[Outcome]:
+        return [o for o in self.outcomes.values() if o.status == FAILS]
+
+    def raise_failures(self) -> None:
+        """The one failure as it was raised, or :class:`ChecksFailed` naming every one."""
+        if len(self.errors) == 1:
+            raise self.errors[0]
+        if self.errors:
+            raise ChecksFailed([o.detail for o in self.failed()])
+
+
+def _say(line: str) -> None:
+    print(f"mtpipe check: {line}", flush=True)
+
+
+def settings(run: Runner, cfg: DictConfig) -> GoogleApis | None:
+    """PROJECT, ZONE, RESERVATION (with provisioning: reservation) and the Google credentials, each
+    its own check so that every missing one is named in one run; the Google APIs' client."""
+    for key in ("project", "zone", *(["reservation"] if cfg.provisioning == "reservation" else [])):
+        run.check(vm_config.ENV_KEYS[key], lambda key=key: vm_config.require(cfg, key) or str(cfg[key]))
+    return run.check("credentials", _credentials)
+
+
+def _credentials() -> tuple[str, GoogleApis]:
+    """The Application Default Credentials load (google.auth.default); their kind."""
+    apis = GoogleApis()
+    kind = type(apis.credentials)
+    return f"{kind.__module__.removeprefix('google.')}.{kind.__name__}", apis
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """:func:`settings` alone, before any request: one error naming every missing one."""
+    run = Runner()
+    settings(run, cfg)
+    run.raise_failures()
+
+
+def check_all(run: Runner, cfg: DictConfig, root: Path, experiments: list[list[str]],
+              client: Compute | None = None, act: bool = False) -> list[vm_identity.Target]:
+    """Every check, in the order the run would meet them; returns the buckets only the VM can tell it
+    may use (vm_identity.probe_from_vm). ``client``: the zone's Compute client (made here when None).
+    ``act``: vm_up's mode, which enables disabled APIs (enable_apis: true) and imports the SSH key
+    into the OS Login profile; without it nothing is changed anywhere."""
+    apis = settings(run, cfg)
+    run.check("gcloud", lambda: vm_access.check_gcloud(cfg, apis), needs=("credentials",))
+    compute = run.check("Compute", lambda: _compute(cfg, client), needs=("PROJECT", "ZONE", "credentials"))
+    compute_needs = ("Compute",)
+    run.check("machine type", lambda: vm_checks.check_machine_type(cfg, compute)
+              or f"{cfg.zone} offers {cfg.machine_type}", needs=compute_needs)
+    if cfg.provisioning == "reservation":
+        run.check("reservation", lambda: vm_checks.check_reservation(cfg, compute)
+                  or f"{cfg.reservation} has room for one {cfg.machine_type}", needs=(*compute_needs, "RESERVATION"))
+    run.check("network", lambda: vm_access.check_network(cfg, compute) or f"{cfg.network}"
+              + (f", subnetwork {cfg.subnetwork}" if cfg.subnetwork else ""), needs=compute_needs)
+    creates_rule = run.check("SSH route", lambda: _ssh_route(cfg, compute, apis), needs=("network",))
+    run.check("OS Login", lambda: vm_access.check_os_login(cfg, compute, apis, import_key=act), needs=compute_needs)
+    branches = run.check("presets", lambda: _presets(root, experiments), needs=("--set",))
+    run.check("DVC remote", lambda: _dvc_remote(cfg, root))
+    uses_gcs = run.outcomes["DVC remote"].status == OK and bool(vm_identity.targets(cfg, root))
+    run.check("APIs", lambda: vm_caller.check_apis(cfg, apis, vm_caller.services(cfg, uses_gcs), enable=act),
+              needs=compute_needs)
+    run.check("permissions", lambda: vm_caller.check_permissions(cfg, apis, vm_caller.permissions(cfg, bool(creates_rule))),
+              needs=(*compute_needs, "SSH route"))
+    run.check("zones and quota", lambda: vm_checks.check_zones(cfg, compute, apis)
+              or f"trying {', '.join(cfg.zones)}", needs=("machine type",))
+    for constraint, check in (("compute.requireShieldedVm", org_policies.check_shielded_vm),
+                              ("compute.trustedImageProjects", org_policies.check_trusted_images),
+                              ("gcp.resourceLocations", org_policies.check_locations),
+                              ("compute.requireOsLogin", org_policies.check_os_login_policy)):
+        run.check(f"policy {constraint}", lambda check=check: check(cfg, apis), needs=compute_needs)
+    unproven = run.check("VM's service account", lambda: _identity(cfg, root), needs=(*compute_needs, "DVC remote"))
+    for repo in vm_checks.hub_repos(branches or []):
+        run.check(f"Hub {repo.repo_type} {repo.repo_id}", lambda repo=repo: vm_checks.check_hub_repo(repo))
+    forecasts = run.check("preflight", lambda: _preflight(cfg, root, experiments), needs=("presets",))
+    run.check("Spot run", lambda: _spot(cfg, forecasts or []))
+    return unproven or []
+
+
+def _compute(cfg: DictConfig, client: Compute | None) -> tuple[str, Compute]:
+    """The first authenticated Compute call (projects.get): the credentials and the project work."""
+    compute = client or Compute(cfg.project, cfg.zone, float(cfg.operation_timeout_s))
+    compute.project_metadata()
+    return f"project {cfg.project} answers", compute
+
+
+def _ssh_route(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> tuple[str, bool]:
+    """An external IP (allowed by the organisation) or IAP (gcloud as the credentials' account, a
+    Cloud NAT), then a firewall rule for SSH; whether vm_up creates its own rule."""
+    vm_access.check_external_ip(cfg, compute, apis)
+    creates_rule = vm_access.check_firewall(cfg, compute)
+    how = "the VM's external IP" if cfg.external_ip else "IAP's tunnel"
+    rule = f"vm_up creates firewall rule {cfg.firewall.name}" if creates_rule else "a firewall rule admits it"
+    return f"SSH through {how}; {rule}", creates_rule
+
+
+def _presets(root: Path, experiments: list[list[str]]) -> tuple[str, list]:
+    """Every branch of every experiment composes (HEAD's params.yaml with its --set values)."""
+    branches = [branch for sets in experiments for branch in vm_checks.composed_branches(root, sets).values()]
+    presets = sorted({f"{b.branch} ({b.model.name} on {b.hardware.name})" for b in branches})
+    return f"{len(experiments)} experiment(s) compose: {', '.join(presets)}", branches
+
+
+def _dvc_remote(cfg: DictConfig, root: Path) -> str:
+    name, remote = vm_identity.shipped_remote(root)
+    vm_checks.check_remote_writable(root, float(cfg.remote_probe_timeout_s))
+    return f"{name} ({remote['url']}) is HEAD's and accepts a write"
+
+
+def _identity(cfg: DictConfig, root: Path) -> tuple[str, list[vm_identity.Target]]:
+    unproven = vm_identity.check_identity(cfg, root)
+    if unproven:
+        return f"the VM tries {', '.join(t.url for t in unproven)} itself, right after SSH", unproven
+    return "may use every bucket the run needs (as the allow policies readable here show)", unproven
+
+
+def _preflight(cfg: DictConfig, root: Path, experiments: list[list[str]]) -> tuple[str, list[dict[str, Any]]]:
+    """Whether preflight has a cached compile of each TPU branch, and whether it fits (nothing compiles)."""
+    rows, not_compiled = vm_checks.cached_forecasts(cfg, root, experiments)
+    for row in rows:
+        preflight.check_fits(row)
+    said = [f"{r['branch']} ({r['preset']}) fits: {r['hbm_gib_per_chip']:.1f} of {r['hbm_gib_available']} GiB HBM "
+            f"per chip, about {r['est_total_s'] / 3600:.1f} h" for r in rows]
+    if not_compiled:
+        said.append(f"not compiled yet: {', '.join(not_compiled)} (vm_run compiles it first, minutes per shape; "
+                    "or `doit preflight --set ...`)")
+    return "; ".join(said) or "no branch trains on a TPU", rows
+
+
+def _spot(cfg: DictConfig, forecasts: list[dict[str, Any]]) -> str:
+    """A Spot run can resume after a preemption (vm_checks.check_spot_resume): conf/vm.yaml decides."""
+    vm_checks.check_spot_resume(cfg, forecasts)
+    if cfg.provisioning != "spot":
+        return f"not a Spot run ({cfg.provisioning})"
+    return "training resumes from the work bucket" if not cfg.spot_without_work_bucket else \
+        "spot_without_work_bucket: true: each preemption restarts training"
+
+
+def before_spending(cfg: DictConfig, compute: Compute, root: Path,
+                    experiments: list[list[str]]) -> list[vm_identity.Target]:
+    """vm_up's and vm_run's checks before the first insert: every check, each line printed, then one
+    error listing every failure; returns the buckets only the VM can tell it may use."""
+    run = Runner(_say)
+    unproven = check_all(run, cfg, root, experiments, compute, act=True)
+    run.raise_failures()
+    return unproven
+
+
+def check_everything(params: dict[str, Any], sets: list[str], queue: bool) -> None:
+    """`doit check`: every check of a vm_run with these options (``params``: doit's target options),
+    one line each; a ConfigError when any fails. Nothing is created or changed."""
+    from mtpipe.cloud import vm_experiments
+
+    run, root = Runner(_say), vm_experiments.repo_root()
+    cfg = run.check("conf/vm.yaml", lambda: ("loads", vm_config.load_config(params)))
+    experiments = run.check("--set", lambda: _experiments(sets, queue))
+    if cfg is None:
+        run.check("the other checks", lambda: None, needs=("conf/vm.yaml",))
+    else:
+        check_all(run, cfg, root, experiments or [[]])
+    counts = {status: sum(o.status == status for o in run.outcomes.values())
+              for status in (OK, FAILS, UNKNOWN, NOT_CHECKED)}
+    _say(", ".join(f"{n} {status}" for status, n in counts.items()) + "; nothing was created")
+    if counts[FAILS]:
+        raise ConfigError("doit check", f"{counts[FAILS]} of {len(run.outcomes)} checks failed (the FAILS lines above)",
+                          "each line's Fix, then `doit check` again")
+
+
+def _experiments(sets: list[str], queue: bool) -> tuple[str, list[list[str]]]:
+    from mtpipe.cloud import vm_experiments
+
+    experiments = vm_experiments.experiments(sets, queue)
+    return f"{len(experiments)} experiment(s): " + "; ".join(" ".join(e) or "params.yaml as committed"
+                                                              for e in experiments), experiments
