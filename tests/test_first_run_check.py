@@ -138,20 +138,22 @@ def test_gated_repo_the_token_cannot_read_stops_before_the_insert(world: Env, tm
         out = w.doit("check", SFT_TUTORIAL).stdout
     assert "ok  Hub model google/gemma-3-4b-it: gated (manual); HF_TOKEN's account may download it" in out, out
     assert "ok  Hub dataset HuggingFaceH4/ultrachat_200k: not gated" in out
-    assert "unknown  preflight: not compiled yet: sft (gemma3-4b-ultrachat-v6e8 on v6e-8)" not in out   # said as ok
-    assert "ok  preflight: not compiled yet: sft (gemma3-4b-ultrachat-v6e8 on v6e-8)" in out
+    # the tutorial preset's committed compile result (mtpipe/planning/compiled/): read, not compiled
+    assert "ok  preflight: sft (gemma3-4b-ultrachat-v6e8) fits: " in out
 
 
 def test_spot_refusal_comes_before_any_compile(world: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Spot run without a work bucket (conf/vm.yaml decides it) is refused by the checks before
-    spending, before preflight would compile the step (minutes for a real preset)."""
+    spending, before preflight would compile the step (minutes for a real preset: a batch size whose
+    shapes nothing compiled yet)."""
     w = world
     compiled: list[str] = []
     monkeypatch.setattr(preflight, "compile_step", lambda module, *args: compiled.append(module))
     with HubServer(tmp_path / "hub") as hub:
         hub_with_tutorial_repos(hub)
         w.env.update(HF_ENDPOINT=hub.url, HF_TOKEN=hub.gated["google/gemma-3-4b-it"])
-        out = w.doit("vm_run", "--provisioning=spot", SFT_TUTORIAL, ok=False).stdout
+        out = w.doit("vm_run", "--provisioning=spot", SFT_TUTORIAL, "--set=sft.train_sft.per_device_batch_size=2",
+                     ok=False).stdout
     assert "ConfigError: vm.run.env.MTPIPE_WORK_BUCKET: is not set for a Spot run" in out, out
     assert "no forecast: preflight has compiled no TPU branch's step yet" in out
     assert compiled == [] and "mtpipe preflight:" not in out

@@ -111,11 +111,20 @@ def settings(run: Runner, cfg: DictConfig) -> GoogleApis | None:
     return run.check("credentials", _credentials)
 
 
+# What google.auth.default's credentials are, by the module of their class.
+CREDENTIAL_KINDS = {"google.oauth2.credentials": "a user's (gcloud auth application-default login)",
+                    "google.oauth2.service_account": "a service account's key",
+                    "google.auth.impersonated_credentials": "impersonated",
+                    "google.auth.compute_engine.credentials": "the metadata server's",
+                    "google.auth.credentials": "anonymous (MTPIPE_COMPUTE_ENDPOINT's loopback fakes)"}
+
+
 def _credentials() -> tuple[str, GoogleApis]:
-    """The Application Default Credentials load (google.auth.default); their kind."""
+    """The Application Default Credentials load (google.auth.default); what they are."""
     apis = GoogleApis()
-    kind = type(apis.credentials)
-    return f"{kind.__module__.removeprefix('google.')}.{kind.__name__}", apis
+    module = type(apis.credentials).__module__
+    email = getattr(apis.credentials, "service_account_email", None)
+    return (CREDENTIAL_KINDS.get(module, module) + (f": {email}" if email and email != "default" else "")), apis
 
 
 def check_settings(cfg: DictConfig) -> None:
