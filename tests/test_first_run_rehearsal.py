@@ -51,8 +51,6 @@ def comparable(body: dict) -> dict:
 @pytest.mark.slow
 def test_the_rehearsal_runs_the_embedded_default_on_one_chip_and_deletes_its_vm(project_world: Env) -> None:
     w = project_world
-    for types in w.fake.machine_types.values():   # Compute offers ct6e-standard-1t where it offers -8t
-        types.add(ONE_CHIP)
     w.doit("vm_up")      # the real run's VM: its insert is the one the rehearsal's must match
     w.doit("vm_down")
     tpu_stand_in(w)

@@ -157,7 +157,8 @@ class FakeCompute:
 
     reservations: dict[str, Reservation] = field(default_factory=lambda: {"v6e-res": Reservation()})
     machine_types: dict[str, set[str]] = field(default_factory=lambda: {
-        zone: {"ct6e-standard-8t", "n2-standard-8"} for zone in ("us-east5-b", "europe-west4-a")})
+        # the one-chip type of `doit vm_run --rehearse` is offered where the 8-chip one is
+        zone: {"ct6e-standard-8t", "ct6e-standard-1t", "n2-standard-8"} for zone in ("us-east5-b", "europe-west4-a")})
     nat_ip: str = "127.0.0.1"
     # What the next inserts answer instead of creating the VM, first one first: ("http", status,
     # reason, message) for a refused request, ("operation", code, message) for an operation that fails.
