@@ -19,9 +19,9 @@ from fakes.hf_server import HubServer
 from omegaconf import OmegaConf
 from vm_world import Env, hub_with_tutorial_repos
 
-from mtpipe.cloud import vm_access, vm_caller, vm_state
+from mtpipe.cloud import org_policies, vm_access, vm_caller, vm_state
 from mtpipe.cloud.google_apis import GoogleApis
-from mtpipe.errors import ConfigError
+from mtpipe.errors import ConfigError, Unknown
 from mtpipe.planning import preflight
 
 pytestmark = pytest.mark.first_run
@@ -97,7 +97,8 @@ def test_missing_settings_and_credentials_named_in_one_run(world: Env) -> None:
 def test_trusted_image_policy_stops_before_the_insert_and_an_unreadable_policy_is_unknown(world: Env) -> None:
     """compute.trustedImageProjects enforced without the TPU image's project: vm_up stops before the
     insert naming the policy and the command that allows it. With the Organization Policy API off the
-    policies cannot be read: `doit check` says unknown for each, never ok, and passes."""
+    policies cannot be read: `doit check` says unknown for each, never ok, and passes; a disabled API
+    with `enable_apis: true` is what vm_up would enable, and `doit check` enables nothing."""
     w = world
     w.fake.org.policies["compute.trustedImageProjects"] = [{"values": {"allowedValues": ["is:projects/debian-cloud"]}}]
     out = w.doit("vm_up", ok=False).stdout
@@ -106,9 +107,12 @@ def test_trusted_image_policy_stops_before_the_insert_and_an_unreadable_policy_i
     assert "Fix: ask your organisation's policy administrator to allow it: gcloud resource-manager org-policies " \
            "allow compute.trustedImageProjects projects/ubuntu-os-accelerator-images --project proj-1" in out
     assert w.fake.inserts() == [] and not w.fake.instances
-    w.fake.org.disabled.add("orgpolicy.googleapis.com")
+    w.fake.org.disabled |= {"orgpolicy.googleapis.com", "storage.googleapis.com"}
+    w.configure(enable_apis=True)
     w.fake.requests.clear()
     out = w.doit("check").stdout
+    assert "ok  APIs: vm_up enables storage.googleapis.com (enable_apis: true)" in out, out
+    assert w.fake.org.enabled == []
     policies = ["policy compute.requireShieldedVm", "policy compute.trustedImageProjects",
                 "policy gcp.resourceLocations", "policy compute.requireOsLogin"]
     assert lines(out, "unknown") == policies, out
@@ -214,3 +218,30 @@ def test_user_credentials_without_a_quota_project(tmp_path: Path, monkeypatch: p
     monkeypatch.setenv("FAKE_GCLOUD_PROJECT", "other-project")
     assert vm_access.check_gcloud(cfg, GoogleApis()) == ("ADC quota project proj-1; gcloud account me@example.com, "
                                                         "project other-project (mtpipe passes --project proj-1 to it)")
+
+
+class Policies:
+    """GoogleApis' effective_policy over fixed rules, as getEffectivePolicy answers them."""
+
+    def __init__(self, rules: list[dict]) -> None:
+        self.rules = rules
+
+    def effective_policy(self, project: str, constraint: str) -> dict:
+        return {"name": f"projects/{project}/policies/{constraint}", "spec": {"rules": self.rules}}
+
+
+@pytest.mark.parametrize("rules, outcome", [
+    ([], "not set"),
+    ([{"values": {"allowedValues": ["in:us-locations"]}}], "allows us-east5-b"),
+    ([{"values": {"allowedValues": ["is:us-east5"]}}], "allows us-east5-b"),
+    ([{"values": {"allowedValues": ["in:europe-west4-locations"]}}], ConfigError),
+    ([{"values": {"deniedValues": ["zones/us-east5-b"]}}], ConfigError),
+    ([{"values": {"allowedValues": ["in:my-org-approved"]}}], Unknown),   # a group this check cannot expand
+])
+def test_resource_locations(rules: list[dict], outcome: str | type) -> None:
+    cfg = OmegaConf.create({"project": "proj-1", "zone": "us-east5-b"})
+    if isinstance(outcome, str):
+        assert org_policies.check_locations(cfg, Policies(rules)) == outcome
+    else:
+        with pytest.raises(outcome):
+            org_policies.check_locations(cfg, Policies(rules))
