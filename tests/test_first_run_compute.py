@@ -18,7 +18,7 @@ import pytest
 from fakes.fake_compute import FakeCompute
 from vm_world import Env
 
-from mtpipe.cloud import gcp, lifecycle, prices, vm_config, vm_state
+from mtpipe.cloud import gcp, lifecycle, prices, vm_config, vm_ssh, vm_state
 from mtpipe.cloud.gcp import CapacityError
 from mtpipe.errors import ConfigError
 
@@ -55,6 +55,11 @@ def test_a_v5e_vm_is_refused_before_any_request(world: Env) -> None:
         assert "queued-resources" in out and "GKE through xpk" in out
     assert w.fake.requests == [] and not w.fake.instances and not w.fake.firewalls
     assert not (w.repo / vm_state.STATE_FILE).exists()
+    out = w.doit("check", ok=False).stdout   # doit check names the route too, beside what it can still check
+    assert "mtpipe check:       FAILS  route: vm.machine_type: ct5lp-hightpu-8t (v5e) cannot be created" in out, out
+    assert "mtpipe check: not checked  machine type: needs route" in out, out
+    assert not [r for r in w.fake.requests if r.method != "GET" and not r.api_method.endswith("testIamPermissions")]
+    assert not w.fake.instances and not w.fake.firewalls
     with mock.patch.dict(os.environ, w.env, clear=True):
         cfg = vm_config.load_config()
     assert vm_config.budget_machine(cfg).tpu == "v5e-8"   # what `doit preflight` forecasts against
@@ -141,6 +146,26 @@ def test_a_flex_start_run(world: Env) -> None:
         del body["scheduling"]["max_run_duration"]
         with pytest.raises(gcp.GcpError, match="Flex-start VMs need a maxRunDuration of at most 7 days"):
             gcp.Compute(cfg.project, cfg.zone).create_instance(body)
+    assert not w.fake.instances
+
+
+def test_a_pending_vm_an_earlier_run_left_is_waited_on(world: Env) -> None:
+    """A Flex-start VM still PENDING from a run that was killed (its insert sent, nothing recorded):
+    the next vm_up waits for its capacity with it, then reuses it, instead of failing on its missing
+    external IP or sending a second insert."""
+    w = world
+    offer_v6e(w.fake, EAST_A)
+    w.env["ZONE"] = EAST_A
+    w.configure(zones=[EAST_A], flex_start={"request_valid_for_s": 90, "poll_s": 0.2})
+    w.fake.flex_start_capacity.append(("RUNNING", 1.0))
+    with mock.patch.dict(os.environ, w.env, clear=True):
+        cfg = vm_config.load_config({"provisioning": "flex-start"})
+        gcp.Compute(cfg.project, cfg.zone).create_vm(cfg, vm_ssh.ssh_public_key(cfg), {"app": "mtpipe"})
+    assert w.fake.instances[("proj-1", EAST_A, "mt-test")]["status"] == "PENDING"
+    out = w.doit("vm_up", "--provisioning=flex-start").stdout
+    assert "VM mt-test is PENDING: an earlier run's Flex-start request; waiting for its capacity" in out, out
+    assert "reusing VM mt-test (RUNNING)" in out and len(w.fake.inserts()) == 1
+    w.doit("vm_down")
     assert not w.fake.instances
 
 

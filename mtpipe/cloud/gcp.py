@@ -27,8 +27,8 @@ from mtpipe.cloud import idle_watch, interrupts, ssh_route
 ENDPOINT_ENV = "MTPIPE_COMPUTE_ENDPOINT"
 SCOPE = "https://www.googleapis.com/auth/cloud-platform"
 CREDENTIALS_FIX = (
-    "run `gcloud auth application-default login` (or point GOOGLE_APPLICATION_CREDENTIALS at a "
-    "service-account key file) and retry"
+    "run `gcloud auth application-default login` (as a service account: add "
+    "--impersonate-service-account=SA, which needs no key file) and retry"
 )
 
 

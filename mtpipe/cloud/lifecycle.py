@@ -208,6 +208,9 @@ class VmLifecycle:
         if instance is not None and instance.status in SETTLING:   # an insert another run sent
             _say(f"VM {cfg.name} is {instance.status}: waiting until Compute has created it")
             instance = cloud.settle(cfg.name, float(cfg.operation_timeout_s))
+        if instance is not None and instance.status == WAITING_FOR_CAPACITY:   # a Flex-start request another run sent
+            _say(f"VM {cfg.name} is {instance.status}: an earlier run's Flex-start request; waiting for its capacity")
+            instance = self._await_capacity(instance)
         created, unproven = instance is None, []
         if instance is not None:
             _say(f"reusing VM {cfg.name} ({instance.status}) in {cfg.zone}")

@@ -141,11 +141,15 @@ def check_all(run: Runner, cfg: DictConfig, root: Path, experiments: list[list[s
     ``act``: vm_up's mode, which enables disabled APIs (enable_apis: true) and imports the SSH key
     into the OS Login profile; without it nothing is changed anywhere."""
     apis = settings(run, cfg)
+    run.check("route", lambda: vm_config.check_route(cfg) or f"Compute Engine creates {cfg.machine_type}")
+    if cfg.provisioning == "flex-start":
+        run.check("Flex-start zones", lambda: "; ".join(vm_config.flex_start_zones(cfg))
+                  or f"{', '.join(vm_config.candidate_zones(cfg))} grant Flex-start {cfg.machine_type} VMs")
     run.check("gcloud", lambda: vm_access.check_gcloud(cfg, apis), needs=("credentials",))
     compute = run.check("Compute", lambda: _compute(cfg, client), needs=("PROJECT", "ZONE", "credentials"))
     compute_needs = ("Compute",)
     run.check("machine type", lambda: vm_checks.check_machine_type(cfg, compute)
-              or f"{cfg.zone} offers {cfg.machine_type}", needs=compute_needs)
+              or f"{cfg.zone} offers {cfg.machine_type}", needs=(*compute_needs, "route"))
     if cfg.provisioning == "reservation":
         run.check("reservation", lambda: vm_checks.check_reservation(cfg, compute)
                   or f"{cfg.reservation} has room for one {cfg.machine_type}", needs=(*compute_needs, "RESERVATION"))
