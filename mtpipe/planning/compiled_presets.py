@@ -29,7 +29,7 @@ from mtpipe.pipeline.config import ROOT
 FOLDER = Path(__file__).resolve().parent / "compiled"
 RECORD_COMMAND = "python -m mtpipe.planning.compiled_presets"
 # The presets the project ships results for, each with its branch.
-SHIPPED = {"gemma3-4b-ultrachat-v6e8": "sft", "llama3.1-8b-gsm8k-v6e8": "rl"}
+SHIPPED = {"gemma3-4b-ultrachat-v6e8": "sft", "llama3.1-8b-gsm8k-v6e8": "rl", "gemma3-4b-ultrachat-v6e32": "sft"}
 
 
 def path(branch: str, preset: str) -> Path:
@@ -47,6 +47,7 @@ def find(digest: str) -> dict[str, Any] | None:
 
 
 def _args(key: dict[str, Any]) -> dict[str, str]:
+    """A compile key's arguments by name."""
     return dict(arg.partition("=")[::2] for arg in key["args"])
 
 
