@@ -97,8 +97,6 @@ def test_the_setup_and_both_quickstarts_run_in_order_against_the_fakes(
     repo = tmp_path / "mtpipe"
     sh(["git", "clone", "-q", str(pipeline_repo), str(repo)], tmp_path, local_env)
     with loopback_world(tmp_path, repo, local_env) as w, HubServer(tmp_path / "hub") as hub:
-        for types in w.fake.machine_types.values():   # the rehearsal's one chip, where Compute offers -8t
-            types.add(ONE_CHIP)
         tpu_stand_in(w)   # the rehearsal's TPU check on a VM whose JAX has the CPU only
         hub_with_tutorial_repos(hub)   # the rehearsal's Hub download
         w.configure(run__env__HF_ENDPOINT=hub.url)
