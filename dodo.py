@@ -261,16 +261,17 @@ def task_vm_down() -> dict:
 
 
 @_task_action
-def preflight(set: list[str]) -> None:
+def preflight(set: list[str], target: str | None) -> None:
     """The machine budget (disks, host memory) of the TPU VM's branches, then each one's training step
-    AOT-compiled on this CPU for HBM, time and cost; fail when one does not fit."""
+    AOT-compiled on this CPU for HBM, time and cost, and the whole run up to ``target`` by phase; fail
+    when one does not fit."""
     from mtpipe.cloud import prices, vm_config, vm_experiments
     from mtpipe.planning import preflight as preflight_checks
 
     cfg = vm_config.load_config()
     rate = prices.vm_rate(cfg)
     preflight_checks.run(set, rate.price.usd, vm_config.budget_machine(cfg), vm_experiments.repo_root(),
-                         price_basis=rate.per_chip())
+                         price_basis=rate.per_chip(), target=target)
 
 
 def task_preflight() -> dict:
@@ -278,7 +279,10 @@ def task_preflight() -> dict:
     return {
         "actions": [preflight], "io": NO_CAPTURE,
         "params": [{"name": "set", "long": "set", "type": list, "default": [],
-                    "help": "params override as `dvc exp run -S`: --set=sft.preset=NAME (repeatable)"}],
+                    "help": "params override as `dvc exp run -S`: --set=sft.preset=NAME (repeatable)"},
+                   {"name": "target", "long": "target", "type": str, "default": None,
+                    "help": "the DVC stage vm_run would reproduce (default: the whole pipeline): the run's forecast "
+                            "counts the stages up to it"}],
         "verbosity": 2,
     }
 
@@ -312,3 +316,20 @@ def task_publish() -> dict:
         ],
         "verbosity": 2,
     }
+
+
+# ---------------------------------------------------------------- why
+
+
+def why(pos: list[str]) -> TaskFailed | None:
+    """What moved in each named stage's address, in words (mtpipe/pipeline/why.py)."""
+    from mtpipe.pipeline import why as why_stage
+
+    if not pos:
+        return TaskFailed("name a stage: doit why train_sft@sft (the names: dvc stage list)")
+    return TaskFailed("the line above says what to name") if why_stage.main(pos) else None
+
+
+def task_why() -> dict:
+    """Why a stage reruns, or will after your edits, and how to keep its output (docs/why.md)."""
+    return {"actions": [why], "io": NO_CAPTURE, "pos_arg": "pos", "verbosity": 2}

@@ -314,12 +314,48 @@ def module_fingerprint(path: Path) -> str:
     return source_fingerprint(path.read_text())
 
 
+def _digest(node: ast.AST) -> str:
+    return hashlib.sha256(repr(_serialize(node)).encode()).hexdigest()[:16]
+
+
+def _normalized(source: str) -> ast.Module:
+    """A module's syntax tree as its fingerprint sees it: docstrings dropped, message text replaced."""
+    tree = ast.parse(source)
+    return _Normalize(tree).visit(tree)
+
+
 @functools.cache  # keyed by the source text, as above
 def source_fingerprint(source: str) -> str:
     """The fingerprint of a module's source text."""
-    tree = ast.parse(source)
-    tree = _Normalize(tree).visit(tree)
-    return hashlib.sha256(repr(_serialize(tree)).encode()).hexdigest()[:16]
+    return _digest(_normalized(source))
+
+
+MODULE_LEVEL = "module level"  # the statements of a module outside its functions and classes
+
+
+def part_fingerprints(source: str) -> dict[str, str]:
+    """Name -> fingerprint of each part of a module as :func:`source_fingerprint` sees it: each function
+    (``name``), each method (``Class.name``), each class's other statements (``Class``) and the module's
+    other statements (:data:`MODULE_LEVEL`). Which parts two versions differ in says where an edit moved
+    the module's fingerprint (``python -m mtpipe.pipeline.why``)."""
+    parts: dict[str, str] = {}
+
+    def split(body: list[ast.stmt], prefix: str, rest_name: str) -> None:
+        rest: list[ast.stmt] = []
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                parts[prefix + node.name] = _digest(node)
+            elif isinstance(node, ast.ClassDef):
+                split(node.body, f"{prefix}{node.name}.", prefix + node.name)
+                node.body = []
+                rest.append(node)  # its bases and decorators
+            else:
+                rest.append(node)
+        if rest:
+            parts[rest_name] = _digest(ast.Module(body=rest, type_ignores=[]))
+
+    split(_normalized(source).body, "", MODULE_LEVEL)
+    return parts
 
 
 def stage_code(stage: str, root: Path = ROOT, backends: dict[str, str] | None = None) -> dict[str, str]:
