@@ -29,6 +29,7 @@ from mtpipe.cloud.gcp import (SETTLING, WAITING_FOR_CAPACITY, CapacityError, Com
                               QuotaExceeded, TryAgain, region)
 from mtpipe.errors import ConfigError
 from mtpipe.planning import preflight as preflight_checks
+from mtpipe.planning import run_forecast
 
 STOCKOUT_MAX_WAIT_S = 300  # the longest wait between two rounds of the zones during a stockout
 # A transient refusal of an insert (gcp.RETRY_CODES: RESOURCE_NOT_READY, RESOURCE_OPERATION_RATE_EXCEEDED) is
@@ -111,15 +112,15 @@ def creation_line(cfg: DictConfig, model: str) -> str:
 
 
 def forecast_line(cfg: DictConfig, forecasts: list[dict[str, Any]]) -> str:
-    """What the run's trainings take and cost by preflight's forecast (its rows), or why there is none."""
+    """What the whole run takes and costs by preflight's forecast (its rows: the total `doit preflight`
+    prints, mtpipe.planning.run_forecast) and what that counts, or why there is none."""
     if not forecasts:
         return ("no forecast of the run's length (no branch trains on a TPU, or --no-preflight): the VM bills "
                 "until the run ends and it is deleted")
-    hours, usd = sum(r["est_total_s"] for r in forecasts) / 3600, sum(r["est_total_usd"] for r in forecasts)
+    run = run_forecast.forecast(forecasts)
     rate = prices.vm_rate(cfg)
-    cost = prices.paid_by(rate.reservation, f"{usd:.2f} USD") if rate.reservation else f"about {usd:.2f} USD"
-    return (f"forecast (doit preflight): the training stages about {hours:.1f} h, {cost}; setup, downloads, "
-            "conversions and evaluation come on top")
+    cost = prices.paid_by(rate.reservation, run.usd_text()) if rate.reservation else run.usd_text()
+    return f"forecast (doit preflight): the run {run.hours_text()}, {cost}; it holds {run.holds()}"
 
 
 def _say(line: str) -> None:
@@ -172,13 +173,15 @@ class VmLifecycle:
 
     # ------------------------------------------------------------ create and delete
 
-    def ensure(self, experiments: list[list[str]], may_create: bool, preflight: bool = False) -> vm_ssh.Remote:
+    def ensure(self, experiments: list[list[str]], may_create: bool, preflight: bool = False,
+               target: str | None = None) -> vm_ssh.Remote:
         """The VM, reachable over SSH: reused when it exists, else created (:meth:`_ensure`);
         SIGTERM and SIGHUP meanwhile clean up as Ctrl-C does."""
         with interrupts.raising():
-            return self._ensure(experiments, may_create, preflight)
+            return self._ensure(experiments, may_create, preflight, target)
 
-    def _ensure(self, experiments: list[list[str]], may_create: bool, preflight: bool) -> vm_ssh.Remote:
+    def _ensure(self, experiments: list[list[str]], may_create: bool, preflight: bool,
+                target: str | None) -> vm_ssh.Remote:
         """The VM, reachable over SSH: reused when it exists, else created.
 
         PROJECT, ZONE, RESERVATION and the credentials are checked first, all named at once. Before
@@ -186,7 +189,8 @@ class VmLifecycle:
         check` runs) for the `--set` values of every experiment, and one error lists every failure; a
         VM that exists only gets the project checks and the Spot one (vm_checks.check_spot_resume,
         with preflight's cached forecast). `preflight` then AOT-compiles the TPU branches (after the
-        quick checks: a compile takes minutes the first time). `may_create`
+        quick checks: a compile takes minutes the first time) and forecasts the run up to the DVC
+        `target` (None: the whole pipeline), the price asked for. `may_create`
         False refuses to replace a VM that .vm_state.json records but the cloud no longer has (vm_run
         without --recreate).
         """
@@ -235,7 +239,7 @@ class VmLifecycle:
             rate = prices.vm_rate(cfg)
             for sets in experiments:
                 forecasts += preflight_checks.run(sets, rate.price.usd, vm_config.budget_machine(cfg), root,
-                                                  committed=True, price_basis=rate.per_chip())
+                                                  committed=True, price_basis=rate.per_chip(), target=target)
         if created:
             self._confirm(forecasts)
             state = {}
@@ -638,7 +642,7 @@ class VmLifecycle:
         secret_lines, secret_data = vm_experiments.secrets_stdin(list(cfg.run.secrets))
         scripts = [vm_experiments.run_script(cfg, root, vm_experiments.dvc_command(target, sets, name), secret_lines, name)
                    for sets, name in zip(experiments, names)]
-        remote = self.ensure(experiments, may_create, preflight)  # will it fit the TPU? (docs/preflight.md)
+        remote = self.ensure(experiments, may_create, preflight, target)  # will it fit the TPU? (docs/preflight.md)
         todo, came_back = list(zip(experiments, scripts)), []
         tpus: list[vm_tpu.Target] = []   # the TPUs the branches that run on the VM target
 

@@ -222,7 +222,7 @@ def _preflight(cfg: DictConfig, root: Path, experiments: list[list[str]]) -> tup
     for row in rows:
         preflight.check_fits(row)
     said = [f"{r['branch']} ({r['preset']}) fits: {r['hbm_gib_per_chip']:.1f} of {r['hbm_gib_available']} GiB HBM "
-            f"per chip, about {r['est_total_s'] / 3600:.1f} h" for r in rows]
+            f"per chip, training about {r['est_train_s'] / 60:.0f} min (`doit preflight`: the whole run)" for r in rows]
     if not_compiled:
         said.append(f"not compiled yet: {', '.join(not_compiled)} (vm_run compiles it first, minutes per shape; "
                     "or `doit preflight --set ...`)")

@@ -43,7 +43,7 @@ from mtpipe.pipeline import maxtext_check, overrides, toolchain
 from mtpipe.pipeline.config import BRANCH_STAGES, ROOT, stage_view
 from mtpipe.pipeline.view import View
 from mtpipe.pipeline.maxtext_check import compose_checked
-from mtpipe.planning import budget, compiled_presets
+from mtpipe.planning import budget, compiled_presets, run_forecast
 
 
 @dataclass(frozen=True)
@@ -384,8 +384,7 @@ def step_range(step_s: float) -> tuple[float, float]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The rows as a fixed-width table, with the calibration's error bars."""
-    head = ("branch", "preset", "TPU", "HBM GiB/chip", "fits", "TFLOP/step", "step s", "train min",
-            "total min", "USD")
+    head = ("branch", "preset", "TPU", "HBM GiB/chip", "fits", "TFLOP/step", "step s", "train min")
     lines = [head]
     for r in rows:
         low, high = step_range(r["est_step_s"])
@@ -393,19 +392,19 @@ def table(rows: list[dict[str, Any]]) -> str:
         hbm = "compile OOM" if r["compile_oom"] else f"{r['hbm_gib_per_chip']:.1f}{bar}"
         lines.append((r["branch"], r["preset"], r["topology"], f"{hbm} / {r['hbm_gib_available']:.2f}",
                       "yes" if r["fits"] else "NO", f"{r['flops_per_step'] / 1e12:.1f}",
-                      f"{r['est_step_s']:.3f} ({low:.3f}-{high:.3f})", f"{r['est_train_s'] / 60:.1f}",
-                      f"{r['est_total_s'] / 60:.1f}", f"{r['est_total_usd']:.2f}"))
+                      f"{r['est_step_s']:.3f} ({low:.3f}-{high:.3f})", f"{r['est_train_s'] / 60:.1f}"))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(line, widths)).rstrip() for line in lines)
 
 
 def run(sets: list[str], usd_per_chip_hour: float, machine: budget.Machine, root: Path = ROOT,
         branches: tuple[str, ...] = tuple(BRANCH_STAGES), committed: bool = False,
-        price_basis: str = "") -> list[dict[str, Any]]:
+        price_basis: str = "", target: str | None = None) -> list[dict[str, Any]]:
     """:func:`check`, then raise ConfigError (naming the keys to change) if a branch does not fit;
     a run that does not fit the machine's disks or memory stops before anything compiles.
     ``machine``: the VM config's boot disk and run environment (mtpipe.cloud.vm_config.budget_machine)."""
-    rows = check(sets, usd_per_chip_hour, machine, root, branches, committed, price_basis, refuse=True)
+    rows = check(sets, usd_per_chip_hour, machine, root, branches, committed, price_basis, refuse=True,
+                 target=target)
     for row in rows:
         check_fits(row)
     return rows
@@ -413,7 +412,7 @@ def run(sets: list[str], usd_per_chip_hour: float, machine: budget.Machine, root
 
 def check(sets: list[str], usd_per_chip_hour: float, machine: budget.Machine, root: Path = ROOT,
           branches: tuple[str, ...] = tuple(BRANCH_STAGES), committed: bool = False,
-          price_basis: str = "", refuse: bool = False) -> list[dict[str, Any]]:
+          price_basis: str = "", refuse: bool = False, target: str | None = None) -> list[dict[str, Any]]:
     """Preflight the branches of params.yaml (+ ``--set`` overrides, as ``dvc exp run -S``) that target a TPU.
 
     ``usd_per_chip_hour``: the chip price of conf/vm.yaml's mode (mtpipe.cloud.prices), which the cost
@@ -422,8 +421,11 @@ def check(sets: list[str], usd_per_chip_hour: float, machine: budget.Machine, ro
     ``committed``: HEAD's params.yaml (what vm_run ships) instead of the workspace's. Prints a table,
     writes ``work/preflight/<branch>-<preset>.json`` per branch and returns the rows.
     First the machine budget of the TPU VM's branches (:func:`machine_budget`; ``refuse``: raise when
-    it does not fit, before anything compiles).
+    it does not fit, before anything compiles). Then the whole run (:mod:`mtpipe.planning.run_forecast`):
+    each phase of the stages DVC's ``target`` reaches (None: the whole pipeline), in each row's
+    ``run_phases``, the total with its interval and price printed below the table.
     """
+    stages = run_forecast.stages_of(target)
     params, composed, views = composed_views(sets, root, branches, committed)
     work = root / "work" / "preflight"
     machine_budget(composed, views, machine, root, work, refuse)
@@ -456,10 +458,13 @@ def check(sets: list[str], usd_per_chip_hour: float, machine: budget.Machine, ro
               flush=True)
         compiled = compile_step(cmd.module, args, work, work / f"{branch}-{preset}.log")
         row = report(cfg, preset, compiled, chip, chips, usd_per_hour(chips, usd_per_chip_hour), args)
+        row["run_phases"] = run_forecast.as_row(run_forecast.branch_phases(composed[branch], row, chip, stages, root))
         (work / f"{branch}-{preset}.json").write_text(json.dumps(row, indent=1) + "\n")
         rows.append(row)
     if rows:
         print(table(rows))
+        print(f"the whole run (target {target or 'the whole pipeline'}), by phase:")
+        print(run_forecast.forecast(rows).table())
         basis = f" ({price_basis})" if price_basis else ""
         print(f"assumptions: MFU {MFU:.1%} (measured on a TPU v5e chip: {MFU_RANGE[0]:.1%}-{MFU_RANGE[1]:.1%}, the step "
               f"time's range), HBM ±{HBM_ERROR:.0%} (docs/preflight.md), {usd_per_chip_hour:.2f} USD per chip-hour{basis}; "
