@@ -1,5 +1,5 @@
 """Run groups of .tpu-chip/plan.json on the lent TPU chip (Python 3.11): each command in a process
-of its own through measure.py, its log, metrics and final params kept, then each group packed into
+of its own through measure.py (a group the plan lists as ``together``: all in one process), its log, metrics and final params kept, then each group packed into
 ``$OUT/<group>.tgz`` for benchmarks/on_tpu/collect.py. Called by chip.sh (docs/tpu-chip.md).
 
     python benchmarks/on_tpu/chip_run.py GROUP [GROUP ...] --out DIR [--deadline S] [--cpu]
@@ -69,33 +69,39 @@ def digest(directory: Path) -> str:
     return h.hexdigest()
 
 
-def run_one(run: dict, work: Path, left_s: float, cpu: bool) -> dict:
-    """One planned command through measure.py; what it did, as a dict."""
-    name = run["name"]
+def run_env(cpu: bool, run: dict) -> dict[str, str]:
+    env = dict(os.environ, **run["env"])
+    if cpu:
+        env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def start_args(run: dict) -> list[str] | None:
+    """The run's arguments with the chip's paths; None when the checkpoint it starts from is missing."""
     start = ""
     if run.get("start_from"):
         params = final_params(RUNS / run["start_from"])
         if params is None:
-            return {"name": name, "status": "skipped", "why": f"{run['start_from']} left no checkpoint"}
+            return None
         start = str(params)
-    args = [fill(a, start) for a in run["args"]]
-    env = dict(os.environ, **run["env"])
-    if cpu:
-        env["JAX_PLATFORMS"] = "cpu"
-    (RUNS / name).mkdir(parents=True, exist_ok=True)  # MaxText's pre-training trainer writes metrics_file there
-    record_path = work / f"{name}.measure.json"
-    argv = [sys.executable, str(HERE / "measure.py"), str(record_path), run["launcher"], run["module"], *args]
-    (work / f"{name}.command.txt").write_text(" ".join(argv[2:]) + "\n")
-    t0 = time.time()
-    with open(work / f"{name}.log", "w", encoding="utf8") as log:
+    (RUNS / run["name"]).mkdir(parents=True, exist_ok=True)  # MaxText's pre-training trainer writes metrics_file there
+    return [fill(a, start) for a in run["args"]]
+
+
+def launch(argv: list[str], env: dict[str, str], log_path: Path, left_s: float) -> int | str:
+    """``argv`` in a process of its own, its output in ``log_path``; its status or "timeout"."""
+    with open(log_path, "w", encoding="utf8") as log:
         try:
-            status = subprocess.run(argv, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=left_s).returncode
+            return subprocess.run(argv, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=left_s).returncode
         except subprocess.TimeoutExpired:
-            status = "timeout"
-    out = {"name": name, "status": status, "process_s": round(time.time() - t0, 1)}
+            return "timeout"
+
+
+def gather(name: str, work: Path, out: dict) -> dict:
+    """``out`` with the run's measure.py record, its metrics, reward curve and final params kept."""
+    record_path = work / f"{name}.measure.json"
     if record_path.is_file():
-        out |= json.loads(record_path.read_text())
-        out["status"] = status
+        out = out | json.loads(record_path.read_text()) | {"status": out["status"]}
     metrics = RUNS / name / "metrics.jsonl"
     if metrics.is_file():
         (work / f"{name}.metrics.jsonl").write_bytes(metrics.read_bytes())
@@ -108,6 +114,40 @@ def run_one(run: dict, work: Path, left_s: float, cpu: bool) -> dict:
             with tarfile.open(work / f"{name}.params.tgz", "w:gz") as tar:
                 tar.add(params, arcname="model_params")
     return out
+
+
+def run_one(run: dict, work: Path, left_s: float, cpu: bool) -> dict:
+    """One planned command through measure.py; what it did, as a dict."""
+    name = run["name"]
+    args = start_args(run)
+    if args is None:
+        return {"name": name, "status": "skipped", "why": f"{run['start_from']} left no checkpoint"}
+    argv = [sys.executable, str(HERE / "measure.py"), str(work / f"{name}.measure.json"), run["launcher"], run["module"],
+            *args]
+    (work / f"{name}.command.txt").write_text(" ".join(argv[2:]) + "\n")
+    t0 = time.time()
+    status = launch(argv, run_env(cpu, run), work / f"{name}.log", left_s)
+    return gather(name, work, {"name": name, "status": status, "process_s": round(time.time() - t0, 1)})
+
+
+def run_together(runs: list[dict], work: Path, left_s: float, cpu: bool) -> list[dict]:
+    """The planned SFT commands in one measure.py process (``--together``); what each did."""
+    spec = [{"record": str(work / f"{r['name']}.measure.json"), "module": r["module"], "args": start_args(r)}
+            for r in runs]
+    for run, one in zip(runs, spec):
+        (work / f"{run['name']}.command.txt").write_text(" ".join([run["launcher"], run["module"], *one["args"]]) + "\n")
+    (work / "together.json").write_text(json.dumps(spec, indent=1))
+    t0 = time.time()
+    status = launch([sys.executable, str(HERE / "measure.py"), "--together", str(work / "together.json")],
+                    run_env(cpu, runs[0]), work / "together.log", left_s)
+    process_s = round(time.time() - t0, 1)
+    done = []
+    for run in runs:
+        record = work / f"{run['name']}.measure.json"
+        own = json.loads(record.read_text())["status"] if record.is_file() else status if status != 0 else "not run"
+        done.append(gather(run["name"], work, {"name": run["name"], "status": own, "process_s": process_s,
+                                                "together": [r["name"] for r in runs]}))
+    return done
 
 
 def tpu_check() -> dict:
@@ -123,6 +163,14 @@ def run_group(group: str, runs: list[dict], began: float, opts: argparse.Namespa
     work = Path("/tmp/mtpipe-chip") / group
     work.mkdir(parents=True, exist_ok=True)
     summary = head | {"group": group, "runs": []}
+    left = opts.deadline - (time.time() - began)
+    if group in opts.together and left >= 60 and not head.get("tpu_check", {}).get("status"):
+        print(f"[{time.time() - began:6.0f}s] {group}: {', '.join(r['name'] for r in runs)} in one process", flush=True)
+        summary["runs"] = run_together(runs, work, left - 15, opts.cpu)
+        runs = []
+        for done in summary["runs"]:
+            print(f"[{time.time() - began:6.0f}s]   {done['name']}: status {done['status']}, peak HBM "
+                  f"{(done.get('memory') or {}).get('peak_bytes_in_use')}", flush=True)
     for run in runs:
         left = opts.deadline - (time.time() - began)
         if left < 60 or head.get("tpu_check", {}).get("status"):
@@ -150,6 +198,7 @@ def main() -> None:
     began = time.time()
     plan = json.loads((CHIP / "plan.json").read_text())
     head = {"smoke": plan["smoke"], "versions": versions(), "nproc": os.cpu_count()}
+    opts.together = plan.get("together", [])
     if not opts.cpu:
         head["tpu_check"] = tpu_check()
     for group in opts.groups:

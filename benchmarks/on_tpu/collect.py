@@ -128,13 +128,58 @@ def slices(group: Path, summary: dict[str, Any], plan: dict[str, Any]) -> dict[s
     for run in summary["runs"]:
         name = run["name"]
         row = {k: run.get(k) for k in ("status", "process_s", "wall_s", "device_kind")}
-        row |= {k: planned[name][k] for k in ("module", "layers", "vocab")}
+        row |= {k: planned[name][k] for k in ("module", "family", "layers", "vocab", "batch")}
         row["compile_args"] = slice_forecast(planned[name])
         row["memory"] = run.get("memory")
+        if run.get("together"):  # several slices in one process: the peaks before this one's run
+            row |= {"together": run["together"], "memory_before": run.get("memory_before"),
+                    "peaks_own": peaks_own(run)}
         if (group / f"{name}.metrics.jsonl").is_file():
             stats = step_stats(group / f"{name}.metrics.jsonl")
             row |= {"median_step_s": stats["median_step_s"], "median_tflops_per_s": stats["median_tflops_per_s"],
                     "loss": stats["loss"]}
+        out["runs"][name] = row
+    return out
+
+
+def peaks_own(run: dict[str, Any]) -> bool:
+    """Whether a run that shared its process holds its own peak HBM: memory_stats() keeps one peak
+    per process, so both peaks (in use, reserved) must have risen during the run."""
+    after, before = run.get("memory") or {}, run.get("memory_before") or {}
+    keys = ("peak_bytes_in_use", "peak_bytes_reserved")
+    return all(after.get(k) is not None and after[k] > (before.get(k) or 0) for k in keys)
+
+
+ROLLOUT = re.compile(r"cpu_jax rollout: (\d+) prompts, prompt length (\d+), (\d+) new tokens max, kv_cache=(\w+), "
+                     r"([\d.]+) s")
+
+
+def grpo_steps(log: str) -> dict[str, Any]:
+    """From a train_rl log: the median GRPO step (between tunix's "Train step" lines) and rollout
+    (the cpu_jax rollout's own timing line), both after the first two steps (compiles)."""
+    stamps = [_seconds(t) for t in re.findall(r"^I\d{4} (\d\d:\d\d:\d\d\.\d+) .*Train step \d+ training loss", log, re.M)]
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    rollouts = [(int(m[0]), int(m[2]), m[3] == "True", float(m[4])) for m in ROLLOUT.findall(log)]
+    late = rollouts[2:]
+    return {"steps_logged": len(stamps), "median_step_s": round(statistics.median(gaps[1:]), 4) if len(gaps) > 2 else None,
+            "rollout_rows": rollouts[0][0] if rollouts else None, "rollout_kv_cache": rollouts[0][2] if rollouts else None,
+            "rollout_new_tokens_max": rollouts[0][1] if rollouts else None,
+            "median_rollout_s": round(statistics.median(r[3] for r in late), 4) if late else None,
+            "rollout_s": [r[3] for r in rollouts]}
+
+
+def grpo(group: Path, summary: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
+    """GRPO at real width: peak HBM, the GRPO step and its rollout, beside preflight's compile arguments."""
+    planned = {r["name"]: r for r in plan["groups"][group.name]}
+    out: dict[str, Any] = {"runs": {}}
+    for run in summary["runs"]:
+        name = run["name"]
+        row = {k: run.get(k) for k in ("status", "process_s", "wall_s", "device_kind", "memory")}
+        row |= {k: planned[name][k] for k in ("module", "family", "layers", "vocab", "batch", "generations",
+                                              "new_tokens", "prompt")}
+        row["compile_args"] = slice_forecast(planned[name])
+        if (group / f"{name}.log").is_file():
+            row |= grpo_steps((group / f"{name}.log").read_text(errors="replace"))
         out["runs"][name] = row
     return out
 
@@ -153,7 +198,12 @@ def main() -> None:
             summary = json.loads((group / "summary.json").read_text())
             record = {"group": name, "smoke": summary["smoke"], "versions": summary["versions"], "nproc": summary["nproc"],
                       "tpu_check": summary.get("tpu_check")}
-            record |= slices(group, summary, plan) if name.startswith("slices") else embedded(group, summary, work)
+            if name.startswith("slices"):
+                record |= slices(group, summary, plan)
+            elif name.startswith("grpo"):
+                record |= grpo(group, summary, plan)
+            else:
+                record |= embedded(group, summary, work)
             path = RECORDS / f"{name}.json"
             path.write_text(json.dumps(record, indent=1) + "\n")
             print(f"wrote {path.relative_to(ROOT)}")

@@ -27,6 +27,7 @@ import argparse
 import json
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +46,42 @@ CHIP = ROOT / ".tpu-chip"
 PLAN = CHIP / "plan.json"
 RUNS = Path("/mtpipe-chip-runs")  # stands for @RUNS@
 SFT_TUTORIAL = "gemma3-4b-ultrachat-v6e8"
-# (name, trainer module, decoder layers, vocabulary): two depths separate the cost of a layer from the
-# rest, two vocabularies the embedding's; the pre-training trainer is what preflight compiles
-SLICES = (("sft_d6", commands.TRAIN_SFT, 6, 32768), ("sft_d3", commands.TRAIN_SFT, 3, 32768),
-          ("sft_d3_v64k", commands.TRAIN_SFT, 3, 65536), ("pretrain_d6", "maxtext.trainers.pre_train.train", 6, 32768))
+FAMILIES = {"gemma3": "gemma3-4b", "llama3.1": "llama3.1-8b-Instruct"}  # MaxText's model, at its real width
+
+
+@dataclass(frozen=True)
+class Slice:
+    """A tutorial model cut in depth and vocabulary to fit one v5e chip, at its real width and the SFT
+    tutorial's sequence length, dtypes and remat policy."""
+
+    name: str
+    family: str               # a key of FAMILIES
+    layers: int
+    vocab: int
+    batch: int = 1            # per_device_batch_size (sequences of 2048 tokens)
+    module: str = commands.TRAIN_SFT
+
+    def planned(self) -> dict[str, Any]:
+        """What a planned run and its record say about the slice."""
+        return {"family": self.family, "layers": self.layers, "vocab": self.vocab, "batch": self.batch}
+
+
+# Groups of slices. Two depths separate the cost of a layer from the rest, two vocabularies the
+# embedding's, batches 1-4 the tokens per step; the pre-training trainer is what preflight compiles.
+# A group marked TOGETHER runs in one process, each slice after the other, in ascending order of
+# both parts of its peak HBM (peak in use, peak reserved): memory_stats() keeps one peak per process.
+SLICE_GROUPS = {
+    "slices": (Slice("sft_d6", "gemma3", 6, 32768), Slice("sft_d3", "gemma3", 3, 32768)),
+    "slices_more": (Slice("sft_d3_v64k", "gemma3", 3, 65536),
+                    Slice("pretrain_d6", "gemma3", 6, 32768, module="maxtext.trainers.pre_train.train")),
+    "slices_gemma": (Slice("gemma_d2_b2", "gemma3", 2, 32768, 2), Slice("gemma_d3_b4", "gemma3", 3, 32768, 4),
+                     Slice("gemma_d4_v48k_b4", "gemma3", 4, 49152, 4)),
+    "slices_llama": (Slice("llama_d1_v16k_b1", "llama3.1", 1, 16384, 1),),
+    "slices_llama_more": (Slice("llama_d1_v24k_b2", "llama3.1", 1, 24576, 2), Slice("llama_d1_b4", "llama3.1", 1, 32768, 4)),
+    "slices_gemma_scanned": (Slice("gemma_d6_v16k_b2", "gemma3", 6, 16384, 2),),  # one scanned 6-layer block
+}
+SLICES = tuple(s for group in SLICE_GROUPS.values() for s in group)
+TOGETHER = ("slices_gemma", "slices_llama", "slices_llama_more")
 SLICE_STEPS = 20
 SPLASH_BLOCK = 128  # JAX 0.10.2's splash-attention kernel needs sequence lengths in multiples of this
 
@@ -83,10 +116,10 @@ def placeholders(run: dict[str, Any]) -> dict[str, Any]:
     return run | {"args": [chip_path(a) for a in run["args"]]}
 
 
-def copy_inputs(branch: str) -> Path:
-    """The branch's converted checkpoint, dataset and tokenizer under .tpu-chip/artifacts."""
+def copy_inputs(branch: str, names: tuple[str, ...] = ("maxtext", "dataset", "model")) -> Path:
+    """The branch's converted checkpoint, dataset and tokenizer (``names``) under .tpu-chip/artifacts."""
     dest = CHIP / "artifacts" / branch
-    for name in ("maxtext", "dataset", "model"):
+    for name in names:
         if (dest / name).exists():
             shutil.rmtree(dest / name)
         shutil.copytree(artifact(branch, name), dest / name)
@@ -94,9 +127,11 @@ def copy_inputs(branch: str) -> Path:
 
 
 def set_arg(args: list[str], key: str, value: Any) -> list[str]:
-    """``args`` with ``key=value`` replacing an existing ``key=`` or appended."""
-    kept = [a for a in args if not a.startswith(f"{key}=")]
-    return [*kept, f"{key}={commands.fmt(value)}"]
+    """``args`` with ``key=value`` in place of an existing ``key=``, or appended."""
+    new = f"{key}={commands.fmt(value)}"
+    if any(a.startswith(f"{key}=") for a in args):
+        return [new if a.startswith(f"{key}=") else a for a in args]
+    return [*args, new]
 
 
 def embedded_runs(smoke: bool) -> list[dict[str, Any]]:
@@ -146,44 +181,111 @@ def smoke_run(run: dict[str, Any]) -> dict[str, Any]:
     return run | {"args": args, "steps": 2 if run["module"] == commands.TRAIN_RL else 3}
 
 
-def slice_command(module: str, layers: int, vocab: int, smoke: bool) -> commands.MaxTextCommand:
-    """The SFT tutorial's training command (preflight's, placeholder paths) cut to ``layers`` and ``vocab``."""
+def slice_command(cut: Slice, smoke: bool) -> commands.MaxTextCommand:
+    """The SFT tutorial's training command (preflight's, placeholder paths) for ``cut``: its family's
+    model at real width, cut to its layers and vocabulary, at its batch."""
     cmd = preflight.stage_command(committed_view("sft", "train_sft", (f"sft.preset={SFT_TUTORIAL}",)))
     args = [a for a in cmd.args if not a.startswith(("load_parameters_path=", "profiler=", "checkpoint_period=",
                                                       "max_num_checkpoints_to_keep="))]
-    cut = {"override_model_config": True, "base_num_decoder_layers": layers, "vocab_size": vocab,
-           "steps": 3 if smoke else SLICE_STEPS, "enable_checkpointing": False}
-    if module != commands.TRAIN_SFT:  # the pre-training trainer: the same model and batch, synthetic data
+    args = set_arg(set_arg(args, "model_name", FAMILIES[cut.family]), "per_device_batch_size", cut.batch)
+    changes = {"override_model_config": True, "base_num_decoder_layers": cut.layers, "vocab_size": cut.vocab,
+               "steps": 3 if smoke else SLICE_STEPS, "enable_checkpointing": False}
+    if cut.module != commands.TRAIN_SFT:  # the pre-training trainer: the same model and batch, synthetic data
         args = [a for a in args if not a.startswith(("hf_path=", "train_split=", "train_data_columns=", "hf_train_files=",
                                                       "tokenizer_path="))]
-        cut["dataset_type"] = "synthetic"
-    for key, value in cut.items():
+        changes["dataset_type"] = "synthetic"
+    for key, value in changes.items():
         args = set_arg(args, key, value)
     if smoke:
         args = set_arg(set_arg(set_arg(args, "base_emb_dim", 256), "base_mlp_dim", 512), "max_target_length", 128)
-    return commands.MaxTextCommand(module, args, env={"DECOUPLE_GCLOUD": "TRUE"}, launcher=cmd.launcher)
+    return commands.MaxTextCommand(cut.module, args, env={"DECOUPLE_GCLOUD": "TRUE"}, launcher=cmd.launcher)
 
 
-def slice_runs(smoke: bool) -> list[dict[str, Any]]:
-    """The calibration slices, their data the embedded UltraChat twin and its tokenizer (ids < 512:
-    any vocabulary holds them; an SFT step's cost does not depend on the token values)."""
+def chip_args(cmd: commands.MaxTextCommand, paths: dict[str, str]) -> list[str]:
+    """``cmd``'s arguments with each placeholder path replaced by ``paths[key]``."""
+    args = []
+    for arg in cmd.args:
+        key, _, value = arg.partition("=")
+        args.append(f"{key}={paths[key] if value.startswith(preflight.PLACEHOLDER) else value}")
+    return args
+
+
+def slice_runs(group: str, smoke: bool) -> list[dict[str, Any]]:
+    """The calibration slices of ``group``, their data the embedded UltraChat twin and its tokenizer
+    (ids < 512: any vocabulary holds them; an SFT step's cost does not depend on the token values)."""
     sft_in = CHIP / "artifacts" / "sft"
-    files = {"train": sft_in / "dataset" / "files" / "data" / "train_sft-*.parquet",
-             "tokenizer": sft_in / "model" / "files"}
     runs = []
-    for name, module, layers, vocab in SLICES:
-        cmd = slice_command(module, layers, vocab, smoke)
-        args = []
-        for arg in cmd.args:
-            key, _, value = arg.partition("=")
-            if value.startswith(preflight.PLACEHOLDER):
-                value = {"run_name": name, "base_output_directory": str(RUNS), "hf_train_files": str(files["train"]),
-                         "tokenizer_path": str(files["tokenizer"]), "metrics_file": str(RUNS / name / "metrics.jsonl"),
-                         "jax_cache_dir": str(RUNS / "jax_cache")}[key]
-            args.append(f"{key}={value}")
-        run = on_chip(commands.MaxTextCommand(module, args, cmd.env, launcher=cmd.launcher))
-        runs.append(placeholders(run | {"name": name, "stage": f"slice of {SFT_TUTORIAL}", "steps": SLICE_STEPS,
-                                        "layers": layers, "vocab": vocab}))
+    for cut in SLICE_GROUPS[group]:
+        cmd = slice_command(cut, smoke)
+        args = chip_args(cmd, {
+            "run_name": cut.name, "base_output_directory": str(RUNS), "metrics_file": str(RUNS / cut.name / "metrics.jsonl"),
+            "hf_train_files": str(sft_in / "dataset" / "files" / "data" / "train_sft-*.parquet"),
+            "tokenizer_path": str(sft_in / "model" / "files"), "jax_cache_dir": str(RUNS / "jax_cache")})
+        run = on_chip(commands.MaxTextCommand(cut.module, args, cmd.env, launcher=cmd.launcher))
+        runs.append(placeholders(run | {"name": cut.name, "stage": f"slice of {SFT_TUTORIAL}", "steps": SLICE_STEPS}
+                                 | cut.planned()))
+    return runs
+
+
+@dataclass(frozen=True)
+class GrpoCut:
+    """The GRPO tutorial's train_rl (Llama 3.1 8B Instruct at real width) cut to fit one v5e chip, with
+    the project's JAX rollout (rollout_backend cpu_jax) on the chip: ``batch`` prompts x ``generations``
+    completions of up to ``new_tokens`` tokens after a ``prompt``-token prompt buffer."""
+
+    name: str
+    layers: int
+    vocab: int
+    batch: int
+    generations: int
+    new_tokens: int
+    prompt: int = 160  # the embedded GSM8K twin's prompts are <= 139 tokens in train_rl's template
+
+    def planned(self) -> dict[str, Any]:
+        return {"family": "llama3.1", "layers": self.layers, "vocab": self.vocab, "batch": self.batch,
+                "generations": self.generations, "new_tokens": self.new_tokens, "prompt": self.prompt}
+
+
+GRPO_TUTORIAL = "llama3.1-8b-gsm8k-v6e8"
+GRPO_GROUPS = {"grpo": (GrpoCut("grpo_d1_b1x4_n64", 1, 16384, 1, 4, 64), GrpoCut("grpo_d1_b2x4_n128", 1, 16384, 2, 4, 128),
+                         GrpoCut("grpo_d2_b1x4_n64", 2, 16384, 1, 4, 64)),
+               "grpo_more": (GrpoCut("grpo_d2_b2x4_n64", 2, 16384, 2, 4, 64),)}
+GRPO_STEPS = 8
+
+
+def grpo_command(cut: GrpoCut, smoke: bool) -> commands.MaxTextCommand:
+    """The GRPO tutorial's train_rl command (placeholder paths) with the JAX rollout, cut to ``cut``,
+    from randomly initialised weights (no checkpoint: a step's cost does not depend on the values),
+    without evals (num_test_batches 0)."""
+    sets = (f"rl.preset={GRPO_TUTORIAL}", "rl.train_rl.rollout_backend=cpu_jax")
+    cmd = preflight.stage_command(committed_view("rl", "train_rl", sets))
+    args = [a for a in cmd.args if not a.startswith(("load_parameters_path=", "checkpoint_period=",
+                                                      "max_num_checkpoints_to_keep="))]
+    changes = {"chips_per_vm": 1, "rollout_tensor_parallelism": 1, "num_batches": 2 if smoke else GRPO_STEPS,
+               "num_test_batches": 0, "batch_size": cut.batch, "num_generations": cut.generations,
+               "max_prefill_predict_length": cut.prompt, "max_target_length": cut.prompt + cut.new_tokens,
+               "override_model_config": True, "base_num_decoder_layers": cut.layers, "vocab_size": cut.vocab,
+               "enable_checkpointing": False, "use_pathways": False, "convert_checkpoint_if_possible": False}
+    for key, value in changes.items():
+        args = set_arg(args, key, value)
+    if smoke:
+        args = set_arg(set_arg(args, "base_emb_dim", 256), "base_mlp_dim", 512)
+    return commands.MaxTextCommand(commands.TRAIN_RL, args, env={"DECOUPLE_GCLOUD": "TRUE"}, launcher=cmd.launcher)
+
+
+def grpo_runs(group: str, smoke: bool) -> list[dict[str, Any]]:
+    """The GRPO cuts of ``group`` on the embedded GSM8K twin and its tokenizer (ids < 512)."""
+    rl_in = CHIP / "artifacts" / "rl"
+    files = rl_in / "dataset" / "files" / "main"
+    runs = []
+    for cut in GRPO_GROUPS[group]:
+        cmd = grpo_command(cut, smoke)
+        args = chip_args(cmd, {"run_name": cut.name, "base_output_directory": str(RUNS),
+                               "hf_train_files": str(files / "train-*.parquet"), "hf_eval_files": str(files / "test-*.parquet"),
+                               "tokenizer_path": str(rl_in / "model" / "files"), "jax_cache_dir": str(RUNS / "jax_cache")})
+        run = on_chip(commands.MaxTextCommand(cmd.module, args, cmd.env, launcher=cmd.launcher))
+        runs.append(placeholders(run | {"name": cut.name, "stage": f"train_rl of {GRPO_TUTORIAL}, cut",
+                                        "steps": GRPO_STEPS} | cut.planned()))
     return runs
 
 
@@ -197,11 +299,19 @@ def slice_forecast(run: dict[str, Any]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="a few steps per run (CPU rehearsal)")
-    smoke = parser.parse_args().smoke
+    parser.add_argument("--no-embedded", action="store_true",
+                        help="leave out the sft and rl groups (they need `dvc repro to_maxtext@sft to_maxtext@rl`)")
+    opts = parser.parse_args()
+    smoke = opts.smoke
     CHIP.mkdir(exist_ok=True)
-    embedded = embedded_runs(smoke)
-    cut = slice_runs(smoke)
-    plan = {"smoke": smoke, "groups": {"sft": embedded[:2], "rl": embedded[2:], "slices": cut[:2], "slices_more": cut[2:]}}
+    groups = {}
+    if not opts.no_embedded:
+        embedded = embedded_runs(smoke)
+        groups = {"sft": embedded[:2], "rl": embedded[2:]}
+    copy_inputs("sft", ("dataset", "model"))
+    copy_inputs("rl", ("dataset", "model"))
+    groups |= {g: slice_runs(g, smoke) for g in SLICE_GROUPS} | {g: grpo_runs(g, smoke) for g in GRPO_GROUPS}
+    plan = {"smoke": smoke, "together": list(TOGETHER), "groups": groups}
     PLAN.write_text(json.dumps(plan, indent=1) + "\n")
     for group, runs in plan["groups"].items():
         print(f"{group}: " + ", ".join(f"{r['name']} ({r['stage']}, {r['steps']} steps)" for r in runs))
