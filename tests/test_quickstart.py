@@ -73,6 +73,22 @@ def test_the_setup_page_holds_what_a_new_user_types_once() -> None:
     assert "(roles.md)" in SETUP.read_text()
 
 
+def test_the_setup_is_once_because_gcloud_refuses_it_twice(tmp_path: Path, gcs_emulator: GcsEmulator) -> None:
+    """Why the setup is a page of its own (docs/decisions.md): a bucket that exists is not created
+    again, and the quota project needs the ADC sign-in before it."""
+    env = {"PATH": f"{fake_gcloud.install(tmp_path / 'bin')}:/usr/bin:/bin", "CLOUDSDK_CONFIG": str(tmp_path / "cfg"),
+           "FAKE_GCS_ENDPOINT": gcs_emulator.endpoint}
+
+    def gcloud(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["gcloud", *args], env=env, capture_output=True, text=True, timeout=60)
+
+    assert "have not been set up" in gcloud("auth", "application-default", "set-quota-project", "proj-1").stderr
+    create = ("storage", "buckets", "create", "gs://twice", "--project=proj-1")
+    assert gcloud(*create).returncode == 0
+    again = gcloud(*create)
+    assert again.returncode == 1 and "HTTPError 409" in again.stderr, again.stderr
+
+
 @pytest.mark.parametrize("branch", PAGES)
 def test_a_page_holds_every_step_from_a_fresh_laptop_to_a_deleted_vm(branch: str) -> None:
     page = PAGES[branch]
