@@ -29,7 +29,8 @@ from mtpipe.pipeline.config import ROOT
 FOLDER = Path(__file__).resolve().parent / "compiled"
 RECORD_COMMAND = "python -m mtpipe.planning.compiled_presets"
 # The presets the project ships results for, each with its branch.
-SHIPPED = {"gemma3-4b-ultrachat-v6e8": "sft", "llama3.1-8b-gsm8k-v6e8": "rl", "gemma3-4b-ultrachat-v6e32": "sft"}
+SHIPPED = {"gemma3-4b-ultrachat-v6e8": "sft", "llama3.1-8b-gsm8k-v6e8": "rl",
+           "gemma3-4b-ultrachat-v6e32": "sft", "llama3.1-8b-gsm8k-v6e32": "rl"}
 
 
 def path(branch: str, preset: str) -> Path:
