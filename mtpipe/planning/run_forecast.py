@@ -153,18 +153,13 @@ def branch_phases(cfg: Any, row: dict[str, Any], chip: Chip, stages: set[str], r
     """The phases of one TPU branch (``cfg``: its composed config; ``row``: preflight's report of it)
     that ``stages`` (:func:`stages_of`) holds, in run order."""
     branch = cfg.branch
-    model, data = budget.model_size(cfg, root), budget.dataset_bytes(cfg, root)
     phases: list[Phase] = []
 
     def add(stage: str, kind: str, seconds: Range, source: str) -> None:
         if address(stage, branch) in stages:
             phases.append(Phase(address(stage, branch), kind, *seconds, source))
 
-    files = model.files_bytes + data
-    add("hf_download", "downloads", tuple(files / (rate * 1e6) for rate in reversed(HUB_MB_S)),
-        f"{cfg.model.source.repo_id if cfg.model.source.kind == 'hub' else 'the model'} "
-        f"{_size(model.files_bytes)} + {_dataset_name(cfg)} {_size(data)} at {HUB_MB_S[1]:g} MB/s "
-        f"({HUB_MB_S[0]:g}-{HUB_MB_S[2]:g}, assumed)")
+    add("hf_download", "downloads", *_download(cfg, root))
     add("to_maxtext", "conversion", scaled(row["est_convert_s"], CONVERSION_SCALE),
         f"{row['param_count'] / 1e9:.2f} B parameters x {row['est_convert_s'] * 1e9 / row['param_count']:.0f} s "
         f"per billion: the tutorials' ~5 min for Gemma 3 4B (x{CONVERSION_SCALE[0]:g}-{CONVERSION_SCALE[2]:g})")
@@ -177,7 +172,7 @@ def branch_phases(cfg: Any, row: dict[str, Any], chip: Chip, stages: set[str], r
         f"{_startup_s(row):.0f} s checkpoint load and compile")
     export = scaled(row["est_export_s"], CONVERSION_SCALE)
     add("to_huggingface", "export", export, f"like the conversion (x{CONVERSION_SCALE[0]:g}-{CONVERSION_SCALE[2]:g})")
-    score, how = _evaluation(cfg, model.lm_params, chip)
+    score, how = _evaluation(cfg, row["param_count"], chip)
     add("evaluate_base", "evaluation", score, f"the base model: {how}")
     if branch == "rl":
         if cfg.train_sft.steps:
@@ -199,6 +194,18 @@ def forecast(rows: list[dict[str, Any]]) -> RunForecast:
 def as_row(phases: list[Phase]) -> list[dict[str, Any]]:
     """The phases as they go into preflight's JSON row (``run_phases``)."""
     return [asdict(p) for p in phases]
+
+
+def _download(cfg: Any, root: Path) -> tuple[Range, str]:
+    """(seconds, source) of hf_download: the Hub's model and dataset files at :data:`HUB_MB_S`; a
+    local source (the embedded twins) is copied from the checkout, not downloaded."""
+    if cfg.model.source.kind != "hub":
+        return (0.0, 0.0, 0.0), "local source: copied from the checkout, nothing downloaded"
+    files = budget.model_size(cfg, root).files_bytes
+    data = budget.dataset_bytes(cfg, root) if cfg.dataset.source.kind == "hub" else 0
+    seconds = tuple((files + data) / (rate * 1e6) for rate in reversed(HUB_MB_S))
+    return seconds, (f"{cfg.model.source.repo_id} {_size(files)} + {_dataset_name(cfg)} {_size(data)} at "
+                     f"{HUB_MB_S[1]:g} MB/s ({HUB_MB_S[0]:g}-{HUB_MB_S[2]:g}, assumed)")
 
 
 def _size(nbytes: int) -> str:
