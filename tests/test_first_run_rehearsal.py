@@ -15,31 +15,17 @@ import json
 import pytest
 from fakes.hf_server import HubServer
 from pipeline import ran_stages
-from vm_world import TARGET, Env, assert_deleted, experiments, hub_with_tutorial_repos, sh
+from vm_world import ONE_CHIP, TARGET, Env, assert_deleted, experiments, hub_with_tutorial_repos, sh, tpu_stand_in
 
 from mtpipe.cloud import rehearsal
 
 pytestmark = pytest.mark.first_run
 
-ONE_CHIP = "ct6e-standard-1t"
 # What the rehearsal's VM may differ in from the real run's: its machine type (with the one thread per
 # core that only the 8-chip type takes, gcp.SINGLE_THREADED) and how it is paid for (scheduling, the
 # reservation it is not in, the label that names the mode); and each creation's run id
 MACHINE_AND_PROVISIONING = ("machineType", "advancedMachineFeatures", "scheduling", "reservationAffinity")
 PER_VM_LABELS = ("mtpipe-provisioning", "mtpipe-run")
-
-
-def tpu_stand_in(w: Env) -> None:
-    """A `python` first on PATH in run.tpu_check: `-m mtpipe.maxtext.tpu_check` records its arguments and
-    TPU_ACCELERATOR_TYPE and answers as one chip would; any other command runs the VM's real python."""
-    shim = w.sshd.home / "tpu" / "python"
-    shim.parent.mkdir(parents=True)
-    shim.write_text('#!/bin/sh\ncase "$*" in\n'
-                    '  "-m mtpipe.maxtext.tpu_check "*) echo "$*|$TPU_ACCELERATOR_TYPE" >> "$HOME/tpu-check-calls"\n'
-                    "    echo \"TPU runtime ok: 1 x 'TPU v6 lite' (a stand-in)\" ;;\n"
-                    '  *) exec "$HOME/venv/bin/python" "$@" ;;\nesac\n')
-    shim.chmod(0o755)
-    w.configure(run__tpu_check='source "$HOME/venv/bin/activate" && export PATH="$HOME/tpu:$PATH" && {check}')
 
 
 def comparable(body: dict) -> dict:

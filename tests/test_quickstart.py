@@ -26,8 +26,7 @@ import pytest
 from fakes import fake_gcloud
 from fakes.gcs_emulator import GcsEmulator
 from fakes.hf_server import HubServer
-from test_first_run_rehearsal import ONE_CHIP, tpu_stand_in
-from vm_world import ROOT, Env, assert_deleted, hub_with_tutorial_repos, loopback_world, sh
+from vm_world import ONE_CHIP, ROOT, Env, assert_deleted, hub_with_tutorial_repos, loopback_world, sh, tpu_stand_in
 
 pytestmark = [pytest.mark.first_hour, pytest.mark.first_run]
 SETUP = ROOT / "docs" / "quickstart-setup.md"

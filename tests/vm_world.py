@@ -255,3 +255,20 @@ def experiments(w: Env) -> dict[str, dict]:
                 found[rev["name"]] = {"rev": rev["rev"], "metrics": {
                     path: m["data"] for path, m in (data.get("metrics") or {}).items()}}
     return found
+
+
+# The rehearsal's one-chip machine type (doit vm_run --rehearse: mtpipe/cloud/rehearsal.py).
+ONE_CHIP = "ct6e-standard-1t"
+
+
+def tpu_stand_in(w: Env) -> None:
+    """A `python` first on PATH in run.tpu_check: `-m mtpipe.maxtext.tpu_check` records its arguments and
+    TPU_ACCELERATOR_TYPE and answers as one chip would; any other command runs the VM's real python."""
+    shim = w.sshd.home / "tpu" / "python"
+    shim.parent.mkdir(parents=True)
+    shim.write_text('#!/bin/sh\ncase "$*" in\n'
+                    '  "-m mtpipe.maxtext.tpu_check "*) echo "$*|$TPU_ACCELERATOR_TYPE" >> "$HOME/tpu-check-calls"\n'
+                    "    echo \"TPU runtime ok: 1 x 'TPU v6 lite' (a stand-in)\" ;;\n"
+                    '  *) exec "$HOME/venv/bin/python" "$@" ;;\nesac\n')
+    shim.chmod(0o755)
+    w.configure(run__tpu_check='source "$HOME/venv/bin/activate" && export PATH="$HOME/tpu:$PATH" && {check}')
