@@ -90,6 +90,11 @@ def test_a_params_edit_is_named_with_its_key_and_values(clean: Path):
     assert f"Cost: {STAGE} trains (hardware preset cpu" in out
     assert "After it (each reruns when its inputs' bytes move): evaluate@sft, to_huggingface@sft" in out
     assert "dvc commit" not in out, "a moved value is another recipe: no advice to keep the output"
+    dvc(clean, "repro", "configure")  # now DVC calls it changed: the same answer, the params from the old record
+    out = why(clean)
+    assert "dvc status: deps config/sft/train_sft.yaml modified" in out, out
+    assert f"`dvc repro` reruns {STAGE}.\n" in out
+    assert "params.yaml sft.train_sft.learning_rate: None -> 0.0005" in out
 
 
 def test_a_comment_edit_in_a_module_it_runs_reruns_nothing_and_says_why(clean: Path):

@@ -237,10 +237,16 @@ def _explain(stage: str, root: Path, scratch: Path) -> Explanation:
             result.inputs += [f"{path}: {state}" + (f" ({producers[path]}'s output)" if path in producers else "")
                               for path, state in change.get("changed deps", {}).items() if path != view]
 
+    def view_path(name: str) -> str:
+        return str(resolved_path(*view_of(name), root).relative_to(root))
+
+    def digest_of(name: str) -> str | None:
+        """The hash dvc.lock recorded for the view of ``name`` (None when it never ran)."""
+        return next((d.get("md5") for d in (lock.get(name) or {}).get("deps", []) if d["path"] == view_path(name)), None)
+
     def recorded(name: str) -> dict | None:
         """The view of ``name`` that dvc.lock recorded ({} when it never ran), or None when not found."""
-        path = str(resolved_path(*view_of(name), root).relative_to(root))
-        digest = next((d.get("md5") for d in (lock.get(name) or {}).get("deps", []) if d["path"] == path), None)
+        path, digest = view_path(name), digest_of(name)
         if digest is None:
             return {}
         text = next((t for t in versions(root, path) if md5(t) == digest), None)
@@ -256,7 +262,7 @@ def _explain(stage: str, root: Path, scratch: Path) -> Explanation:
     if old is None:
         result.recorded_found = False
     else:
-        describe(result, root, branch, old, now, lock)
+        describe(result, root, branch, old, now, params_of(root, view, digest_of(stage) or ""))
     result.upstream = {name: kinds for name in upstream if name in lock and (kinds := moved_kinds(recorded(name),
                                                                                                   written(name)))}
     result.downstream = [f"{name} (trains)" if name.split("@")[0] in TRAINING else name for name in downstream]
@@ -284,16 +290,26 @@ def moved_kinds(old: dict | None, new: dict) -> set[str]:
     return kinds | ({"values"} if next(values) != next(values) else set())
 
 
-def describe(result: Explanation, root: Path, branch: str, old: dict, now: dict, lock: dict) -> None:
-    """Fill ``result`` with what moved from the recorded view ``old`` to ``now``, and the edits that moved nothing."""
+def params_of(root: Path, view: str, digest: str) -> dict:
+    """The params.yaml values configure ran with when it wrote ``view`` with hash ``digest``: from the dvc.lock
+    (on disk or committed) whose configure record lists that view ({} when none does)."""
+    for text in versions(root, "dvc.lock"):
+        configure = (yaml.safe_load(text).get("stages") or {}).get("configure") or {}
+        if any(out["path"] == view and out.get("md5") == digest for out in configure.get("outs", [])):
+            return (configure.get("params") or {}).get("params.yaml") or {}
+    return {}
+
+
+def describe(result: Explanation, root: Path, branch: str, old: dict, now: dict, params: dict) -> None:
+    """Fill ``result`` with what moved from the recorded view ``old`` to ``now`` (and in params.yaml since
+    ``params``, the values that made ``old``), and the edits that moved nothing."""
     result.kinds = moved_kinds(old, now)
     for key, before, after in changes({k: v for k, v in old.items() if k not in ADDRESS_PARTS},
                                       {k: v for k, v in now.items() if k not in ADDRESS_PARTS}):
         result.moved.append(f"value  {key}: {before} -> {after}")
     if "values" in result.kinds:
-        recorded_params = ((lock.get("configure") or {}).get("params") or {}).get("params.yaml") or {}
         result.moved += [f"       params.yaml {key}: {before} -> {after}"
-                         for key, before, after in changes(recorded_params, load(root / "params.yaml"))
+                         for key, before, after in changes(params, load(root / "params.yaml"))
                          if key == "steps" or key.startswith(f"{branch}.") or branch == "embedded"]
     result.moved += [f"tool   {name}: {before} -> {after} (requirements.lock)"
                      for name, before, after in changes(old.get("tools") or {}, now.get("tools") or {})]
