@@ -86,7 +86,8 @@ def test_the_total_is_the_sum_of_the_phases_and_priced_at_the_vms_rate(
     run = run_forecast.forecast(rows)
     low, mid, high = run.total_s()
     assert mid == pytest.approx(rows[0]["est_vm_setup_s"] + sum(p["mid_s"] for p in rows[0]["run_phases"]))
-    assert low == pytest.approx(sum(p.low_s for p in run.phases)) and high == pytest.approx(sum(p.high_s for p in run.phases))
+    assert low == pytest.approx(sum(p.low_s for p in run.phases))
+    assert high == pytest.approx(sum(p.high_s for p in run.phases))
     assert low < mid < high
     hours, usd = re.search(r"^total: about (\d+\.\d\d) h .*?, (\d+\.\d\d) USD", out, re.M).groups()
     assert float(hours) == pytest.approx(mid / 3600, abs=0.005)
@@ -109,7 +110,9 @@ def test_the_price_question_shows_preflights_total_and_what_it_holds(
 
 
 def test_a_target_before_the_evaluation_leaves_its_lines_out(
-        tutorial_runs: dict[str, tuple[list[dict[str, Any]], str]]) -> None:
+        tutorial_runs: dict[str, tuple[list[dict[str, Any]], str]], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)   # doit -d: the working directory need not be the checkout
     rows, _ = tutorial_runs["sft"]
     [row] = rows
     cfg = preflight.composed_views(["sft.preset=gemma3-4b-ultrachat-v6e8"], preflight.ROOT, ("sft",), True)[1]["sft"]

@@ -126,10 +126,12 @@ def stages_of(target: str | None, root: Path = ROOT) -> set[str]:
 
     with Repo(str(root)) as repo:
         try:
-            return {stage.addressing for stage in repo.stage.collect(target, with_deps=True)}
+            # by dvc.yaml's path: DVC reads a bare target relative to the working directory
+            found = repo.stage.collect(f"{root / 'dvc.yaml'}:{target}", with_deps=True)
         except Exception as e:  # DVC's own errors (no such stage) have no common public base
             raise ConfigError("--target", f"{target!r} is no stage of {root / 'dvc.yaml'} ({e})",
                               "name a stage as `dvc repro` does, e.g. evaluate@sft or train_rl") from e
+    return {stage.name for stage in found}   # name: train_sft@sft (addressing is relative to the cwd)
 
 
 def address(stage: str, branch: str) -> str:
