@@ -140,4 +140,6 @@ def test_tutorial_total_is_in_the_readme(tutorial_runs: dict[str, tuple[list[dic
     readme = (Path(preflight.ROOT) / "README.md").read_text()
     for branch, (rows, out) in tutorial_runs.items():
         total = re.search(r"^total: (about .*? USD/h)", out, re.M).group(1)
-        assert total in readme, f"README quotes no `doit preflight` total of {TUTORIALS[branch]}: {total}"
+        assert total in readme, (f"README's cost table quotes no `doit preflight` total of {TUTORIALS[branch]}: "
+                                 f"paste this one (`doit preflight --set={branch}.preset={TUTORIALS[branch]} "
+                                 f"--target=evaluate@{branch}`), and the phases below the table: {total}")
