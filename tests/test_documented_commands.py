@@ -48,9 +48,9 @@ def parse(line: str) -> dict:
     if words and words[0] in DOIT_COMMANDS:
         return {}
     task, *options = words
-    params = getattr(dodo, f"task_{task}")()["params"]
-    values, rest = CmdParse([CmdOption(p) for p in params]).parse(options)
-    assert not rest, f"{rest} are not options of {task}"
+    declared = getattr(dodo, f"task_{task}")()
+    values, rest = CmdParse([CmdOption(p) for p in declared.get("params", [])]).parse(options)
+    assert not rest or "pos_arg" in declared, f"{rest} are not options of {task}"  # pos_arg: the words left
     return dict(values)
 
 
