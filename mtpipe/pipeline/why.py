@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import inspect
 import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -37,11 +38,12 @@ TRAINING = ("train_sft", "train_rl")  # the stages that train: on a TPU preset, 
 HISTORY = 200  # how many commits back the recorded view or module is looked for
 KEEP = "dvc repro configure && dvc commit --force {stages}"
 KEEPABLE = {"code", "tools"}  # what a user may judge behaviour-free; a moved value is another recipe
-# Where each rule is written: the module and the first and last words of the sentences quoted.
-RULES: dict[str, tuple[ModuleType, str, str]] = {
+# Where each rule is written (the module or function whose docstring says it) and the first and last
+# words of the sentences quoted.
+RULES: dict[str, tuple[ModuleType | Callable, str, str]] = {
     "values": (config, "Each pipeline stage depends on its own file", "a tool's version changes"),
     "code": (fingerprint, "A fingerprint is the sha256", "a reworded log line"),
-    "exempt": (fingerprint, "A module that declares itself exempt", "what only it imports"),
+    "exempt": (fingerprint.stage_modules, "A module that declares itself exempt", "what only it imports"),
     "tools": (toolchain, "The packages are the toolchain packages", "that run that package"),
 }
 
@@ -86,12 +88,14 @@ class Explanation:
             lines += [f"Inputs that moved ({self.stage} reruns for them):", *(f"  {i}" for i in self.inputs)]
         if self.upstream:
             lines += [f"Before it (their view moved: they rerun first; {self.stage} follows only if their output's "
-                      "bytes move):", *(f"  {name}: {', '.join(sorted(kinds))}" for name, kinds in self.upstream.items())]
+                      "bytes move):", *(f"  {name}: {', '.join(sorted(kinds))}"
+                                        for name, kinds in self.upstream.items())]
         if self.inert:
             lines += ["Edits that move nothing here:", *(f"  {i}" for i in self.inert)]
         if self.rules:
             lines.append("The rules that decided:")
-            lines += [f"  {kind} ({where}): \"{words}\"" for kind in sorted(self.rules) for where, words in [rule(kind)]]
+            lines += [f"  {kind} ({where}): \"{words}\""
+                      for kind in sorted(self.rules) for where, words in [rule(kind)]]
         if self.stage.split("@")[0] in TRAINING:
             lines.append(f"Cost: {self.stage} trains ({self.hardware}).")
         if self.downstream:
@@ -109,20 +113,16 @@ class Explanation:
 
 
 def rule(kind: str) -> tuple[str, str]:
-    """(where, words) of a rule: the sentences of its module's docstring (or function's) from RULES."""
-    module, first, last = RULES[kind]
-    docs = [module.__doc__ or ""] + [getattr(module, name).__doc__ or "" for name in dir(module)
-                                     if callable(getattr(module, name)) and getattr(getattr(module, name),
-                                                                                    "__module__", "") == module.__name__]
-    for doc in docs:
-        words = " ".join(doc.split())
-        if first in words and last in words[words.index(first):]:
-            start = words.index(first)
-            end = words.index(last, start) + len(last)
-            end = words.find(".", end) + 1 or len(words)
-            where = str(Path(module.__file__ or "").resolve().relative_to(ROOT))
-            return where, words[start:end].replace("``", "`")
-    raise RuntimeError(f"{module.__name__} no longer says {first!r} ... {last!r}: update mtpipe/pipeline/why.py RULES")
+    """(where, words) of a rule of :data:`RULES`: the file, and the sentences quoted from the docstring."""
+    source, first, last = RULES[kind]
+    words = " ".join((source.__doc__ or "").split())
+    start = words.find(first)
+    if start < 0 or last not in words[start:]:
+        raise RuntimeError(f"{source.__name__}'s docstring no longer says {first!r} ... {last!r}: "
+                           "update RULES in mtpipe/pipeline/why.py")
+    end = words.find(".", words.index(last, start) + len(last)) + 1 or len(words)
+    where = str(Path(inspect.getsourcefile(source) or "").resolve().relative_to(ROOT))
+    return where, words[start:end].replace("``", "`")
 
 
 def view_of(stage: str) -> tuple[str, str]:
@@ -171,7 +171,8 @@ def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
 def changes(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
     """(key, old, new) of every leaf that differs, sorted by key."""
     before, after = flat(old), flat(new)
-    return [(k, before.get(k), after.get(k)) for k in sorted(before.keys() | after.keys()) if before.get(k) != after.get(k)]
+    return [(k, before.get(k), after.get(k)) for k in sorted(before.keys() | after.keys())
+            if before.get(k) != after.get(k)]
 
 
 def code_moved(root: Path, module: str, old: str | None, new: str | None) -> str:
@@ -186,7 +187,7 @@ def code_moved(root: Path, module: str, old: str | None, new: str | None) -> str
     before = fingerprint.part_fingerprints(source)
     after = fingerprint.part_fingerprints((root / module).read_text())
     parts = [name for name in sorted(before.keys() | after.keys()) if before.get(name) != after.get(name)]
-    return f"code   {module}: {', '.join(parts)}"
+    return f"code   {module}: {', '.join(parts) or 'moved'}"
 
 
 def edited_modules(root: Path) -> list[str]:
@@ -200,15 +201,15 @@ def load(path: Path) -> dict:
     return yaml.safe_load(path.read_text()) if path.is_file() else {}
 
 
-def explain(stage: str, root: Path = ROOT) -> Explanation:
-    """What moved in ``stage``'s address: against dvc.lock's record, for what DVC already calls changed and
-    for edits not yet run."""
+def explain(stage: str) -> Explanation:
+    """What moved in ``stage``'s address in this project: against dvc.lock's record, for what DVC already
+    calls changed and for edits not yet run."""
     from stages.configure import write_views  # the stage's own code: the views it would write, no copy of it
 
     view_of(stage)  # a name that is no stage with a view stops here, before configure's few seconds
     with tempfile.TemporaryDirectory(prefix="mtpipe-why-") as scratch:
         write_views(Path(scratch))
-        return _explain(stage, root, Path(scratch))
+        return _explain(stage, ROOT, Path(scratch))
 
 
 def _explain(stage: str, root: Path, scratch: Path) -> Explanation:
@@ -242,7 +243,8 @@ def _explain(stage: str, root: Path, scratch: Path) -> Explanation:
 
     def digest_of(name: str) -> str | None:
         """The hash dvc.lock recorded for the view of ``name`` (None when it never ran)."""
-        return next((d.get("md5") for d in (lock.get(name) or {}).get("deps", []) if d["path"] == view_path(name)), None)
+        deps = (lock.get(name) or {}).get("deps", [])
+        return next((d.get("md5") for d in deps if d["path"] == view_path(name)), None)
 
     def recorded(name: str) -> dict | None:
         """The view of ``name`` that dvc.lock recorded ({} when it never ran), or None when not found."""
