@@ -85,7 +85,7 @@ def test_a_params_edit_is_named_with_its_key_and_values(clean: Path):
     out = why(clean)
     assert f"`dvc repro` reruns {STAGE} (configure first" in out, out
     assert "value  train_sft.learning_rate: 0.001 -> 0.0005" in out
-    assert "params.yaml sft.train_sft.learning_rate: None -> 0.0005" in out
+    assert "params.yaml sft.train_sft.learning_rate: null -> 0.0005" in out
     assert 'values (mtpipe/pipeline/config.py): "Each pipeline stage depends on its own file' in out
     assert f"Cost: {STAGE} trains (hardware preset cpu" in out
     assert "After it (each reruns when its inputs' bytes move): evaluate@sft, to_huggingface@sft" in out
@@ -94,7 +94,7 @@ def test_a_params_edit_is_named_with_its_key_and_values(clean: Path):
     out = why(clean)
     assert "dvc status: deps config/sft/train_sft.yaml modified" in out, out
     assert f"`dvc repro` reruns {STAGE}.\n" in out
-    assert "params.yaml sft.train_sft.learning_rate: None -> 0.0005" in out
+    assert "params.yaml sft.train_sft.learning_rate: null -> 0.0005" in out
 
 
 def test_a_comment_edit_in_a_module_it_runs_reruns_nothing_and_says_why(clean: Path):

@@ -162,17 +162,27 @@ def versions(root: Path, path: str) -> Iterator[str]:
 
 
 def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """``a.b.c`` -> value of every leaf of a nested mapping."""
-    if isinstance(tree, dict) and tree:
+    """``a.b.c`` -> value of every leaf of a nested mapping (an empty mapping has none)."""
+    if isinstance(tree, dict):
         return {k: v for key, sub in tree.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
     return {prefix.rstrip("."): tree}
 
 
-def changes(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
-    """(key, old, new) of every leaf that differs, sorted by key."""
+ABSENT = object()  # a key one side does not have
+
+
+def spelled(value: Any) -> str:
+    """A value as YAML spells it (``null``, ``true``, ``''``), or ``(not set)`` for a key that is not there."""
+    if value is ABSENT:
+        return "(not set)"
+    return yaml.safe_dump(value, default_flow_style=True, width=1000).strip().removesuffix("...").strip()
+
+
+def changes(old: dict, new: dict) -> list[tuple[str, str, str]]:
+    """(key, old, new) of every leaf that differs, sorted by key, the values spelled as YAML spells them."""
     before, after = flat(old), flat(new)
-    return [(k, before.get(k), after.get(k)) for k in sorted(before.keys() | after.keys())
-            if before.get(k) != after.get(k)]
+    return [(k, spelled(before.get(k, ABSENT)), spelled(after.get(k, ABSENT)))
+            for k in sorted(before.keys() | after.keys()) if before.get(k, ABSENT) != after.get(k, ABSENT)]
 
 
 def code_moved(root: Path, module: str, old: str | None, new: str | None) -> str:
