@@ -17,7 +17,7 @@ import yaml
 
 from conftest import restore
 from mtpipe.pipeline.toolchain import lock_pins
-from pipeline import copy_project, dvc, env, git, ran_stages
+from pipeline import ROOT, copy_project, dvc, env, git, ran_stages
 
 pytestmark = pytest.mark.house
 
@@ -142,3 +142,50 @@ def test_dvc_commit_keeps_the_outputs_and_reruns_nothing(clean: Path):
     for stage in (STAGE, "train_sft@rl"):
         assert lock_after[stage]["outs"] == lock_before[stage]["outs"]
         assert lock_after[stage]["deps"] != lock_before[stage]["deps"], "the new address is recorded"
+
+
+PARTS = '''"""A module."""
+
+LIMIT = 3
+
+
+def load(path, retries=2):
+    """Load."""
+    if retries < 0:
+        raise ValueError("retries must not be negative")
+    return open(path).read()
+
+
+class Reader:
+    kind = "text"
+
+    def read(self, path):
+        return load(path)
+'''
+
+
+@pytest.mark.parametrize(("old", "new", "moved"), [
+    ("    return open(path)", "    # read it all\n    return open(path)", []),
+    ('"retries must not be negative"', '"retries: at least 0"', []),
+    ("retries=2", "retries=3", ["load"]),
+    ("return load(path)", "return load(path, 0)", ["Reader.read"]),
+    ('kind = "text"', 'kind = "bytes"', ["Reader"]),
+    ("LIMIT = 3", "LIMIT = 4", ["module level"]),
+], ids=["comment", "message", "default", "method", "class_attribute", "constant"])
+def test_the_parts_an_edit_moved_are_named(old: str, new: str, moved: list[str]):
+    """fingerprint.part_fingerprints, which `why` compares to name the functions an edit moved: the
+    fingerprint's own normalisation, part by part."""
+    from mtpipe.pipeline.fingerprint import part_fingerprints, source_fingerprint
+
+    assert old in PARTS
+    before, after = part_fingerprints(PARTS), part_fingerprints(PARTS.replace(old, new))
+    assert [name for name in before if before[name] != after[name]] == moved
+    assert (source_fingerprint(PARTS) != source_fingerprint(PARTS.replace(old, new))) == bool(moved)
+
+
+def test_a_name_that_is_no_stage_stops_at_once_naming_the_stages():
+    proc = subprocess.run([sys.executable, "-m", "mtpipe.pipeline.why", "train_sft"], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "mtpipe: train_sft: is not a stage with a view. Fix: name one of make_embedded, " in proc.stderr
+    assert "train_sft@sft, train_sft@rl" in proc.stderr and "train_rl," in proc.stderr
