@@ -14,7 +14,7 @@ import pytest
 
 from mtpipe.cloud import vm_config
 from mtpipe.maxtext import commands
-from mtpipe.planning import preflight
+from mtpipe.planning import preflight, step_model
 
 from mtpipe.pipeline import overrides
 from mtpipe.pipeline.toolchain import lock_pins
@@ -107,12 +107,14 @@ def test_a_step_too_large_for_hbm_names_the_keys_to_change() -> None:
     chip, chips = preflight.chip_of("v6e-8", "sft", "v6e-8")
     fits = preflight.report(cfg, "p", _compiled(5.4, 4.5), chip, chips, usd_per_hour=21.6, args=[])
     preflight.check_fits(fits)
-    # the compiled step (5.4 + 4.5 GiB) and what tunix's SFT trainer holds beside it (5 B per parameter, sharded)
+    # the compiled step (5.4 + 4.5 GiB) and what tunix's SFT trainer holds beside it (3.9 B per parameter, sharded)
     extra = preflight.SFT_TRAINER_EXTRA_BYTES_PER_PARAM * 4_300_000_000 / 8 / 2**30
-    assert extra == pytest.approx(2.5, abs=0.01) and fits["hbm_parts_gib"]["sft_trainer_extra"] == round(extra, 3)
+    assert extra == pytest.approx(1.95, abs=0.01) and fits["hbm_parts_gib"]["sft_trainer_extra"] == round(extra, 3)
     assert fits["fits"] and fits["hbm_gib_per_chip"] == pytest.approx(9.9 + extra, abs=0.01)
-    # 1000 steps of 100 TFLOP per chip at MFU of 918 TFLOP/s, plus the stated fixed times, at 21.6 USD/h
-    train_s = 1000 * 100 / (918 * preflight.MFU) + preflight.TRAIN_STARTUP_S
+    # 1000 steps of 100 TFLOP per chip at the fitted share of 918 TFLOP/s, plus 4.3 B / 8 parameters' traffic
+    # at 1640 GB/s (mtpipe.planning.step_model), plus the stated fixed times, at 21.6 USD/h
+    step_s = 100 / (918 * step_model.COMPUTE_EFFICIENCY) + 4.3e9 / 8 * step_model.STEP_BYTES_PER_PARAM / 1640e9
+    train_s = 1000 * step_s + preflight.TRAIN_STARTUP_S
     assert fits["est_train_s"] == pytest.approx(train_s, abs=0.1)
     total_s = train_s + preflight.VM_SETUP_S + 2 * 70 * 4.3
     assert fits["est_total_usd"] == pytest.approx(total_s / 3600 * 21.6, abs=0.01)

@@ -26,7 +26,7 @@ from fakes.hf_server import HubServer
 
 from mtpipe.cloud import gcp, vm_checks, vm_config, vm_state
 
-from mtpipe.planning import preflight
+from mtpipe.planning import preflight, step_model
 from mtpipe.errors import ConfigError
 import families
 from vm_world import as_script, hub_with_tutorial_repos
@@ -269,8 +269,9 @@ def test_spot_run_without_a_work_bucket_is_refused_with_what_a_preemption_costs(
         world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Spot run whose checkpoints would go with a preempted VM stops before anything is created,
     naming the key, the one that accepts it, and each preemption's cost by preflight's forecast (the
-    compile planted: 100 TFLOP per chip and step at 918 TFLOP/s x MFU 33.5% is 0.325 s, 1000 steps
-    + 180 s start-up 8.4 min, 8 chips x 0.54 USD Spot), read from preflight's cache before any compile;
+    compile planted: 100 TFLOP per chip and step at 918 TFLOP/s and 4.3 B / 8 parameters' traffic
+    (mtpipe.planning.step_model) is about 0.16 s, 1000 steps
+    + 180 s start-up 5.7 min, 8 chips x 0.54 USD Spot), read from preflight's cache before any compile;
     vm_up, whose branches have no compile cached, says so."""
     monkeypatch.delenv("RESERVATION")
     sets = ["sft.preset=gemma3-4b-ultrachat-v6e8"]
@@ -280,7 +281,7 @@ def test_spot_run_without_a_work_bucket_is_refused_with_what_a_preemption_costs(
         monkeypatch.setenv("HF_TOKEN", hub.gated["google/gemma-3-4b-it"])
         plant_compile(world, sets, temp_gib=4.5, tflops_per_device=100.0)
         out = world.doit("vm_run", "--provisioning=spot", *(f"--set={s}" for s in sets))
-        step_s = 100 / (918 * preflight.MFU)
+        step_s = 100 / (918 * step_model.COMPUTE_EFFICIENCY) + 4.3e9 / 8 * step_model.STEP_BYTES_PER_PARAM / 1640e9
         train_min = (1000 * step_s + preflight.TRAIN_STARTUP_S) / 60
         assert ("ConfigError: vm.run.env.MTPIPE_WORK_BUCKET: is not set for a Spot run: training keeps its "
                 "checkpoints in /dev/shm/mtpipe-work on the VM") in out, out

@@ -1,43 +1,61 @@
-"""preflight's forecast beside what the lent TPU v5e chip measured, for every calibration slice in
-benchmarks/on_tpu/records/ (the SFT tutorial's model cut in depth and vocabulary, plan.py SLICES).
+"""preflight's forecast beside what the lent TPU v5e chip measured, for every record in
+benchmarks/on_tpu/records/: the SFT slices (both tutorial families at real width, cut in depth and
+vocabulary, batch 1-4) and the GRPO cuts (train_rl with the JAX rollout), each forecast by a model
+fit on the OTHER records (leave-one-out).
 
     python benchmarks/on_tpu/calibrate.py            # the table, from the stored compile results
-    python benchmarks/on_tpu/calibrate.py --compile  # compile each slice again first (a minute or two each)
+    python benchmarks/on_tpu/calibrate.py --fit      # and the constants fit on every record
+    python benchmarks/on_tpu/calibrate.py --compile  # compile each record's step again first (minutes each)
 
-Prints one row per slice: HBM forecast (preflight.step_forecast) and measured (peak in use + peak
-reserved of ``memory_stats()``), step time forecast and measured (median after the compile steps), the
-measured MFU (MaxText's own TFLOP/s over the chip's peak), and the ratios; tests/test_on_tpu.py holds
-each ratio to preflight's stated tolerances (HBM_TOLERANCE, STEP_TOLERANCE).
+The model (mtpipe/planning/step_model.py): step = FLOPs at a compute efficiency + a number of HBM
+bytes per parameter at the bandwidth; the SFT trainer's HBM is the compile's plus bytes per parameter
+(preflight.SFT_TRAINER_EXTRA_BYTES_PER_PARAM); GRPO adds a memory-bound decode per sampled token and
+what train_rl holds beside the compiled step. tests/test_on_tpu.py holds every record's leave-one-out
+forecast within preflight's HBM_TOLERANCE and STEP_TOLERANCE, and the committed constants to this fit.
 
 The compile results (XLA's memory analysis, MaxText's FLOP count) are stored in records/compiled.json
 under preflight's own digest of the compile's module, arguments and MaxText/JAX/libtpu versions; a
-slice whose digest has changed (another MaxText, say) must be compiled again (``--compile``).
+record whose digest has changed (another MaxText, say) must be compiled again (``--compile``).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from mtpipe.planning import preflight  # noqa: E402
+from mtpipe.maxtext import commands  # noqa: E402
+from mtpipe.planning import preflight, step_model  # noqa: E402
 
 RECORDS = Path(__file__).resolve().parent / "records"
 COMPILED = RECORDS / "compiled.json"
 GIB = 2**30
+CHIP = preflight.CHIPS["v5e"]
 
 
-def slices() -> list[dict[str, Any]]:
-    """Every measured slice of the committed records, with its record's name."""
+def measured_runs(prefix: str) -> list[dict[str, Any]]:
+    """Every run of the committed records ``<prefix>*.json`` that finished, with its record's name."""
     found = []
-    for path in sorted(RECORDS.glob("slices*.json")):
+    for path in sorted(RECORDS.glob(f"{prefix}*.json")):
         for name, run in json.loads(path.read_text())["runs"].items():
             if run["status"] == 0:
                 found.append(run | {"name": name, "record": path.name})
     return found
+
+
+def slices() -> list[dict[str, Any]]:
+    """The measured SFT-tutorial slices (records/slices*.json)."""
+    return measured_runs("slices")
+
+
+def grpo_runs() -> list[dict[str, Any]]:
+    """The measured GRPO cuts (records/grpo*.json)."""
+    return measured_runs("grpo")
 
 
 def measured_hbm_gib(run: dict[str, Any]) -> float:
@@ -47,7 +65,7 @@ def measured_hbm_gib(run: dict[str, Any]) -> float:
 
 
 def compiled_for(run: dict[str, Any], compile_now: bool = False) -> dict[str, Any]:
-    """preflight's compile result for the slice's arguments on v5e-1: stored, or compiled (and stored)."""
+    """preflight's compile result for the run's arguments on v5e-1: stored, or compiled (and stored)."""
     digest = preflight.compile_digest(run["module"], run["compile_args"])
     stored = json.loads(COMPILED.read_text()) if COMPILED.is_file() else {}
     if not compile_now:
@@ -63,31 +81,126 @@ def compiled_for(run: dict[str, Any], compile_now: bool = False) -> dict[str, An
     return stored[digest]
 
 
-def compare(run: dict[str, Any], compiled: dict[str, Any]) -> dict[str, Any]:
-    """preflight's forecast from the slice's compile result beside the chip's measurement."""
-    chip = preflight.CHIPS["v5e"]
-    hbm, step_s = preflight.step_forecast(compiled, chip, 1, run["module"])
-    hbm_measured = measured_hbm_gib(run)
-    mfu = run["median_tflops_per_s"] / chip.peak_tflops
-    return {"slice": run["name"], "trainer": run["module"].rsplit(".", 1)[-1], "layers": run["layers"],
-            "vocab": run["vocab"], "params_b": compiled["param_count"] / 1e9,
-            "hbm_forecast_gib": hbm, "hbm_measured_gib": hbm_measured, "hbm_ratio": hbm / hbm_measured,
-            "step_forecast_s": step_s, "step_measured_s": run["median_step_s"],
-            "step_ratio": step_s / run["median_step_s"], "mfu_measured": mfu}
+@dataclass(frozen=True)
+class Point:
+    """One record, reduced to what the model reads: from its compile and its measurement."""
+
+    name: str
+    grpo: bool
+    compute_s: float        # the step's FLOPs at the chip's peak (GRPO: the train step on the real batch)
+    traffic_s: float        # its parameters x 1 byte at the chip's HBM bandwidth
+    decode_s: float         # GRPO: the sampled tokens x the rollout's weight bytes at the bandwidth; else 0
+    hbm_compiled_gib: float  # preflight's HBM forecast without the fitted bytes per parameter
+    params_gib: float       # parameters / GiB (times the fitted bytes per parameter: the rest of the HBM)
+    step_s: float           # measured
+    hbm_gib: float          # measured
+    rollout_s: float        # measured (GRPO; else 0)
+
+
+def point(run: dict[str, Any], compiled: dict[str, Any]) -> Point:
+    """The record ``run`` as a :class:`Point`, through preflight's own HBM parts."""
+    grpo = run["module"] == commands.TRAIN_RL
+    hbm = preflight.hbm_parts(compiled, 1, run["module"])
+    hbm.pop("sft_trainer_extra", None)
+    flops = compiled["tflops_per_device"] * 1e12
+    decode = 0.0
+    if grpo:
+        c = compiled["config"]
+        flops *= c["grpo_sequences"] / c["global_batch_size_to_train_on"]
+        _, needed, _ = preflight._grpo_estimate("cpu_jax", compiled, CHIP, 1, hbm, 0.0)
+        hbm_compiled = needed - hbm.pop("grpo_trainer_extra")
+        decode = step_model.decode_s(run["new_tokens"], compiled["param_bytes"], CHIP.hbm_gbps, efficiency=1.0)
+    else:
+        hbm_compiled = sum(hbm.values())
+    extra_applies = grpo or run["module"] == commands.TRAIN_SFT
+    return Point(run["name"], grpo, flops / (CHIP.peak_tflops * 1e12), compiled["param_count"] / (CHIP.hbm_gbps * 1e9),
+                 decode, hbm_compiled, compiled["param_count"] / GIB if extra_applies else 0.0,
+                 run["median_step_s"], measured_hbm_gib(run), run.get("median_rollout_s") or 0.0)
+
+
+@dataclass(frozen=True)
+class Constants:
+    """What the model fits: step_model's and preflight's constants."""
+
+    compute_efficiency: float
+    step_bytes_per_param: float
+    sft_extra_bytes_per_param: float
+    decode_efficiency: float
+    grpo_train_factor: float
+    grpo_extra_bytes_per_param: float
+
+
+def _bytes_per_param(points: list[Point]) -> float:
+    """Least squares (relative) of measured - compiled HBM over the parameters, in bytes per parameter."""
+    num = sum(p.params_gib * (p.hbm_gib - p.hbm_compiled_gib) / p.hbm_gib**2 for p in points)
+    den = sum(p.params_gib**2 / p.hbm_gib**2 for p in points)
+    return num / den if den else 0.0
+
+
+def fit(points: list[Point]) -> Constants:
+    """The constants fit on ``points``: the SFT step and HBM on the SFT slices; then, on the GRPO cuts,
+    the rollout's decode efficiency on its measured time, the train-step factor on the rest of the
+    step (the train step through the SFT fit), and the extra HBM."""
+    sft = [p for p in points if not p.grpo]
+    grpo = [p for p in points if p.grpo]
+    efficiency, bytes_per_param = step_model.fit_sft([p.compute_s for p in sft], [p.traffic_s for p in sft],
+                                                     [p.step_s for p in sft])
+    train = [p.compute_s / efficiency + p.traffic_s * bytes_per_param for p in grpo]
+    # each part on its own measurement: the rollout's time, and the rest of the step
+    decode_efficiency = 1 / step_model.fit_ratio([p.decode_s for p in grpo], [p.rollout_s for p in grpo])
+    train_factor = step_model.fit_ratio(train, [p.step_s - p.rollout_s for p in grpo])
+    return Constants(efficiency, bytes_per_param, _bytes_per_param([p for p in sft if p.params_gib]),
+                     decode_efficiency, train_factor, _bytes_per_param(grpo))
+
+
+def forecast(p: Point, k: Constants) -> tuple[float, float]:
+    """(HBM GiB, step s) of ``p`` under the constants ``k``."""
+    train = p.compute_s / k.compute_efficiency + p.traffic_s * k.step_bytes_per_param
+    if p.grpo:
+        return (p.hbm_compiled_gib + k.grpo_extra_bytes_per_param * p.params_gib,
+                p.decode_s / k.decode_efficiency + k.grpo_train_factor * train)
+    return p.hbm_compiled_gib + k.sft_extra_bytes_per_param * p.params_gib, train
+
+
+def points(compile_now: bool = False) -> list[Point]:
+    """Every measured record (SFT slices, then GRPO cuts) as a :class:`Point`."""
+    return [point(run, compiled_for(run, compile_now)) for run in slices() + grpo_runs()]
+
+
+def leave_one_out(pts: list[Point]) -> list[dict[str, Any]]:
+    """Each record beside its forecast from the constants fit on all the others."""
+    rows = []
+    for i, p in enumerate(pts):
+        hbm, step_s = forecast(p, fit(pts[:i] + pts[i + 1:]))
+        rows.append({"name": p.name, "kind": "GRPO" if p.grpo else "SFT", "hbm_forecast_gib": hbm,
+                     "hbm_measured_gib": p.hbm_gib, "hbm_ratio": hbm / p.hbm_gib, "step_forecast_s": step_s,
+                     "step_measured_s": p.step_s, "step_ratio": step_s / p.step_s,
+                     "mfu_measured": p.compute_s / p.step_s})
+    return rows
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("slice", "trainer", "layers", "vocab", "params B", "HBM forecast GiB", "HBM measured GiB", "ratio",
-            "step forecast s", "step measured s", "ratio", "MFU measured")
-    lines = [head] + [(r["slice"], r["trainer"], r["layers"], r["vocab"], f"{r['params_b']:.3f}",
-                       f"{r['hbm_forecast_gib']:.2f}", f"{r['hbm_measured_gib']:.2f}", f"{r['hbm_ratio']:.2f}",
-                       f"{r['step_forecast_s']:.4f}", f"{r['step_measured_s']:.4f}", f"{r['step_ratio']:.2f}",
-                       f"{r['mfu_measured']:.1%}") for r in rows]
+    head = ("record", "kind", "HBM forecast GiB", "HBM measured GiB", "ratio", "step forecast s", "step measured s",
+            "ratio", "MFU measured")
+    lines = [head] + [(r["name"], r["kind"], f"{r['hbm_forecast_gib']:.2f}", f"{r['hbm_measured_gib']:.2f}",
+                       f"{r['hbm_ratio']:.3f}", f"{r['step_forecast_s']:.4f}", f"{r['step_measured_s']:.4f}",
+                       f"{r['step_ratio']:.3f}", f"{r['mfu_measured']:.1%}") for r in rows]
     return "\n".join("| " + " | ".join(str(v) for v in line) + " |" for line in lines[:1] + [("---",) * len(head)] + lines[1:])
 
 
+def step_error(rows: list[dict[str, Any]]) -> tuple[float, float]:
+    """measured / forecast of the step time, lowest and highest over the leave-one-out rows."""
+    ratios = [1 / r["step_ratio"] for r in rows]
+    return min(ratios), max(ratios)
+
+
 if __name__ == "__main__":
-    again = "--compile" in sys.argv[1:]
-    print(table([compare(run, compiled_for(run, again)) for run in slices()]))
-    print(f"preflight: MFU {preflight.MFU:.1%}, SFT trainer extra {preflight.SFT_TRAINER_EXTRA_BYTES_PER_PARAM} B per "
-          f"parameter; tolerances: HBM {preflight.HBM_TOLERANCE:.0%}, step {preflight.STEP_TOLERANCE:.0%}")
+    pts = points("--compile" in sys.argv[1:])
+    loo = leave_one_out(pts)
+    print(table(loo))
+    low, high = step_error(loo)
+    print(f"leave-one-out: step measured/forecast {low:.3f}-{high:.3f}, HBM within "
+          f"{max(abs(r['hbm_ratio'] - 1) for r in loo):.1%}; median |step miss| "
+          f"{statistics.median(abs(r['step_ratio'] - 1) for r in loo):.1%}")
+    if "--fit" in sys.argv[1:]:
+        print(fit(pts))

@@ -12,12 +12,15 @@ Groups (each fits one call of the chip, 10 minutes):
 * ``sft`` and ``rl``: the embedded default's trainings, as `dvc repro` runs them: train_sft@sft twice
   (is the chip bitwise repeatable?); train_sft@rl (GRPO's warm-up), then train_rl@rl from its last
   checkpoint.
-* ``slices``: the SFT tutorial's train_sft (Gemma 3 4B at full width, its sequence length, dtypes and
-  remat policy) with the decoder depth and the vocabulary cut to fit one v5e chip, at two depths, and
-  MaxText's pre-training trainer at the deeper one; tests/test_on_tpu.py compares each with preflight's
-  forecast for topology v5e-1 (:func:`slice_forecast`).
+* ``slices*``: the SFT tutorial's train_sft (its sequence length, dtypes and remat policy) for both
+  tutorial families at real width (Gemma 3 4B, Llama 3.1 8B), the decoder depth and the vocabulary cut
+  to fit one v5e chip, at batch 1-4 (:data:`SLICE_GROUPS`), and MaxText's pre-training trainer once;
+* ``grpo*``: the GRPO tutorial's train_rl with the JAX rollout, Llama 3.1 8B at real width cut likewise
+  (:data:`GRPO_GROUPS`). tests/test_on_tpu.py compares each record with preflight's forecast for
+  topology v5e-1 (:func:`slice_forecast`), fit on the other records.
 
-``--smoke``: the same commands with a few steps each, for a rehearsal on the CPU (docs/tpu-chip.md).
+``--smoke``: the same commands with a few steps each, for a rehearsal on the CPU (docs/tpu-chip.md);
+``--no-embedded``: without the ``sft`` and ``rl`` groups (no converted checkpoints needed).
 What differs from the stages' commands on the chip is :func:`on_chip`, and only that.
 """
 

@@ -9,7 +9,8 @@ Answered on the laptop CPU, with no TPU and no network, before any VM exists:
   analysis gives the HBM per chip of the train state (params + optimizer state) and of the step's temporaries.
 * **Estimated** (stated formulas): the FLOPs per step (MaxText's own
   ``calculate_tflops_training_per_device``, the number its MFU logging uses; XLA's cost analysis
-  counts a scanned layer block once, not once per layer), step and run time at :data:`MFU`, and for
+  counts a scanned layer block once, not once per layer), step and run time from them and the
+  parameters (:mod:`mtpipe.planning.step_model`, fit on a TPU chip), and for
   GRPO the reference model, the rollout engine's weights and KV cache, and the rollout time.
 * The compile runs in a child process (``python -m mtpipe.planning.preflight --compile``), cached in
   ``work/preflight/<digest>.json`` by the digest of its command line and the MaxText/JAX/libtpu
@@ -43,7 +44,7 @@ from mtpipe.pipeline import maxtext_check, overrides, toolchain
 from mtpipe.pipeline.config import BRANCH_STAGES, ROOT, stage_view
 from mtpipe.pipeline.view import View
 from mtpipe.pipeline.maxtext_check import compose_checked
-from mtpipe.planning import budget, compiled_presets, run_forecast
+from mtpipe.planning import budget, compiled_presets, run_forecast, step_model
 
 
 @dataclass(frozen=True)
@@ -66,18 +67,17 @@ CHIPS = {"v6e": Chip(hbm_gib=31.25, peak_tflops=918.0, hbm_gbps=1640.0),
 # in depth and vocabulary to fit it, through the SFT stage's trainer and MaxText's pre-training trainer
 # (benchmarks/on_tpu/records/slices*.json, docs/preflight.md "Calibrated on a TPU chip";
 # benchmarks/on_tpu/calibrate.py prints forecast vs measurement, tests/test_on_tpu.py holds them together).
-MFU_RANGE = (0.285, 0.394)     # MaxText's TFLOP/s over the chip's peak, lowest and highest of the four slices
-MFU = 0.335                    # their geometric middle: every slice's step time within 18% (MaxText publishes
-                               # 45% for llama3.1-8b pre-training at seq 8192, which no slice reached)
-SFT_TRAINER_EXTRA_BYTES_PER_PARAM = 5.0  # tunix's SFT trainer holds ~5 B/parameter beyond MaxText's compiled
-                               # step (least squares over three slices: 4.8-5.3); one fp32 copy is its
+# The step time: mtpipe.planning.step_model (arithmetic + parameter traffic, fit on the same records).
+SFT_TRAINER_EXTRA_BYTES_PER_PARAM = 3.9  # tunix's SFT trainer holds ~4 B/parameter beyond MaxText's compiled
+                               # step (least squares over the SFT slices); one fp32 copy is its
                                # gradient-accumulation buffer (sft.yml: use_tunix_gradient_accumulation)
-HBM_ERROR = 0.02               # the calibrated HBM forecast's largest miss on the chip's slices (1.2%), rounded up
+GRPO_EXTRA_BYTES_PER_PARAM = 1.9  # train_rl with the JAX rollout, beyond the compiled step, reference and KV cache
+HBM_ERROR = 0.08               # the HBM forecast's largest leave-one-out miss on the chip's records but two
+                               # over-forecasts (12%, 25%: docs/preflight.md), rounded up
 HBM_TOLERANCE = 0.10           # a forecast further than this from the chip's peak HBM is a finding
 STEP_TOLERANCE = 0.25          # likewise for the step time
 
 # Assumptions of the time and cost estimates; each lands in the JSON report.
-DECODE_EFFICIENCY = 0.5        # fraction of HBM bandwidth a rollout decode step reaches
 CONVERT_S_PER_BPARAM = 70.0    # to_maxtext: the tutorials' ~5 min for Gemma 3 4B (4.3 B params)
 EXPORT_S_PER_BPARAM = 70.0     # to_huggingface: assumed like the conversion
 TRAIN_STARTUP_S = 180.0        # loading the checkpoint + compiling the step on the TPU VM
@@ -278,8 +278,10 @@ def hbm_parts(compiled: dict[str, Any], chips: int, module: str) -> dict[str, fl
 
 def step_forecast(compiled: dict[str, Any], chip: Chip, chips: int, module: str) -> tuple[float, float]:
     """(HBM GiB per chip, seconds per step) of one training step of ``module`` (not GRPO's rollout): the
-    parts of :func:`hbm_parts`, and the step's FLOPs (MaxText's count) at :data:`MFU` of the chip's peak."""
-    step_s = compiled["tflops_per_device"] * 1e12 / (chip.peak_tflops * 1e12 * MFU)
+    parts of :func:`hbm_parts`, and :func:`step_model.train_step_s` of the step's FLOPs (MaxText's count)
+    and parameters."""
+    step_s = step_model.train_step_s(compiled["tflops_per_device"] * 1e12, compiled["param_count"] / chips,
+                                     chip.peak_tflops, chip.hbm_gbps)
     return sum(hbm_parts(compiled, chips, module).values()), step_s
 
 
@@ -293,11 +295,11 @@ def report(cfg: View, preset: str, compiled: dict[str, Any], chip: Chip, chips: 
     # GRPO: the compiled batch is rounded up to a multiple of the chips; FLOPs count the real one
     real_batch = c["grpo_sequences"] / c["global_batch_size_to_train_on"] if cfg.branch == "rl" else 1.0
     flops_per_chip = compiled["tflops_per_device"] * 1e12 * real_batch
-    step_s = flops_per_chip / (chip.peak_tflops * 1e12 * MFU)
+    step_s = step_model.train_step_s(flops_per_chip, compiled["param_count"] / chips, chip.peak_tflops, chip.hbm_gbps)
     steps = run_steps(compiled, args)
     notes = ["compiled: the train step (params, optimizer state, temporaries) for the topology"]
     if cfg.branch == "rl":
-        extra, needed, step_s = _grpo_estimate(cfg, compiled, chip, chips, hbm, step_s)
+        extra, needed, step_s = _grpo_estimate(cfg.train_rl.rollout_backend, compiled, chip, chips, hbm, step_s)
         notes.append(extra)
     else:
         needed = sum(hbm.values())
@@ -319,16 +321,19 @@ def report(cfg: View, preset: str, compiled: dict[str, Any], chip: Chip, chips: 
         "est_total_s": round(total_s, 1), "usd_per_hour": usd_per_hour,
         "est_total_usd": round(total_s / 3600 * usd_per_hour, 2),
         "param_count": compiled["param_count"], "maxtext_config": c,
-        "est_step_s_range": step_range(step_s), "hbm_error": HBM_ERROR,
-        "assumptions": {"mfu": MFU, "mfu_range_measured": MFU_RANGE, "sft_trainer_extra_bytes_per_param":
-                        SFT_TRAINER_EXTRA_BYTES_PER_PARAM, "decode_efficiency": DECODE_EFFICIENCY, "peak_tflops_per_chip": chip.peak_tflops,
+        "est_step_s_range": step_range(step_s, topology(cfg) or ""), "hbm_error": HBM_ERROR,
+        "assumptions": {"compute_efficiency": step_model.COMPUTE_EFFICIENCY,
+                        "step_bytes_per_param": step_model.STEP_BYTES_PER_PARAM, "step_error": step_model.STEP_ERROR,
+                        "generation_error": step_model.GENERATION_ERROR, "sft_trainer_extra_bytes_per_param":
+                        SFT_TRAINER_EXTRA_BYTES_PER_PARAM, "decode_efficiency": step_model.DECODE_EFFICIENCY,
+                        "grpo_train_factor": step_model.GRPO_TRAIN_FACTOR, "peak_tflops_per_chip": chip.peak_tflops,
                         "convert_s_per_bparam": CONVERT_S_PER_BPARAM, "export_s_per_bparam": EXPORT_S_PER_BPARAM,
                         "train_startup_s": TRAIN_STARTUP_S, "vm_setup_s": VM_SETUP_S},
         "notes": notes, "versions": versions(), "compile_cached": compiled.get("cached", False),
     }
 
 
-def _grpo_estimate(cfg: View, compiled: dict[str, Any], chip: Chip, chips: int, hbm: dict[str, float],
+def _grpo_estimate(rollout_backend: str, compiled: dict[str, Any], chip: Chip, chips: int, hbm: dict[str, float],
                    train_step_s: float) -> tuple[str, float, float]:
     """Add GRPO's estimated parts to ``hbm``; return (note, HBM needed per chip, seconds per GRPO step).
 
@@ -345,21 +350,24 @@ def _grpo_estimate(cfg: View, compiled: dict[str, Any], chip: Chip, chips: int, 
     kv_bytes_per_token = 2 * c["num_decoder_layers"] * c["num_kv_heads"] * c["head_dim"] * 2  # K and V, bf16
     hbm["rollout_kv_cache_min"] = sequences * c["max_target_length"] * kv_bytes_per_token / kv_shards / GIB
     held = hbm["train_state"] + hbm["reference_weights"] + hbm["code"] + hbm["rollout_kv_cache_min"]
-    if cfg.train_rl.rollout_backend == "vllm":
-        hbm["rollout_weights"] = 2 * compiled["param_count"] / chips / GIB  # bf16 copy, sharded over the chips
+    if rollout_backend == "vllm":
+        rollout_weight_bytes = 2 * compiled["param_count"] / chips  # bf16 copy, sharded over the chips
+        hbm["rollout_weights"] = rollout_weight_bytes / GIB
         held += hbm["rollout_weights"]
         reserved = c["hbm_utilization_vllm"] * chip.hbm_gib
         hbm["vllm_reservation"] = max(reserved, held)
         needed = hbm["vllm_reservation"] + hbm["step_temporaries"]
         note = (f"estimated: reference weights, vLLM weights + KV cache (hbm_utilization_vllm="
                 f"{c['hbm_utilization_vllm']} of each chip), rollout and reference-forward time")
-    else:
-        needed = held + hbm["step_temporaries"]
-        note = "estimated: reference weights, the CPU-backend rollout's KV cache, rollout and reference time"
+    else:  # the JAX rollout samples with the actor's own weights
+        rollout_weight_bytes = weight_bytes / chips
+        hbm["grpo_trainer_extra"] = GRPO_EXTRA_BYTES_PER_PARAM * compiled["param_count"] / chips / GIB
+        needed = held + hbm["grpo_trainer_extra"] + hbm["step_temporaries"]
+        note = ("calibrated on a TPU chip: reference weights, the JAX rollout's KV cache and what train_rl holds "
+                "beside them, rollout and log-prob passes")
     new_tokens = c["max_target_length"] - c["max_prefill_predict_length"]
-    decode_s = new_tokens * (2 * compiled["param_count"] / chips) / (chip.hbm_gbps * 1e9 * DECODE_EFFICIENCY)
-    forward_s = train_step_s / 3 * (2 if c["grpo_beta"] else 1)  # old-policy (+ reference) log-probs
-    return note, needed, train_step_s + forward_s + decode_s
+    decode_s = step_model.decode_s(new_tokens, rollout_weight_bytes, chip.hbm_gbps)
+    return note, needed, step_model.GRPO_TRAIN_FACTOR * train_step_s + decode_s
 
 
 def check_fits(row: dict[str, Any]) -> None:
@@ -377,9 +385,10 @@ def check_fits(row: dict[str, Any]) -> None:
         f"or use a larger TPU; `doit preflight --set ...` checks a change in seconds once compiled")
 
 
-def step_range(step_s: float) -> tuple[float, float]:
-    """The step time at the highest and the lowest MFU the chip measured: the forecast's error bar."""
-    return step_s * MFU / MFU_RANGE[1], step_s * MFU / MFU_RANGE[0]
+def step_range(step_s: float, topo: str) -> tuple[float, float]:
+    """The step time's interval on the TPU ``topo`` (e.g. v6e-8): step_model's leave-one-out misses on
+    the chip, widened on another generation than the one measured."""
+    return step_model.interval(step_s, topo.split("-", 1)[0].replace("v5litepod", "v5e"))
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -387,7 +396,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     head = ("branch", "preset", "TPU", "HBM GiB/chip", "fits", "TFLOP/step", "step s", "train min")
     lines = [head]
     for r in rows:
-        low, high = step_range(r["est_step_s"])
+        low, high = r["est_step_s_range"]
         bar = f" ±{HBM_ERROR:.0%}" if r["branch"] == "sft" else ""  # calibrated for the SFT trainer only
         hbm = "compile OOM" if r["compile_oom"] else f"{r['hbm_gib_per_chip']:.1f}{bar}"
         lines.append((r["branch"], r["preset"], r["topology"], f"{hbm} / {r['hbm_gib_available']:.2f}",
@@ -466,8 +475,10 @@ def check(sets: list[str], usd_per_chip_hour: float, machine: budget.Machine, ro
         print(f"the whole run (target {target or 'the whole pipeline'}), by phase:")
         print(run_forecast.forecast(rows).table())
         basis = f" ({price_basis})" if price_basis else ""
-        print(f"assumptions: MFU {MFU:.1%} (measured on a TPU v5e chip: {MFU_RANGE[0]:.1%}-{MFU_RANGE[1]:.1%}, the step "
-              f"time's range), HBM ±{HBM_ERROR:.0%} (docs/preflight.md), {usd_per_chip_hour:.2f} USD per chip-hour{basis}; "
+        print(f"assumptions: step = FLOPs at {step_model.COMPUTE_EFFICIENCY:.0%} of the peak + "
+              f"{step_model.STEP_BYTES_PER_PARAM:.0f} B per parameter at the HBM bandwidth (fit on a TPU v5e chip; the "
+              f"interval: its leave-one-out misses, ±{step_model.GENERATION_ERROR:.0%} more on v6e), HBM "
+              f"±{HBM_ERROR:.0%} (docs/preflight.md), {usd_per_chip_hour:.2f} USD per chip-hour{basis}; "
               f"reports in {work}/<branch>-<preset>.json")
         print(versions_line())
     return rows
