@@ -19,7 +19,7 @@ from conftest import restore
 from mtpipe.pipeline.toolchain import lock_pins
 from pipeline import ROOT, copy_project, dvc, env, git, ran_stages
 
-pytestmark = pytest.mark.house
+pytestmark = [pytest.mark.house, pytest.mark.xdist_group("why-copy")]  # one worker builds the recorded copy
 
 STAGE = "train_sft@sft"
 CODE_RULE = "comments and layout (the parser drops them), docstrings, and the text of messages"
