@@ -326,6 +326,7 @@ def report(cfg: View, preset: str, compiled: dict[str, Any], chip: Chip, chips: 
                         "step_bytes_per_param": step_model.STEP_BYTES_PER_PARAM, "step_error": step_model.STEP_ERROR,
                         "generation_error": step_model.GENERATION_ERROR, "sft_trainer_extra_bytes_per_param":
                         SFT_TRAINER_EXTRA_BYTES_PER_PARAM, "decode_efficiency": step_model.DECODE_EFFICIENCY,
+                        "vllm_decode_efficiency_assumed": step_model.VLLM_DECODE_EFFICIENCY,
                         "grpo_train_factor": step_model.GRPO_TRAIN_FACTOR, "peak_tflops_per_chip": chip.peak_tflops,
                         "convert_s_per_bparam": CONVERT_S_PER_BPARAM, "export_s_per_bparam": EXPORT_S_PER_BPARAM,
                         "train_startup_s": TRAIN_STARTUP_S, "vm_setup_s": VM_SETUP_S},
@@ -366,7 +367,8 @@ def _grpo_estimate(rollout_backend: str, compiled: dict[str, Any], chip: Chip, c
         note = ("calibrated on a TPU chip: reference weights, the JAX rollout's KV cache and what train_rl holds "
                 "beside them, rollout and log-prob passes")
     new_tokens = c["max_target_length"] - c["max_prefill_predict_length"]
-    decode_s = step_model.decode_s(new_tokens, rollout_weight_bytes, chip.hbm_gbps)
+    efficiency = step_model.VLLM_DECODE_EFFICIENCY if rollout_backend == "vllm" else step_model.DECODE_EFFICIENCY
+    decode_s = step_model.decode_s(new_tokens, rollout_weight_bytes, chip.hbm_gbps, efficiency)
     return note, needed, step_model.GRPO_TRAIN_FACTOR * train_step_s + decode_s
 
 

@@ -14,7 +14,8 @@ traffic is as long as its arithmetic, at batch 4 a fifth of it (docs/preflight.m
 
 GRPO (train_rl with the JAX rollout, records/grpo*.json): each step samples ``new_tokens`` tokens,
 each a decode step that reads the rollout's weights once (memory-bound, DECODE_EFFICIENCY of the HBM
-bandwidth), then trains on the completions: the step above on the GRPO batch, times
+bandwidth; vLLM's rollout, which the chip cannot run, at the assumed VLLM_DECODE_EFFICIENCY), then
+trains on the completions: the step above on the GRPO batch, times
 GRPO_TRAIN_FACTOR for the old-policy and reference log-prob passes around it.
 
 The interval preflight prints is the largest leave-one-out miss on each side (:data:`STEP_ERROR`),
@@ -35,6 +36,7 @@ STEP_BYTES_PER_PARAM = 88.0    # HBM bytes moved per parameter per step, whateve
 STEP_ERROR = (0.85, 1.26)
 # GRPO with the JAX rollout (records/grpo*.json)
 DECODE_EFFICIENCY = 0.204      # of the HBM bandwidth, reading the rollout's weights once per token
+VLLM_DECODE_EFFICIENCY = 0.5   # vLLM's rollout (the tutorial's): assumed, not measured (the chip cannot run it)
 GRPO_TRAIN_FACTOR = 0.744      # the GRPO train step with its log-prob passes, over the SFT-step model
 # Another chip generation than the one measured (v5e): the compute term scales with the peak, the
 # traffic terms with the bandwidth; what the efficiencies do there is not measured (docs/preflight.md)
