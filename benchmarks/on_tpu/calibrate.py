@@ -86,6 +86,7 @@ class Point:
     """One record, reduced to what the model reads: from its compile and its measurement."""
 
     name: str
+    kind: str               # the trainer: SFT, pre-train or GRPO
     grpo: bool
     compute_s: float        # the step's FLOPs at the chip's peak (GRPO: the train step on the real batch)
     traffic_s: float        # its parameters x 1 byte at the chip's HBM bandwidth
@@ -113,7 +114,8 @@ def point(run: dict[str, Any], compiled: dict[str, Any]) -> Point:
     else:
         hbm_compiled = sum(hbm.values())
     extra_applies = grpo or run["module"] == commands.TRAIN_SFT
-    return Point(run["name"], grpo, flops / (CHIP.peak_tflops * 1e12), compiled["param_count"] / (CHIP.hbm_gbps * 1e9),
+    kind = "GRPO" if grpo else "SFT" if run["module"] == commands.TRAIN_SFT else "pre-train"
+    return Point(run["name"], kind, grpo, flops / (CHIP.peak_tflops * 1e12), compiled["param_count"] / (CHIP.hbm_gbps * 1e9),
                  decode, hbm_compiled, compiled["param_count"] / GIB if extra_applies else 0.0,
                  run["median_step_s"], measured_hbm_gib(run), run.get("median_rollout_s") or 0.0)
 
@@ -172,7 +174,7 @@ def leave_one_out(pts: list[Point]) -> list[dict[str, Any]]:
     rows = []
     for i, p in enumerate(pts):
         hbm, step_s = forecast(p, fit(pts[:i] + pts[i + 1:]))
-        rows.append({"name": p.name, "kind": "GRPO" if p.grpo else "SFT", "hbm_forecast_gib": hbm,
+        rows.append({"name": p.name, "kind": p.kind, "hbm_forecast_gib": hbm,
                      "hbm_measured_gib": p.hbm_gib, "hbm_ratio": hbm / p.hbm_gib, "step_forecast_s": step_s,
                      "step_measured_s": p.step_s, "step_ratio": step_s / p.step_s,
                      "mfu_measured": p.compute_s / p.step_s})

@@ -34,7 +34,7 @@ def main() -> None:
         ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
         ax.fill_between([lo, hi], [lo * (1 - tolerance), hi * (1 - tolerance)], [lo * (1 + tolerance), hi * (1 + tolerance)],
                         color="0.9", label=f"±{tolerance:.0%}")
-        for kind, marker in (("SFT", "o"), ("GRPO", "s")):
+        for kind, marker in (("SFT", "o"), ("pre-train", "^"), ("GRPO", "s")):
             pts = [(m, f, r["name"]) for m, f, r in zip(measured, forecast, rows) if r["kind"] == kind]
             ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=f"{kind} (leave-one-out)")
             for m, f, name in pts:
