@@ -1,5 +1,4 @@
-"""The project's error type for bad input (it names the key, the problem and the fix), and what a
-check raises when it cannot tell."""
+"""The project's error type for bad input: it names the key, the problem and the fix."""
 
 
 class ConfigError(ValueError):
@@ -13,8 +12,3 @@ class ConfigError(ValueError):
 
     def __str__(self) -> str:
         return f"{self.key}: {self.problem}. Fix: {self.fix}"
-
-
-class Unknown(Exception):
-    """A check that cannot tell (a policy it may not read, an API it may not ask): reported as unknown,
-    never as fine (mtpipe.cloud.prerequisites)."""

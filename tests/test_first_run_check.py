@@ -20,8 +20,8 @@ from omegaconf import OmegaConf
 from vm_world import Env, hub_with_tutorial_repos
 
 from mtpipe.cloud import org_policies, vm_access, vm_caller, vm_state
-from mtpipe.cloud.google_apis import GoogleApis
-from mtpipe.errors import ConfigError, Unknown
+from mtpipe.cloud.google_apis import GoogleApis, Unknown
+from mtpipe.errors import ConfigError
 from mtpipe.planning import preflight
 
 pytestmark = pytest.mark.first_run

@@ -25,6 +25,13 @@ from google.auth.transport.requests import AuthorizedSession
 
 from mtpipe.cloud.gcp import ENDPOINT_ENV, GcpError, client_kwargs, explained
 
+
+
+class Unknown(Exception):
+    """A check that cannot tell (a policy it may not read, an API it may not ask): reported as unknown,
+    never as fine (mtpipe.cloud.prerequisites)."""
+
+
 ROOTS = {"oslogin": "https://oslogin.googleapis.com", "orgpolicy": "https://orgpolicy.googleapis.com",
          "cloudresourcemanager": "https://cloudresourcemanager.googleapis.com",
          "iam": "https://iam.googleapis.com", "serviceusage": "https://serviceusage.googleapis.com",

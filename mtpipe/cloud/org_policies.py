@@ -22,8 +22,8 @@ from omegaconf import DictConfig
 
 from mtpipe.cloud import gcp
 from mtpipe.cloud.gcp import GcpError
-from mtpipe.cloud.google_apis import GoogleApis, denies, enforced
-from mtpipe.errors import ConfigError, Unknown
+from mtpipe.cloud.google_apis import GoogleApis, Unknown, denies, enforced
+from mtpipe.errors import ConfigError
 
 SHIELDED = ("enable_secure_boot", "enable_vtpm", "enable_integrity_monitoring")
 POLICY_ADMIN = "needs roles/orgpolicy.policyAdmin"

@@ -21,9 +21,9 @@ from omegaconf import DictConfig
 
 from mtpipe.cloud import org_policies, vm_access, vm_caller, vm_checks, vm_config, vm_identity
 from mtpipe.cloud.gcp import Compute, GcpError
-from mtpipe.cloud.google_apis import GoogleApis
+from mtpipe.cloud.google_apis import GoogleApis, Unknown
 from mtpipe.cloud.vm_config import VmError
-from mtpipe.errors import ConfigError, Unknown
+from mtpipe.errors import ConfigError
 from mtpipe.planning import preflight
 
 OK, FAILS, UNKNOWN, NOT_CHECKED = "ok", "FAILS", "unknown", "not checked"

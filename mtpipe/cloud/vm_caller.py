@@ -16,8 +16,8 @@ from omegaconf import DictConfig
 
 from mtpipe.cloud import gcp, ssh_route, vm_identity
 from mtpipe.cloud.gcp import GcpError
-from mtpipe.cloud.google_apis import GoogleApis, member
-from mtpipe.errors import ConfigError, Unknown
+from mtpipe.cloud.google_apis import GoogleApis, Unknown, member
+from mtpipe.errors import ConfigError
 
 INSTANCE_ADMIN = "roles/compute.instanceAdmin.v1"
 SECURITY_ADMIN = "roles/compute.securityAdmin"

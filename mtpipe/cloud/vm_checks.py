@@ -37,7 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 from mtpipe.cloud import gcp, prices, vm_access, vm_config, vm_identity, vm_quota
 from mtpipe.cloud.gcp import Compute, reservation_path
 from mtpipe.cloud.google_apis import GoogleApis
-from mtpipe.data import hub
+from mtpipe.data import hub, hub_access
 from mtpipe.errors import ConfigError
 from mtpipe.planning import preflight
 from mtpipe.planning.preflight import TRAIN_STARTUP_S
@@ -244,7 +244,7 @@ def hub_repos(branches: Iterable[SftBranch]) -> list[HubRepo]:
 
 def check_hub_repo(repo: HubRepo) -> str:
     """What the Hub says of the repo's access (its model or dataset info); a gated one needs HF_TOKEN,
-    and the Hub's auth check must grant that token's account the repo (mtpipe.data.hub.check_access)."""
+    and the Hub's auth check must grant that token's account the repo (mtpipe.data.hub_access.check_access)."""
     access = hub.gated(repo.source, repo.repo_type)
     if not access:
         return "not gated"
@@ -253,7 +253,7 @@ def check_hub_repo(repo: HubRepo) -> str:
                           f"({access}) and HF_TOKEN is not set",
                           f"accept its license at {hub.repo_url(repo.repo_id, repo.repo_type)}, "
                           "then `export HF_TOKEN=...` (a read token) before doit")
-    hub.check_access(repo.source, repo.repo_type)
+    hub_access.check_access(repo.source, repo.repo_type)
     return f"gated ({access}); HF_TOKEN's account may download it"
 
 

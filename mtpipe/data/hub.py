@@ -27,8 +27,7 @@ from pathlib import Path
 
 import httpx
 from huggingface_hub import HfApi, snapshot_download
-from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, OfflineModeIsEnabled, RepositoryNotFoundError,
-                                    RevisionNotFoundError)
+from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled, RepositoryNotFoundError, RevisionNotFoundError
 from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import filter_repo_objects
 
@@ -235,27 +234,6 @@ def gated(source: Mapping, repo_type: str) -> str | bool:
     info = api.model_info if repo_type == "model" else api.dataset_info
     with _hub_errors(repo_id, revision, repo_type):
         return info(repo_id, revision=revision).gated
-
-
-def check_access(source: Mapping, repo_type: str) -> None:
-    """HF_TOKEN's account may download a pinned gated repo: the Hub's auth check (``HfApi.auth_check``:
-    GET /api/<type>s/<repo>/auth-check with the token) answers GatedRepoError while its license is not
-    accepted (or a manual approval is pending). The token goes in the request header only."""
-    repo_id, revision = _hub_source(source, repo_type)
-    token = os.environ.get("HF_TOKEN") or False  # False: no token file
-    with _hub_errors(repo_id, revision, repo_type):
-        try:
-            HfApi(endpoint=_endpoint(), token=token).auth_check(repo_id, repo_type=repo_type, token=token)
-        except GatedRepoError as err:
-            status = err.response.status_code if err.response is not None else "?"
-            raise ConfigError(
-                "HF_TOKEN",
-                f"the account of HF_TOKEN may not download the gated {repo_type} {repo_id} (the Hub's auth check "
-                f"answered {status}: its license is not accepted, or the authors have not approved the request yet)",
-                f"accept the license at {repo_url(repo_id, repo_type)} while logged in as the token's account (and "
-                "wait for the approval if the page says the authors review requests), or export a token of an "
-                "account that has access",
-            ) from None
 
 
 def repo_url(repo_id: str, repo_type: str) -> str:
