@@ -282,7 +282,7 @@ def test_spot_run_without_a_work_bucket_is_refused_with_what_a_preemption_costs(
         plant_compile(world, sets, temp_gib=4.5, tflops_per_device=100.0)
         out = world.doit("vm_run", "--provisioning=spot", *(f"--set={s}" for s in sets))
         step_s = 100 / (918 * step_model.COMPUTE_EFFICIENCY) + 4.3e9 / 8 * step_model.STEP_BYTES_PER_PARAM / 1640e9
-        train_min = (1000 * step_s + preflight.TRAIN_STARTUP_S) / 60
+        train_min = round(1000 * step_s + preflight.TRAIN_STARTUP_S, 1) / 60  # as preflight rounds est_train_s
         assert ("ConfigError: vm.run.env.MTPIPE_WORK_BUCKET: is not set for a Spot run: training keeps its "
                 "checkpoints in /dev/shm/mtpipe-work on the VM") in out, out
         assert (f"each preemption throws away train_sft of the sft branch up to {train_min:.1f} min (1000 steps x "
