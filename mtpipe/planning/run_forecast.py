@@ -12,9 +12,10 @@ pipeline), from:
   :func:`~mtpipe.planning.budget.dataset_bytes`: the Hub index's ``total_size`` the project pins)
   over :data:`HUB_MB_S`;
 * **evaluation**: per evaluation stage, vLLM's start (:data:`VLLM_START_S`) and the scorer's requests
-  one at a time (``num_concurrent=1``): the problem count, the prompt tokens (prefill at a fraction of
-  the chips' peak FLOP/s) and the generated tokens (decode at batch 1: the weights each chip holds
-  read once per token, at a fraction of its HBM bandwidth, :data:`SERVING_EFFICIENCY`).
+  one at a time (``num_concurrent=1``): the problem count, the prompt tokens (prefill at a stated
+  fraction of the chips' peak FLOP/s, :data:`PREFILL_EFFICIENCY`) and the generated tokens (each a
+  read of the weights each chip holds, at :data:`DECODE_EFFICIENCY` of its HBM bandwidth: the JAX
+  rollout's decode measured on the TPU chip at real width, the one decode measured there).
 
 Every estimate is a (low, mid, high) triple. The total's interval is the sum of the phases' lows and
 the sum of their highs: it holds whenever each phase falls in its own range, with no assumption that
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline.config import BRANCH_STAGES, ROOT
-from mtpipe.planning import budget
+from mtpipe.planning import budget, step_model
 
 if TYPE_CHECKING:
     from mtpipe.planning.preflight import Chip
@@ -41,7 +42,10 @@ HUB_MB_S: Range = (40.0, 100.0, 250.0)       # the VM's download rate from the H
 SETUP_SCALE: Range = (0.67, 1.0, 2.0)        # the VM setup's range around preflight's est_vm_setup_s
 CONVERSION_SCALE: Range = (0.5, 1.0, 2.0)    # to_maxtext's / to_huggingface's range around preflight's
 VLLM_START_S: Range = (120.0, 300.0, 900.0)  # vLLM loading the model and compiling its TPU graphs, per stage
-SERVING_EFFICIENCY: Range = (0.15, 0.3, 0.5)  # of HBM bandwidth (decode) and peak FLOP/s (prefill), batch 1
+PREFILL_EFFICIENCY: Range = (0.15, 0.3, 0.5)  # of the chips' peak FLOP/s, a prompt at batch 1 (assumed)
+# of the HBM bandwidth per new token: the JAX rollout's measured on the chip (step_model, records/grpo*.json);
+# from 15% (vLLM at batch 1 over 8 chips may do worse: not measured) to vLLM's assumed 50%
+DECODE_EFFICIENCY: Range = (0.15, step_model.DECODE_EFFICIENCY, step_model.VLLM_DECODE_EFFICIENCY)
 REQUEST_OVERHEAD_S: Range = (0.02, 0.05, 0.2)  # per request: HTTP, tokenizing, the scorer's bookkeeping
 # GSM8K under lm-eval's gsm8k-cot-llama.yaml: each few-shot example is a user turn (the instruction
 # template, 230 characters, around a question of 127 on average) and an answer (137 on average), the
@@ -210,6 +214,10 @@ def _download(cfg: Any, root: Path) -> tuple[Range, str]:
                      f"{HUB_MB_S[1]:g} MB/s ({HUB_MB_S[0]:g}-{HUB_MB_S[2]:g}, assumed)")
 
 
+def _share(efficiency: Range) -> str:
+    return f"{efficiency[1] * 100:g}% ({efficiency[0]:.0%}-{efficiency[2]:.0%})"
+
+
 def _size(nbytes: int) -> str:
     return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.0f} MB"
 
@@ -267,12 +275,14 @@ def _evaluation(cfg: Any, lm_params: int, chip: Chip) -> tuple[Range, str]:
     seconds = []
     for i, j in ((0, 2), (1, 1), (2, 0)):   # low: short answers at the high efficiency, and so on
         tokens = prompt if cfg.dataset.row_schema == "gsm8k" else prompt_range[i]
-        prefill_s = 2 * lm_params * tokens / (chips * chip.peak_tflops * 1e12 * SERVING_EFFICIENCY[j])
-        request_s = REQUEST_OVERHEAD_S[i] + prefill_s + answers[i] * token_s(SERVING_EFFICIENCY[j])
+        prefill_s = 2 * lm_params * tokens / (chips * chip.peak_tflops * 1e12 * PREFILL_EFFICIENCY[j])
+        request_s = REQUEST_OVERHEAD_S[i] + prefill_s + answers[i] * token_s(DECODE_EFFICIENCY[j])
         seconds.append(VLLM_START_S[i] + problems * request_s)
-    share = f"{SERVING_EFFICIENCY[1]:.0%} ({SERVING_EFFICIENCY[0]:.0%}-{SERVING_EFFICIENCY[2]:.0%})"
-    rate = (f"decoding {token_s(SERVING_EFFICIENCY[1]) * 1e3:.1f} ms/token: {share} of the HBM bandwidth"
-            if cfg.dataset.row_schema == "gsm8k" else f"prefill at {share} of the peak FLOP/s")
+    if cfg.dataset.row_schema == "gsm8k":
+        rate = (f"decoding {token_s(DECODE_EFFICIENCY[1]) * 1e3:.1f} ms/token: {_share(DECODE_EFFICIENCY)} of the "
+                "HBM bandwidth (the JAX rollout's, measured on the chip)")
+    else:
+        rate = f"prefill at {_share(PREFILL_EFFICIENCY)} of the peak FLOP/s (assumed)"
     how = (f"vLLM start {VLLM_START_S[1] / 60:.0f} min ({VLLM_START_S[0] / 60:.0f}-{VLLM_START_S[2] / 60:.0f}) + "
-           f"{what}, one at a time, {rate} (assumed)")
+           f"{what}, one at a time, {rate}")
     return (seconds[0], seconds[1], seconds[2]), how
