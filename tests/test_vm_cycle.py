@@ -208,15 +208,29 @@ def test_full_cycle(project_world: Env, pipeline_repo: Path) -> None:
     assert_loopback_only(w, "".join(outputs))
 
 
+def commit_failing_stage(w: Env) -> None:
+    """A stage whose command fails, committed (vm_run ships HEAD): the pipeline fails on the VM."""
+    (w.repo / "dvc.yaml").write_text("stages:\n  fails:\n    cmd: exit 3\n")
+    sh(["git", "add", "dvc.yaml"], w.repo, w.env)
+    sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a failing stage"], w.repo, w.env)
+
+
 def test_failing_pipeline_deletes_vm(world: Env) -> None:
+    """A --target that names no stage is refused before anything is created; a stage that fails on
+    the VM deletes it."""
     proc = world.doit("vm_run", "--target", "no_such_stage", ok=False)
+    assert "ConfigError: --target: 'no_such_stage' is no stage of" in proc.stdout, proc.stdout
+    assert world.fake.inserts() == [] and not world.fake.firewalls
+    commit_failing_stage(world)
+    proc = world.doit("vm_run", "--target", "fails", ok=False)
     assert "the pipeline failed on the VM" in proc.stderr + proc.stdout
     assert_deleted(world)
     assert_loopback_only(world, proc.stdout + proc.stderr)
 
 
 def test_keep_leaves_vm_on_failure(world: Env) -> None:
-    world.doit("vm_run", "--target", "no_such_stage", "--keep", ok=False)
+    commit_failing_stage(world)
+    world.doit("vm_run", "--target", "fails", "--keep", ok=False)
     assert world.instance() is not None and (world.repo / ".vm_state.json").exists()
     world.doit("vm_down")
     assert_deleted(world)

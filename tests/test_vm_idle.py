@@ -55,9 +55,13 @@ def wait_for(condition, timeout: float = 30) -> None:
 def test_an_idle_vm_deletes_itself_in_every_provisioning_mode(idle_world, mode: str) -> None:
     """Idle past the limit, the VM sends its own instances.delete; while a vm_run command holds the
     lock (`flock -s`, as every command vm_run sends does) it is busy and kept."""
-    w, _, lock = idle_world
+    w, metadata, lock = idle_world
     if mode != "reservation":
         w.env.pop("RESERVATION")
+    if mode == "flex-start":   # a zone that grants Flex-start v6e VMs (vm_config.FLEX_START_ZONES)
+        w.env["ZONE"] = "us-east5-a"
+        w.fake.machine_types["us-east5-a"] = {"ct6e-standard-8t"}
+        metadata.vm = ("proj-1", "us-east5-a", "mt-test")
     w.configure(**MODES[mode])
     w.doit("vm_up", "--keep")
     assert w.instance()["status"] == "RUNNING"

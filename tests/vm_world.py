@@ -86,7 +86,7 @@ class Env:
         self.config.write_text(yaml.safe_dump(cfg))
 
     def instance(self) -> dict | None:
-        return self.fake.instances.get(("proj-1", "us-east5-b", "mt-test"))
+        return self.fake.instances.get(("proj-1", self.env.get("ZONE", "us-east5-b"), "mt-test"))
 
 
 def sh(cmd: list[str], cwd: Path, env: dict[str, str]) -> str:

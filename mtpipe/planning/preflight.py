@@ -436,7 +436,7 @@ def check(sets: list[str], usd_per_chip_hour: float, machine: budget.Machine, ro
     each phase of the stages DVC's ``target`` reaches (None: the whole pipeline), in each row's
     ``run_phases``, the total with its interval and price printed below the table.
     """
-    stages = run_forecast.stages_of(target)
+    stages = run_forecast.stages_of(target, root)
     params, composed, views = composed_views(sets, root, branches, committed)
     work = root / "work" / "preflight"
     machine_budget(composed, views, machine, root, work, refuse)
