@@ -128,8 +128,8 @@ def stages_of(target: str | None, root: Path = ROOT) -> set[str]:
         return {address(stage, branch) for branch, stages in BRANCH_STAGES.items() for stage in stages}
     from dvc.repo import Repo   # DVC's graph of dvc.yaml: imported only when a target asks for it
 
-    if not (root / ".dvc").is_dir():   # a folder holding only params (preflight's tests): the project's graph
-        root = ROOT
+    if not ((root / ".dvc").is_dir() and (root / "dvc.yaml").is_file()):   # no pipeline of its own (tests' repos
+        root = ROOT                                                         # of params alone): the project's
     with Repo(str(root)) as repo:
         try:
             # by dvc.yaml's path: DVC reads a bare target relative to the working directory
