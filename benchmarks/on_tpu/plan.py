@@ -82,9 +82,12 @@ SLICE_GROUPS = {
     "slices_llama": (Slice("llama_d1_v16k_b1", "llama3.1", 1, 16384, 1),),
     "slices_llama_more": (Slice("llama_d1_v24k_b2", "llama3.1", 1, 24576, 2), Slice("llama_d1_b4", "llama3.1", 1, 32768, 4)),
     "slices_gemma_scanned": (Slice("gemma_d6_v16k_b2", "gemma3", 6, 16384, 2),),  # one scanned 6-layer block
+    "slices_depths": (Slice("gemma_d4_v32k_b1", "gemma3", 4, 32768, 1), Slice("llama_d2_v16k_b1", "llama3.1", 2, 16384, 1)),
+    "slices_scanned_b1": (Slice("gemma_d6_v16k_b1", "gemma3", 6, 16384, 1),),
+    "slices_scanned_v32k": (Slice("gemma_d6_v32k_b2", "gemma3", 6, 32768, 2),),
 }
 SLICES = tuple(s for group in SLICE_GROUPS.values() for s in group)
-TOGETHER = ("slices_gemma", "slices_llama", "slices_llama_more")
+TOGETHER = ("slices_gemma", "slices_llama", "slices_llama_more", "slices_depths")
 SLICE_STEPS = 20
 SPLASH_BLOCK = 128  # JAX 0.10.2's splash-attention kernel needs sequence lengths in multiples of this
 
