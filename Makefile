@@ -7,7 +7,7 @@ VENV := .venv
 # uv installs the lock (exactly: `uv pip sync`) in under a minute, where pip took 10 minutes and more.
 # --compile-bytecode: every module's .pyc is written once here. Python reads .pyc files even under
 # PYTHONDONTWRITEBYTECODE=1 (set on some machines), which otherwise recompiles JAX, MaxText and DVC
-# from source in every process: docs/testing.md, "Bytecode compiled at install".
+# from source in every process: docs/testing.md.
 UV_VERSION := 0.13.9
 BIN := $(CURDIR)/$(VENV)/bin
 # Python 3.12 (MaxText needs >= 3.12): a working python3.12 on PATH, else pyenv's, else say how to get one.

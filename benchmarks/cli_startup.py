@@ -3,7 +3,7 @@
 Rows: `doit list` and `doit help vm_run` on this project's dodo.py, each next to the same command on
 a trivial dodo.py (one task, in a temporary directory): the median wall time of --runs runs of each,
 alternating, and their ratio. The goal is a ratio <= 1.5: dodo.py imports only doit and the VM's
-environment names, each task's action imports what it runs (docs/decisions.md, "A quick CLI").
+environment names, each task's action imports what it runs (docs/decisions/reporting.md).
 
 Usage: python benchmarks/cli_startup.py [--runs 7]
 """

@@ -55,7 +55,7 @@ def warm_uv_cache(lock: Path) -> None:
 
 def main() -> None:
     """Make the four side by side: pip and uv each wait on the network or use one core, so together they
-    take about as long as the TRL side environment alone (docs/testing.md, "Offline: no index, no network")."""
+    take about as long as the TRL side environment alone (docs/testing.md)."""
     (ROOT / "work").mkdir(exist_ok=True)
     requirement_locks.uv()  # the uv both cache warmers run, made before them (its install takes no lock)
     makers = {"xpk side environment": xpk_parser.side_env, "TRL side environment": grpo_trl.side_env,

@@ -111,7 +111,7 @@ def test_every_fake_lives_in_tests_fakes():
 # reach a service, never what a stage computes (that is a config key, in the stage's address).
 OPERATIONAL_ENV = {
     "MTPIPE_WORK_DIR": "where local run directories live",
-    "MTPIPE_WORK_BUCKET": "the bucket run directories live in (docs/decisions.md, 'Training state in a work bucket')",
+    "MTPIPE_WORK_BUCKET": "the bucket run directories live in (docs/decisions/training.md)",
     "MTPIPE_WORK_BUCKET_KEEP": "keep the bucket's run directory after success",
     "MTPIPE_STOP_TIMEOUT_S": "how long a stopped tool may take to save before it is killed",
     "MTPIPE_HOLD_AFTER_STEP": "the tests' hold after a step, to kill a run at a known point",

@@ -28,7 +28,7 @@ def documented_lines() -> list[tuple[str, str]]:
 
     Usage synopses (`[--option]`, `...`) are not commands and are left out."""
     found = []
-    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
         text = path.read_text()
         blocks = re.findall(r"```[a-z]*\n(.*?)```", text, re.DOTALL)
         lines = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]

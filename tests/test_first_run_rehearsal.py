@@ -1,5 +1,5 @@
 """`doit vm_run --rehearse` against the fakes: the embedded default through every step of a real run on a
-one-chip VM, which is then deleted (mtpipe/cloud/rehearsal.py, docs/tpu-vm.md "The rehearsal").
+one-chip VM, which is then deleted (mtpipe/cloud/rehearsal.py, docs/vm-checks.md).
 
 The loopback VM is the project's clone whose DVC remote holds the shared pipeline's outputs (the
 `project_world` fixture, as tests/test_vm_cycle.py's full cycle), so the VM's `dvc exp run` pulls

@@ -95,7 +95,7 @@ def test_each_record_says_what_it_ran_on(record: Path):
 POINTS = calibrate.points()
 LEAVE_ONE_OUT = calibrate.leave_one_out(POINTS)
 # The records whose HBM the model over-forecasts by more than HBM_TOLERANCE, with their measured miss
-# rounded up (docs/preflight.md, "Forecast beside every record"): the test holds each to that miss.
+# rounded up (docs/step-time.md): the test holds each to that miss.
 KNOWN_HBM_MISSES = {"gemma_d4_v48k_b4": 0.13, "gemma_d6_v16k_b2": 0.26}
 
 

@@ -35,7 +35,7 @@ def test_sft_learns(pipeline_repo):
 # Between the record's CPU and another x86-64 kind the SFT branch's losses differ in their low bits
 # (XLA compiles for the host CPU it runs on): an AMD EPYC and an Intel Xeon (AVX-512) gave per-step
 # training losses within 0.28% of each other over the 150 steps, eval losses within 0.08%. The record
-# tests allow 1% (docs/decisions.md, "Identical inputs give identical bytes": across machines).
+# tests allow 1% (docs/decisions/content-address.md: across machines).
 RECORD_RELATIVE_TOLERANCE = 0.01
 
 

@@ -73,7 +73,7 @@ def test_the_setup_page_holds_what_a_new_user_types_once() -> None:
 
 
 def test_the_setup_is_once_because_gcloud_refuses_it_twice(tmp_path: Path, gcs_emulator: GcsEmulator) -> None:
-    """Why the setup is a page of its own (docs/decisions.md): a bucket that exists is not created
+    """Why the setup is a page of its own (docs/decisions/cloud-vm.md): a bucket that exists is not created
     again, and the quota project needs the ADC sign-in before it."""
     env = {"PATH": f"{fake_gcloud.install(tmp_path / 'bin')}:/usr/bin:/bin", "CLOUDSDK_CONFIG": str(tmp_path / "cfg"),
            "FAKE_GCS_ENDPOINT": gcs_emulator.endpoint}

@@ -26,7 +26,7 @@ def named_roles(paths: list[Path]) -> dict[str, list[str]]:
 
 
 def project_files() -> list[Path]:
-    return [ROOT / "README.md", ROOT / "dodo.py", *sorted((ROOT / "docs").glob("*.md")),
+    return [ROOT / "README.md", ROOT / "dodo.py", *sorted((ROOT / "docs").rglob("*.md")),
             *sorted((ROOT / "conf").rglob("*.yaml")), *sorted((ROOT / "mtpipe").rglob("*.py"))]
 
 

@@ -49,7 +49,7 @@ def test_this_environment_is_the_laptop_lock():
 def test_the_installed_packages_carry_their_bytecode():
     """`make` compiles the venv's bytecode at install (uv --compile-bytecode): where
     PYTHONDONTWRITEBYTECODE=1 is set, a module without its .pyc is compiled from source in every
-    process that imports it (docs/testing.md, "Bytecode compiled at install")."""
+    process that imports it (docs/testing.md)."""
     sources = [Path(metadata.distribution(name).locate_file(module)) for name, module in (
         ("jax", "jax/_src/core.py"), ("maxtext", "maxtext/configs/types.py"), ("dvc", "dvc/repo/__init__.py"),
         ("transformers", "transformers/modeling_utils.py"))]   # found without importing them

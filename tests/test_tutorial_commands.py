@@ -1,7 +1,7 @@
 """The tutorial presets render the tutorials' MaxText commands, argument by argument.
 
 The reference commands are copied verbatim from Google's tutorials (shell variables kept). Every
-difference the pipeline makes is listed here with its reason (docs/decisions.md has the long form);
+difference the pipeline makes is listed here with its reason (docs/decisions/maxtext.md has the long form);
 anything else that differs fails the test.
 """
 

@@ -57,7 +57,7 @@ def test_sweep_on_one_vm(tmp_path: Path, gcs_emulator: GcsEmulator,
                          local_env: dict[str, str]) -> None:
     """Two `steps` values of the embedded SFT branch: one VM, one conversion, two trainings, two
     experiments in `dvc exp show`, nothing left after the run. (Two are enough to show what the
-    later experiments reuse; docs/tpu-vm.md's measurement used three and the export.)"""
+    later experiments reuse; docs/vm-sweep.md's measurement used three and the export.)"""
     repo = copy_project(tmp_path / "repo")
     add_dvc_remote(repo, gcs_emulator, local_env, prefix=tmp_path.name, local=False)
     sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "remote"], repo, local_env)
@@ -81,5 +81,5 @@ def test_sweep_on_one_vm(tmp_path: Path, gcs_emulator: GcsEmulator,
         assert {name: shown[name]["metrics"]["metrics/sft/train_sft.json"]["steps"]
                 for name in ("sweep-1", "sweep-2")} == {"sweep-1": 4, "sweep-2": 6}
         assert_deleted(w)
-    # For docs/tpu-vm.md ("A sweep on one VM"): stage wall times on the loopback VM.
+    # For docs/vm-sweep.md: stage wall times on the loopback VM.
     print(json.dumps({"vm_run_wall_s": round(wall_s, 1), "timings": timings}), file=sys.stderr)

@@ -279,7 +279,7 @@ def documented_cluster_commands() -> list[tuple[str, list[str]]]:
     """(file, argv after `xpk`) of each `xpk cluster ...` command in README.md and docs/: inline code
     with flags, not a mention of the subcommand nor a synopsis with `...`."""
     found = []
-    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
         for span in re.findall(r"`(xpk cluster [^`]+)`", path.read_text()):
             if " --" in span and "..." not in span:
                 found.append((path.name, [DOC_VALUES.get(w, w) for w in shlex.split(span)[1:]]))

@@ -1,5 +1,5 @@
 """Orbax checkpoints on disk: the latest saved step, and what makes two saves of the same tensors
-the same bytes (docs/decisions.md, "Identical inputs give identical bytes")."""
+the same bytes (docs/decisions/content-address.md)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ the trainers' in :mod:`mtpipe.maxtext.training_commands`: a stage's code holds o
 patches of the commands it runs. A stage's own keys that MaxText reads under their own names are the
 schema's fields marked ``MAXTEXT`` (:func:`mtpipe.pipeline.schema.maxtext_args`): a new one needs no
 change to the builders. ``tests/test_tutorial_commands.py`` compares the commands with the tutorials'
-argument by argument; docs/decisions.md explains each difference.
+argument by argument; docs/decisions/maxtext.md explains each difference.
 """
 
 from __future__ import annotations
@@ -66,6 +66,6 @@ def take(mapping: dict[str, Any], *keys: str) -> dict[str, Any]:
 
 def storage_flags(storage: str) -> list[str]:
     """``ocdbt``: zarr3 + OCDBT (the tutorial's); ``plain``: one zarr array per tensor, file names
-    that depend only on the tensors, so the same tensors give the same bytes (docs/decisions.md)."""
+    that depend only on the tensors, so the same tensors give the same bytes (docs/decisions/content-address.md)."""
     use = "1" if storage == "ocdbt" else "0"
     return [f"checkpoint_storage_use_zarr3={use}", f"checkpoint_storage_use_ocdbt={use}"]

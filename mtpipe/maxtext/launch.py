@@ -47,7 +47,7 @@ def main(apply: Callable[[str, list[str]], Callable[[], None]], argv: list[str] 
     The heap is frozen (`gc.freeze`) twice: after the patches' imports, so that the collector's full
     passes during the run skip JAX's, tunix's and transformers' modules, and after the run, so that the
     interpreter's exit frees the modules by their reference counts without a full collection over
-    them (docs/testing.md, "Garbage collection in MaxText's processes")."""
+    them (docs/testing.md)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-"):
         print("usage: python -m mtpipe.maxtext.adapter.{conversion,training} <maxtext.module> [args...]",

@@ -9,7 +9,7 @@ tutorials write: the boot disk holds no checkpoints; /dev/shm dies with the VM, 
 resumes only from a work bucket). With ``MTPIPE_WORK_BUCKET=gs://BUCKET[/PREFIX]`` it is
 ``gs://BUCKET/PREFIX/<stage>/<run_name>``: a stage started with the same inputs on any machine (a
 new VM after a Spot preemption, a fresh clone) resumes from the bucket. The variable is not a DVC
-param because where scratch state lives changes no stage's result (docs/decisions.md); neither is
+param because where scratch state lives changes no stage's result (docs/decisions/training.md); neither is
 MTPIPE_WORK_DIR.
 
 Files only this machine needs stay in ``work/<stage>/<run_name>`` (the scratch directory): the rl

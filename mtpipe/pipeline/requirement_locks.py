@@ -28,7 +28,7 @@ VM lock as constraints. So every package both machines install has one version, 
 checkpoint Orbax writes on the laptop is read on the VM by the same Orbax, and ``doit preflight``
 compiles with the VM's jax and libtpu. The ``tpu`` extra's own lower bounds (e.g. libtpu >= 0.0.46)
 are above the ``tpu-post-train`` ones the tutorial installs (libtpu 0.0.44), so the laptop takes the
-extra's package names and the VM's versions, not the extra's bounds (docs/decisions.md).
+extra's package names and the VM's versions, not the extra's bounds (docs/decisions/toolchain.md).
 
 ``requirements-control.lock`` is the control plane's: what drives VMs and experiments (``doit vm_*``,
 ``dvc``, publish, the run report) without JAX, libtpu or MaxText's stack, so it installs on any laptop

@@ -21,7 +21,7 @@ MAXTEXT_SCAN_LAYERS_DEFAULT = True  # base.yml: what the trainers use unless tol
 
 
 def combination_errors(cfg: SftBranch) -> list[ConfigError]:
-    """Values that are each valid but cannot work together (docs/decisions.md, "Config schema").
+    """Values that are each valid but cannot work together (docs/decisions/config.md).
 
     In the order they are checked; :func:`check_branch` reports the first.
     """

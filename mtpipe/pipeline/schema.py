@@ -14,7 +14,7 @@ unknown keys. The rules that involve several keys are :mod:`mtpipe.pipeline.rule
 runs them, a stage does not). :func:`validate` is the one place where pydantic's ``ValidationError`` becomes a
 :class:`ConfigError` naming the key as params.yaml or the conf/ file spells it, with a fix. Ranges
 follow what MaxText 0.2.5 (``configs/types.py``, ``base.yml``, ``post_train/rl.yml``) and Tunix's GRPO
-accept; docs/decisions.md ("Config schema") gives the reasons.
+accept; docs/decisions/config.md gives the reasons.
 
 Keys checked against MaxText's own pydantic types as well (:mod:`mtpipe.pipeline.maxtext_check`, MaxText's
 ``MaxTextConfig``, ``RLConfig`` for train_rl, a section's ``maxtext_config``): every key marked

@@ -19,7 +19,7 @@ Answered before any VM exists, from numbers that need no accelerator and no netw
 Capacities of the machine are in :data:`HOSTS` with their sources, or what the VM itself says after
 its setup (``Machine.host``, read by mtpipe.cloud.vm_host); :func:`check` refuses a plan that leaves
 less than :data:`MARGIN` of a file system or of host memory free, naming the key to change.
-docs/preflight.md, "Machine budget", says which number is measured, compiled or estimated.
+docs/machine-budget.md says which number is measured, compiled or estimated.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ pipeline), from:
 
 Every estimate is a (low, mid, high) triple. The total's interval is the sum of the phases' lows and
 the sum of their highs: it holds whenever each phase falls in its own range, with no assumption that
-their errors cancel (docs/preflight.md, "The whole run").
+their errors cancel (docs/preflight.md).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ trains on the completions: the step above on the GRPO batch, times
 GRPO_TRAIN_FACTOR for the old-policy and reference log-prob passes around it.
 
 The interval preflight prints is the largest leave-one-out miss on each side (:data:`STEP_ERROR`),
-widened on another chip generation by :data:`GENERATION_ERROR` (docs/preflight.md, "From v5e to v6e").
+widened on another chip generation by :data:`GENERATION_ERROR` (docs/step-time.md).
 ``benchmarks/on_tpu/calibrate.py`` refits all of these; tests/test_on_tpu.py holds the constants to
 that fit and every record to its leave-one-out forecast.
 """
