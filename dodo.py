@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from mtpipe.cloud.lifecycle import VmLifecycle
 
 # `doit list` and `doit help` import this file and run no action: each action imports what it uses
-# (Google's clients, MaxText, JAX, DVC take seconds to import; docs/decisions.md, "A quick CLI").
+# (Google's clients, MaxText, JAX, DVC take seconds to import; docs/decisions/reporting.md).
 
 
 def refuse_split_values() -> None:

@@ -75,11 +75,11 @@ def test_the_self_delete_is_stated_as_the_code_sends_it(monkeypatch: pytest.Monk
 
 def test_the_v6e_hbm_and_the_sft_tutorial_price_are_the_ones_preflight_computes() -> None:
     gib = f"{CHIPS['v6e'].hbm_gib:g} GiB"
-    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
         assert "32 GiB" not in path.read_text(), f"{path.name}: a v6e chip offers {gib} (32 GB)"
     for page in QUICKSTARTS:
         assert gib in page.read_text()
-    # the SFT tutorial's whole run as preflight forecasts it (docs/preflight.md, "The whole run")
+    # the SFT tutorial's whole run as preflight forecasts it (docs/preflight.md)
     hours, usd = re.search(r"The SFT tutorial \(`--target=evaluate@sft`\): about ([\d.]+) h \([^)]*\), ([\d.]+) USD",
                            " ".join((ROOT / "docs" / "preflight.md").read_text().split())).groups()
     readme = " ".join((ROOT / "README.md").read_text().split())

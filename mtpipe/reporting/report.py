@@ -8,7 +8,7 @@ a VM ran), it writes OUT/README.md: the headline figures (what README.md quotes)
 dvc.yaml's plots as PNGs drawn with matplotlib (no browser, no network), the stage times, the scores
 of base and trained model with their 95% intervals, every metric, the cost and the lineage (git
 commit, params that differ from the presets, each stage's outputs from dvc.lock). `make demo` ends
-with it; reports/embedded/ is the committed record's (docs/decisions.md, "The run report").
+with it; reports/embedded/ is the committed record's (docs/decisions/reporting.md).
 """
 
 from __future__ import annotations
