@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from doit import doit_cmd
 from doit.exceptions import TaskFailed
 
-from mtpipe.cloud.vm_env import ENV_KEYS
+from mtpipe.cloud.settings.vm_env import ENV_KEYS
 
 if TYPE_CHECKING:
     from mtpipe.cloud.lifecycle import VmLifecycle
@@ -90,8 +90,8 @@ def _task_action(fn: Callable[..., None]) -> Callable[..., TaskFailed | None]:
 
     @functools.wraps(fn)
     def wrapper(**kwargs: Any) -> TaskFailed | None:
-        from mtpipe.cloud.gcp import GcpError
-        from mtpipe.cloud.vm_config import VmError
+        from mtpipe.cloud.providers.interface import GcpError
+        from mtpipe.cloud.settings.vm_config import VmError
         from mtpipe.errors import ConfigError
 
         try:
@@ -105,8 +105,9 @@ def _task_action(fn: Callable[..., None]) -> Callable[..., TaskFailed | None]:
 
 def _target(params: dict[str, Any], keep: bool = False, yes: bool = False) -> VmLifecycle:
     """The VM the options, the environment, conf/vm.yaml and .vm_state.json name."""
-    from mtpipe.cloud import vm_config, vm_experiments, vm_state
+    from mtpipe.cloud import vm_experiments
     from mtpipe.cloud.lifecycle import VmLifecycle
+    from mtpipe.cloud.settings import vm_config, vm_state
 
     root = vm_experiments.repo_root()
     return VmLifecycle(vm_config.load_config(params, vm_state.read_state(root)), root, keep, yes)
@@ -114,8 +115,9 @@ def _target(params: dict[str, Any], keep: bool = False, yes: bool = False) -> Vm
 
 @_task_action
 def vm_up(keep: bool, yes: bool, **params: Any) -> None:
-    from mtpipe.cloud import vm_config, vm_experiments
+    from mtpipe.cloud import vm_experiments
     from mtpipe.cloud.lifecycle import VmLifecycle
+    from mtpipe.cloud.settings import vm_config
 
     root = vm_experiments.repo_root()
     VmLifecycle(vm_config.load_config(params), root, keep, yes).ensure([[]], may_create=True)
@@ -133,8 +135,9 @@ def vm_setup(keep: bool, **params: Any) -> None:
 @_task_action
 def vm_run(keep: bool, yes: bool, recreate: bool, target: str | None, set: list[str],
            exp_name: str | None, queue: bool, no_preflight: bool, rehearse: bool, **params: Any) -> None:
-    from mtpipe.cloud import rehearsal, vm_experiments, vm_state
+    from mtpipe.cloud import rehearsal, vm_experiments
     from mtpipe.cloud.lifecycle import VmLifecycle, spend_line
+    from mtpipe.cloud.settings import vm_state
 
     if rehearse:   # the embedded default on a new one-chip VM (mtpipe/cloud/rehearsal.py)
         rehearsal.check_options(set, queue, target)
@@ -160,7 +163,7 @@ def vm_run(keep: bool, yes: bool, recreate: bool, target: str | None, set: list[
 def vm_down(**params: Any) -> None:
     """The VM .vm_state.json records, or the one --name / NAME names; with neither (a fresh clone,
     another laptop), this user's VMs that Compute lists in the zone by their labels."""
-    from mtpipe.cloud import vm_state
+    from mtpipe.cloud.settings import vm_state
 
     life = _target(params)
     if vm_state.read_state(life.root) or params.get("name") or os.environ.get(ENV_KEYS["name"]):
@@ -180,7 +183,8 @@ def vm_status(**params: Any) -> None:
 
 @_task_action
 def vm_shell(**params: Any) -> None:
-    from mtpipe.cloud import vm_config, vm_ssh
+    from mtpipe.cloud import vm_ssh
+    from mtpipe.cloud.settings import vm_config
 
     remote = _target(params).remote()
     with tempfile.TemporaryDirectory() as tmp:
@@ -265,7 +269,8 @@ def preflight(set: list[str], target: str | None) -> None:
     """The machine budget (disks, host memory) of the TPU VM's branches, then each one's training step
     AOT-compiled on this CPU for HBM, time and cost, and the whole run up to ``target`` by phase; fail
     when one does not fit."""
-    from mtpipe.cloud import prices, vm_config, vm_experiments
+    from mtpipe.cloud import vm_experiments
+    from mtpipe.cloud.settings import prices, vm_config
     from mtpipe.planning import preflight as preflight_checks
 
     cfg = vm_config.load_config()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mtpipe.cloud import prices, vm_config  # noqa: E402
+from mtpipe.cloud.settings import prices, vm_config  # noqa: E402
 from mtpipe.planning import preflight  # noqa: E402
 
 TUTORIALS = {"sft": "sft.preset=gemma3-4b-ultrachat-v6e8", "rl": "rl.preset=llama3.1-8b-gsm8k-v6e8"}

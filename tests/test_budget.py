@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from mtpipe.cloud import vm_config
+from mtpipe.cloud.settings import vm_config
 from mtpipe.errors import ConfigError
-from mtpipe.planning import budget, preflight
 from mtpipe.maxtext.run_dir import run_dir
 from mtpipe.pipeline import overrides
 from mtpipe.pipeline.config import ROOT, compose, stage_view
 from mtpipe.pipeline.maxtext_check import compose_checked
+from mtpipe.planning import budget, preflight
 import families
 
 pytestmark = pytest.mark.first_contact

@@ -12,7 +12,7 @@ from pathlib import Path
 import families
 import pytest
 
-from mtpipe.cloud import prices, vm_config
+from mtpipe.cloud.settings import prices, vm_config
 from mtpipe.pipeline import requirement_locks
 from mtpipe.pipeline.config import ROOT
 from mtpipe.pipeline.toolchain import lock_pins

@@ -15,7 +15,10 @@ import pytest
 from fakes.discovery import compute
 from fakes.fake_compute import FakeCompute, running_fake
 
-from mtpipe.cloud import gcp, vm_config
+from mtpipe.cloud.providers.gcp.bodies import firewall_body, instance_body
+from mtpipe.cloud.providers.gcp.compute import Compute
+from mtpipe.cloud.providers.interface import GcpError
+from mtpipe.cloud.settings import vm_config
 
 pytestmark = pytest.mark.cloud_contract
 
@@ -43,9 +46,9 @@ def send(fake: FakeCompute, method: str, path: str, body: Any = None) -> tuple[i
 def sent_body(fake: FakeCompute, mode: str = "reservation") -> dict:
     """The instances.insert body google-cloud-compute sends for mtpipe's VM (then deleted again)."""
     cfg = vm_config.load_config({"provisioning": mode})
-    compute_api = gcp.Compute(cfg.project, cfg.zone)
+    compute_api = Compute(cfg.project, cfg.zone)
     model = compute_api.provisioning_model(cfg)
-    compute_api.create_instance(gcp.instance_body(cfg, cfg.name, KEY, {"app": "mtpipe"}, model))
+    compute_api.create_instance(instance_body(cfg, cfg.name, KEY, {"app": "mtpipe"}, model))
     compute_api.delete_instance(cfg.name)
     return fake.inserts()[-1].json()
 
@@ -92,12 +95,12 @@ def test_an_unknown_field_is_refused(fake: FakeCompute) -> None:
 
 def test_a_wrong_enum_value_is_refused_through_the_real_client(fake: FakeCompute) -> None:
     cfg = vm_config.load_config()
-    body = gcp.instance_body(cfg, cfg.name, KEY, {}, "STANDARD")
+    body = instance_body(cfg, cfg.name, KEY, {}, "STANDARD")
     body["scheduling"]["provisioning_model"] = "CHEAP"
-    with pytest.raises(gcp.GcpError, match=r"creating VM mt-test: 400 POST \S+/instances: Invalid value for field "
+    with pytest.raises(GcpError, match=r"creating VM mt-test: 400 POST \S+/instances: Invalid value for field "
                                            r"'resource.scheduling.provisioningModel': 'CHEAP'. Must be one of "
                                            r"\['FLEX_START', 'RESERVATION_BOUND', 'SPOT', 'STANDARD'\]"):
-        gcp.Compute(cfg.project, cfg.zone).create_instance(body)
+        Compute(cfg.project, cfg.zone).create_instance(body)
     assert not fake.instances and len(fake.contract.take_rejected()) == 1
 
 
@@ -146,12 +149,12 @@ def test_every_request_of_a_vm_lifecycle_is_checked(fake: FakeCompute) -> None:
     """Each request the client sent resolved to its discovery method (none was let through unchecked),
     and a fake left with a refusal nobody expected fails the test that used it."""
     cfg = vm_config.load_config()
-    compute_api = gcp.Compute(cfg.project, cfg.zone)
+    compute_api = Compute(cfg.project, cfg.zone)
     compute_api.get_machine_type(cfg.machine_type)
     compute_api.get_reservation(cfg.reservation)
     model = compute_api.provisioning_model(cfg)
-    compute_api.create_firewall(gcp.firewall_body(cfg, cfg.name, cfg.firewall.name, dict(cfg.labels)))
-    compute_api.create_instance(gcp.instance_body(cfg, cfg.name, KEY, {}, model))
+    compute_api.create_firewall(firewall_body(cfg, cfg.name, cfg.firewall.name, dict(cfg.labels)))
+    compute_api.create_instance(instance_body(cfg, cfg.name, KEY, {}, model))
     compute_api.delete_instance(cfg.name)
     compute_api.delete_firewall(cfg.firewall.name)
     compute_api.zones_offering(cfg.machine_type)
@@ -169,10 +172,10 @@ def test_every_request_of_a_vm_lifecycle_is_checked(fake: FakeCompute) -> None:
 
 def test_an_answer_compute_never_gives_fails_loudly(fake: FakeCompute) -> None:
     cfg = vm_config.load_config()
-    compute_api = gcp.Compute(cfg.project, cfg.zone)
-    compute_api.create_instance(gcp.instance_body(cfg, cfg.name, KEY, {}, "STANDARD"))
+    compute_api = Compute(cfg.project, cfg.zone)
+    compute_api.create_instance(instance_body(cfg, cfg.name, KEY, {}, "STANDARD"))
     fake.instances["proj-1", "us-east5-b", "mt-test"]["status"] = "SLEEPING"   # no such instance status
-    with pytest.raises(gcp.GcpError, match=r"reading VM mt-test: 500 GET \S+: the fake answered what Compute "
+    with pytest.raises(GcpError, match=r"reading VM mt-test: 500 GET \S+: the fake answered what Compute "
                                            r"never would \(compute.instances.get\): Invalid value for field "
                                            r"'Instance.status': 'SLEEPING'"):
         compute_api.get_instance(cfg.name)

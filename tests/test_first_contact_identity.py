@@ -22,7 +22,8 @@ from fakes.gcs_emulator import GCS_TEST_ENV, GcsEmulator, create_bucket, set_buc
 from omegaconf import OmegaConf
 from vm_world import Env, assert_deleted, sh
 
-from mtpipe.cloud import vm_config, vm_identity, vm_state
+from mtpipe.cloud import vm_identity
+from mtpipe.cloud.settings import vm_config, vm_state
 from mtpipe.errors import ConfigError
 
 pytestmark = pytest.mark.first_contact

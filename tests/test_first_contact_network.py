@@ -23,7 +23,8 @@ from fakes.fake_compute import Reservation
 from google.cloud import compute_v1
 from vm_world import Env
 
-from mtpipe.cloud import ssh_route, vm_state
+from mtpipe.cloud.providers.gcp import ssh_route
+from mtpipe.cloud.settings import vm_state
 
 pytestmark = pytest.mark.first_contact
 NAT_ROUTER = {"name": "nat-router", "region": "us-east5", "network": "default",

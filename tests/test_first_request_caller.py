@@ -21,7 +21,8 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from fakes import fake_gcloud
 from vm_world import Env
 
-from mtpipe.cloud import vm_caller, vm_state
+from mtpipe.cloud import vm_caller
+from mtpipe.cloud.settings import vm_state
 
 pytestmark = pytest.mark.first_request
 RUNNER = "runner@proj-1.iam.gserviceaccount.com"

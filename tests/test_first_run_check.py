@@ -19,8 +19,9 @@ from fakes.hf_server import HubServer
 from omegaconf import OmegaConf
 from vm_world import Env, hub_with_tutorial_repos
 
-from mtpipe.cloud import org_policies, vm_access, vm_caller, vm_state
-from mtpipe.cloud.google_apis import GoogleApis, Unknown
+from mtpipe.cloud import org_policies, vm_access, vm_caller
+from mtpipe.cloud.providers.gcp.google_apis import GoogleApis, Unknown
+from mtpipe.cloud.settings import vm_state
 from mtpipe.errors import ConfigError
 from mtpipe.planning import preflight
 

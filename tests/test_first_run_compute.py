@@ -18,8 +18,11 @@ import pytest
 from fakes.fake_compute import FakeCompute
 from vm_world import Env
 
-from mtpipe.cloud import gcp, lifecycle, prices, vm_config, vm_ssh, vm_state
-from mtpipe.cloud.gcp import CapacityError
+from mtpipe.cloud import lifecycle, vm_ssh
+from mtpipe.cloud.providers.gcp.bodies import instance_body
+from mtpipe.cloud.providers.gcp.compute import Compute
+from mtpipe.cloud.providers.interface import CapacityError, GcpError
+from mtpipe.cloud.settings import prices, vm_config, vm_state
 from mtpipe.errors import ConfigError
 
 pytestmark = pytest.mark.first_run
@@ -142,10 +145,10 @@ def test_a_flex_start_run(world: Env) -> None:
     with mock.patch.dict(os.environ, w.env, clear=True):
         cfg = vm_config.load_config({"provisioning": "flex-start"})
         assert prices.vm_rate(cfg).per_chip().startswith("v6e flex-start price as of on-demand less 53%")  # preflight's
-        body = gcp.instance_body(cfg, cfg.name, "ssh-ed25519 AAAA", {}, "FLEX_START")
+        body = instance_body(cfg, cfg.name, "ssh-ed25519 AAAA", {}, "FLEX_START")
         del body["scheduling"]["max_run_duration"]
-        with pytest.raises(gcp.GcpError, match="Flex-start VMs need a maxRunDuration of at most 7 days"):
-            gcp.Compute(cfg.project, cfg.zone).create_instance(body)
+        with pytest.raises(GcpError, match="Flex-start VMs need a maxRunDuration of at most 7 days"):
+            Compute(cfg.project, cfg.zone).create_instance(body)
     assert not w.fake.instances
 
 
@@ -160,7 +163,7 @@ def test_a_pending_vm_an_earlier_run_left_is_waited_on(world: Env) -> None:
     w.fake.flex_start_capacity.append(("RUNNING", 1.0))
     with mock.patch.dict(os.environ, w.env, clear=True):
         cfg = vm_config.load_config({"provisioning": "flex-start"})
-        gcp.Compute(cfg.project, cfg.zone).create_vm(cfg, vm_ssh.ssh_public_key(cfg), {"app": "mtpipe"})
+        Compute(cfg.project, cfg.zone).create_vm(cfg, vm_ssh.ssh_public_key(cfg), {"app": "mtpipe"})
     assert w.fake.instances[("proj-1", EAST_A, "mt-test")]["status"] == "PENDING"
     out = w.doit("vm_up", "--provisioning=flex-start").stdout
     assert "VM mt-test is PENDING: an earlier run's Flex-start request; waiting for its capacity" in out, out

@@ -13,7 +13,8 @@ import pytest
 from omegaconf import OmegaConf
 
 import dodo
-from mtpipe.cloud import lifecycle, vm_caller, vm_config, vm_identity
+from mtpipe.cloud import lifecycle, vm_caller, vm_identity
+from mtpipe.cloud.settings import vm_config
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline import config
 from mtpipe.planning.preflight import CHIPS

@@ -13,8 +13,9 @@ from unittest import mock
 import pytest
 from vm_world import Env
 
-from mtpipe.cloud import vm_config, vm_ssh, vm_state
+from mtpipe.cloud import vm_ssh
 from mtpipe.cloud.lifecycle import VmLifecycle, spend_line
+from mtpipe.cloud.settings import vm_config, vm_state
 
 pytestmark = pytest.mark.architecture
 KEY = ("proj-1", "us-east5-b", "mt-test")

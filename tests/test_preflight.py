@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from mtpipe.cloud import vm_config
+from mtpipe.cloud.settings import vm_config
 from mtpipe.maxtext import commands
 from mtpipe.planning import preflight, step_model
 
-from mtpipe.pipeline import overrides
-from mtpipe.pipeline.toolchain import lock_pins
-from mtpipe.pipeline.config import ROOT, compose, stage_view
-from mtpipe.pipeline.view import View
 from mtpipe.errors import ConfigError
+from mtpipe.pipeline import overrides
+from mtpipe.pipeline.config import ROOT, compose, stage_view
+from mtpipe.pipeline.toolchain import lock_pins
+from mtpipe.pipeline.view import View
 import families
 
 pytestmark = pytest.mark.preflight

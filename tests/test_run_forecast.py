@@ -12,7 +12,8 @@ from typing import Any
 import families
 import pytest
 
-from mtpipe.cloud import lifecycle, prices, vm_config
+from mtpipe.cloud import lifecycle
+from mtpipe.cloud.settings import prices, vm_config
 from mtpipe.errors import ConfigError
 from mtpipe.planning import preflight, run_forecast
 

@@ -18,7 +18,8 @@ import pytest
 from fakes.fake_org import bucket
 from vm_world import Env
 
-from mtpipe.cloud import vm_quota, vm_state
+from mtpipe.cloud import vm_quota
+from mtpipe.cloud.settings import vm_state
 
 pytestmark = pytest.mark.first_request
 EAST, WEST = "us-east5-b", "europe-west4-a"   # zones of two regions that offer ct6e-standard-8t

@@ -24,10 +24,12 @@ from fakes.fake_compute import FakeCompute, Reservation, running_fake
 from fakes.gcs_emulator import GCS_TEST_ENV, GcsEmulator
 from fakes.hf_server import HubServer
 
-from mtpipe.cloud import gcp, vm_checks, vm_config, vm_state
+from mtpipe.cloud import vm_checks
+from mtpipe.cloud.providers.gcp.api_errors import ENDPOINT_ENV
+from mtpipe.cloud.settings import vm_config, vm_state
 
-from mtpipe.planning import preflight, step_model
 from mtpipe.errors import ConfigError
+from mtpipe.planning import preflight, step_model
 import families
 from vm_world import as_script, hub_with_tutorial_repos
 
@@ -105,7 +107,7 @@ def world(tmp_path: Path, gcs_emulator: GcsEmulator,
     _git(repo, "add", "-A")
     _git(repo, "commit", "-qm", "init")
     with running_fake() as fake:
-        monkeypatch.setenv(gcp.ENDPOINT_ENV, fake.url)
+        monkeypatch.setenv(ENDPOINT_ENV, fake.url)
         yield World(fake, repo, gcs_emulator)
 
 

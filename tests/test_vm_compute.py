@@ -24,7 +24,11 @@ from doit.doit_cmd import DoitMain
 from fakes.fake_compute import FakeCompute, Reservation
 from google.cloud import compute_v1
 
-from mtpipe.cloud import gcp, prices, vm_config
+from mtpipe.cloud.providers.gcp import bodies
+from mtpipe.cloud.providers.gcp.bodies import firewall_body, instance_body
+from mtpipe.cloud.providers.gcp.compute import Compute, external_ip
+from mtpipe.cloud.providers.interface import CapacityError, GcpError
+from mtpipe.cloud.settings import prices, vm_config
 from mtpipe.errors import ConfigError
 from vm_world import as_script
 
@@ -119,10 +123,10 @@ def test_insert_bodies_match_the_tutorial(fake: FakeCompute) -> None:
     fake.reservations["v6e-res"] = Reservation(delivered_by="CALENDAR")
     cfg = vm_config.load_config()
     vm_config.check_create(cfg)
-    compute = gcp.Compute(cfg.project, cfg.zone)
+    compute = Compute(cfg.project, cfg.zone)
     labels = {**cfg.labels, "mtpipe-run": "1a2b3c4d"}
-    assert compute.create_firewall(gcp.firewall_body(cfg, cfg.name, cfg.firewall.name, labels))
-    instance = compute.create_instance(gcp.instance_body(cfg, cfg.name, KEY, labels,
+    assert compute.create_firewall(firewall_body(cfg, cfg.name, cfg.firewall.name, labels))
+    instance = compute.create_instance(instance_body(cfg, cfg.name, KEY, labels,
                                                          compute.provisioning_model(cfg)))
 
     (insert,) = fake.calls("POST", "/projects/proj-1/zones/us-east5-b/instances")
@@ -131,7 +135,7 @@ def test_insert_bodies_match_the_tutorial(fake: FakeCompute) -> None:
     assert drop_empty(rule.json()) == GOLDEN_FIREWALL
     # Each operation went PENDING -> RUNNING -> DONE through explicit `wait` calls.
     assert len(fake.calls("POST", "/wait")) == 4
-    assert instance.status == "RUNNING" and gcp.external_ip(instance) == "127.0.0.1"
+    assert instance.status == "RUNNING" and external_ip(instance) == "127.0.0.1"
     assert {r.host for r in fake.requests} == {fake.url.removeprefix("http://")}
 
 
@@ -140,8 +144,8 @@ def test_an_8_chip_v6e_vm_is_single_threaded(fake: FakeCompute) -> None:
     """ct6e-standard-8t takes one thread per core: mtpipe's body says so and passes Google's discovery
     document; the same body without it is refused, as Compute refuses it, and nothing is created."""
     cfg = vm_config.load_config({"provisioning": "on-demand"})
-    compute = gcp.Compute(cfg.project, cfg.zone)
-    body = gcp.instance_body(cfg, cfg.name, KEY, {}, "STANDARD")
+    compute = Compute(cfg.project, cfg.zone)
+    body = instance_body(cfg, cfg.name, KEY, {}, "STANDARD")
     assert compute.create_instance(body).status == "RUNNING"
     (insert,) = fake.inserts()
     assert insert.json()["advancedMachineFeatures"] == {"threadsPerCore": 1}
@@ -149,13 +153,13 @@ def test_an_8_chip_v6e_vm_is_single_threaded(fake: FakeCompute) -> None:
     compute.delete_instance(cfg.name)
 
     del body["advanced_machine_features"]
-    with pytest.raises(gcp.GcpError, match=r"creating VM mt-test: 400 .*'resource.advancedMachineFeatures"
+    with pytest.raises(GcpError, match=r"creating VM mt-test: 400 .*'resource.advancedMachineFeatures"
                                            r".threadsPerCore': ''. Machine type ct6e-standard-8t requires 1 "
                                            r"thread per core"):
         compute.create_instance(body)
     assert len(fake.inserts()) == 2 and not fake.instances
     cfg.machine_type = "ct6e-standard-4t"
-    assert "advanced_machine_features" not in gcp.instance_body(cfg, cfg.name, KEY, {}, "STANDARD")
+    assert "advanced_machine_features" not in instance_body(cfg, cfg.name, KEY, {}, "STANDARD")
 
 
 @pytest.mark.cloud_contract
@@ -163,10 +167,10 @@ def test_vms_are_listed_by_label(fake: FakeCompute) -> None:
     """instances.list with a label filter in Compute's syntax, through the real client: the zone's
     VMs that carry the labels and no others."""
     cfg = vm_config.load_config({"provisioning": "on-demand"})
-    compute = gcp.Compute(cfg.project, cfg.zone)
+    compute = Compute(cfg.project, cfg.zone)
     for name, labels in [("vm-a", {"app": "mtpipe", "mtpipe-run": "1"}),
                          ("vm-b", {"app": "mtpipe", "mtpipe-run": "2"}), ("vm-c", {"app": "other"})]:
-        compute.create_instance(gcp.instance_body(cfg, name, KEY, labels, "STANDARD"))
+        compute.create_instance(instance_body(cfg, name, KEY, labels, "STANDARD"))
     assert [i.name for i in compute.list_instances({"app": "mtpipe"})] == ["vm-a", "vm-b"]
     assert [i.name for i in compute.list_instances({"app": "mtpipe", "mtpipe-run": "2"})] == ["vm-b"]
     assert compute.list_instances({"app": "none"}) == []
@@ -181,8 +185,8 @@ def test_vms_are_listed_by_label(fake: FakeCompute) -> None:
 
 def test_not_found_and_conflict_are_not_errors(fake: FakeCompute) -> None:
     cfg = vm_config.load_config()
-    compute = gcp.Compute(cfg.project, cfg.zone)
-    body = gcp.firewall_body(cfg, cfg.name, cfg.firewall.name, dict(cfg.labels))
+    compute = Compute(cfg.project, cfg.zone)
+    body = firewall_body(cfg, cfg.name, cfg.firewall.name, dict(cfg.labels))
     assert compute.create_firewall(body) and not compute.create_firewall(body)   # 409
     assert compute.delete_firewall(body["name"]) and not compute.delete_firewall(body["name"])
     assert compute.get_instance("mt-test") is None and not compute.delete_instance("mt-test")
@@ -287,9 +291,9 @@ def test_scheduling_per_provisioning_mode(fake: FakeCompute, mode: str,
     golden = json.loads(json.dumps(GOLDEN_INSTANCE).replace("us-east5-b", zone))
     cfg = vm_config.load_config({"provisioning": mode})
     vm_config.check_create(cfg)
-    compute = gcp.Compute(cfg.project, cfg.zone)
+    compute = Compute(cfg.project, cfg.zone)
     instance = compute.create_instance(
-        gcp.instance_body(cfg, cfg.name, KEY, {"app": "mtpipe"}, compute.provisioning_model(cfg)))
+        instance_body(cfg, cfg.name, KEY, {"app": "mtpipe"}, compute.provisioning_model(cfg)))
     (insert,) = fake.inserts()
     body = without_idle_watch(drop_empty(insert.json()))
     scheduling, affinity = GOLDEN_SCHEDULING[mode]
@@ -309,7 +313,7 @@ def test_scheduling_per_provisioning_mode(fake: FakeCompute, mode: str,
 @pytest.mark.preemption
 def test_on_demand_without_time_limit_has_no_termination_action(fake: FakeCompute) -> None:
     cfg = vm_config.load_config({"provisioning": "on-demand", "max_run_duration_s": 0})
-    fields, affinity = gcp.scheduling(cfg, "STANDARD")
+    fields, affinity = bodies.scheduling(cfg, "STANDARD")
     assert fields == {"provisioning_model": "STANDARD", "on_host_maintenance": "TERMINATE",
                       "automatic_restart": False} and affinity is None
 
@@ -402,15 +406,15 @@ def test_quota_is_told_apart_from_permission(fake: FakeCompute, failure: tuple) 
     """Compute answers quota exhaustion with 403 (or a QUOTA_EXCEEDED operation) as it answers a missing
     role: the error names the quota and where to raise it, not IAM roles."""
     cfg = vm_config.load_config()
-    compute = gcp.Compute(cfg.project, cfg.zone)
+    compute = Compute(cfg.project, cfg.zone)
     fake.insert_failures.append(failure)
-    with pytest.raises(gcp.GcpError) as err:
-        compute.create_instance(gcp.instance_body(cfg, cfg.name, KEY, {}, "STANDARD"))
+    with pytest.raises(GcpError) as err:
+        compute.create_instance(instance_body(cfg, cfg.name, KEY, {}, "STANDARD"))
     assert "quota exceeded" in str(err.value) and "TPUS_PER_TPU_FAMILY" in str(err.value)
     assert "iam-admin/quotas?project=proj-1" in str(err.value) and "roles/" not in str(err.value)
     fake.insert_failures.append(("http", 403, "forbidden", "Required 'compute.instances.create' permission"))
-    with pytest.raises(gcp.GcpError, match="permission denied.*roles/compute.instanceAdmin.v1"):
-        compute.create_instance(gcp.instance_body(cfg, cfg.name, KEY, {}, "STANDARD"))
+    with pytest.raises(GcpError, match="permission denied.*roles/compute.instanceAdmin.v1"):
+        compute.create_instance(instance_body(cfg, cfg.name, KEY, {}, "STANDARD"))
 
 
 STOCKOUT = ("operation", "ZONE_RESOURCE_POOL_EXHAUSTED",
@@ -439,7 +443,7 @@ def test_a_stockout_that_lasts_names_the_other_zones(fake: FakeCompute) -> None:
     cfg = vm_config.load_config()
     cfg.stockout.retry_for_s, cfg.stockout.first_wait_s = 0.2, 0.05
     fake.insert_failures += [STOCKOUT] * 20
-    with pytest.raises(gcp.CapacityError, match=r"no capacity in us-east5-b.*zones tried: us-east5-b, for 0.2 s. "
+    with pytest.raises(CapacityError, match=r"no capacity in us-east5-b.*zones tried: us-east5-b, for 0.2 s. "
                                                  r"Other zones that offer ct6e-standard-8t: europe-west4-a \(add "
                                                  r"them to zones: in conf/vm.yaml"):
         VmLifecycle(cfg, Path(".")).create_vm(KEY, {})

@@ -1,4 +1,4 @@
-"""A VM that nothing uses deletes itself, from the VM (mtpipe/cloud/idle_watch.py).
+"""A VM that nothing uses deletes itself, from the VM (mtpipe/cloud/providers/gcp/idle_watch.py).
 
 vm_up creates the VM with a startup script in its metadata; the test runs that script as the VM's
 guest agent would at boot (the loopback VM is this machine), with the fake metadata server saying

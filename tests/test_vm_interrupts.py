@@ -25,7 +25,7 @@ from doit_forks import DoitForks, Run
 from fakes.gcs_emulator import GCS_TEST_ENV
 from vm_world import ROOT, Env, as_script, assert_deleted, sh
 
-from mtpipe.cloud import interrupts
+from mtpipe.cloud.providers import interrupts
 
 # one group: the tests share one fork server (its imports take 15 s) on one worker
 pytestmark = [pytest.mark.cloud_contract, pytest.mark.xdist_group("vm-interrupts")]

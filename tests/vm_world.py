@@ -130,12 +130,13 @@ def clone_project(pipeline_repo: Path, repo: Path, emulator: GcsEmulator, env: d
 def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCompute]:
     """The fake Compute API, the Google clients pointed at it (TARGET's project, zone, reservation
     and name in the environment, no credentials file); a proxy that fails any non-loopback request."""
-    from mtpipe.cloud import gcp, vm_config
+    from mtpipe.cloud.providers.gcp.api_errors import ENDPOINT_ENV
+    from mtpipe.cloud.settings import vm_config
 
     with running_fake() as compute:
         monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
         monkeypatch.delenv(vm_config.CONFIG_ENV, raising=False)
-        monkeypatch.setenv(gcp.ENDPOINT_ENV, compute.url)
+        monkeypatch.setenv(ENDPOINT_ENV, compute.url)
         monkeypatch.setenv("NO_GCE_CHECK", "true")
         for proxy in ("HTTP_PROXY", "HTTPS_PROXY"):   # anything not for loopback fails right here
             monkeypatch.setenv(proxy, "http://127.0.0.1:9")

@@ -2,7 +2,8 @@
 
 :class:`VmLifecycle` holds the rules (checks before spending, a price to confirm before the first
 insert, one VM per state file, delete on failure unless kept, replace a lost VM at most
-``max_recoveries`` times, never replace one that ran out of time); the cloud behind it is a :class:`Provider` (Compute Engine: mtpipe.cloud.gcp.Compute).
+``max_recoveries`` times, never replace one that ran out of time); the cloud behind it is a
+:class:`~mtpipe.cloud.providers.interface.Provider` (Compute Engine: mtpipe.cloud.providers.gcp.compute.Compute).
 What happens on the VM over SSH is in vm_ssh (the connection), vm_setup (the environment), vm_host
 (its RAM and /dev/shm against the machine budget) and vm_experiments (shipping the code, the
 pipeline as DVC experiments).
@@ -19,20 +20,23 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from mtpipe.cloud import (interrupts, notify, prerequisites, prices, run_status, ssh_route, vm_checks, vm_config,
-                          vm_experiments, vm_host, vm_identity, vm_setup, vm_ssh, vm_state, vm_tpu)
-from mtpipe.cloud.gcp import (SETTLING, WAITING_FOR_CAPACITY, CapacityError, Compute, GcpError, MaxRunDurationRefused,
-                              QuotaExceeded, TryAgain, region)
+from mtpipe.cloud import (notify, prerequisites, run_status, vm_checks, vm_experiments, vm_host, vm_identity, vm_setup,
+                          vm_ssh, vm_tpu)
+from mtpipe.cloud.providers import interrupts
+from mtpipe.cloud.providers.gcp import ssh_route
+from mtpipe.cloud.providers.gcp.compute import compute_engine
+from mtpipe.cloud.providers.interface import (SETTLING, WAITING_FOR_CAPACITY, CapacityError, GcpError,
+                                              MaxRunDurationRefused, Provider, QuotaExceeded, TryAgain, region)
+from mtpipe.cloud.settings import prices, vm_config, vm_state
 from mtpipe.errors import ConfigError
-from mtpipe.planning import preflight as preflight_checks
-from mtpipe.planning import run_forecast
+from mtpipe.planning import preflight as preflight_checks, run_forecast
 
 STOCKOUT_MAX_WAIT_S = 300  # the longest wait between two rounds of the zones during a stockout
-# A transient refusal of an insert (gcp.RETRY_CODES: RESOURCE_NOT_READY, RESOURCE_OPERATION_RATE_EXCEEDED) is
+# A transient refusal of an insert (Compute's RETRY_CODES: RESOURCE_NOT_READY, RESOURCE_OPERATION_RATE_EXCEEDED) is
 # retried in the same zone this many times, after waits of INSERT_RETRY_FIRST_WAIT_S doubled each time, then
 # the zone is left as after a stockout.
 INSERT_RETRIES = 3
@@ -43,39 +47,6 @@ RUN_LABEL = "mtpipe-run"                    # a fresh id per VM creation
 USER_LABEL = "created-by"
 PROVISIONING_LABEL = "mtpipe-provisioning"  # reservation / spot / on-demand: its price
 FIREWALL_LABEL = "mtpipe-firewall"          # the SSH rule made for it
-
-
-class Provider(Protocol):
-    """What the lifecycle needs from a cloud. Instances have ``status`` (``RUNNING`` while usable)
-    and ``creation_timestamp`` (ISO 8601) and ``labels``; each call waits until the cloud has done it.
-    ``create_vm`` raises :class:`mtpipe.cloud.gcp.CapacityError` when the zone has no such machine
-    free now, :class:`mtpipe.cloud.gcp.QuotaExceeded` when the project's quota is spent, and may
-    return a VM whose status is ``PENDING`` (a Flex-start VM waiting for capacity:
-    :meth:`VmLifecycle._await_capacity`); after it failed or was interrupted, ``settle`` waits
-    until the cloud says whether the VM exists, and
-    ``delete_orphan_disk`` deletes a boot disk the VM left. ``zone``: the zone it works in."""
-
-    zone: str
-
-    def get_instance(self, name: str) -> Any | None: ...
-    def list_instances(self, labels: dict[str, str]) -> list[Any]: ...
-    def create_vm(self, cfg: DictConfig, public_key: str, labels: dict[str, str]) -> Any: ...
-    def provisioning_model(self, cfg: DictConfig) -> str: ...
-    def settle(self, name: str, timeout_s: float) -> Any | None: ...
-    def delete_instance(self, name: str) -> bool: ...
-    def delete_orphan_disk(self, name: str) -> bool: ...
-    def open_ssh(self, cfg: DictConfig, labels: dict[str, str]) -> bool: ...
-    def get_firewall(self, name: str) -> Any | None: ...
-    def delete_firewall(self, name: str) -> bool: ...
-    def address(self, instance: Any) -> str | None: ...
-    def describe(self, instance: Any) -> tuple[str, str, int]: ...
-    def zones_offering(self, machine_type: str) -> list[str]: ...
-
-
-def compute_engine(cfg: DictConfig) -> Provider:
-    """The Compute Engine zone ``cfg`` names."""
-    vm_config.require(cfg, "project", "zone")
-    return Compute(cfg.project, cfg.zone, float(cfg.operation_timeout_s))
 
 
 def spend_line(state: dict) -> str:

@@ -4,7 +4,7 @@ Each is the effective policy of the project (Organization Policy API, getEffecti
 organisation and folders set, merged), read with the caller's credentials:
 
 * ``compute.requireShieldedVm``: Compute creates only VMs with Secure Boot, vTPM and Integrity
-  Monitoring on; the insert (gcp.instance_body) must send all three;
+  Monitoring on; the insert (instance_body) must send all three;
 * ``compute.trustedImageProjects``: the boot image must come from a project on the allow-list, and
   the TPU image's project (``image_project``: ubuntu-os-accelerator-images) rarely is;
 * ``gcp.resourceLocations``: the VM's zone must be an allowed location;
@@ -20,9 +20,10 @@ import re
 
 from omegaconf import DictConfig
 
-from mtpipe.cloud import gcp
-from mtpipe.cloud.gcp import GcpError
-from mtpipe.cloud.google_apis import GoogleApis, Unknown, denies, enforced
+from mtpipe.cloud.providers import interface
+from mtpipe.cloud.providers.gcp.bodies import instance_body
+from mtpipe.cloud.providers.gcp.google_apis import GoogleApis, Unknown, denies, enforced
+from mtpipe.cloud.providers.interface import GcpError
 from mtpipe.errors import ConfigError
 
 SHIELDED = ("enable_secure_boot", "enable_vtpm", "enable_integrity_monitoring")
@@ -52,11 +53,11 @@ def read(cfg: DictConfig, apis: GoogleApis, constraint: str) -> dict:
 
 
 def check_shielded_vm(cfg: DictConfig, apis: GoogleApis) -> str:
-    """Where compute.requireShieldedVm is enforced, the insert body (gcp.instance_body) must turn on
+    """Where compute.requireShieldedVm is enforced, the insert body (instance_body) must turn on
     Secure Boot, vTPM and Integrity Monitoring."""
     if not enforced(read(cfg, apis, "compute.requireShieldedVm")):
         return "not enforced"
-    sent = gcp.instance_body(cfg, cfg.name, "", {}, "STANDARD").get("shielded_instance_config", {})
+    sent = instance_body(cfg, cfg.name, "", {}, "STANDARD").get("shielded_instance_config", {})
     off = [name for name in SHIELDED if not sent.get(name)]
     if off:
         raise ConfigError("vm.project", "the organisation policy constraints/compute.requireShieldedVm is "
@@ -84,7 +85,7 @@ def check_trusted_images(cfg: DictConfig, apis: GoogleApis) -> str:
 
 def location_values(zone: str) -> set[str]:
     """How a gcp.resourceLocations rule can name ``zone``: the zone, its region, their groups."""
-    region = gcp.region(zone)
+    region = interface.region(zone)
     names = {zone, region, f"zones/{zone}", f"regions/{region}", f"in:{zone}-locations", f"in:{region}-locations"}
     names |= {group for prefix, group in CONTINENT_GROUPS.items() if region.startswith(prefix)}
     return names

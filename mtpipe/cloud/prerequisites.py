@@ -19,10 +19,12 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from mtpipe.cloud import org_policies, vm_access, vm_caller, vm_checks, vm_config, vm_identity
-from mtpipe.cloud.gcp import Compute, GcpError
-from mtpipe.cloud.google_apis import GoogleApis, Unknown
-from mtpipe.cloud.vm_config import VmError
+from mtpipe.cloud import org_policies, vm_access, vm_caller, vm_checks, vm_identity
+from mtpipe.cloud.providers.gcp.compute import Compute
+from mtpipe.cloud.providers.gcp.google_apis import GoogleApis, Unknown
+from mtpipe.cloud.providers.interface import GcpError
+from mtpipe.cloud.settings import vm_config
+from mtpipe.cloud.settings.vm_config import VmError
 from mtpipe.errors import ConfigError
 from mtpipe.planning import preflight
 

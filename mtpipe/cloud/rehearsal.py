@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
-from mtpipe.cloud import prices, vm_config, vm_experiments, vm_ssh, vm_state, vm_tpu
+from mtpipe.cloud import vm_experiments, vm_ssh, vm_tpu
+from mtpipe.cloud.settings import prices, vm_config, vm_state
 from mtpipe.errors import ConfigError
 
 if TYPE_CHECKING:

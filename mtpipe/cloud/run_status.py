@@ -12,7 +12,7 @@ import shlex
 import time
 
 from mtpipe.cloud import vm_ssh
-from mtpipe.cloud.vm_config import VmError
+from mtpipe.cloud.settings.vm_config import VmError
 from mtpipe.maxtext import progress
 
 # One line per file found: "progress <json>" and "finished <json>"; nothing when the VM has no run yet.

@@ -16,9 +16,12 @@ import subprocess
 from google.oauth2.credentials import Credentials as UserCredentials
 from omegaconf import DictConfig
 
-from mtpipe.cloud import gcp, ssh_route, vm_ssh
-from mtpipe.cloud.gcp import Compute, GcpError
-from mtpipe.cloud.google_apis import GoogleApis, denies, enforced, member
+from mtpipe.cloud import vm_ssh
+from mtpipe.cloud.providers import interface
+from mtpipe.cloud.providers.gcp import ssh_route
+from mtpipe.cloud.providers.gcp.compute import Compute
+from mtpipe.cloud.providers.gcp.google_apis import GoogleApis, denies, enforced, member
+from mtpipe.cloud.providers.interface import GcpError
 from mtpipe.errors import ConfigError
 
 # The permission to log in with administrator rights (the setup runs sudo apt-get): in
@@ -47,7 +50,7 @@ def _name(url: str) -> str:
 def check_network(cfg: DictConfig, compute: Compute) -> None:
     """``network`` exists; ``subnetwork`` (when set) exists in the zone's region and belongs to it;
     a custom-mode network (autoCreateSubnetworks false) has ``subnetwork`` set."""
-    region = gcp.region(cfg.zone)
+    region = interface.region(cfg.zone)
     network = compute.get_network(cfg.network)
     if network is None:
         names = compute.network_names()
@@ -92,7 +95,7 @@ def check_external_ip(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> No
                               f"forbids an external IP for VM {cfg.name} in project {cfg.project}",
                               "set external_ip: false in conf/vm.yaml: SSH then goes through an IAP tunnel "
                               "(gcloud compute start-iap-tunnel; role roles/iap.tunnelResourceAccessor) and the "
-                              f"VM downloads through a Cloud NAT of region {gcp.region(cfg.zone)}")
+                              f"VM downloads through a Cloud NAT of region {interface.region(cfg.zone)}")
         return
     proxy = ssh_route.proxy_command(cfg) or ""
     program = shlex.split(proxy)[0] if proxy else ""
@@ -176,7 +179,7 @@ def check_iap_account(program: str, apis: GoogleApis) -> None:
 def check_nat(cfg: DictConfig, compute: Compute) -> None:
     """A VM without an external IP reaches apt, PyPI and the Hub only through a Cloud NAT: some
     Cloud Router of the region on ``network`` has a NAT for all its subnetworks or for the VM's."""
-    region, subnetwork = gcp.region(cfg.zone), cfg.subnetwork or cfg.network   # auto mode: named as the network
+    region, subnetwork = interface.region(cfg.zone), cfg.subnetwork or cfg.network   # auto mode: named as the network
     try:
         routers = compute.list_routers()
     except GcpError as err:

@@ -14,9 +14,11 @@ from collections import defaultdict
 
 from omegaconf import DictConfig
 
-from mtpipe.cloud import gcp, ssh_route, vm_identity
-from mtpipe.cloud.gcp import GcpError
-from mtpipe.cloud.google_apis import GoogleApis, Unknown, member
+from mtpipe.cloud import vm_identity
+from mtpipe.cloud.providers.gcp import ssh_route
+from mtpipe.cloud.providers.gcp.api_errors import SERVICE_TITLES
+from mtpipe.cloud.providers.gcp.google_apis import GoogleApis, Unknown, member
+from mtpipe.cloud.providers.interface import GcpError
 from mtpipe.errors import ConfigError
 
 INSTANCE_ADMIN = "roles/compute.instanceAdmin.v1"
@@ -69,7 +71,7 @@ def check_apis(cfg: DictConfig, apis: GoogleApis, wanted: dict[str, str], enable
     disabled = [s for s in wanted if s not in enabled]
     if not disabled:
         return f"enabled: {', '.join(wanted)}"
-    named = "; ".join(f"{gcp.SERVICE_TITLES.get(s, s)} ({s}, for {wanted[s]})" for s in disabled)
+    named = "; ".join(f"{SERVICE_TITLES.get(s, s)} ({s}, for {wanted[s]})" for s in disabled)
     if not cfg.enable_apis:
         raise ConfigError("vm.enable_apis", f"project {cfg.project} has not enabled: {named}",
                           f"gcloud services enable {' '.join(disabled)} --project {cfg.project} (needs "

@@ -34,16 +34,19 @@ from typing import Any
 from google.cloud import compute_v1
 from omegaconf import DictConfig, OmegaConf
 
-from mtpipe.cloud import gcp, prices, vm_access, vm_config, vm_identity, vm_quota
-from mtpipe.cloud.gcp import Compute, reservation_path
-from mtpipe.cloud.google_apis import GoogleApis
+from mtpipe.cloud import vm_access, vm_identity, vm_quota
+from mtpipe.cloud.providers.gcp.bodies import reservation_path
+from mtpipe.cloud.providers.gcp.compute import Compute
+from mtpipe.cloud.providers.gcp.google_apis import GoogleApis
+from mtpipe.cloud.providers.interface import region
+from mtpipe.cloud.settings import prices, vm_config
 from mtpipe.data import hub, hub_access
 from mtpipe.errors import ConfigError
-from mtpipe.planning import preflight
-from mtpipe.planning.preflight import TRAIN_STARTUP_S
 from mtpipe.maxtext.run_dir import WORK_BUCKET_ENV, WORK_DIR_ENV
 from mtpipe.pipeline import config, maxtext_check, overrides
 from mtpipe.pipeline.schema import SftBranch
+from mtpipe.planning import preflight
+from mtpipe.planning.preflight import TRAIN_STARTUP_S
 
 
 def check_compute(cfg: DictConfig, compute: Compute) -> None:
@@ -67,12 +70,12 @@ def check_zones(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> None:
     first (the regional part: vm_access.check_region), then the quota of their regions
     (vm_quota.usable_zones), which may leave fewer zones to try: ``zones`` and ``zone`` become them."""
     zones = vm_config.candidate_zones(cfg)
-    regions = {gcp.region(cfg.zone)}
+    regions = {region(cfg.zone)}
     for zone in zones[1:]:
         here, there = OmegaConf.merge(cfg, {"zone": zone}), compute.in_zone(zone)
         check_compute(here, there)
-        if gcp.region(zone) not in regions:
-            regions.add(gcp.region(zone))
+        if region(zone) not in regions:
+            regions.add(region(zone))
             vm_access.check_region(here, there)
     usable = vm_quota.usable_zones(cfg, apis, zones)
     cfg.zone, cfg.zones = usable[0], usable
@@ -86,7 +89,7 @@ def check_reservation(cfg: DictConfig, compute: Compute) -> None:
     """The reservation exists (another project's: shared with this one), is READY, reserves the
     machine type and has room for one VM: a free VM of a specific reservation, the VM's chips of an
     aggregate (TPU) one. Then the provisioning model of its VMs is decided, so that a lookup Compute
-    refuses stops the run here (gcp.Compute.provisioning_model)."""
+    refuses stops the run here (Compute.provisioning_model)."""
     owner, name = reservation_path(cfg.reservation, cfg.project)
     reservation = compute.get_reservation(cfg.reservation)
     if reservation is None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from mtpipe.cloud.vm_config import VmError
+from mtpipe.cloud.settings.vm_config import VmError
 from mtpipe.cloud.vm_ssh import Remote, check
 from mtpipe.errors import ConfigError
 

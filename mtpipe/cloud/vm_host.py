@@ -17,10 +17,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from mtpipe.cloud import vm_config
+from mtpipe.cloud.settings import vm_config
 from mtpipe.cloud.vm_ssh import Remote, run
-from mtpipe.planning import budget, preflight
 from mtpipe.maxtext.run_dir import RECIPE_INPUTS, WORK_DIR_ENV
+from mtpipe.planning import budget, preflight
 
 # /dev/shm's size in bytes, then MemTotal in KiB, then the bytes under each place's run directories
 PROBE = r"""set -eo pipefail

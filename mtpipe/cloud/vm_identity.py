@@ -39,9 +39,10 @@ from configobj import ConfigObj
 from google.auth.transport.requests import AuthorizedSession
 from omegaconf import DictConfig
 
-from mtpipe.cloud import gcp
-from mtpipe.cloud.idle_watch import METADATA_HOST
-from mtpipe.cloud.vm_config import VmError
+from mtpipe.cloud.providers.gcp.api_errors import client_kwargs, explained
+from mtpipe.cloud.providers.gcp.idle_watch import METADATA_HOST
+from mtpipe.cloud.providers.interface import GcpError
+from mtpipe.cloud.settings.vm_config import VmError
 from mtpipe.cloud.vm_ssh import Remote, run
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext.run_dir import WORK_BUCKET_ENV
@@ -164,8 +165,8 @@ def service_account(cfg: DictConfig) -> str:
         return cfg.service_account
     from google.cloud import compute_v1
 
-    with gcp.explained(f"reading project {cfg.project} (its Compute default service account)", cfg.project):
-        return compute_v1.ProjectsClient(**gcp.client_kwargs()).get(project=cfg.project).default_service_account
+    with explained(f"reading project {cfg.project} (its Compute default service account)", cfg.project):
+        return compute_v1.ProjectsClient(**client_kwargs()).get(project=cfg.project).default_service_account
 
 
 def grant_command(target: Target, email: str) -> str:
@@ -190,7 +191,7 @@ class PolicyReader:
     (refused, missing, unreachable) is None: the laptop cannot tell, the VM probe will."""
 
     def __init__(self) -> None:
-        self.session = AuthorizedSession(gcp.client_kwargs()["credentials"])
+        self.session = AuthorizedSession(client_kwargs()["credentials"])
         base = os.environ.get(IAM_ENDPOINT_ENV, "").rstrip("/")
         self.crm, self.iam = base or CRM_API, base or IAM_API
         self.roles: dict[str, frozenset[str] | None] = {}
@@ -281,7 +282,7 @@ def check_identity(cfg: DictConfig, root: Path) -> list[Target]:
         return []
     try:
         email = service_account(cfg)
-    except gcp.GcpError as err:   # e.g. no compute.projects.get: the VM's metadata server knows it
+    except GcpError as err:   # e.g. no compute.projects.get: the VM's metadata server knows it
         print(f"mtpipe: cannot tell from here which service account the VM will run as ({err}): the VM will "
               "try the buckets right after SSH is ready, before the setup", flush=True)
         return wanted

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from mtpipe.cloud import prices
-from mtpipe.cloud.gcp import GcpError, quota_page, region
-from mtpipe.cloud.google_apis import GoogleApis
+from mtpipe.cloud.providers.gcp.api_errors import quota_page
+from mtpipe.cloud.providers.gcp.google_apis import GoogleApis
+from mtpipe.cloud.providers.interface import GcpError, region
+from mtpipe.cloud.settings import prices
 from mtpipe.errors import ConfigError
 
 

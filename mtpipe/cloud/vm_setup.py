@@ -11,7 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from mtpipe.cloud.vm_config import VmError
+from mtpipe.cloud.settings.vm_config import VmError
 from mtpipe.cloud.vm_ssh import Remote, failed, run
 from mtpipe.errors import ConfigError
 

@@ -22,8 +22,8 @@ from typing import Any
 import asyncssh
 from omegaconf import DictConfig
 
-from mtpipe.cloud import ssh_route
-from mtpipe.cloud.vm_config import SessionLost, VmError
+from mtpipe.cloud.providers.gcp import ssh_route
+from mtpipe.cloud.settings.vm_config import SessionLost, VmError
 
 
 def ssh_public_key(cfg: DictConfig) -> str:
@@ -104,7 +104,7 @@ async def _run(remote: Remote, command: str, stdin: bytes, stream: bool) -> tupl
 def run(remote: Remote, script: str, stdin: bytes = b"", stream: bool = True) -> tuple[int, bytes]:
     """Run a bash script on the VM (script text in argv: never put secrets in it), holding the busy
     lock (``busy_lock``, shared) meanwhile: the VM's idle watch does not delete a VM in use
-    (mtpipe.cloud.idle_watch)."""
+    (mtpipe.cloud.providers.gcp.idle_watch)."""
     command = "bash -c " + shlex.quote(script)
     if remote.busy_lock:
         command = f"flock -s {shlex.quote(remote.busy_lock)} {command}"

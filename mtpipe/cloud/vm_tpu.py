@@ -19,7 +19,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from mtpipe.cloud import vm_checks, vm_experiments
-from mtpipe.cloud.vm_config import VmError
+from mtpipe.cloud.settings.vm_config import VmError
 from mtpipe.cloud.vm_ssh import Remote, run
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import tpu_check

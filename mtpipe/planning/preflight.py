@@ -413,7 +413,7 @@ def run(sets: list[str], usd_per_chip_hour: float, machine: budget.Machine, root
         price_basis: str = "", target: str | None = None) -> list[dict[str, Any]]:
     """:func:`check`, then raise ConfigError (naming the keys to change) if a branch does not fit;
     a run that does not fit the machine's disks or memory stops before anything compiles.
-    ``machine``: the VM config's boot disk and run environment (mtpipe.cloud.vm_config.budget_machine)."""
+    ``machine``: the VM config's boot disk and run environment (mtpipe.cloud.settings.vm_config.budget_machine)."""
     rows = check(sets, usd_per_chip_hour, machine, root, branches, committed, price_basis, refuse=True,
                  target=target)
     for row in rows:
@@ -426,7 +426,7 @@ def check(sets: list[str], usd_per_chip_hour: float, machine: budget.Machine, ro
           price_basis: str = "", refuse: bool = False, target: str | None = None) -> list[dict[str, Any]]:
     """Preflight the branches of params.yaml (+ ``--set`` overrides, as ``dvc exp run -S``) that target a TPU.
 
-    ``usd_per_chip_hour``: the chip price of conf/vm.yaml's mode (mtpipe.cloud.prices), which the cost
+    ``usd_per_chip_hour``: the chip price of conf/vm.yaml's mode (mtpipe.cloud.settings.prices), which the cost
     column multiplies by the topology's chips; ``price_basis`` says where it comes from (and, for a
     reservation, that its commitment pays).
     ``committed``: HEAD's params.yaml (what vm_run ships) instead of the workspace's. Prints a table,

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from mtpipe.cloud import vm_state
+from mtpipe.cloud.settings import vm_state
 
 ROOT = Path(__file__).resolve().parents[2]
 REPORT = "README.md"

@@ -21,10 +21,10 @@ from omegaconf import DictConfig, OmegaConf
 from pydantic import Field
 
 from mtpipe.errors import ConfigError
-from mtpipe.pipeline.view import load_yaml
 from mtpipe.pipeline.schema import KEEP_INT, Section, validate
+from mtpipe.pipeline.view import load_yaml
 
-PRICES = Path(__file__).resolve().parents[2] / "conf" / "prices.yaml"
+PRICES = Path(__file__).resolve().parents[3] / "conf" / "prices.yaml"
 # Compute's TPU machine types: <family>-<kind>-<N>t holds N chips of <family> (ct6e-standard-8t).
 TPU_MACHINE = re.compile(r"(?P<family>[a-z][a-z0-9]*)-[a-z]+-(?P<chips>[0-9]+)t")
 
@@ -118,7 +118,7 @@ def machine_tpu(machine_type: str) -> tuple[str, int]:
     if tpu is None:
         raise ConfigError("vm.machine_type", f"conf/prices.yaml prices no TPU of machine family {family!r} "
                           f"({machine_type})", "use ct6e-standard-8t (TPU v6e), or add the TPU to "
-                          "conf/prices.yaml and mtpipe/cloud/prices.py Tpus")
+                          "conf/prices.yaml and mtpipe/cloud/settings/prices.py Tpus")
     return tpu, chips
 
 

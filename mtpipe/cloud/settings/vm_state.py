@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from mtpipe.cloud import prices
+from mtpipe.cloud.settings import prices
 
 STATE_FILE = ".vm_state.json"
 

@@ -14,19 +14,20 @@ from annotated_types import Ge, Gt, Le
 from omegaconf import DictConfig, OmegaConf
 from pydantic import model_validator
 
-from mtpipe.cloud import prices
-from mtpipe.cloud.gcp import SHARED_RESERVATION
-from mtpipe.cloud.vm_env import CONFIG_ENV, ENV_KEYS
+from mtpipe.cloud.settings import prices
+from mtpipe.cloud.settings.vm_env import CONFIG_ENV, ENV_KEYS
 from mtpipe.errors import ConfigError
-from mtpipe.planning.budget import Machine
 from mtpipe.pipeline.schema import KEEP_INT, PositiveInt, Section, validate
+from mtpipe.planning.budget import Machine
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PROVISIONING = ("reservation", "spot", "on-demand", "flex-start")   # how the VM is paid for (conf/vm.yaml)
 # Compute runs a Flex-start VM at most seven days (cloud.google.com/compute/docs/instances/about-flex-start-vms)
 FLEX_START_MAX_RUN_S = 7 * 24 * 3600
 ZONE_RE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z0-9]+$")   # us-east5-b, europe-west4-a
 RESERVATION_MODELS = ("auto", "bound", "standard")    # how a reservation's VMs are provisioned
+# A reservation named as reservationAffinity.values names a shared one: another project's.
+SHARED_RESERVATION = re.compile(r"projects/(?P<project>[^/]+)/reservations/(?P<name>[^/]+)")
 # TPU machine types whose VMs take Hyperdisk only (cloud.google.com/tpu/docs/storage-options-compute)
 HYPERDISK_ONLY = ("ct6e-",)
 NAME_RE = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")   # Compute's resource names (RFC 1035)
@@ -133,7 +134,7 @@ class VmConfig(Section):
     service_account: str
     scopes: list[str]
     max_run_duration_s: int                # 0 disables it
-    idle: Idle                             # mtpipe.cloud.idle_watch
+    idle: Idle                             # mtpipe.cloud.providers.gcp.idle_watch
     labels: dict[str, str]
     max_recoveries: int
     spot_without_work_bucket: bool         # true: a Spot run may restart training after each preemption
