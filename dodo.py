@@ -105,27 +105,27 @@ def _task_action(fn: Callable[..., None]) -> Callable[..., TaskFailed | None]:
 
 def _target(params: dict[str, Any], keep: bool = False, yes: bool = False) -> VmLifecycle:
     """The VM the options, the environment, conf/vm.yaml and .vm_state.json name."""
-    from mtpipe.cloud import vm_experiments
     from mtpipe.cloud.lifecycle import VmLifecycle
+    from mtpipe.cloud.on_vm import dvc_experiments
     from mtpipe.cloud.settings import vm_config, vm_state
 
-    root = vm_experiments.repo_root()
+    root = dvc_experiments.repo_root()
     return VmLifecycle(vm_config.load_config(params, vm_state.read_state(root)), root, keep, yes)
 
 
 @_task_action
 def vm_up(keep: bool, yes: bool, **params: Any) -> None:
-    from mtpipe.cloud import vm_experiments
     from mtpipe.cloud.lifecycle import VmLifecycle
+    from mtpipe.cloud.on_vm import dvc_experiments
     from mtpipe.cloud.settings import vm_config
 
-    root = vm_experiments.repo_root()
+    root = dvc_experiments.repo_root()
     VmLifecycle(vm_config.load_config(params), root, keep, yes).ensure([[]], may_create=True)
 
 
 @_task_action
 def vm_setup(keep: bool, **params: Any) -> None:
-    from mtpipe.cloud.vm_setup import setup as setup_vm
+    from mtpipe.cloud.on_vm.setup import setup as setup_vm
 
     life = _target(params, keep)
     remote = life.remote()
@@ -135,21 +135,22 @@ def vm_setup(keep: bool, **params: Any) -> None:
 @_task_action
 def vm_run(keep: bool, yes: bool, recreate: bool, target: str | None, set: list[str],
            exp_name: str | None, queue: bool, no_preflight: bool, rehearse: bool, **params: Any) -> None:
-    from mtpipe.cloud import rehearsal, vm_experiments
+    from mtpipe.cloud import rehearsal
     from mtpipe.cloud.lifecycle import VmLifecycle, spend_line
+    from mtpipe.cloud.on_vm import dvc_experiments
     from mtpipe.cloud.settings import vm_state
 
     if rehearse:   # the embedded default on a new one-chip VM (mtpipe/cloud/rehearsal.py)
         rehearsal.check_options(set, queue, target)
-        root = vm_experiments.repo_root()
+        root = dvc_experiments.repo_root()
         life = VmLifecycle(rehearsal.load_config(params, root), root, keep, yes)
         rehearsal.run(life, exp_name)
     else:
         life = _target(params, keep, yes)
-        experiments = vm_experiments.experiments(set, queue)
-        names = vm_experiments.experiment_names(exp_name, len(experiments))
+        experiments = dvc_experiments.experiments(set, queue)
+        names = dvc_experiments.experiment_names(exp_name, len(experiments))
         for name in names:
-            vm_experiments.check_exp_name(life.root, name)
+            dvc_experiments.check_exp_name(life.root, name)
         life.run_experiments(experiments, names, target, may_create=recreate or bool(life.cfg.recreate),
                              preflight=not no_preflight)
     if keep:
@@ -183,12 +184,12 @@ def vm_status(**params: Any) -> None:
 
 @_task_action
 def vm_shell(**params: Any) -> None:
-    from mtpipe.cloud import vm_ssh
+    from mtpipe.cloud.on_vm import ssh
     from mtpipe.cloud.settings import vm_config
 
     remote = _target(params).remote()
     with tempfile.TemporaryDirectory() as tmp:
-        rc = subprocess.call(vm_ssh.shell_argv(remote, Path(tmp) / "known_hosts"))
+        rc = subprocess.call(ssh.shell_argv(remote, Path(tmp) / "known_hosts"))
     if rc not in (0, 130):
         raise vm_config.VmError(f"ssh exited with {rc}")
 
@@ -269,13 +270,13 @@ def preflight(set: list[str], target: str | None) -> None:
     """The machine budget (disks, host memory) of the TPU VM's branches, then each one's training step
     AOT-compiled on this CPU for HBM, time and cost, and the whole run up to ``target`` by phase; fail
     when one does not fit."""
-    from mtpipe.cloud import vm_experiments
+    from mtpipe.cloud.on_vm import dvc_experiments
     from mtpipe.cloud.settings import prices, vm_config
     from mtpipe.planning import preflight as preflight_checks
 
     cfg = vm_config.load_config()
     rate = prices.vm_rate(cfg)
-    preflight_checks.run(set, rate.price.usd, vm_config.budget_machine(cfg), vm_experiments.repo_root(),
+    preflight_checks.run(set, rate.price.usd, vm_config.budget_machine(cfg), dvc_experiments.repo_root(),
                          price_basis=rate.per_chip(), target=target)
 
 
@@ -298,13 +299,13 @@ def task_preflight() -> dict:
 @_task_action
 def publish(exp: str | None, repo: str | None, branch: str, public: bool) -> None:
     """An experiment's export to the Hugging Face Hub with its model card (mtpipe/data/publish.py)."""
-    from mtpipe.cloud import vm_experiments
+    from mtpipe.cloud.on_vm import dvc_experiments
     from mtpipe.data import publish as hub_publish
     from mtpipe.errors import ConfigError
 
     if not exp or not repo:
         raise ConfigError("--exp/--repo", "both are needed", "doit publish --exp NAME --repo ORG/NAME")
-    print(hub_publish.publish(vm_experiments.repo_root(), exp, repo, branch, private=not public,
+    print(hub_publish.publish(dvc_experiments.repo_root(), exp, repo, branch, private=not public,
                               endpoint=os.environ.get("HF_ENDPOINT")))
 
 

@@ -20,7 +20,7 @@ def declared_order() -> list[str]:
 
 
 def package_of(module: str) -> str:
-    """`mtpipe.cloud.vm_ssh` -> `cloud`; `mtpipe.errors` -> `errors`."""
+    """`mtpipe.cloud.on_vm.ssh` -> `cloud`; `mtpipe.errors` -> `errors`."""
     return module.split(".")[1]
 
 

@@ -18,7 +18,8 @@ import pytest
 from fakes.fake_compute import FakeCompute
 from vm_world import Env
 
-from mtpipe.cloud import lifecycle, vm_ssh
+from mtpipe.cloud import lifecycle
+from mtpipe.cloud.on_vm import ssh
 from mtpipe.cloud.providers.gcp.bodies import instance_body
 from mtpipe.cloud.providers.gcp.compute import Compute
 from mtpipe.cloud.providers.interface import CapacityError, GcpError
@@ -163,7 +164,7 @@ def test_a_pending_vm_an_earlier_run_left_is_waited_on(world: Env) -> None:
     w.fake.flex_start_capacity.append(("RUNNING", 1.0))
     with mock.patch.dict(os.environ, w.env, clear=True):
         cfg = vm_config.load_config({"provisioning": "flex-start"})
-        Compute(cfg.project, cfg.zone).create_vm(cfg, vm_ssh.ssh_public_key(cfg), {"app": "mtpipe"})
+        Compute(cfg.project, cfg.zone).create_vm(cfg, ssh.ssh_public_key(cfg), {"app": "mtpipe"})
     assert w.fake.instances[("proj-1", EAST_A, "mt-test")]["status"] == "PENDING"
     out = w.doit("vm_up", "--provisioning=flex-start").stdout
     assert "VM mt-test is PENDING: an earlier run's Flex-start request; waiting for its capacity" in out, out

@@ -13,8 +13,8 @@ from unittest import mock
 import pytest
 from vm_world import Env
 
-from mtpipe.cloud import vm_ssh
 from mtpipe.cloud.lifecycle import VmLifecycle, spend_line
+from mtpipe.cloud.on_vm import ssh
 from mtpipe.cloud.settings import vm_config, vm_state
 
 pytestmark = pytest.mark.architecture
@@ -95,7 +95,7 @@ def test_a_lost_vm_is_replaced_and_only_the_attempt_repeats(here: Env) -> None:
     life = lifecycle(w)
     hosts: list[str | None] = []
 
-    def attempt(remote: vm_ssh.Remote) -> None:
+    def attempt(remote: ssh.Remote) -> None:
         hosts.append(remote.host_key)
         if len(hosts) == 1:
             w.fake.preempt(*KEY)
@@ -113,7 +113,7 @@ def test_a_failure_on_a_running_vm_is_the_attempts_and_the_guard_deletes_the_vm(
     life = lifecycle(w)
     remote = life.ensure([[]], may_create=True)
 
-    def attempt(_remote: vm_ssh.Remote) -> None:
+    def attempt(_remote: ssh.Remote) -> None:
         raise vm_config.VmError("the pipeline failed on the VM (exit 3)")
 
     with pytest.raises(vm_config.VmError, match="exit 3"):

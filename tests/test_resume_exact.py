@@ -172,7 +172,7 @@ TWO_STAGES = """stages:
 
 @pytest.mark.slow
 def test_each_stage_reaches_the_remote_when_it_ends_and_another_machine_pulls_it(tmp_path: Path) -> None:
-    """mtpipe.cloud.exp_run (the VM's `dvc exp run`): stage `one` is pushed, with its run-cache entry
+    """mtpipe.cloud.on_vm.exp_run (the VM's `dvc exp run`): stage `one` is pushed, with its run-cache entry
     and its `cache: false` metric, before `two` fails (a VM lost in the last stage); a fresh clone
     pulls `one` instead of running it."""
     repo, remote = tmp_path / "vm1", tmp_path / "remote"
@@ -189,7 +189,7 @@ def test_each_stage_reaches_the_remote_when_it_ends_and_another_machine_pulls_it
     for args in (["git", "init", "-q"], ["dvc", "init", "-q"], ["dvc", "remote", "add", "-d", "r", str(remote)],
                  ["git", "add", "-A"], ["git", "commit", "-qm", "init"]):
         assert run(repo, *args).returncode == 0
-    exp_run = [sys.executable, "-m", "mtpipe.cloud.exp_run", "exp", "run", "--pull", "-S", "n=5", "--name", "e"]
+    exp_run = [sys.executable, "-m", "mtpipe.cloud.on_vm.exp_run", "exp", "run", "--pull", "-S", "n=5", "--name", "e"]
     lost = run(repo, *exp_run, FAIL="1")
     assert lost.returncode != 0 and "mtpipe: pushed the outputs of 'one'" in lost.stdout, lost.stdout + lost.stderr
     assert list((remote / "runs").rglob("*")), "no run-cache entry reached the remote"

@@ -1,6 +1,6 @@
 """The TPU VM's environment: one hash-pinned lock, resolved here, installed by the real setup commands.
 
-`doit vm_setup` runs conf/vm.yaml's `setup.commands` on the VM (mtpipe.cloud.vm_setup.setup_script). The slow
+`doit vm_setup` runs conf/vm.yaml's `setup.commands` on the VM (mtpipe.cloud.on_vm.setup.setup_script). The slow
 test runs that same script on this machine, in a scratch HOME, so a typo or a broken pin fails here
 and not on a VM that bills by the hour. Three commands cannot run here and are replaced, by name, with
 shell functions defined before the script (the script itself is unchanged):
@@ -37,7 +37,7 @@ from omegaconf import OmegaConf
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from mtpipe.cloud import vm_setup
+from mtpipe.cloud.on_vm import setup
 from mtpipe.pipeline import requirement_locks
 from mtpipe.pipeline.requirement_locks import VM_LOCK, uv
 from mtpipe.pipeline.toolchain import lock_pins
@@ -135,9 +135,9 @@ def test_vm_setup_installs_the_lock_with_hashes():
     assert 'uv pip sync --require-hashes "$HOME/.mtpipe/setup/requirements-vm.lock"' in commands
     assert f"curl -LsSf https://astral.sh/uv/{requirement_locks.UV_VERSION}/install.sh | sh" in commands
     # The files travel on stdin and count in the marker: a new lock reruns the setup.
-    files = vm_setup.setup_files(cfg, ROOT)
+    files = setup.setup_files(cfg, ROOT)
     other = files.replace(b"maxtext==", b"maxtext===")
-    assert vm_setup.setup_script(cfg, files) != vm_setup.setup_script(cfg, other)
+    assert setup.setup_script(cfg, files) != setup.setup_script(cfg, other)
 
 
 def test_maxtext_pins_its_github_dependencies_by_commit():
@@ -220,8 +220,8 @@ def setup_run(tmp_path_factory) -> SetupRun:
     """The VM's venv as `doit vm_setup` makes it: the whole lock installed (about a minute with uv's cache
     warm). The tests that use it share one xdist group, so it is made once."""
     cfg = vm_config()
-    files = vm_setup.setup_files(cfg, ROOT)
-    script = vm_setup.setup_script(cfg, files)
+    files = setup.setup_files(cfg, ROOT)
+    script = setup.setup_script(cfg, files)
     home = tmp_path_factory.mktemp("vm_setup") / "home"
     home.mkdir()
     return SetupRun(home, script, files, run_setup(home, script, files))

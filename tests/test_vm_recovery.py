@@ -335,7 +335,7 @@ def test_real_training_on_spot_survives_two_preemptions(project_world: Env, gcs_
     16 test conversations instead of 32: train_sft, evaluate_base and evaluate rerun. MaxText holds
     after step 50 (MTPIPE_HOLD_AFTER_STEP, in run.env) and the first VM is preempted (TERMINATED) once
     the bucket has that checkpoint and its loss row; the second VM resumes there, finishes train_sft
-    (pushed to the DVC remote as it ends: mtpipe.cloud.exp_run) and is preempted (deleted) when
+    (pushed to the DVC remote as it ends: mtpipe.cloud.on_vm.exp_run) and is preempted (deleted) when
     evaluate has started; the third pulls train_sft's outputs from the run-cache instead of training
     again and evaluates. Nothing is converted or exported on a VM: the resumed run's params are the
     uninterrupted run's bytes (the pipeline's), stamp included, so the export is up to date. The loss

@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from pipeline import copy_project
 from vm_world import assert_deleted, experiments, loopback_world, sh
 
-from mtpipe.cloud import vm_experiments
+from mtpipe.cloud.on_vm import dvc_experiments
 from mtpipe.errors import ConfigError
 
 pytestmark = pytest.mark.preemption
@@ -31,23 +31,23 @@ pytestmark = pytest.mark.preemption
 
 def test_repeated_keys_make_one_experiment_per_value() -> None:
     lr = "sft.train_sft.learning_rate=1e-4"
-    assert vm_experiments.experiments(["steps=4", lr, "steps=6"], queue=True) == [["steps=4", lr], ["steps=6", lr]]
-    assert vm_experiments.experiments(["a=1", "a=2", "+b=3", "b=4"], queue=True) == [   # two swept keys: a grid
+    assert dvc_experiments.experiments(["steps=4", lr, "steps=6"], queue=True) == [["steps=4", lr], ["steps=6", lr]]
+    assert dvc_experiments.experiments(["a=1", "a=2", "+b=3", "b=4"], queue=True) == [   # two swept keys: a grid
         ["a=1", "+b=3"], ["a=1", "b=4"], ["a=2", "+b=3"], ["a=2", "b=4"]]
-    assert vm_experiments.experiments(["steps=4", lr], queue=False) == [["steps=4", lr]]
-    assert vm_experiments.experiments([], queue=True) == [[]]
+    assert dvc_experiments.experiments(["steps=4", lr], queue=False) == [["steps=4", lr]]
+    assert dvc_experiments.experiments([], queue=True) == [[]]
     with pytest.raises(ConfigError, match="--set: steps is given 2 times. Fix: .* add --queue"):
-        vm_experiments.experiments(["steps=4", "steps=6"], queue=False)
-    assert vm_experiments.experiment_names("sweep", 3) == ["sweep-1", "sweep-2", "sweep-3"]
-    assert vm_experiments.experiment_names("one", 1) == ["one"] and vm_experiments.experiment_names(None, 2) == [None, None]
+        dvc_experiments.experiments(["steps=4", "steps=6"], queue=False)
+    assert dvc_experiments.experiment_names("sweep", 3) == ["sweep-1", "sweep-2", "sweep-3"]
+    assert dvc_experiments.experiment_names("one", 1) == ["one"] and dvc_experiments.experiment_names(None, 2) == [None, None]
 
 
 def test_each_experiment_starts_from_the_shipped_commit() -> None:
     cfg = OmegaConf.create({"run": {"hardware": None, "env": {"MTPIPE_WORK_BUCKET": "gs://b/w"},
                                     "remote_dir": "mtpipe", "command": "dvc pull && {dvc} && dvc push"}})
-    script = vm_experiments.run_script(cfg, Path("."), vm_experiments.dvc_command(None, ["steps=6"], "s-2"), [], "s-2")
+    script = dvc_experiments.run_script(cfg, Path("."), dvc_experiments.dvc_command(None, ["steps=6"], "s-2"), [], "s-2")
     lines = script.splitlines()
-    assert lines[-1] == "dvc pull && python -m mtpipe.cloud.exp_run exp run --pull -S steps=6 --name s-2 && dvc push"
+    assert lines[-1] == "dvc pull && python -m mtpipe.cloud.on_vm.exp_run exp run --pull -S steps=6 --name s-2 && dvc push"
     assert lines.index("git reset -q --hard && git clean -fdq") < len(lines) - 1
     assert "export MTPIPE_WORK_BUCKET=gs://b/w" in lines
 

@@ -172,7 +172,7 @@ def loopback_world(tmp_path: Path, repo: Path, local_env: dict[str, str]) -> Ite
             return keys
 
         # PYTHONPATH: most repos here are stand-ins, not the project, yet `{dvc}` runs the project's
-        # mtpipe.cloud.exp_run; in the project's own repo (project_world) its checkout comes first
+        # mtpipe.cloud.on_vm.exp_run; in the project's own repo (project_world) its checkout comes first
         sshd = LoopbackSshd(tmp_path / "vm-home", authorized,
                             env=dict(GCS_TEST_ENV, DVC_SITE_CACHE_DIR=str(tmp_path / "vm-dvc-site"),
                                      PYTHONPATH=str(ROOT))).start()

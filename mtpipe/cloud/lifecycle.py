@@ -24,8 +24,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from mtpipe.cloud import (notify, prerequisites, run_status, vm_checks, vm_experiments, vm_host, vm_identity, vm_setup,
-                          vm_ssh, vm_tpu)
+from mtpipe.cloud import notify, prerequisites, vm_checks, vm_host, vm_identity, vm_tpu
+from mtpipe.cloud.on_vm import dvc_experiments, run_status, setup, ssh
 from mtpipe.cloud.providers import interrupts
 from mtpipe.cloud.providers.gcp import ssh_route
 from mtpipe.cloud.providers.gcp.compute import compute_engine
@@ -127,7 +127,7 @@ class VmLifecycle:
         """The provider's client for ``cfg``'s zone, made once per lifecycle."""
         return self._provider(self.cfg)
 
-    def remote(self, state: dict | None = None) -> vm_ssh.Remote:
+    def remote(self, state: dict | None = None) -> ssh.Remote:
         """How to reach the VM, after checking with the cloud that it still exists."""
         cfg, state = self.cfg, vm_state.read_state(self.root) if state is None else state
         cloud = self.cloud
@@ -140,19 +140,19 @@ class VmLifecycle:
             raise vm_config.VmError(f"VM {cfg.name} has no external IP: set external_ip: false (SSH "
                                     "through IAP) or ssh.proxy_command in conf/vm.yaml")
         host_key = state.get("host_key") if state.get("name") == cfg.name else None
-        return vm_ssh.Remote.from_config(cfg, ip or cfg.name, host_key)
+        return ssh.Remote.from_config(cfg, ip or cfg.name, host_key)
 
     # ------------------------------------------------------------ create and delete
 
     def ensure(self, experiments: list[list[str]], may_create: bool, preflight: bool = False,
-               target: str | None = None) -> vm_ssh.Remote:
+               target: str | None = None) -> ssh.Remote:
         """The VM, reachable over SSH: reused when it exists, else created (:meth:`_ensure`);
         SIGTERM and SIGHUP meanwhile clean up as Ctrl-C does."""
         with interrupts.raising():
             return self._ensure(experiments, may_create, preflight, target)
 
     def _ensure(self, experiments: list[list[str]], may_create: bool, preflight: bool,
-                target: str | None) -> vm_ssh.Remote:
+                target: str | None) -> ssh.Remote:
         """The VM, reachable over SSH: reused when it exists, else created.
 
         PROJECT, ZONE, RESERVATION and the credentials are checked first, all named at once. Before
@@ -251,7 +251,7 @@ class VmLifecycle:
         Compute says whether the VM exists (:meth:`_abandon`): the run is abandoned, so a VM that
         exists is deleted."""
         cfg = self.cfg
-        public_key = vm_ssh.ssh_public_key(cfg)
+        public_key = ssh.ssh_public_key(cfg)
         run_id = secrets.token_hex(4)
         labels = {**cfg.labels, RUN_LABEL: run_id, USER_LABEL: vm_config.label_value(getpass.getuser()),
                   PROVISIONING_LABEL: cfg.provisioning, FIREWALL_LABEL: cfg.firewall.name}
@@ -413,14 +413,14 @@ class VmLifecycle:
             _say(f"could not look for a disk {cfg.name} left in {cfg.zone} ({err}): `gcloud compute disks list "
                  f"--filter=name={cfg.name} --project {cfg.project}` shows one, `gcloud compute disks delete` deletes it")
 
-    def _connect(self, state: dict, instance: Any, created: bool) -> vm_ssh.Remote:
+    def _connect(self, state: dict, instance: Any, created: bool) -> ssh.Remote:
         """Record the VM in the state file, wait until its sshd takes our key (pinning its host key)."""
         cfg = self.cfg
         state.update(_recorded(cfg), created=instance.creation_timestamp)
         vm_state.write_state(self.root, state)
         try:
             remote = self.remote(state)   # inside: a new VM without an address is deleted too
-            state["host_key"] = vm_ssh.wait_ready(remote, float(cfg.ssh.ready_timeout_s))
+            state["host_key"] = ssh.wait_ready(remote, float(cfg.ssh.ready_timeout_s))
         except BaseException:
             if created and not self.keep:
                 _say(f"VM {cfg.name} is unreachable; deleting it (use --keep to keep it)")
@@ -534,13 +534,13 @@ class VmLifecycle:
         vm_state.write_state(self.root, state)
         return why
 
-    def replace(self) -> vm_ssh.Remote:
+    def replace(self) -> ssh.Remote:
         """Delete the lost VM (a preempted Spot VM cannot be restarted) and create a new one."""
         self.cloud.delete_instance(self.cfg.name)
         state = vm_state.read_state(self.root)
         return self._connect(state, self._create(state), created=True)
 
-    def with_recovery(self, remote: vm_ssh.Remote, attempt: Callable[[vm_ssh.Remote], None]) -> None:
+    def with_recovery(self, remote: ssh.Remote, attempt: Callable[[ssh.Remote], None]) -> None:
         """Run `attempt` on the VM; when it fails because the VM was lost, replace the VM and run
         it again, at most `max_recoveries` times (a managed job: the pipeline resumes from the
         bucket)."""
@@ -569,7 +569,7 @@ class VmLifecycle:
 
     def run_experiments(self, experiments: list[list[str]], names: list[str | None], target: str | None,
                         may_create: bool, preflight: bool,
-                        checks: Sequence[tuple[str, Callable[[vm_ssh.Remote], str]]] = ()) -> None:
+                        checks: Sequence[tuple[str, Callable[[ssh.Remote], str]]] = ()) -> None:
         """Each experiment as a DVC experiment on the VM, brought back into this repository; a
         replacement VM runs only what is left. ``checks``: (what, check) pairs run on the VM after the
         TPU checks, before the pipeline (the rehearsal's: mtpipe.cloud.rehearsal), each saying its line.
@@ -607,22 +607,22 @@ class VmLifecycle:
 
     def _run_experiments(self, experiments: list[list[str]], names: list[str | None], target: str | None,
                          may_create: bool, preflight: bool,
-                         checks: Sequence[tuple[str, Callable[[vm_ssh.Remote], str]]]) -> list[str]:
+                         checks: Sequence[tuple[str, Callable[[ssh.Remote], str]]]) -> list[str]:
         """:meth:`run_experiments`' work; the names of the experiments that came back."""
         cfg, root = self.cfg, self.root
-        secret_lines, secret_data = vm_experiments.secrets_stdin(list(cfg.run.secrets))
-        scripts = [vm_experiments.run_script(cfg, root, vm_experiments.dvc_command(target, sets, name), secret_lines, name)
+        secret_lines, secret_data = dvc_experiments.secrets_stdin(list(cfg.run.secrets))
+        scripts = [dvc_experiments.run_script(cfg, root, dvc_experiments.dvc_command(target, sets, name), secret_lines, name)
                    for sets, name in zip(experiments, names)]
         remote = self.ensure(experiments, may_create, preflight, target)  # will it fit the TPU? (docs/preflight.md)
         todo, came_back = list(zip(experiments, scripts)), []
         tpus: list[vm_tpu.Target] = []   # the TPUs the branches that run on the VM target
 
-        def attempt(remote: vm_ssh.Remote) -> None:
+        def attempt(remote: ssh.Remote) -> None:
             _say(f"setting up VM {cfg.name} (once per VM)")
-            vm_setup.setup(remote, cfg, root)
+            setup.setup(remote, cfg, root)
             _say(vm_host.check(remote, cfg, root, experiments))   # before anything is shipped or downloaded
             _say(f"shipping HEAD to VM {cfg.name}")
-            commit = vm_experiments.ship(remote, root, cfg.run.remote_dir)
+            commit = dvc_experiments.ship(remote, root, cfg.run.remote_dir)
             for target in tpus:   # before anything is downloaded; a failure deletes the VM (mtpipe.cloud.vm_tpu)
                 _say(f"checking the TPU runtime on VM {cfg.name}: {target.command()}")
                 _say(vm_tpu.check(remote, cfg, root, target))
@@ -634,9 +634,9 @@ class VmLifecycle:
                 sets, script = todo[0]
                 if len(scripts) > 1:
                     _say(f"experiment {len(scripts) - len(todo) + 1} of {len(scripts)}: {' '.join(sets)}")
-                vm_ssh.check(remote, script, "the pipeline", stdin=secret_data)
+                ssh.check(remote, script, "the pipeline", stdin=secret_data)
                 _say(f"bringing the experiment back from VM {cfg.name}")
-                got = vm_experiments.fetch_experiments(remote, root, cfg.run.remote_dir, commit)
+                got = dvc_experiments.fetch_experiments(remote, root, cfg.run.remote_dir, commit)
                 todo.pop(0)
                 came_back.extend(got)
                 if got:
@@ -655,7 +655,7 @@ class VmLifecycle:
 
     def status(self) -> list[str]:
         """The VM and firewall rule as the cloud sees them, with what the run has cost and, over SSH,
-        where its run is (stage, step, loss, ETA: mtpipe.cloud.run_status), then the other VMs in
+        where its run is (stage, step, loss, ETA: mtpipe.cloud.on_vm.run_status), then the other VMs in
         the zone labelled with `labels` (app: mtpipe), each with its cost so far."""
         cfg, state = self.cfg, vm_state.read_state(self.root)
         cloud = self.cloud

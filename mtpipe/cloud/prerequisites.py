@@ -253,9 +253,9 @@ def before_spending(cfg: DictConfig, compute: Compute, root: Path,
 def check_everything(params: dict[str, Any], sets: list[str], queue: bool) -> None:
     """`doit check`: every check of a vm_run with these options (``params``: doit's target options),
     one line each; a ConfigError when any fails. Nothing is created or changed."""
-    from mtpipe.cloud import vm_experiments
+    from mtpipe.cloud.on_vm import dvc_experiments
 
-    run, root = Runner(_say), vm_experiments.repo_root()
+    run, root = Runner(_say), dvc_experiments.repo_root()
     cfg = run.check("conf/vm.yaml", lambda: ("loads", vm_config.load_config(params)))
     experiments = run.check("--set", lambda: _experiments(sets, queue))
     if cfg is None:
@@ -271,8 +271,8 @@ def check_everything(params: dict[str, Any], sets: list[str], queue: bool) -> No
 
 
 def _experiments(sets: list[str], queue: bool) -> tuple[str, list[list[str]]]:
-    from mtpipe.cloud import vm_experiments
+    from mtpipe.cloud.on_vm import dvc_experiments
 
-    experiments = vm_experiments.experiments(sets, queue)
+    experiments = dvc_experiments.experiments(sets, queue)
     return f"{len(experiments)} experiment(s): " + "; ".join(" ".join(e) or "params.yaml as committed"
                                                               for e in experiments), experiments

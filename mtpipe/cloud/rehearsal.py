@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
-from mtpipe.cloud import vm_experiments, vm_ssh, vm_tpu
+from mtpipe.cloud import vm_tpu
+from mtpipe.cloud.on_vm import dvc_experiments, ssh
 from mtpipe.cloud.settings import prices, vm_config, vm_state
 from mtpipe.errors import ConfigError
 
@@ -36,7 +37,7 @@ EMBEDDED = ["sft.preset=embedded-sft", "rl.preset=embedded-rl"]   # what `make d
 HUB_DATASET, HUB_FILENAME = "ultrachat-200k", "README.md"
 WHO = "the rehearsal"          # how the TPU check's failure names what runs on the chip
 
-Check = tuple[str, Callable[[vm_ssh.Remote], str]]   # what is checked, and the check (its success line)
+Check = tuple[str, Callable[[ssh.Remote], str]]   # what is checked, and the check (its success line)
 
 
 def one_chip(machine_type: str) -> tuple[str, str]:
@@ -78,7 +79,7 @@ def load_config(params: dict[str, Any], root: Path) -> DictConfig:
 
 def tpu_target(cfg: DictConfig, root: Path) -> vm_tpu.Target:
     """The VM's one chip as run.hardware's preset (conf/hardware/v6e-1.yaml) describes it."""
-    env = vm_experiments.hardware_env(root, cfg.run.hardware)
+    env = dvc_experiments.hardware_env(root, cfg.run.hardware)
     return vm_tpu.Target(env["TPU_ACCELERATOR_TYPE"], cfg.run.hardware, env, [WHO])
 
 
@@ -87,15 +88,15 @@ def hub_command() -> str:
     return shlex.join(["python", "-m", "mtpipe.data.hub_file", "--dataset", HUB_DATASET, "--filename", HUB_FILENAME])
 
 
-def hub_download(remote: vm_ssh.Remote, cfg: DictConfig, root: Path) -> str:
+def hub_download(remote: ssh.Remote, cfg: DictConfig, root: Path) -> str:
     """Download the Hub step's file on the VM (HF_TOKEN over stdin, the run's environment, the VM's
     venv as `run.tpu_check` enters it); its success line, or VmError with the Hub's answer."""
-    lines, secrets = vm_experiments.secrets_stdin(list(cfg.run.secrets))
+    lines, secrets = dvc_experiments.secrets_stdin(list(cfg.run.secrets))
     script = "\n".join(["exec 2>&1", "set -eo pipefail", *lines,
-                        *vm_experiments.export_lines(vm_experiments.run_env(cfg, root)),
+                        *dvc_experiments.export_lines(dvc_experiments.run_env(cfg, root)),
                         f'cd "$HOME"/{shlex.quote(cfg.run.remote_dir)}',
                         cfg.run.tpu_check.replace("{check}", hub_command())])
-    rc, out = vm_ssh.run(remote, script, stdin=secrets, stream=False)
+    rc, out = ssh.run(remote, script, stdin=secrets, stream=False)
     text = out.decode(errors="replace").strip()
     if rc != 0:
         raise vm_config.VmError(f"the download through the Hugging Face Hub client failed on VM {cfg.name} (exit "
@@ -123,6 +124,6 @@ def run(life: VmLifecycle, exp_name: str | None) -> None:
         raise ConfigError("vm.name", f"VM {cfg.name} exists in {cfg.project}/{cfg.zone}, and the rehearsal "
                           "creates a VM of its own", f"delete it with `doit vm_down --name {cfg.name}`, or "
                           "rehearse under another name: --name=NAME")
-    vm_experiments.check_exp_name(life.root, exp_name)
+    dvc_experiments.check_exp_name(life.root, exp_name)
     life.run_experiments([EMBEDDED], [exp_name], None, may_create=True, preflight=False,
                          checks=checks(cfg, life.root))

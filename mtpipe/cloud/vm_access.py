@@ -16,7 +16,7 @@ import subprocess
 from google.oauth2.credentials import Credentials as UserCredentials
 from omegaconf import DictConfig
 
-from mtpipe.cloud import vm_ssh
+from mtpipe.cloud.on_vm import ssh
 from mtpipe.cloud.providers import interface
 from mtpipe.cloud.providers.gcp import ssh_route
 from mtpipe.cloud.providers.gcp.compute import Compute
@@ -272,7 +272,7 @@ def check_os_login(cfg: DictConfig, compute: Compute, apis: GoogleApis, import_k
     if not import_key:
         return f"on ({why}): vm_up imports the SSH key into the OS Login profile of {account}"
     try:
-        profile = apis.import_ssh_key(account, cfg.project, vm_ssh.ssh_public_key(cfg))
+        profile = apis.import_ssh_key(account, cfg.project, ssh.ssh_public_key(cfg))
     except GcpError as err:
         raise ConfigError("vm.ssh.os_login", f"OS Login is on ({why}) and Google refused to import the SSH key "
                           f"into the OS Login profile of {account} ({err})",

@@ -17,9 +17,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from mtpipe.cloud.on_vm.ssh import Remote, run
 from mtpipe.cloud.settings import vm_config
-from mtpipe.cloud.vm_ssh import Remote, run
-from mtpipe.maxtext.run_dir import RECIPE_INPUTS, WORK_DIR_ENV
+from mtpipe.maxtext.run_dir import WORK_DIR_ENV
+from mtpipe.pipeline.stage_table import TRAINING
 from mtpipe.planning import budget, preflight
 
 # /dev/shm's size in bytes, then MemTotal in KiB, then the bytes under each place's run directories
@@ -40,7 +41,7 @@ def run_dir_places(cfg: DictConfig) -> dict[str, list[str]]:
     places: dict[str, list[str]] = {budget.BOOT: [], budget.SHM: []}
     for base in bases:
         place = budget.SHM if base.startswith("/dev/shm") else budget.BOOT
-        places[place] += [f"{base}/{stage}" for stage in RECIPE_INPUTS]
+        places[place] += [f"{base}/{stage}" for stage in TRAINING]
     return {place: paths for place, paths in places.items() if paths}
 
 

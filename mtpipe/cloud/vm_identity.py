@@ -39,11 +39,11 @@ from configobj import ConfigObj
 from google.auth.transport.requests import AuthorizedSession
 from omegaconf import DictConfig
 
+from mtpipe.cloud.on_vm.ssh import Remote, run
 from mtpipe.cloud.providers.gcp.api_errors import client_kwargs, explained
 from mtpipe.cloud.providers.gcp.idle_watch import METADATA_HOST
 from mtpipe.cloud.providers.interface import GcpError
 from mtpipe.cloud.settings.vm_config import VmError
-from mtpipe.cloud.vm_ssh import Remote, run
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext.run_dir import WORK_BUCKET_ENV
 

@@ -18,9 +18,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from mtpipe.cloud import vm_checks, vm_experiments
+from mtpipe.cloud import vm_checks
+from mtpipe.cloud.on_vm import dvc_experiments
+from mtpipe.cloud.on_vm.ssh import Remote, run
 from mtpipe.cloud.settings.vm_config import VmError
-from mtpipe.cloud.vm_ssh import Remote, run
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import tpu_check
 from mtpipe.planning import preflight
@@ -68,7 +69,7 @@ def script(cfg: DictConfig, root: Path, target: Target) -> str:
     return "\n".join([
         "exec 2>&1",
         "set -eo pipefail",
-        *vm_experiments.export_lines({**vm_experiments.run_env(cfg, root), **target.env}),
+        *dvc_experiments.export_lines({**dvc_experiments.run_env(cfg, root), **target.env}),
         f'cd "$HOME"/{shlex.quote(cfg.run.remote_dir)}',
         cfg.run.tpu_check.replace("{check}", target.command()),
     ])

@@ -2,7 +2,7 @@
 
 The runner rewrites ``work/logs/<branch>/<stage>.progress.json``, beside the stage's log
 (mtpipe.pipeline.stage.log_path), at each step MaxText reports: the stage, the step and the total,
-the loss, tokens/s per device, the ETA and when it was written. mtpipe.cloud.run_status reads the
+the loss, tokens/s per device, the ETA and when it was written. mtpipe.cloud.on_vm.run_status reads the
 newest one on the VM over SSH.
 """
 

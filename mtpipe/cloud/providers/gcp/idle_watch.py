@@ -3,7 +3,7 @@
 The watch runs on the VM, from its startup script (instance metadata ``startup-script``, run as root
 at boot by the guest agent), so it holds when the laptop is gone, before any setup, and for
 reservation-bound VMs, whose maxRunDuration is not known to hold. What vm_run runs over SSH (setup,
-shipping, the pipeline) holds a shared lock on ``idle.lock_file`` (``flock -s``, mtpipe.cloud.vm_ssh);
+shipping, the pipeline) holds a shared lock on ``idle.lock_file`` (``flock -s``, mtpipe.cloud.on_vm.ssh);
 the watch counts the VM busy while anyone holds it. Idle that long, it asks the metadata server who
 it is and sends Compute's ``instances.delete`` for itself with the VM's service account token; where
 that account may not delete it (401/403), it runs ``idle.poweroff_command``: a stopped VM bills its

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from mtpipe.cloud.on_vm.ssh import Remote, check
 from mtpipe.cloud.settings.vm_config import VmError
-from mtpipe.cloud.vm_ssh import Remote, check
 from mtpipe.errors import ConfigError
 
 
@@ -93,10 +93,10 @@ def experiment_names(exp_name: str | None, count: int) -> list[str | None]:
 
 
 def dvc_command(target: str | None, sets: list[str], exp_name: str | None) -> str:
-    """`dvc exp run --pull [-S a=1 ...] [--name NAME] [TARGET]` through mtpipe.cloud.exp_run: every VM
+    """`dvc exp run --pull [-S a=1 ...] [--name NAME] [TARGET]` through mtpipe.cloud.on_vm.exp_run: every VM
     run is a DVC experiment; each stage reaches the remote when it ends, and a stage another VM
     finished is pulled (from the remote's run-cache), not rerun."""
-    words = ["python", "-m", "mtpipe.cloud.exp_run", "exp", "run", "--pull", *[w for s in sets for w in ("-S", s)]]
+    words = ["python", "-m", "mtpipe.cloud.on_vm.exp_run", "exp", "run", "--pull", *[w for s in sets for w in ("-S", s)]]
     words += ["--name", exp_name] if exp_name else []
     words += [target] if target else []
     return " ".join(shlex.quote(w) for w in words)

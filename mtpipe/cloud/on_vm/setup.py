@@ -11,8 +11,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from mtpipe.cloud.on_vm.ssh import Remote, failed, run
 from mtpipe.cloud.settings.vm_config import VmError
-from mtpipe.cloud.vm_ssh import Remote, failed, run
 from mtpipe.errors import ConfigError
 
 

@@ -11,7 +11,7 @@ import json
 import shlex
 import time
 
-from mtpipe.cloud import vm_ssh
+from mtpipe.cloud.on_vm import ssh
 from mtpipe.cloud.settings.vm_config import VmError
 from mtpipe.maxtext import progress
 
@@ -22,11 +22,11 @@ SCRIPT = ('cd "$HOME"/{remote_dir}/work 2>/dev/null || exit 0; '
           'if [ -s timings.jsonl ]; then printf "finished "; tail -n 1 timings.jsonl; fi')
 
 
-def run_lines(remote: vm_ssh.Remote, remote_dir: str) -> list[str]:
+def run_lines(remote: ssh.Remote, remote_dir: str) -> list[str]:
     """The run's progress as `vm_status` prints it; a VM that SSH cannot reach says so in a line."""
     script = SCRIPT.format(remote_dir=shlex.quote(remote_dir), suffix=progress.SUFFIX)
     try:
-        rc, out = vm_ssh.run(remote, script, stream=False)
+        rc, out = ssh.run(remote, script, stream=False)
     except VmError as e:
         return [f"  run: not read ({e})"]
     found = {}

@@ -1,6 +1,6 @@
 """DVC on a VM that can be lost at any moment: each stage's outputs reach the remote when it ends.
 
-    python -m mtpipe.cloud.exp_run exp run --pull [-S a=1 ...] [--name N] [TARGET]
+    python -m mtpipe.cloud.on_vm.exp_run exp run --pull [-S a=1 ...] [--name N] [TARGET]
 
 runs DVC's own command line in this process with one addition: when a stage has run (or was
 restored from the run-cache), its outputs and the run-cache entry go to the default DVC remote at
