@@ -199,7 +199,7 @@ def vm_shell(**params: Any) -> None:
 
 @_task_action
 def check(set: list[str], queue: bool, **params: Any) -> None:
-    from mtpipe.cloud import prerequisites
+    from mtpipe.cloud.checks import prerequisites
 
     prerequisites.check_everything(params, set, queue)
 

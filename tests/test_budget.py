@@ -219,7 +219,7 @@ def test_run_directories_earlier_runs_left_are_counted_for_the_whole_run(tmp_pat
     120 GB /dev/shm (96.4 GB at the peak) but not with 30 GB left there; the error names the collector."""
     from omegaconf import OmegaConf
 
-    from mtpipe.cloud import vm_host
+    from mtpipe.cloud.checks import host
 
     shm = Path("/dev/shm") / f"mtpipe-test-{tmp_path.name}"
     (tmp_path / "home" / "mtpipe" / "work" / "train_rl" / "train_rl-000000000001").mkdir(parents=True)
@@ -228,14 +228,14 @@ def test_run_directories_earlier_runs_left_are_counted_for_the_whole_run(tmp_pat
     try:
         (shm / "train_sft" / "train_sft-sft-000000000002" / "w").write_bytes(b"w" * 20_000)
         cfg = OmegaConf.create({"name": "mt-test", "run": {"remote_dir": "mtpipe", "env": {"MTPIPE_WORK_DIR": str(shm)}}})
-        monkeypatch.setattr(vm_host, "run", lambda _remote, script, stream: (0, subprocess.run(
+        monkeypatch.setattr(host, "run", lambda _remote, script, stream: (0, subprocess.run(
             ["bash", "-c", script], env={"HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin"},
             capture_output=True, check=True).stdout))
-        host = vm_host.read_host(None, cfg)
+        read = host.read_host(None, cfg)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
-    assert 50_000 <= host.left[budget.BOOT] < 70_000 and 20_000 <= host.left[budget.SHM] < 40_000
-    assert host.memory_gib > 0 and host.shm_gib > 0
+    assert 50_000 <= read.left[budget.BOOT] < 70_000 and 20_000 <= read.left[budget.SHM] < 40_000
+    assert read.memory_gib > 0 and read.shm_gib > 0
 
     fits = budget.Host(1340.0, 120e9 / 2**30, "read on VM mt-test after the setup")
     assert budget_of(TUTORIALS, budget.Machine(200, SHM_ENV, "v6e-8", fits), tmp_path)["places"][budget.SHM]["fits"]

@@ -1,4 +1,4 @@
-"""Identity before spending (mtpipe/cloud/vm_identity.py): the VM runs as its service account and
+"""Identity before spending (mtpipe/cloud/checks/identity.py): the VM runs as its service account and
 from the DVC config of the commit vm_run ships, so both are checked before anything is created.
 
 `doit vm_up` / `doit vm_run` run in process against the loopback world (tests/vm_world.py: the fake
@@ -22,7 +22,7 @@ from fakes.gcs_emulator import GCS_TEST_ENV, GcsEmulator, create_bucket, set_buc
 from omegaconf import OmegaConf
 from vm_world import Env, assert_deleted, sh
 
-from mtpipe.cloud import vm_identity
+from mtpipe.cloud.checks import identity
 from mtpipe.cloud.settings import vm_config, vm_state
 from mtpipe.errors import ConfigError
 
@@ -48,7 +48,7 @@ def iw(world: Env, gcs_emulator: GcsEmulator) -> Iterator[tuple[Env, FakeIam, Fa
     create_bucket(gcs_emulator, WORK_BUCKET)
     set_bucket_policy(gcs_emulator, BUCKET_DEFAULTS, WORK_BUCKET)
     with running_fake_iam() as iam, running_metadata(FakeMetadata(vm_account)) as metadata:
-        world.env[vm_identity.IAM_ENDPOINT_ENV] = iam.url
+        world.env[identity.IAM_ENDPOINT_ENV] = iam.url
         world.configure(run__env={**GCS_TEST_ENV, "GCE_METADATA_HOST": metadata.host})
         yield world, iam, metadata
 
@@ -140,7 +140,7 @@ def test_work_bucket_without_delete_is_refused(iw, gcs_emulator: GcsEmulator) ->
     nothing_created(w)
 
 
-def _check(w: Env, **values: object) -> list[vm_identity.Target]:
+def _check(w: Env, **values: object) -> list[identity.Target]:
     """check_identity in this process, with doit's environment and conf/vm.yaml's ``values``."""
     with pytest.MonkeyPatch.context() as mp:
         for key, value in w.env.items():
@@ -148,7 +148,7 @@ def _check(w: Env, **values: object) -> list[vm_identity.Target]:
         cfg = vm_config.load_config()
         for key, value in values.items():
             OmegaConf.update(cfg, key, value)
-        return vm_identity.check_identity(cfg, w.repo)
+        return identity.check_identity(cfg, w.repo)
 
 
 def test_grants_the_laptop_can_prove(iw, gcs_emulator: GcsEmulator) -> None:

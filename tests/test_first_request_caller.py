@@ -1,4 +1,4 @@
-"""The caller's side of the first paid request (mtpipe/cloud/vm_caller.py, vm_access.py): what would
+"""The caller's side of the first paid request (mtpipe/cloud/checks/caller.py, vm_access.py): what would
 let vm_up create a VM that can never be reached, or have Compute refuse the insert, is found before
 the insert, with a message naming the fix and nothing left behind: OS Login 2-step verification, no
 IAP role, gcloud's account other than the credentials', a missing permission, a disabled API, and
@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from fakes import fake_gcloud
 from vm_world import Env
 
-from mtpipe.cloud import vm_caller
+from mtpipe.cloud.checks import caller
 from mtpipe.cloud.settings import vm_state
 
 pytestmark = pytest.mark.first_request
@@ -30,7 +30,7 @@ DEFAULT_SA = "1234-compute@developer.gserviceaccount.com"   # fake Compute: proj
 NAT_ROUTER = {"name": "nat-router", "region": "us-east5", "network": "default",
               "nats": [{"name": "nat", "sourceSubnetworkIpRangesToNat": "ALL_SUBNETWORKS_ALL_IP_RANGES"}]}
 # Everything a run through IAP that makes its own firewall rule asks testIamPermissions for.
-ALL = {*vm_caller.VM_PERMISSIONS, *vm_caller.FIREWALL_PERMISSIONS, vm_caller.ACT_AS, vm_caller.IAP_TUNNEL,
+ALL = {*caller.VM_PERMISSIONS, *caller.FIREWALL_PERMISSIONS, caller.ACT_AS, caller.IAP_TUNNEL,
        "compute.subnetworks.useExternalIp", "compute.instances.osAdminLogin"}
 
 
@@ -100,18 +100,18 @@ def test_no_iap_role(world: Env, tmp_path: Path) -> None:
     w = world
     service_account_credentials(w, RUNNER)
     through_iap(w, tmp_path, RUNNER)
-    w.fake.org.permissions = ALL - {vm_caller.IAP_TUNNEL}
+    w.fake.org.permissions = ALL - {caller.IAP_TUNNEL}
     out = w.doit("vm_up", ok=False).stdout
     assert f"vm.project: {RUNNER} lacks permissions the run needs on project proj-1: " \
            "iap.tunnelInstances.accessViaIAP (in roles/iap.tunnelResourceAccessor)" in out, out
     assert f"gcloud projects add-iam-policy-binding proj-1 --member serviceAccount:{RUNNER} --role " \
            "roles/iap.tunnelResourceAccessor" in out
     nothing_created(w)
-    assert vm_caller.IAP_TUNNEL in asked_permissions(w)
+    assert caller.IAP_TUNNEL in asked_permissions(w)
     w.fake.requests.clear()
     w.configure(external_ip=True, firewall__source_ranges=["127.0.0.1/32"])   # straight to the VM's IP
     up_and_down(w)
-    assert vm_caller.IAP_TUNNEL not in asked_permissions(w)
+    assert caller.IAP_TUNNEL not in asked_permissions(w)
 
 
 def test_gcloud_and_adc_accounts_differ(world: Env, tmp_path: Path) -> None:
@@ -144,7 +144,7 @@ def test_a_missing_permission(world: Env) -> None:
     the project does not grant it). The firewall permissions are asked for only when vm_up makes
     its own rule."""
     w = world
-    w.fake.org.permissions = ALL - {"compute.instances.create", "compute.disks.create", vm_caller.ACT_AS}
+    w.fake.org.permissions = ALL - {"compute.instances.create", "compute.disks.create", caller.ACT_AS}
     out = w.doit("vm_up", ok=False).stdout
     assert "vm.project: the account of your credentials lacks permissions the run needs on project proj-1: " \
            "compute.instances.create, compute.disks.create (in roles/compute.instanceAdmin.v1); " \

@@ -1,4 +1,4 @@
-"""`doit check` and the checks before spending as one run (mtpipe/cloud/prerequisites.py): every
+"""`doit check` and the checks before spending as one run (mtpipe/cloud/checks/prerequisites.py): every
 prerequisite of a TPU VM run checked at once, each failure listed with its fix, nothing created.
 
 `doit` runs in process against the loopback world (tests/vm_world.py): the fake Compute API with
@@ -19,7 +19,7 @@ from fakes.hf_server import HubServer
 from omegaconf import OmegaConf
 from vm_world import Env, hub_with_tutorial_repos
 
-from mtpipe.cloud import org_policies, vm_access, vm_caller
+from mtpipe.cloud.checks import access, caller, org_policies
 from mtpipe.cloud.providers.gcp.google_apis import GoogleApis, Unknown
 from mtpipe.cloud.settings import vm_state
 from mtpipe.errors import ConfigError
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.first_run
 SFT_TUTORIAL = "--set=sft.preset=gemma3-4b-ultrachat-v6e8"
 RUNNER = "runner@proj-1.iam.gserviceaccount.com"
 # What a run that makes its own firewall rule asks testIamPermissions for.
-EVERY_PERMISSION = {*vm_caller.VM_PERMISSIONS, *vm_caller.FIREWALL_PERMISSIONS, vm_caller.ACT_AS,
+EVERY_PERMISSION = {*caller.VM_PERMISSIONS, *caller.FIREWALL_PERMISSIONS, caller.ACT_AS,
                     "compute.subnetworks.useExternalIp", "compute.instances.osAdminLogin"}
 
 
@@ -190,16 +190,16 @@ def test_two_step_verification_fix_is_impersonation_and_works_with_it(
             return {"enable-oslogin": "TRUE", "enable-oslogin-2fa": "TRUE"}
 
     cfg = OmegaConf.create({"project": "proj-1"})
-    vm_access.check_two_step(cfg, TwoStep(), RUNNER)   # a service account: passes
+    access.check_two_step(cfg, TwoStep(), RUNNER)   # a service account: passes
     with pytest.raises(ConfigError) as refused:
-        vm_access.check_two_step(cfg, TwoStep(), "me@example.com")
+        access.check_two_step(cfg, TwoStep(), "me@example.com")
     assert "`gcloud config set auth/impersonate_service_account SA` and `gcloud auth application-default login " \
            "--impersonate-service-account SA`" in refused.value.fix
     assert "KEY.json" not in str(refused.value)
     monkeypatch.setenv("PATH", f"{fake_gcloud.install(tmp_path / 'bin')}:/usr/bin:/bin")
     monkeypatch.setenv("FAKE_GCLOUD_ACCOUNT", "me@example.com")
     monkeypatch.setenv("FAKE_GCLOUD_IMPERSONATE", RUNNER)
-    assert vm_access.gcloud_account("gcloud") == RUNNER
+    assert access.gcloud_account("gcloud") == RUNNER
 
 
 def test_user_credentials_without_a_quota_project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -212,12 +212,12 @@ def test_user_credentials_without_a_quota_project(tmp_path: Path, monkeypatch: p
     cfg = OmegaConf.create({"project": "proj-1", "name": "mt-test", "zone": "us-east5-b", "external_ip": False,
                             "ssh": {"proxy_command": None, "port": 22}})   # SSH through IAP's tunnel
     with pytest.raises(ConfigError, match="Fix: gcloud auth application-default set-quota-project proj-1"):
-        vm_access.check_gcloud(cfg, GoogleApis())
+        access.check_gcloud(cfg, GoogleApis())
     (tmp_path / "adc.json").write_text(json.dumps(adc | {"quota_project_id": "proj-1"}))
     monkeypatch.setenv("PATH", f"{fake_gcloud.install(tmp_path / 'bin')}:/usr/bin:/bin")
     monkeypatch.setenv("FAKE_GCLOUD_ACCOUNT", "me@example.com")
     monkeypatch.setenv("FAKE_GCLOUD_PROJECT", "other-project")
-    assert vm_access.check_gcloud(cfg, GoogleApis()) == ("ADC quota project proj-1; gcloud account me@example.com, "
+    assert access.check_gcloud(cfg, GoogleApis()) == ("ADC quota project proj-1; gcloud account me@example.com, "
                                                         "project other-project (mtpipe passes --project proj-1 to it)")
 
 

@@ -13,7 +13,8 @@ import pytest
 from omegaconf import OmegaConf
 
 import dodo
-from mtpipe.cloud import lifecycle, vm_caller, vm_identity
+from mtpipe.cloud import lifecycle
+from mtpipe.cloud.checks import caller, identity
 from mtpipe.cloud.settings import vm_config
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline import config
@@ -43,11 +44,11 @@ def test_the_roles_page_lists_the_roles_vm_run_checks_and_the_grant_it_names() -
     everything_on = OmegaConf.create({"external_ip": False, "name": "n", "zone": "z", "project": "p",
                                       "ssh": {"proxy_command": None, "port": 22}})
     checked, setup, _ = tables(ROLES)
-    asked_for = set(vm_caller.permissions(everything_on, creates_rule=True).values())
+    asked_for = set(caller.permissions(everything_on, creates_rule=True).values())
     assert sorted(checked) == sorted(asked_for), f"docs/roles.md's first table: {checked}; vm_caller: {asked_for}"
-    grant = vm_identity.grant_command(SimpleNamespace(bucket="b"), "sa@p.iam.gserviceaccount.com")
+    grant = identity.grant_command(SimpleNamespace(bucket="b"), "sa@p.iam.gserviceaccount.com")
     assert re.search(r"--role=(\S+)", grant)[1] in setup and "roles/storage.admin" in setup
-    named_by_the_checks = set(re.findall(r"roles/[\w.]*\w", (ROOT / "mtpipe/cloud/vm_caller.py").read_text()))
+    named_by_the_checks = set(re.findall(r"roles/[\w.]*\w", (ROOT / "mtpipe/cloud/checks/caller.py").read_text()))
     assert named_by_the_checks <= set(ROLE.findall(ROLES.read_text())), named_by_the_checks
 
 

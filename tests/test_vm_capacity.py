@@ -18,7 +18,7 @@ import pytest
 from fakes.fake_org import bucket
 from vm_world import Env
 
-from mtpipe.cloud import vm_quota
+from mtpipe.cloud.checks import quota
 from mtpipe.cloud.settings import vm_state
 
 pytestmark = pytest.mark.first_request
@@ -26,7 +26,7 @@ EAST, WEST = "us-east5-b", "europe-west4-a"   # zones of two regions that offer 
 STOCKOUT = ("operation", "ZONE_RESOURCE_POOL_EXHAUSTED",
             f"The zone 'projects/proj-1/zones/{EAST}' does not have enough resources available to fulfill the "
             "request. Try a different zone, or try again later.")
-TPU_QUOTA = vm_quota.QUOTAS["ct6e"]
+TPU_QUOTA = quota.QUOTAS["ct6e"]
 
 
 def insert_zones(w: Env) -> list[str]:

@@ -1,4 +1,4 @@
-"""The checks before spending (mtpipe/cloud/vm_checks.py): each fails before anything billable is created.
+"""The checks before spending (mtpipe/cloud/checks/): each fails before anything billable is created.
 
 `doit vm_up` / `doit vm_run` run in process against the fake Compute API, with the GCS emulator as
 the DVC remote and the loopback Hub for gated models. Every failing check is asserted to stop the
@@ -24,7 +24,7 @@ from fakes.fake_compute import FakeCompute, Reservation, running_fake
 from fakes.gcs_emulator import GCS_TEST_ENV, GcsEmulator
 from fakes.hf_server import HubServer
 
-from mtpipe.cloud import vm_checks
+from mtpipe.cloud.checks.project import check_hub_tokens, check_remote_writable, composed_branches
 from mtpipe.cloud.providers.gcp.api_errors import ENDPOINT_ENV
 from mtpipe.cloud.settings import vm_config, vm_state
 
@@ -183,8 +183,8 @@ def test_gated_model_needs_hf_token(world: World, tmp_path: Path,
         # With the granted token the same presets pass (the Hub's auth check says the token's account
         # may download the gated model); the open dataset never needed one.
         monkeypatch.setenv("HF_TOKEN", hub.gated["google/gemma-3-4b-it"])
-        branches = vm_checks.composed_branches(world.repo, [SFT_TUTORIAL.removeprefix("--set=")])
-        vm_checks.check_hub_tokens(branches.values())
+        branches = composed_branches(world.repo, [SFT_TUTORIAL.removeprefix("--set=")])
+        check_hub_tokens(branches.values())
         asked = {r.path.split("?")[0] for r in hub.requests}
     assert asked == {f"/api/models/google/gemma-3-4b-it/revision/{branches['sft'].model.source.revision}",
                      "/api/models/google/gemma-3-4b-it/auth-check",   # the token's account may download it
@@ -223,14 +223,14 @@ def test_writable_remote_passes_and_leaves_nothing(world: World) -> None:
                 and ("_softdelete" in p.parts) == deleted and (deleted or ".cloudstorage" not in p.parts)}
 
     live, deleted = stored(False), stored(True)
-    vm_checks.check_remote_writable(world.repo, timeout_s=30)
+    check_remote_writable(world.repo, timeout_s=30)
     assert stored(False) == live                    # nothing left behind ...
     assert len(stored(True) - deleted) == 1         # ... after one object was written and deleted
 
 
 def test_check_project_errors_are_config_errors(world: World) -> None:
     with pytest.raises(ConfigError, match=r"^--set: steps=\[unclosed: no viable alternative"):
-        vm_checks.composed_branches(world.repo, ["steps=[unclosed"])
+        composed_branches(world.repo, ["steps=[unclosed"])
 
 
 @pytest.mark.preflight
@@ -254,7 +254,7 @@ def test_preset_that_does_not_fit_creates_nothing(world: World, tmp_path: Path,
 def plant_compile(world: World, sets: list[str], temp_gib: float, tflops_per_device: float) -> None:
     """A compile result of the sft branch in preflight's own cache, under the digest of the exact
     arguments (a real full-size compile takes 10+ minutes: benchmarks/preflight_full.py)."""
-    cmd = preflight.stage_command(vm_checks.composed_branches(world.repo, sets)["sft"])
+    cmd = preflight.stage_command(composed_branches(world.repo, sets)["sft"])
     args = preflight.compile_args(cmd, "v6e-8")
     cache = world.repo / "work" / "preflight" / f"{preflight.compile_digest(cmd.module, args)}.json"
     cache.parent.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,7 @@ from fakes.hf_server import HubServer
 from pipeline import md5_tree, ran_stages
 from vm_world import ROOT, TOKEN, Env, assert_deleted, experiments, hub_with_tutorial_repos, sh
 
-from mtpipe.cloud import vm_tpu
+from mtpipe.cloud.checks import tpu
 from mtpipe.maxtext import tpu_check
 
 SFT_DTYPE = "sft.to_huggingface.weight_dtype"
@@ -295,11 +295,11 @@ def test_which_tpu_the_vm_must_have() -> None:
     for wrong in ("v4-8", "v6e", "v6e-x"):
         with pytest.raises(ValueError, match="is none of v5e, v5p, v6e"):
             tpu_check.accelerator(wrong)
-    found = vm_tpu.targets(ROOT, [[], ["sft.preset=gemma3-4b-ultrachat-v6e32"],
+    found = tpu.targets(ROOT, [[], ["sft.preset=gemma3-4b-ultrachat-v6e32"],
                                   ["sft.preset=gemma3-4b-ultrachat-v6e8", "rl.preset=llama3.1-8b-gsm8k-v6e8"]])
     assert [(t.accelerator_type, t.hardware, t.branches, t.command()) for t in found] == [
         ("v6e-8", "v6e-8", ["sft", "rl"], TPU_CHECK)]
-    assert vm_tpu.targets(ROOT, [[], ["sft.preset=gemma3-4b-ultrachat-v6e32"]]) == []
+    assert tpu.targets(ROOT, [[], ["sft.preset=gemma3-4b-ultrachat-v6e32"]]) == []
 
 
 def index_of(commands: list[str | None], text: str) -> int:

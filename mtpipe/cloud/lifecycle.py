@@ -24,7 +24,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from mtpipe.cloud import notify, prerequisites, vm_checks, vm_host, vm_identity, vm_tpu
+from mtpipe.cloud import notify
+from mtpipe.cloud.checks import host, identity, prerequisites, tpu
+from mtpipe.cloud.checks.forecast import cached_forecasts, check_spot_resume
+from mtpipe.cloud.checks.project import check_project
 from mtpipe.cloud.on_vm import dvc_experiments, run_status, setup, ssh
 from mtpipe.cloud.providers import interrupts
 from mtpipe.cloud.providers.gcp import ssh_route
@@ -158,7 +161,7 @@ class VmLifecycle:
         PROJECT, ZONE, RESERVATION and the credentials are checked first, all named at once. Before
         creating anything every check before spending runs (prerequisites.before_spending, what `doit
         check` runs) for the `--set` values of every experiment, and one error lists every failure; a
-        VM that exists only gets the project checks and the Spot one (vm_checks.check_spot_resume,
+        VM that exists only gets the project checks and the Spot one (check_spot_resume,
         with preflight's cached forecast). `preflight` then AOT-compiles the TPU branches (after the
         quick checks: a compile takes minutes the first time) and forecasts the run up to the DVC
         `target` (None: the whole pipeline), the price asked for. `may_create`
@@ -190,8 +193,8 @@ class VmLifecycle:
         if instance is not None:
             _say(f"reusing VM {cfg.name} ({instance.status}) in {cfg.zone}")
             vm_config.use_recorded_login(cfg, state)
-            vm_checks.check_project(cfg, root, experiments)
-            vm_checks.check_spot_resume(cfg, vm_checks.cached_forecasts(cfg, root, experiments)[0])
+            check_project(cfg, root, experiments)
+            check_spot_resume(cfg, cached_forecasts(cfg, root, experiments)[0])
             if not state.get("vms"):   # created elsewhere: its cost counts from its creation
                 vm_state.vm_started(state, cfg, instance.creation_timestamp)
         else:
@@ -217,7 +220,7 @@ class VmLifecycle:
             instance = self._create(state)
         remote = self._connect(state, instance, created)
         if created and unproven:   # before any setup minute; the VM is deleted unless --keep
-            self.guarded(lambda: vm_identity.probe_from_vm(remote, cfg, unproven))
+            self.guarded(lambda: identity.probe_from_vm(remote, cfg, unproven))
         return remote
 
     def _confirm(self, forecasts: list[dict[str, Any]]) -> None:
@@ -615,17 +618,17 @@ class VmLifecycle:
                    for sets, name in zip(experiments, names)]
         remote = self.ensure(experiments, may_create, preflight, target)  # will it fit the TPU? (docs/preflight.md)
         todo, came_back = list(zip(experiments, scripts)), []
-        tpus: list[vm_tpu.Target] = []   # the TPUs the branches that run on the VM target
+        tpus: list[tpu.Target] = []   # the TPUs the branches that run on the VM target
 
         def attempt(remote: ssh.Remote) -> None:
             _say(f"setting up VM {cfg.name} (once per VM)")
             setup.setup(remote, cfg, root)
-            _say(vm_host.check(remote, cfg, root, experiments))   # before anything is shipped or downloaded
+            _say(host.check(remote, cfg, root, experiments))   # before anything is shipped or downloaded
             _say(f"shipping HEAD to VM {cfg.name}")
             commit = dvc_experiments.ship(remote, root, cfg.run.remote_dir)
-            for target in tpus:   # before anything is downloaded; a failure deletes the VM (mtpipe.cloud.vm_tpu)
+            for target in tpus:   # before anything is downloaded; a failure deletes the VM (mtpipe.cloud.checks.tpu)
                 _say(f"checking the TPU runtime on VM {cfg.name}: {target.command()}")
-                _say(vm_tpu.check(remote, cfg, root, target))
+                _say(tpu.check(remote, cfg, root, target))
             for what, check in checks:
                 _say(what)
                 _say(check(remote))
@@ -647,7 +650,7 @@ class VmLifecycle:
                     _say("the run made no DVC experiment (run.command without {dvc}?)")
 
         def body() -> None:
-            tpus.extend(vm_tpu.targets(root, experiments))
+            tpus.extend(tpu.targets(root, experiments))
             self.with_recovery(remote, attempt)
 
         self.guarded(body)

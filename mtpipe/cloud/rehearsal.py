@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
-from mtpipe.cloud import vm_tpu
+from mtpipe.cloud.checks import tpu
 from mtpipe.cloud.on_vm import dvc_experiments, ssh
 from mtpipe.cloud.settings import prices, vm_config, vm_state
 from mtpipe.errors import ConfigError
@@ -43,8 +43,8 @@ Check = tuple[str, Callable[[ssh.Remote], str]]   # what is checked, and the che
 def one_chip(machine_type: str) -> tuple[str, str]:
     """The machine type of one chip of ``machine_type``'s generation and its hardware preset:
     ct6e-standard-8t -> (ct6e-standard-1t, v6e-1)."""
-    tpu, _ = prices.machine_tpu(machine_type)
-    return re.sub(r"-[0-9]+t$", "-1t", machine_type), f"{tpu}-1"
+    version, _ = prices.machine_tpu(machine_type)
+    return re.sub(r"-[0-9]+t$", "-1t", machine_type), f"{version}-1"
 
 
 def check_options(sets: list[str], queue: bool, target: str | None) -> None:
@@ -77,10 +77,10 @@ def load_config(params: dict[str, Any], root: Path) -> DictConfig:
                                   "spot_without_work_bucket": True})
 
 
-def tpu_target(cfg: DictConfig, root: Path) -> vm_tpu.Target:
+def tpu_target(cfg: DictConfig, root: Path) -> tpu.Target:
     """The VM's one chip as run.hardware's preset (conf/hardware/v6e-1.yaml) describes it."""
     env = dvc_experiments.hardware_env(root, cfg.run.hardware)
-    return vm_tpu.Target(env["TPU_ACCELERATOR_TYPE"], cfg.run.hardware, env, [WHO])
+    return tpu.Target(env["TPU_ACCELERATOR_TYPE"], cfg.run.hardware, env, [WHO])
 
 
 def hub_command() -> str:
@@ -109,7 +109,7 @@ def checks(cfg: DictConfig, root: Path) -> list[Check]:
     check on its one chip, then the Hub download."""
     target = tpu_target(cfg, root)
     return [(f"checking the TPU runtime on VM {cfg.name}: {target.command()}",
-             lambda remote: vm_tpu.check(remote, cfg, root, target)),
+             lambda remote: tpu.check(remote, cfg, root, target)),
             (f"downloading through the Hugging Face Hub client on VM {cfg.name}: {hub_command()}",
              lambda remote: hub_download(remote, cfg, root))]
 

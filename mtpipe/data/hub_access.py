@@ -1,5 +1,5 @@
 """Whether HF_TOKEN's account may download a gated repo, asked before any VM exists (the checks before
-spending, mtpipe.cloud.vm_checks). Apart from mtpipe/data/hub.py so that the hf_download stage's code,
+spending, mtpipe.cloud.checks.project). Apart from mtpipe/data/hub.py so that the hf_download stage's code,
 and so its address, does not carry a check only the laptop runs."""
 
 from __future__ import annotations

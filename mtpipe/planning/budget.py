@@ -17,7 +17,7 @@ Answered before any VM exists, from numbers that need no accelerator and no netw
   the boot disk. DVC's cache links outputs (``cache.type`` hardlink: no second copy) or copies them.
 
 Capacities of the machine are in :data:`HOSTS` with their sources, or what the VM itself says after
-its setup (``Machine.host``, read by mtpipe.cloud.vm_host); :func:`check` refuses a plan that leaves
+its setup (``Machine.host``, read by mtpipe.cloud.checks.host); :func:`check` refuses a plan that leaves
 less than :data:`MARGIN` of a file system or of host memory free, naming the key to change.
 docs/machine-budget.md says which number is measured, compiled or estimated.
 """
@@ -59,7 +59,7 @@ class Host:
 # The VM's RAM, not the host's DRAM. ct6e-standard-8t: 180 vCPUs and 1,440 GB of RAM (the VM-type
 # table of Google's TPU pages; the host has "DRAM per host 1,536 GiB", cloud.google.com/tpu/docs/v6e,
 # "System architecture"). The table's unit is read as GB (10^9 B), the smaller reading: the VM itself
-# is read after the setup (mtpipe.cloud.vm_host). ct5lp-hightpu-8t: 384 GB (cloud.google.com/tpu/docs/v5e,
+# is read after the setup (mtpipe.cloud.checks.host). ct5lp-hightpu-8t: 384 GB (cloud.google.com/tpu/docs/v5e,
 # "VM types"; the host has 512 GiB). /dev/shm: Linux mounts tmpfs at half of RAM unless told otherwise
 # (mount(8), tmpfs "size"); the TPU image is assumed to set no other size, and the VM says.
 HOSTS = {"v6e-8": Host(memory_gib=1440e9 / 2**30, shm_gib=1440e9 / 2**30 / 2,

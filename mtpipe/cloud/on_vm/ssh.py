@@ -2,7 +2,7 @@
 
 SSH goes through asyncssh with a key of our own (`ssh.key_file`, generated on first use); its public
 half reaches the VM in the `ssh-keys` metadata, or with OS Login in the caller's OS Login profile
-(mtpipe.cloud.vm_access); a VM without an external IP is reached through IAP (ssh_route). The VM's host key is trusted on first use and kept in
+(mtpipe.cloud.checks.access); a VM without an external IP is reached through IAP (ssh_route). The VM's host key is trusted on first use and kept in
 the state file. Secrets (HF_TOKEN) are written to the remote command's stdin and read there by the
 shell builtin `read`, so they never appear in argv, metadata, logs or files.
 """

@@ -30,7 +30,7 @@ from mtpipe.cloud.providers.interface import GcpError
 
 class Unknown(Exception):
     """A check that cannot tell (a policy it may not read, an API it may not ask): reported as unknown,
-    never as fine (mtpipe.cloud.prerequisites)."""
+    never as fine (mtpipe.cloud.checks.prerequisites)."""
 
 
 ROOTS = {"oslogin": "https://oslogin.googleapis.com", "orgpolicy": "https://orgpolicy.googleapis.com",

@@ -19,7 +19,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from mtpipe.cloud import org_policies, vm_access, vm_caller, vm_checks, vm_identity
+from mtpipe.cloud.checks import access, caller, identity, org_policies
+from mtpipe.cloud.checks.capacity import check_machine_type, check_reservation, check_zones
+from mtpipe.cloud.checks.forecast import cached_forecasts, check_spot_resume
+from mtpipe.cloud.checks.project import check_hub_repo, check_remote_writable, composed_branches, hub_repos
 from mtpipe.cloud.providers.gcp.compute import Compute
 from mtpipe.cloud.providers.gcp.google_apis import GoogleApis, Unknown
 from mtpipe.cloud.providers.interface import GcpError
@@ -137,9 +140,9 @@ def check_settings(cfg: DictConfig) -> None:
 
 
 def check_all(run: Runner, cfg: DictConfig, root: Path, experiments: list[list[str]],
-              client: Compute | None = None, act: bool = False) -> list[vm_identity.Target]:
+              client: Compute | None = None, act: bool = False) -> list[identity.Target]:
     """Every check, in the order the run would meet them; returns the buckets only the VM can tell it
-    may use (vm_identity.probe_from_vm). ``client``: the zone's Compute client (made here when None).
+    may use (identity.probe_from_vm). ``client``: the zone's Compute client (made here when None).
     ``act``: vm_up's mode, which enables disabled APIs (enable_apis: true) and imports the SSH key
     into the OS Login profile; without it nothing is changed anywhere."""
     apis = settings(run, cfg)
@@ -147,26 +150,26 @@ def check_all(run: Runner, cfg: DictConfig, root: Path, experiments: list[list[s
     if cfg.provisioning == "flex-start":
         run.check("Flex-start zones", lambda: "; ".join(vm_config.flex_start_zones(cfg))
                   or f"{', '.join(vm_config.candidate_zones(cfg))} grant Flex-start {cfg.machine_type} VMs")
-    run.check("gcloud", lambda: vm_access.check_gcloud(cfg, apis), needs=("credentials",))
+    run.check("gcloud", lambda: access.check_gcloud(cfg, apis), needs=("credentials",))
     compute = run.check("Compute", lambda: _compute(cfg, client), needs=("PROJECT", "ZONE", "credentials"))
     compute_needs = ("Compute",)
-    run.check("machine type", lambda: vm_checks.check_machine_type(cfg, compute)
+    run.check("machine type", lambda: check_machine_type(cfg, compute)
               or f"{cfg.zone} offers {cfg.machine_type}", needs=(*compute_needs, "route"))
     if cfg.provisioning == "reservation":
-        run.check("reservation", lambda: vm_checks.check_reservation(cfg, compute)
+        run.check("reservation", lambda: check_reservation(cfg, compute)
                   or f"{cfg.reservation} has room for one {cfg.machine_type}", needs=(*compute_needs, "RESERVATION"))
-    run.check("network", lambda: vm_access.check_network(cfg, compute) or f"{cfg.network}"
+    run.check("network", lambda: access.check_network(cfg, compute) or f"{cfg.network}"
               + (f", subnetwork {cfg.subnetwork}" if cfg.subnetwork else ""), needs=compute_needs)
     creates_rule = run.check("SSH route", lambda: _ssh_route(cfg, compute, apis), needs=("network",))
-    run.check("OS Login", lambda: vm_access.check_os_login(cfg, compute, apis, import_key=act), needs=compute_needs)
+    run.check("OS Login", lambda: access.check_os_login(cfg, compute, apis, import_key=act), needs=compute_needs)
     branches = run.check("presets", lambda: _presets(root, experiments), needs=("--set",))
     run.check("DVC remote", lambda: _dvc_remote(cfg, root))
-    uses_gcs = run.outcomes["DVC remote"].status == OK and bool(vm_identity.targets(cfg, root))
-    run.check("APIs", lambda: vm_caller.check_apis(cfg, apis, vm_caller.services(cfg, uses_gcs), enable=act),
+    uses_gcs = run.outcomes["DVC remote"].status == OK and bool(identity.targets(cfg, root))
+    run.check("APIs", lambda: caller.check_apis(cfg, apis, caller.services(cfg, uses_gcs), enable=act),
               needs=compute_needs)
-    run.check("permissions", lambda: vm_caller.check_permissions(cfg, apis, vm_caller.permissions(cfg, bool(creates_rule))),
+    run.check("permissions", lambda: caller.check_permissions(cfg, apis, caller.permissions(cfg, bool(creates_rule))),
               needs=(*compute_needs, "SSH route"))
-    run.check("zones and quota", lambda: vm_checks.check_zones(cfg, compute, apis)
+    run.check("zones and quota", lambda: check_zones(cfg, compute, apis)
               or f"trying {', '.join(cfg.zones)}", needs=("machine type",))
     for constraint, check in (("compute.requireShieldedVm", org_policies.check_shielded_vm),
                               ("compute.trustedImageProjects", org_policies.check_trusted_images),
@@ -174,8 +177,8 @@ def check_all(run: Runner, cfg: DictConfig, root: Path, experiments: list[list[s
                               ("compute.requireOsLogin", org_policies.check_os_login_policy)):
         run.check(f"policy {constraint}", lambda check=check: check(cfg, apis), needs=compute_needs)
     unproven = run.check("VM's service account", lambda: _identity(cfg, root), needs=(*compute_needs, "DVC remote"))
-    for repo in vm_checks.hub_repos(branches or []):
-        run.check(f"Hub {repo.repo_type} {repo.repo_id}", lambda repo=repo: vm_checks.check_hub_repo(repo))
+    for repo in hub_repos(branches or []):
+        run.check(f"Hub {repo.repo_type} {repo.repo_id}", lambda repo=repo: check_hub_repo(repo))
     forecasts = run.check("preflight", lambda: _preflight(cfg, root, experiments), needs=("presets",))
     run.check("Spot run", lambda: _spot(cfg, forecasts or []))
     return unproven or []
@@ -191,8 +194,8 @@ def _compute(cfg: DictConfig, client: Compute | None) -> tuple[str, Compute]:
 def _ssh_route(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> tuple[str, bool]:
     """An external IP (allowed by the organisation) or IAP (gcloud as the credentials' account, a
     Cloud NAT), then a firewall rule for SSH; whether vm_up creates its own rule."""
-    vm_access.check_external_ip(cfg, compute, apis)
-    creates_rule = vm_access.check_firewall(cfg, compute)
+    access.check_external_ip(cfg, compute, apis)
+    creates_rule = access.check_firewall(cfg, compute)
     how = "the VM's external IP" if cfg.external_ip else "IAP's tunnel"
     rule = f"vm_up creates firewall rule {cfg.firewall.name}" if creates_rule else "a firewall rule admits it"
     return f"SSH through {how}; {rule}", creates_rule
@@ -200,19 +203,19 @@ def _ssh_route(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> tuple[str
 
 def _presets(root: Path, experiments: list[list[str]]) -> tuple[str, list]:
     """Every branch of every experiment composes (HEAD's params.yaml with its --set values)."""
-    branches = [branch for sets in experiments for branch in vm_checks.composed_branches(root, sets).values()]
+    branches = [branch for sets in experiments for branch in composed_branches(root, sets).values()]
     presets = sorted({f"{b.branch} ({b.model.name} on {b.hardware.name})" for b in branches})
     return f"{len(experiments)} experiment(s) compose: {', '.join(presets)}", branches
 
 
 def _dvc_remote(cfg: DictConfig, root: Path) -> str:
-    name, remote = vm_identity.shipped_remote(root)
-    vm_checks.check_remote_writable(root, float(cfg.remote_probe_timeout_s))
+    name, remote = identity.shipped_remote(root)
+    check_remote_writable(root, float(cfg.remote_probe_timeout_s))
     return f"{name} ({remote['url']}) is HEAD's and accepts a write"
 
 
-def _identity(cfg: DictConfig, root: Path) -> tuple[str, list[vm_identity.Target]]:
-    unproven = vm_identity.check_identity(cfg, root)
+def _identity(cfg: DictConfig, root: Path) -> tuple[str, list[identity.Target]]:
+    unproven = identity.check_identity(cfg, root)
     if unproven:
         return f"the VM tries {', '.join(t.url for t in unproven)} itself, right after SSH", unproven
     return "may use every bucket the run needs (as the allow policies readable here show)", unproven
@@ -220,7 +223,7 @@ def _identity(cfg: DictConfig, root: Path) -> tuple[str, list[vm_identity.Target
 
 def _preflight(cfg: DictConfig, root: Path, experiments: list[list[str]]) -> tuple[str, list[dict[str, Any]]]:
     """Whether preflight has a cached compile of each TPU branch, and whether it fits (nothing compiles)."""
-    rows, not_compiled = vm_checks.cached_forecasts(cfg, root, experiments)
+    rows, not_compiled = cached_forecasts(cfg, root, experiments)
     for row in rows:
         preflight.check_fits(row)
     said = [f"{r['branch']} ({r['preset']}) fits: {r['hbm_gib_per_chip']:.1f} of {r['hbm_gib_available']} GiB HBM "
@@ -232,8 +235,8 @@ def _preflight(cfg: DictConfig, root: Path, experiments: list[list[str]]) -> tup
 
 
 def _spot(cfg: DictConfig, forecasts: list[dict[str, Any]]) -> str:
-    """A Spot run can resume after a preemption (vm_checks.check_spot_resume): conf/vm.yaml decides."""
-    vm_checks.check_spot_resume(cfg, forecasts)
+    """A Spot run can resume after a preemption (check_spot_resume): conf/vm.yaml decides."""
+    check_spot_resume(cfg, forecasts)
     if cfg.provisioning != "spot":
         return f"not a Spot run ({cfg.provisioning})"
     return "training resumes from the work bucket" if not cfg.spot_without_work_bucket else \
@@ -241,7 +244,7 @@ def _spot(cfg: DictConfig, forecasts: list[dict[str, Any]]) -> str:
 
 
 def before_spending(cfg: DictConfig, compute: Compute, root: Path,
-                    experiments: list[list[str]]) -> list[vm_identity.Target]:
+                    experiments: list[list[str]]) -> list[identity.Target]:
     """vm_up's and vm_run's checks before the first insert: every check, each line printed, then one
     error listing every failure; returns the buckets only the VM can tell it may use."""
     run = Runner(_say)

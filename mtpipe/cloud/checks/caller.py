@@ -14,7 +14,7 @@ from collections import defaultdict
 
 from omegaconf import DictConfig
 
-from mtpipe.cloud import vm_identity
+from mtpipe.cloud.checks import identity
 from mtpipe.cloud.providers.gcp import ssh_route
 from mtpipe.cloud.providers.gcp.api_errors import SERVICE_TITLES
 from mtpipe.cloud.providers.gcp.google_apis import GoogleApis, Unknown, member
@@ -116,7 +116,7 @@ def check_permissions(cfg: DictConfig, apis: GoogleApis, wanted: dict[str, str])
     email = ""
     if ACT_AS in wanted and ACT_AS not in granted:
         try:
-            email = vm_identity.service_account(cfg)
+            email = identity.service_account(cfg)
             granted |= apis.granted_on_service_account(email, [ACT_AS])
         except GcpError as err:
             _say(f"could not test {ACT_AS} on the VM's service account ({err}); going on")

@@ -153,7 +153,7 @@ def check_gcloud(cfg: DictConfig, apis: GoogleApis) -> str:
 
 def check_iap_account(program: str, apis: GoogleApis) -> None:
     """SSH through IAP runs `gcloud compute start-iap-tunnel` as gcloud's active account, while these
-    checks (the tunnel permission among them: mtpipe.cloud.vm_caller) and the insert use the
+    checks (the tunnel permission among them: mtpipe.cloud.checks.caller) and the insert use the
     Application Default Credentials: both must be one account. Credentials whose account is not
     known here (anonymous ones) are said and passed over."""
     account, adc = gcloud_account(program), apis.account()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from mtpipe.cloud import vm_checks
+from mtpipe.cloud.checks.project import composed_branches
 from mtpipe.cloud.on_vm import dvc_experiments
 from mtpipe.cloud.on_vm.ssh import Remote, run
 from mtpipe.cloud.settings.vm_config import VmError
@@ -53,7 +53,7 @@ def targets(root: Path, experiments: list[list[str]]) -> list[Target]:
     (HEAD's params.yaml, as the VM composes it); [] when none does (CPU or xpk presets)."""
     found: dict[str, Target] = {}
     for sets in experiments:
-        for name, branch in vm_checks.composed_branches(root, sets).items():
+        for name, branch in composed_branches(root, sets).items():
             topo = preflight.topology(branch)
             if topo is None or branch.hardware.backend != "local":
                 continue

@@ -1,0 +1,126 @@
+"""Checks before spending of capacity: where Compute can create the VM.
+
+The zone offers the machine type (TPU v6e), and with `provisioning: reservation` the reservation
+exists (another project's: shared with this one), is READY, reserves that machine type (or its TPU
+chips) and has room for one VM, and how its VMs are provisioned is decided (RESERVATION_BOUND or
+STANDARD); every other zone of ``zones`` as the first (it offers the machine type; its region has the
+subnetwork and, without an external IP, a Cloud NAT), and the TPU quota of each zone's region
+(mtpipe.cloud.checks.quota: a region without room is left out, none with room stops the run). Each
+failure is a ConfigError naming the key and the fix.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from google.cloud import compute_v1
+from omegaconf import DictConfig, OmegaConf
+
+from mtpipe.cloud.checks import access, quota
+from mtpipe.cloud.providers.gcp.bodies import reservation_path
+from mtpipe.cloud.providers.gcp.compute import Compute
+from mtpipe.cloud.providers.gcp.google_apis import GoogleApis
+from mtpipe.cloud.providers.interface import region
+from mtpipe.cloud.settings import prices, vm_config
+from mtpipe.errors import ConfigError
+
+
+def check_compute(cfg: DictConfig, compute: Compute) -> None:
+    """The zone offers the machine type, a reservation has room for one VM."""
+    check_machine_type(cfg, compute)
+    if cfg.provisioning == "reservation":
+        check_reservation(cfg, compute)
+
+
+def check_machine_type(cfg: DictConfig, compute: Compute) -> None:
+    """The zone offers the machine type (an authenticated call: bad credentials fail here too)."""
+    if compute.get_machine_type(cfg.machine_type) is None:
+        raise ConfigError("vm.zones" if cfg.zones else "vm.zone", f"zone {cfg.zone!r} does not offer "
+                          f"{cfg.machine_type} (TPU v6e)", "pick zones listed for v6e at "
+                          "cloud.google.com/tpu/docs/regions-zones (e.g. us-east5-b) with ZONE / --zone or "
+                          "zones: in conf/vm.yaml, where your reservation is")
+
+
+def check_zones(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> None:
+    """Every other zone the VM may be created in as :func:`check_compute` and vm_access checked the
+    first (the regional part: access.check_region), then the quota of their regions
+    (quota.usable_zones), which may leave fewer zones to try: ``zones`` and ``zone`` become them."""
+    zones = vm_config.candidate_zones(cfg)
+    regions = {region(cfg.zone)}
+    for zone in zones[1:]:
+        here, there = OmegaConf.merge(cfg, {"zone": zone}), compute.in_zone(zone)
+        check_compute(here, there)
+        if region(zone) not in regions:
+            regions.add(region(zone))
+            access.check_region(here, there)
+    usable = quota.usable_zones(cfg, apis, zones)
+    cfg.zone, cfg.zones = usable[0], usable
+
+
+FULL_FIX = ("delete a VM that uses it (`gcloud compute instances list --filter=labels.app=mtpipe`), wait "
+            "for one to end, or use another reservation")
+
+
+def check_reservation(cfg: DictConfig, compute: Compute) -> None:
+    """The reservation exists (another project's: shared with this one), is READY, reserves the
+    machine type and has room for one VM: a free VM of a specific reservation, the VM's chips of an
+    aggregate (TPU) one. Then the provisioning model of its VMs is decided, so that a lookup Compute
+    refuses stops the run here (Compute.provisioning_model)."""
+    owner, name = reservation_path(cfg.reservation, cfg.project)
+    reservation = compute.get_reservation(cfg.reservation)
+    if reservation is None:
+        raise ConfigError("vm.reservation", f"no reservation {name!r} in {owner}/{cfg.zone}",
+                          f"`gcloud compute reservations list --project {owner}` shows their "
+                          "names and zones; pass the name as RESERVATION / --reservation (another "
+                          "project's as projects/PROJECT/reservations/NAME)")
+    if owner != cfg.project:
+        share = reservation.share_settings
+        if not (share.share_type == "ORGANIZATION"
+                or (share.share_type == "SPECIFIC_PROJECTS" and cfg.project in share.project_map)):
+            raise ConfigError("vm.reservation", f"{cfg.reservation} is not shared with {cfg.project} "
+                              f"(shareSettings.shareType {share.share_type or 'LOCAL'})",
+                              f"ask the owner of {owner} to share it: `gcloud compute reservations update "
+                              f"{name} --project={owner} --zone={cfg.zone} --add-share-with={cfg.project}`")
+    if reservation.status not in ("", "READY"):
+        raise ConfigError("vm.reservation", f"{cfg.reservation} is {reservation.status}, not READY",
+                          "wait until `gcloud compute reservations describe` says READY (a reservation "
+                          "from a future reservation is usable from its start time), or use another one")
+    if "aggregate_reservation" in reservation:
+        _check_chips(cfg, reservation.aggregate_reservation)
+    elif "specific_reservation" in reservation:
+        _check_vms(cfg, reservation.specific_reservation)
+    else:
+        raise ConfigError("vm.reservation", f"{cfg.reservation} reserves neither VMs "
+                          "(specificReservation) nor TPU chips (aggregateReservation)",
+                          "use a reservation of v6e-8 VMs (ct6e-standard-8t) or of TPU v6e chips")
+    compute.provisioning_model(cfg)   # decided (and kept for the insert) before anything exists
+
+
+def _check_vms(cfg: DictConfig, specific: compute_v1.AllocationSpecificSKUReservation) -> None:
+    """A specific reservation: VMs of one machine type, ``count`` of them, ``inUseCount`` taken."""
+    reserved = specific.instance_properties.machine_type.rsplit("/", 1)[-1]
+    if reserved and reserved != cfg.machine_type:
+        raise ConfigError("vm.reservation", f"{cfg.reservation} reserves {reserved}, not "
+                          f"{cfg.machine_type}", "use a reservation of v6e-8 VMs (ct6e-standard-8t)")
+    if specific.count - specific.in_use_count < 1:
+        raise ConfigError("vm.reservation", f"{cfg.reservation} has no free VM ({specific.in_use_count}"
+                          f" of {specific.count} VMs in use)", FULL_FIX)
+
+
+def _check_chips(cfg: DictConfig, aggregate: compute_v1.AllocationAggregateReservation) -> None:
+    """An aggregate (TPU) reservation: chips of one VM family (vmFamily ..._CT6E for v6e), counted in
+    ``reservedResources`` and ``inUseResources``; a VM takes its machine type's chips (8 for a v6e-8)."""
+    family, chips = prices.tpu_chips(cfg.machine_type)
+    reserved_family = aggregate.vm_family.rsplit("_", 1)[-1].lower()
+    if reserved_family != family:
+        raise ConfigError("vm.reservation", f"{cfg.reservation} reserves {aggregate.vm_family} chips, "
+                          f"not {family} ones ({cfg.machine_type})",
+                          "use a reservation of TPU v6e chips (VM_FAMILY_CLOUD_TPU_LITE_POD_SLICE_CT6E)")
+
+    def count(resources: Iterable[compute_v1.AllocationAggregateReservationReservedResourceInfo]) -> int:
+        return sum(r.accelerator.accelerator_count for r in resources
+                   if r.accelerator.accelerator_type.rsplit("/", 1)[-1] == family)
+
+    total, used = count(aggregate.reserved_resources), count(aggregate.in_use_resources)
+    if total - used < chips:
+        raise ConfigError("vm.reservation", f"{cfg.reservation} has no free VM ({used} of {total} chips "
+                          f"in use; a {cfg.machine_type} takes {chips})", FULL_FIX)
