@@ -15,7 +15,7 @@ the VM when the run ends, unless --keep; a VM lost during the run (Spot preempti
 `max_recoveries` times.
 
 Configuration: conf/vm.yaml; what vm_up created: .vm_state.json; docs/tpu-vm.md explains it all.
-This file only declares the tasks and their options; the VM's life is mtpipe/cloud/lifecycle.py.
+This file only declares the tasks and their options; the VM's life is mtpipe/cloud/lifecycle/ (VmLifecycle: run.py).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from doit.exceptions import TaskFailed
 from mtpipe.cloud.settings.vm_env import ENV_KEYS
 
 if TYPE_CHECKING:
-    from mtpipe.cloud.lifecycle import VmLifecycle
+    from mtpipe.cloud.lifecycle.run import VmLifecycle
 
 # `doit list` and `doit help` import this file and run no action: each action imports what it uses
 # (Google's clients, MaxText, JAX, DVC take seconds to import; docs/decisions/reporting.md).
@@ -105,7 +105,7 @@ def _task_action(fn: Callable[..., None]) -> Callable[..., TaskFailed | None]:
 
 def _target(params: dict[str, Any], keep: bool = False, yes: bool = False) -> VmLifecycle:
     """The VM the options, the environment, conf/vm.yaml and .vm_state.json name."""
-    from mtpipe.cloud.lifecycle import VmLifecycle
+    from mtpipe.cloud.lifecycle.run import VmLifecycle
     from mtpipe.cloud.on_vm import dvc_experiments
     from mtpipe.cloud.settings import vm_config, vm_state
 
@@ -115,7 +115,7 @@ def _target(params: dict[str, Any], keep: bool = False, yes: bool = False) -> Vm
 
 @_task_action
 def vm_up(keep: bool, yes: bool, **params: Any) -> None:
-    from mtpipe.cloud.lifecycle import VmLifecycle
+    from mtpipe.cloud.lifecycle.run import VmLifecycle
     from mtpipe.cloud.on_vm import dvc_experiments
     from mtpipe.cloud.settings import vm_config
 
@@ -135,12 +135,13 @@ def vm_setup(keep: bool, **params: Any) -> None:
 @_task_action
 def vm_run(keep: bool, yes: bool, recreate: bool, target: str | None, set: list[str],
            exp_name: str | None, queue: bool, no_preflight: bool, rehearse: bool, **params: Any) -> None:
-    from mtpipe.cloud import rehearsal
-    from mtpipe.cloud.lifecycle import VmLifecycle, spend_line
+    from mtpipe.cloud.lifecycle import rehearsal
+    from mtpipe.cloud.lifecycle.lines import spend_line
+    from mtpipe.cloud.lifecycle.run import VmLifecycle
     from mtpipe.cloud.on_vm import dvc_experiments
     from mtpipe.cloud.settings import vm_state
 
-    if rehearse:   # the embedded default on a new one-chip VM (mtpipe/cloud/rehearsal.py)
+    if rehearse:   # the embedded default on a new one-chip VM (mtpipe/cloud/lifecycle/rehearsal.py)
         rehearsal.check_options(set, queue, target)
         root = dvc_experiments.repo_root()
         life = VmLifecycle(rehearsal.load_config(params, root), root, keep, yes)

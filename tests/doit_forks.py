@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # What `doit vm_*` imports before its first request (dodo.py's imports, then the checks before spending).
-PRELOAD = ["doit.doit_cmd", "mtpipe.cloud.lifecycle", "mtpipe.data.publish", "mtpipe.planning.preflight",
+PRELOAD = ["doit.doit_cmd", "mtpipe.cloud.lifecycle.run", "mtpipe.data.publish", "mtpipe.planning.preflight",
            "maxtext.configs.types", "dvc.repo", "dvc_gs"]
 
 

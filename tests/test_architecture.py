@@ -1,5 +1,6 @@
-"""mtpipe's packages keep the order docs/architecture.md declares: no import runs against it. The
-tests keep the layout docs/testing.md describes: no test file imports another, fakes in tests/fakes/."""
+"""mtpipe's packages, and mtpipe/cloud's rooms, keep the orders docs/architecture.md declares: no import
+runs against them; no class is longer than 300 lines. The tests keep the layout docs/testing.md
+describes: no test file imports another, fakes in tests/fakes/."""
 
 import ast
 import re
@@ -69,6 +70,69 @@ def test_the_check_sees_an_import_against_the_order(tmp_path: Path):
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from mtpipe.training import xpk\n    return xpk\n")
     assert imports(module) == [(2, "mtpipe.training")]
+
+
+CLOUD = ROOT / "mtpipe" / "cloud"
+MAX_CLASS_LINES = 300
+
+
+def declared_cloud_order() -> list[str]:
+    """mtpipe/cloud's rooms, lowest first, from the "Cloud order:" line of docs/architecture.md."""
+    match = re.search(r"^Cloud order: (.+)$", (ROOT / "docs" / "architecture.md").read_text(), re.MULTILINE)
+    assert match, "docs/architecture.md has no 'Cloud order:' line"
+    return [name.strip() for name in match.group(1).split("<")]
+
+
+def cloud_rooms_imported(path: Path) -> list[tuple[int, str]]:
+    """(line, room) of every import of mtpipe.cloud's rooms in a file, those inside functions included:
+    `from mtpipe.cloud.on_vm.ssh import run` and `from mtpipe.cloud import on_vm` both name `on_vm`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        modules = ([alias.name for alias in node.names] if isinstance(node, ast.Import) else
+                   [f"{node.module}.{alias.name}" for alias in node.names] if isinstance(node, ast.ImportFrom)
+                   and node.module == "mtpipe.cloud" else
+                   [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+        found += [(node.lineno, module.split(".")[2]) for module in modules
+                  if module.startswith("mtpipe.cloud.")]
+    return found
+
+
+def test_every_cloud_room_is_in_the_declared_order():
+    """mtpipe/cloud holds a few rooms (sub-packages), each named in the order, and no loose module."""
+    order = declared_cloud_order()
+    rooms = {p.name for p in CLOUD.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    loose = sorted(p.name for p in CLOUD.glob("*.py") if p.name != "__init__.py")
+    assert set(order) == rooms and not loose, f"declared {order}, found {sorted(rooms)} and modules {loose}"
+    assert len(rooms) <= 6, f"{len(rooms)} rooms in mtpipe/cloud: {sorted(rooms)}"
+
+
+def test_no_cloud_import_runs_against_the_order():
+    """A room imports from itself and the rooms before it, so no two rooms import each other."""
+    rank = {name: i for i, name in enumerate(declared_cloud_order())}
+    against = []
+    for path in sorted(CLOUD.rglob("*.py")):
+        relative = path.relative_to(ROOT)
+        if len(relative.parts) < 4:   # mtpipe/cloud/__init__.py
+            continue
+        source = relative.parts[2]
+        against += [f"{relative}:{line} ({source}) imports mtpipe.cloud.{room}" for line, room in cloud_rooms_imported(path)
+                    if rank[room] > rank[source]]
+    assert not against, "imports against docs/architecture.md's cloud order:\n" + "\n".join(against)
+
+
+def test_the_check_sees_an_import_of_a_later_room(tmp_path: Path):
+    module = tmp_path / "m.py"
+    module.write_text("from mtpipe.cloud import lifecycle\n\n\ndef f():\n    from mtpipe.cloud.on_vm.ssh import run\n")
+    assert cloud_rooms_imported(module) == [(1, "lifecycle"), (5, "on_vm")]
+
+
+def test_no_class_is_longer_than_300_lines():
+    """A class past MAX_CLASS_LINES does too many things to read at once: split it by what it does
+    (as VmLifecycle is, in mtpipe/cloud/lifecycle/)."""
+    long = [f"{path.relative_to(ROOT)}:{node.lineno} class {node.name}: {node.end_lineno - node.lineno + 1} lines"
+            for path in sorted((ROOT / "mtpipe").rglob("*.py")) for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES]
+    assert not long, f"classes longer than {MAX_CLASS_LINES} lines:\n" + "\n".join(long)
 
 
 def imported_test_modules(path: Path) -> list[str]:

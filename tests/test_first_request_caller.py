@@ -1,4 +1,4 @@
-"""The caller's side of the first paid request (mtpipe/cloud/checks/caller.py, vm_access.py): what would
+"""The caller's side of the first paid request (mtpipe/cloud/checks/caller.py, access.py): what would
 let vm_up create a VM that can never be reached, or have Compute refuse the insert, is found before
 the insert, with a message naming the fix and nothing left behind: OS Login 2-step verification, no
 IAP role, gcloud's account other than the credentials', a missing permission, a disabled API, and

@@ -18,7 +18,9 @@ import pytest
 from fakes.fake_compute import FakeCompute
 from vm_world import Env
 
-from mtpipe.cloud import lifecycle
+from mtpipe.cloud.lifecycle import creation
+from mtpipe.cloud.lifecycle.creation import INSERT_RETRIES
+from mtpipe.cloud.lifecycle.run import VmLifecycle
 from mtpipe.cloud.on_vm import ssh
 from mtpipe.cloud.providers.gcp.bodies import instance_body
 from mtpipe.cloud.providers.gcp.compute import Compute
@@ -186,8 +188,8 @@ def test_ctrl_c_while_pending_deletes_the_vm(fake: FakeCompute, tmp_path: Path) 
         if "is PENDING" in line:
             raise KeyboardInterrupt
 
-    with mock.patch.object(lifecycle, "_say", say), pytest.raises(KeyboardInterrupt):
-        lifecycle.VmLifecycle(cfg, tmp_path, yes=True)._create({})
+    with mock.patch.object(creation, "_say", say), pytest.raises(KeyboardInterrupt):
+        VmLifecycle(cfg, tmp_path, yes=True)._create({})
     assert "VM mt-test: deleted" in said and len(fake.inserts()) == 1
     assert not fake.instances and not fake.disks and not (tmp_path / vm_state.STATE_FILE).exists()
 
@@ -195,7 +197,7 @@ def test_ctrl_c_while_pending_deletes_the_vm(fake: FakeCompute, tmp_path: Path) 
 def test_a_new_vm_without_an_address_is_deleted(fake: FakeCompute, tmp_path: Path) -> None:
     """A new VM that comes up without the external IP SSH needs is deleted, not left billing."""
     fake.nat_ip = ""
-    life = lifecycle.VmLifecycle(vm_config.load_config({"provisioning": "on-demand"}), tmp_path, yes=True)
+    life = VmLifecycle(vm_config.load_config({"provisioning": "on-demand"}), tmp_path, yes=True)
     instance = life.create_vm(KEY, {})
     assert list(fake.instances) == [("proj-1", EAST_B, "mt-test")]
     with pytest.raises(vm_config.VmError, match="VM mt-test has no external IP"):
@@ -203,7 +205,7 @@ def test_a_new_vm_without_an_address_is_deleted(fake: FakeCompute, tmp_path: Pat
     assert not fake.instances and not (tmp_path / vm_state.STATE_FILE).exists()
 
 
-RETRIES = lifecycle.INSERT_RETRIES
+RETRIES = INSERT_RETRIES
 
 
 @pytest.mark.parametrize(("code", "failures", "zones"), [
@@ -225,12 +227,12 @@ def test_capacity_codes(fake: FakeCompute, tmp_path: Path, monkeypatch: pytest.M
     the next zone, a region-wide one to the next region's zone, a transient code retries the same zone
     after doubling waits, at most INSERT_RETRIES times; each zone left holds nothing of the VM."""
     offer_v6e(fake, EAST_A)
-    monkeypatch.setattr(lifecycle, "INSERT_RETRY_FIRST_WAIT_S", 0.01)
+    monkeypatch.setattr(creation, "INSERT_RETRY_FIRST_WAIT_S", 0.01)
     cfg = vm_config.load_config({"provisioning": "on-demand", "zones": [EAST_B, EAST_A, WEST],
                                  "stockout.retry_for_s": 0})
     fake.insert_failures += [("operation", code, f"{code} in projects/proj-1/zones/{EAST_B}")] * failures
     fake.failed_insert_leaves_disk = True
-    instance = lifecycle.VmLifecycle(cfg, tmp_path, yes=True).create_vm(KEY, {})
+    instance = VmLifecycle(cfg, tmp_path, yes=True).create_vm(KEY, {})
     assert insert_zones(fake) == zones and instance.status == "RUNNING"
     assert list(fake.instances) == [("proj-1", zones[-1], "mt-test")] and list(fake.disks) == list(fake.instances)
     out = capsys.readouterr().out
@@ -251,5 +253,5 @@ def test_every_zone_out_of_stock_names_the_zones(fake: FakeCompute, tmp_path: Pa
     cfg = vm_config.load_config({"provisioning": "spot", "zones": [EAST_B, EAST_A], "stockout.retry_for_s": 0})
     fake.insert_failures.append(("operation", "REGION_RESOURCE_POOL_EXHAUSTED", "no ct6e in us-east5"))
     with pytest.raises(CapacityError, match=f"zones tried: {EAST_B}, for 0 s"):
-        lifecycle.VmLifecycle(cfg, tmp_path, yes=True).create_vm(KEY, {})
+        VmLifecycle(cfg, tmp_path, yes=True).create_vm(KEY, {})
     assert insert_zones(fake) == [EAST_B] and not fake.instances and not fake.disks

@@ -13,8 +13,8 @@ import pytest
 from omegaconf import OmegaConf
 
 import dodo
-from mtpipe.cloud import lifecycle
 from mtpipe.cloud.checks import caller, identity
+from mtpipe.cloud.lifecycle.lines import creation_line
 from mtpipe.cloud.settings import vm_config
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline import config
@@ -45,7 +45,7 @@ def test_the_roles_page_lists_the_roles_vm_run_checks_and_the_grant_it_names() -
                                       "ssh": {"proxy_command": None, "port": 22}})
     checked, setup, _ = tables(ROLES)
     asked_for = set(caller.permissions(everything_on, creates_rule=True).values())
-    assert sorted(checked) == sorted(asked_for), f"docs/roles.md's first table: {checked}; vm_caller: {asked_for}"
+    assert sorted(checked) == sorted(asked_for), f"docs/roles.md's first table: {checked}; checks.caller: {asked_for}"
     grant = identity.grant_command(SimpleNamespace(bucket="b"), "sa@p.iam.gserviceaccount.com")
     assert re.search(r"--role=(\S+)", grant)[1] in setup and "roles/storage.admin" in setup
     named_by_the_checks = set(re.findall(r"roles/[\w.]*\w", (ROOT / "mtpipe/cloud/checks/caller.py").read_text()))
@@ -68,7 +68,7 @@ def test_the_self_delete_is_stated_as_the_code_sends_it(monkeypatch: pytest.Monk
         monkeypatch.delenv(key, raising=False)
     cfg = vm_config.load_config({"project": "p", "zone": "us-east5-b", "reservation": "r", "name": "n"})
     assert cfg.max_run_duration_s == 4 * 3600 and cfg.provisioning == "reservation"
-    assert "not known to be honoured" in lifecycle.creation_line(cfg, "RESERVATION_BOUND")
+    assert "not known to be honoured" in creation_line(cfg, "RESERVATION_BOUND")
     for path in (ROOT / "README.md", *QUICKSTARTS):
         text = " ".join(path.read_text().split())
         assert "at the latest" not in text and "4 h" in text, path.name

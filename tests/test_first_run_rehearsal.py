@@ -1,5 +1,5 @@
 """`doit vm_run --rehearse` against the fakes: the embedded default through every step of a real run on a
-one-chip VM, which is then deleted (mtpipe/cloud/rehearsal.py, docs/vm-checks.md).
+one-chip VM, which is then deleted (mtpipe/cloud/lifecycle/rehearsal.py, docs/vm-checks.md).
 
 The loopback VM is the project's clone whose DVC remote holds the shared pipeline's outputs (the
 `project_world` fixture, as tests/test_vm_cycle.py's full cycle), so the VM's `dvc exp run` pulls
@@ -17,12 +17,12 @@ from fakes.hf_server import HubServer
 from pipeline import ran_stages
 from vm_world import ONE_CHIP, TARGET, Env, assert_deleted, experiments, hub_with_tutorial_repos, sh, tpu_stand_in
 
-from mtpipe.cloud import rehearsal
+from mtpipe.cloud.lifecycle import rehearsal
 
 pytestmark = pytest.mark.first_run
 
 # What the rehearsal's VM may differ in from the real run's: its machine type (with the one thread per
-# core that only the 8-chip type takes, gcp.SINGLE_THREADED) and how it is paid for (scheduling, the
+# core that only the 8-chip type takes, bodies.SINGLE_THREADED) and how it is paid for (scheduling, the
 # reservation it is not in, the label that names the mode); and each creation's run id
 MACHINE_AND_PROVISIONING = ("machineType", "advancedMachineFeatures", "scheduling", "reservationAffinity")
 PER_VM_LABELS = ("mtpipe-provisioning", "mtpipe-run")

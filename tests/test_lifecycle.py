@@ -1,4 +1,4 @@
-"""The VM lifecycle (mtpipe/cloud/lifecycle.py) driven directly, without doit: the fake Compute API
+"""The VM lifecycle (mtpipe/cloud/lifecycle/) driven directly, without doit: the fake Compute API
 and the loopback SSH server of tests/vm_world.py stand in for Google Cloud and the VM.
 
 The doit tasks (tests/test_vm_cycle.py, test_vm_recovery.py) check the same rules end to end."""
@@ -13,7 +13,8 @@ from unittest import mock
 import pytest
 from vm_world import Env
 
-from mtpipe.cloud.lifecycle import VmLifecycle, spend_line
+from mtpipe.cloud.lifecycle.lines import spend_line
+from mtpipe.cloud.lifecycle.run import VmLifecycle
 from mtpipe.cloud.on_vm import ssh
 from mtpipe.cloud.settings import vm_config, vm_state
 

@@ -12,7 +12,7 @@ from typing import Any
 import families
 import pytest
 
-from mtpipe.cloud import lifecycle
+from mtpipe.cloud.lifecycle.lines import forecast_line
 from mtpipe.cloud.settings import prices, vm_config
 from mtpipe.errors import ConfigError
 from mtpipe.planning import preflight, run_forecast
@@ -103,7 +103,7 @@ def test_the_price_question_shows_preflights_total_and_what_it_holds(
         branch: str, tutorial_runs: dict[str, tuple[list[dict[str, Any]], str]]) -> None:
     rows, out = tutorial_runs[branch]
     cfg = vm_config.load_config()
-    line = lifecycle.forecast_line(cfg, rows)
+    line = forecast_line(cfg, rows)
     total = re.search(r"^total: (about .*? USD/h)", out, re.M).group(1)
     assert total.split(", ")[0] in line and total.split(", ")[1] in line, (line, total)
     assert "it holds VM setup, downloads, conversion, training, export, evaluation;" in line

@@ -424,7 +424,7 @@ STOCKOUT = ("operation", "ZONE_RESOURCE_POOL_EXHAUSTED",
 
 @pytest.mark.cloud_contract
 def test_a_stockout_is_retried_then_the_vm_is_created(fake: FakeCompute, capsys: pytest.CaptureFixture) -> None:
-    from mtpipe.cloud.lifecycle import VmLifecycle
+    from mtpipe.cloud.lifecycle.run import VmLifecycle
 
     cfg = vm_config.load_config()
     cfg.stockout.first_wait_s = 0.05
@@ -438,7 +438,7 @@ def test_a_stockout_is_retried_then_the_vm_is_created(fake: FakeCompute, capsys:
 def test_a_stockout_that_lasts_names_the_other_zones(fake: FakeCompute) -> None:
     """After stockout.retry_for_s the error says which zones offer the machine type (the API's
     machineTypes.aggregatedList), and no VM exists."""
-    from mtpipe.cloud.lifecycle import VmLifecycle
+    from mtpipe.cloud.lifecycle.run import VmLifecycle
 
     cfg = vm_config.load_config()
     cfg.stockout.retry_for_s, cfg.stockout.first_wait_s = 0.2, 0.05

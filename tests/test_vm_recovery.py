@@ -30,7 +30,7 @@ from fakes.webhook import webhook
 from pipeline import md5_tree
 from vm_world import ROOT, Env, assert_deleted, experiments, loopback_world, make_repo, sh
 
-from mtpipe.cloud import notify
+from mtpipe.cloud.lifecycle import notify
 from mtpipe.pipeline.stage import STAMP
 
 if TYPE_CHECKING:

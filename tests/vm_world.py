@@ -258,7 +258,7 @@ def experiments(w: Env) -> dict[str, dict]:
     return found
 
 
-# The rehearsal's one-chip machine type (doit vm_run --rehearse: mtpipe/cloud/rehearsal.py).
+# The rehearsal's one-chip machine type (doit vm_run --rehearse: mtpipe/cloud/lifecycle/rehearsal.py).
 ONE_CHIP = "ct6e-standard-1t"
 
 

@@ -1,5 +1,5 @@
 """One small file of a dataset preset's Hub source, downloaded through huggingface_hub: the Hub step
-of `doit vm_run --rehearse` (mtpipe.cloud.rehearsal), run on the VM in the shipped repo.
+of `doit vm_run --rehearse` (mtpipe.cloud.lifecycle.rehearsal), run on the VM in the shipped repo.
 
     python -m mtpipe.data.hub_file --dataset ultrachat-200k --filename README.md
 

@@ -41,7 +41,7 @@ def check_machine_type(cfg: DictConfig, compute: Compute) -> None:
 
 
 def check_zones(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> None:
-    """Every other zone the VM may be created in as :func:`check_compute` and vm_access checked the
+    """Every other zone the VM may be created in as :func:`check_compute` and access checked the
     first (the regional part: access.check_region), then the quota of their regions
     (quota.usable_zones), which may leave fewer zones to try: ``zones`` and ``zone`` become them."""
     zones = vm_config.candidate_zones(cfg)

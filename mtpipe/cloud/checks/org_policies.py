@@ -8,7 +8,7 @@ organisation and folders set, merged), read with the caller's credentials:
 * ``compute.trustedImageProjects``: the boot image must come from a project on the allow-list, and
   the TPU image's project (``image_project``: ubuntu-os-accelerator-images) rarely is;
 * ``gcp.resourceLocations``: the VM's zone must be an allowed location;
-* ``compute.requireOsLogin``: read and said (vm_access turns OS Login on when it is enforced).
+* ``compute.requireOsLogin``: read and said (checks.access turns OS Login on when it is enforced).
 
 A policy that cannot be read (the Org Policy API off, no orgpolicy.policies.get) raises
 :class:`Unknown`: the checks report it as unknown, never as fine.
@@ -118,7 +118,7 @@ def check_locations(cfg: DictConfig, apis: GoogleApis) -> str:
 
 def check_os_login_policy(cfg: DictConfig, apis: GoogleApis) -> str:
     """compute.requireOsLogin, read and said: where it is enforced VMs take SSH keys from OS Login
-    profiles only (vm_access.check_os_login imports ours)."""
+    profiles only (access.check_os_login imports ours)."""
     if enforced(read(cfg, apis, "compute.requireOsLogin")):
         return "enforced: the VM takes SSH keys from OS Login profiles only (the OS Login line says whose)"
     return "not enforced"

@@ -306,7 +306,7 @@ def require(cfg: DictConfig, *keys: str) -> None:
 
 
 def check_create(cfg: DictConfig) -> list[str]:
-    """The settings vm_up needs, before any request (vm_checks asks Compute about the rest): the
+    """The settings vm_up needs, before any request (mtpipe.cloud.checks asks Compute about the rest): the
     machine type on a route that creates it (:func:`check_route`), the required keys, a Flex-start
     VM's zones (:func:`flex_start_zones`). Returns what to say about the zones dropped."""
     check_route(cfg)

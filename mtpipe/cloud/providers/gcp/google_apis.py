@@ -6,9 +6,9 @@ tokeninfo (whose credentials these are).
 
 Their Python client libraries are not in the lock, so these are plain REST calls through
 google-auth's AuthorizedSession with the credentials every Compute client uses
-(gcp.client_kwargs); `MTPIPE_COMPUTE_ENDPOINT`, when set, takes them to that endpoint too (the
+(api_errors.client_kwargs); `MTPIPE_COMPUTE_ENDPOINT`, when set, takes them to that endpoint too (the
 loopback fakes in tests). Google's error answers become google.api_core exceptions, so
-gcp.explained words them as it words Compute's.
+api_errors.explained words them as it words Compute's.
 """
 
 from __future__ import annotations

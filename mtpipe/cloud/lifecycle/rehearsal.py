@@ -28,7 +28,7 @@ from mtpipe.cloud.settings import prices, vm_config, vm_state
 from mtpipe.errors import ConfigError
 
 if TYPE_CHECKING:
-    from mtpipe.cloud.lifecycle import VmLifecycle
+    from mtpipe.cloud.lifecycle.run import VmLifecycle
 
 PROVISIONING = "spot"          # unless --provisioning: about a fifth of the on-demand price
 MAX_RUN_DURATION_S = 3600      # Compute deletes the VM after this at the latest (or conf/vm.yaml's, if shorter)

@@ -1,0 +1,203 @@
+"""The VM a lifecycle holds (:class:`VmBase`): its cloud, the way in over SSH, what it is and costs
+(status), and deleting it (on failure or Ctrl-C unless kept, or every VM labelled as this user's)."""
+
+from __future__ import annotations
+
+import functools
+import getpass
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from mtpipe.cloud.lifecycle.lines import _say, spend_line
+from mtpipe.cloud.on_vm import run_status, ssh
+from mtpipe.cloud.providers import interrupts
+from mtpipe.cloud.providers.gcp import ssh_route
+from mtpipe.cloud.providers.gcp.compute import compute_engine
+from mtpipe.cloud.providers.interface import Provider
+from mtpipe.cloud.settings import prices, vm_config, vm_state
+
+# Labels every VM gets besides conf/vm.yaml's `labels` (app: mtpipe); firewall rules, which have no
+# labels, carry them in their description.
+RUN_LABEL = "mtpipe-run"                    # a fresh id per VM creation
+USER_LABEL = "created-by"
+PROVISIONING_LABEL = "mtpipe-provisioning"  # reservation / spot / on-demand: its price
+FIREWALL_LABEL = "mtpipe-firewall"          # the SSH rule made for it
+
+
+class VmBase:
+    """The VM ``cfg`` names, recorded in ``root``'s state file (.vm_state.json).
+    
+    ``keep``: a VM survives a failure or an interrupt of the task (never a loss: a lost VM cannot
+    be restarted). ``yes``: create without asking (--yes); else the price is confirmed on the
+    terminal, and without one nothing is created. ``provider`` makes the cloud for a config (tests
+    pass a loopback one)."""
+
+    def __init__(self, cfg: DictConfig, root: Path, keep: bool = False, yes: bool = False,
+                 provider: Callable[[DictConfig], Provider] = compute_engine) -> None:
+        self.cfg, self.root, self.keep, self.yes, self._provider = cfg, root, keep, yes, provider
+
+    @functools.cached_property
+    def cloud(self) -> Provider:
+        """The provider's client for ``cfg``'s zone, made once per lifecycle."""
+        return self._provider(self.cfg)
+
+    def remote(self, state: dict | None = None) -> ssh.Remote:
+        """How to reach the VM, after checking with the cloud that it still exists."""
+        cfg, state = self.cfg, vm_state.read_state(self.root) if state is None else state
+        cloud = self.cloud
+        instance = cloud.get_instance(cfg.name)
+        if instance is None:
+            raise vm_config.VmError(f"VM {cfg.name} does not exist in {cfg.project}/{cfg.zone} (deleted, or "
+                             "max_run_duration_s ran out): create it with `doit vm_up`")
+        ip = cloud.address(instance)
+        if not ip and not ssh_route.proxy_command(cfg):
+            raise vm_config.VmError(f"VM {cfg.name} has no external IP: set external_ip: false (SSH "
+                                    "through IAP) or ssh.proxy_command in conf/vm.yaml")
+        host_key = state.get("host_key") if state.get("name") == cfg.name else None
+        return ssh.Remote.from_config(cfg, ip or cfg.name, host_key)
+
+    def _move_to(self, zone: str) -> None:
+        """Make ``zone`` the VM's zone, and the cloud's client that zone's."""
+        self.cfg.zone = zone
+        if self.cloud.zone != zone:
+            del self.__dict__["cloud"]   # functools.cached_property: made again for cfg.zone
+
+    def delete(self) -> None:
+        """Delete the VM and its firewall rule (each may already be gone); forget the state. A VM the
+        state file does not record is looked for in each of its zones, the first found deleted.
+        A second Ctrl-C, SIGTERM or the terminal closing does not stop it."""
+        cfg = self.cfg
+        with interrupts.ignored():
+            state = vm_state.read_state(self.root)
+            if state.get("name") != cfg.name:
+                for zone in vm_config.candidate_zones(cfg):
+                    self._move_to(zone)
+                    if self.cloud.get_instance(cfg.name) is not None:
+                        break
+            self._delete_vm(cfg.name, cfg.firewall.name)
+            if state.get("vms") and state.get("name") == cfg.name:
+                vm_state.vm_ended(state, "deleted")
+                _say(spend_line(state))
+            vm_state.clear_state(self.root)
+
+    def _delete_vm(self, name: str | None, firewall: str) -> None:
+        """Delete VM ``name`` (None: there is none) and firewall rule ``firewall``, saying for each
+        whether it was deleted or already gone."""
+        if name is not None:
+            _say(f"VM {name}: {'deleted' if self.cloud.delete_instance(name) else 'already gone'}")
+        _say(f"firewall rule {firewall}: {'deleted' if self.cloud.delete_firewall(firewall) else 'already gone'}")
+
+    def labelled(self) -> list[Any]:
+        """The VMs in the zone that carry conf/vm.yaml's `labels` (app: mtpipe), whoever made them."""
+        return self.cloud.list_instances({k: str(v) for k, v in self.cfg.labels.items()})
+
+    def delete_labelled(self) -> None:
+        """`doit vm_down` with no VM recorded and no --name / NAME: in each of the VM's zones
+        (vm_config.candidate_zones), delete the VM ``cfg`` names (mtpipe-<user> by default) and every
+        VM labelled with `labels` and created by this user (label created-by), each with its firewall
+        rule; other users' VMs are named, not deleted. Finds what a fresh clone or another laptop has
+        no state file for."""
+        for zone in vm_config.candidate_zones(self.cfg):
+            self._move_to(zone)
+            self._delete_labelled_here()
+
+    def _delete_labelled_here(self) -> None:
+        """:meth:`delete_labelled` in ``cfg.zone``."""
+        cfg, user = self.cfg, vm_config.label_value(getpass.getuser())
+        found = {i.name: i for i in self.labelled()}
+        mine = sorted(n for n, i in found.items() if dict(i.labels).get(USER_LABEL) == user)
+        if cfg.name not in mine and self.cloud.get_instance(cfg.name) is not None:
+            mine.insert(0, cfg.name)
+        if not mine:
+            _say(f"no VM {cfg.name}, and none labelled {_labels(cfg)} by {user}, in {cfg.project}/{cfg.zone}")
+        for name in mine:
+            labels = dict(found[name].labels) if name in found else {}
+            firewall = labels.get(FIREWALL_LABEL) or (cfg.firewall.name if name == cfg.name else f"{name}-ssh")
+            with interrupts.ignored():
+                self._delete_vm(name, firewall)
+        for name in sorted(set(found) - set(mine)):
+            who = dict(found[name].labels).get(USER_LABEL, "someone else")
+            _say(f"VM {name}, created by {who}, left alone: `doit vm_down --name {name}` deletes it")
+
+    def guarded(self, body: Callable[[], None]) -> None:
+        """Run body; on any failure, Ctrl-C or SIGTERM/SIGHUP delete the VM unless kept (a VM lost
+        more often than max_recoveries is deleted anyway: a preempted VM cannot be restarted)."""
+        with interrupts.raising():
+            try:
+                body()
+            except BaseException as e:
+                if self.keep and not isinstance(e, vm_config.VmLost):
+                    _say(f"failed; VM {self.cfg.name} kept (--keep): `doit vm_down` deletes it")
+                else:
+                    why = "a lost VM cannot be restarted" if self.keep else "use --keep to keep it"
+                    _say(f"failed or interrupted; deleting VM {self.cfg.name} ({why})")
+                    self.delete()
+                raise
+
+    def status(self) -> list[str]:
+        """The VM and firewall rule as the cloud sees them, with what the run has cost and, over SSH,
+        where its run is (stage, step, loss, ETA: mtpipe.cloud.on_vm.run_status), then the other VMs in
+        the zone labelled with `labels` (app: mtpipe), each with its cost so far."""
+        cfg, state = self.cfg, vm_state.read_state(self.root)
+        cloud = self.cloud
+        instance, rule = cloud.get_instance(cfg.name), cloud.get_firewall(cfg.firewall.name)
+        recorded = state if state.get("name") == cfg.name else {}
+        lines = [f"firewall rule {cfg.firewall.name}: {'exists' if rule else 'none'}"]
+        if instance is None:
+            unconfirmed = recorded and not recorded.get("created")
+            lines.append(f"VM {cfg.name} in {cfg.project}/{cfg.zone}: none" + (
+                f" (recorded: its insert, sent {recorded.get('insert_sent')}, never created it)"
+                if unconfirmed else ""))
+        else:
+            entry, rate = recorded["vms"][-1] if recorded.get("vms") else {}, _rate(cfg, instance)
+            usd = entry.get("usd_per_hour", rate.usd_per_hour)
+            reservation = entry.get("reservation") if entry else rate.reservation
+            machine, model, limit = cloud.describe(instance)
+            lines += [f"VM {cfg.name} in {cfg.project}/{cfg.zone}: {instance.status}, {machine}, {model}, "
+                      f"external IP {cloud.address(instance)}",
+                      f"  {_since(instance.creation_timestamp, usd, reservation)}"]
+            if limit:
+                since = datetime.fromisoformat(instance.creation_timestamp)
+                lines.append("  Compute deletes it at "
+                             f"{time.strftime('%Y-%m-%d %H:%M %Z', time.localtime(since.timestamp() + limit))}")
+            if not recorded:
+                lines.append(f"  (not recorded in {vm_state.STATE_FILE}: created elsewhere)")
+        lines += [f"  replaced: {e['name']} ({e['provisioning']}) {e['created']} .. {e['ended']}: {e['why']}"
+                  for e in recorded.get("vms", [])[:-1]]
+        if recorded.get("vms"):
+            lines.append(f"  {spend_line(recorded)}")
+        if instance is not None and instance.status == "RUNNING" and recorded.get("host_key"):
+            lines += run_status.run_lines(self.remote(recorded), self.cfg.run.remote_dir)
+        others = [i for i in self.labelled() if i.name != cfg.name]
+        if others:
+            lines.append(f"other VMs labelled {_labels(cfg)} in {cfg.project}/{cfg.zone}:")
+        for other in sorted(others, key=lambda i: i.name):
+            labels, rate = dict(other.labels), _rate(cfg, other)
+            lines.append(f"  {other.name}: {other.status}, {labels.get(PROVISIONING_LABEL, '?')}, run "
+                         f"{labels.get(RUN_LABEL, '?')}, created by {labels.get(USER_LABEL, '?')}, "
+                         f"{_since(other.creation_timestamp, rate.usd_per_hour, rate.reservation)}")
+        return lines
+
+
+def _since(created: str, usd_per_hour: float, reservation: str | None = None) -> str:
+    """How long a VM has existed and what it cost so far (a reservation's VM: paid by it)."""
+    since = datetime.fromisoformat(created)
+    hours = (datetime.now(timezone.utc) - since).total_seconds() / 3600
+    so_far = f"{hours * usd_per_hour:.2f} USD so far at {usd_per_hour:.2f} USD/h"
+    return f"since {since.isoformat()} ({hours:.2f} h): " + (
+        prices.paid_by(reservation, so_far) if reservation else f"about {so_far}")
+
+
+def _labels(cfg: DictConfig) -> str:
+    return ", ".join(f"{key}={value}" for key, value in cfg.labels.items())
+
+
+def _rate(cfg: DictConfig, instance: Any) -> prices.Rate:
+    """The rate of a VM: the provisioning mode it was created with (its label), else ``cfg``'s."""
+    mode = dict(instance.labels).get(PROVISIONING_LABEL)
+    return prices.vm_rate(OmegaConf.merge(cfg, {"provisioning": mode}) if mode in vm_config.PROVISIONING else cfg)
