@@ -6,7 +6,7 @@ dependencies moved against the previous dvc.lock was rerun there (the committed 
 running the committed code). When its outputs' hashes did not move, the rerun was **waste**: time
 spent to write the same bytes. Each waste is put down to what moved in its dependencies:
 
-* code: only the fingerprints of its modules (`code:` of its view, config/<branch>/<stage>.yaml); the
+* code: only the fingerprints of its modules (`code:` of its view, views/<branch>/<stage>.yaml); the
   modules whose fingerprints moved in such reruns of the training stages are listed after the table;
 * tools: the versions of its tools (`tools:`) and maybe code;
 * values: the configuration values it reads (and maybe code or tools);
@@ -51,7 +51,7 @@ def hashes(entries: list[dict] | None) -> dict[str, str]:
 def cause(moved: set[str], old_rev: str, new_rev: str) -> tuple[str, set[str]]:
     """What moved in a rerun stage's dependencies (code, tools, values or inputs), and the modules
     whose fingerprints moved."""
-    views = sorted(p for p in moved if p.startswith("config/"))
+    views = sorted(p for p in moved if p.startswith("views/"))
     if not views:
         return "inputs", set()
     kinds, modules = set(), set()

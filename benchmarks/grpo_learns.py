@@ -23,7 +23,7 @@ difference is the policy's, not the dice's:
 * accuracy: the fraction of sampled completions with the right answer (pass@1 estimate);
 * pass@k (k = 1, 2, 4, 8 up to the samples per prompt): the chance that at least one of k samples
   of a prompt is right, estimated without bias from the prompt's n samples, c of them right
-  (1 - C(n-c, k) / C(n, k)), averaged over prompts (train_rl's metrics, mtpipe.pipeline.metrics).
+  (1 - C(n-c, k) / C(n, k)), averaged over prompts (train_rl's metrics, mtpipe.maxtext.training_logs).
   pass@k far above pass@1 before GRPO is room GRPO can use: it makes right answers the model can
   already sample more likely;
 * format: the fraction of sampled completions in the exact answer format (the format reward's test);
@@ -63,7 +63,7 @@ sys.path.insert(0, str(PROJECT / "tests"))
 sys.path.insert(0, str(PROJECT))
 from pipeline import copy_project, dvc  # noqa: E402  (the tests' throwaway project copy)
 
-from mtpipe.pipeline.metrics import PASS_AT_K  # noqa: E402
+from mtpipe.maxtext.training_logs import PASS_AT_K  # noqa: E402
 
 import grpo_trl  # noqa: E402  (benchmarks/: the TRL reference)
 

@@ -4,7 +4,7 @@ the independent reference for MaxText's GRPO path (docs/grpo-benchmark.md).
     python benchmarks/grpo_trl.py --repo PROJECT_COPY [--seed 1] [--steps N] [--model HF_DIR] [--out DIR]
 
 PROJECT_COPY is a project checkout whose RL branch ran up to train_sft@rl (artifacts/rl/warmup,
-model, dataset and config/rl/train_rl.yaml: the copy benchmarks/grpo_learns.py keeps with --keep,
+model, dataset and views/rl/train_rl.yaml: the copy benchmarks/grpo_learns.py keeps with --keep,
 or the project itself after `make demo`). This script, in the project's environment:
 
 1. exports the warm-up to a Hugging Face directory (MaxText's to_huggingface, as to_huggingface@rl);

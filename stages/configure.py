@@ -1,4 +1,4 @@
-"""Stage configure: compose params.yaml with conf/ presets, validate, write config/<branch>/<stage>.yaml.
+"""Stage configure: compose params.yaml with conf/ presets, validate, write views/<branch>/<stage>.yaml.
 
 Every later stage reads only its own resolved file (and DVC hashes it), so a value reruns exactly
 the stages that read it. Bad values stop here, before any download, conversion or VM: the schema's

@@ -15,22 +15,21 @@ import json
 import sys
 
 from mtpipe.evaluation.scoring import gain, read_rows, score, summary, write_rows
-from mtpipe.pipeline.view import load_stage
-from mtpipe.pipeline.stage import ROOT, WORK, Timer, artifact, log_path, require, run_stage, scores_path, write_json
+from mtpipe.pipeline.stage import WORK, Timer, open_stage, require, run_stage, write_json
 
 
 def main(branch: str) -> None:
-    cfg, timer = load_stage(branch, "evaluate"), Timer()
-    base = read_rows(require(scores_path(branch, "base"), "the base model's results (evaluate_base)"))
-    warmup = read_rows(scores_path(branch, "warmup")) if scores_path(branch, "warmup").is_file() else []
-    trained = score(cfg, artifact(branch, "hf"), artifact(branch, "dataset"), WORK / "evaluate" / f"{branch}-trained",
-                    log_path(branch, "evaluate"))
-    write_rows(scores_path(branch, "trained"), trained)
+    stage, timer = open_stage("evaluate", branch), Timer()
+    cfg, before = stage.view, stage.reads["before"]
+    base = read_rows(require(before / "base.jsonl", "the base model's results (evaluate_base)"))
+    warmup = read_rows(before / "warmup.jsonl") if (before / "warmup.jsonl").is_file() else []
+    trained = score(cfg, stage.reads["hf"], stage.reads["dataset"], WORK / "evaluate" / f"{branch}-trained", stage.log)
+    write_rows(stage.outs["scores"], trained)
     result = {"base": summary(cfg, base), "trained": summary(cfg, trained), "gain": gain(cfg, base, trained)}
     if warmup:
         result |= {"warmup": summary(cfg, warmup), "warmup_gain": gain(cfg, base, warmup),
                    "grpo_gain": gain(cfg, warmup, trained)}
-    write_json(ROOT / "metrics" / branch / "evaluate.json", result)
+    write_json(stage.metrics, result)
     print(f"  {branch}: {json.dumps(result['gain'])}")
     timer.record(branch, "evaluate")
 

@@ -10,16 +10,16 @@ Run: dvc repro evaluate_base@rl   (or: python -m stages.evaluate_base rl)
 import sys
 
 from mtpipe.evaluation.scoring import score, summary, write_rows
-from mtpipe.pipeline.view import load_stage
-from mtpipe.pipeline.stage import ROOT, WORK, Timer, artifact, log_path, run_stage, scores_path, write_json
+from mtpipe.pipeline.stage import WORK, Timer, open_stage, run_stage, write_json
 
 
 def main(branch: str) -> None:
-    cfg, timer = load_stage(branch, "evaluate_base"), Timer()
-    rows = score(cfg, artifact(branch, "model") / "files", artifact(branch, "dataset"),
-                 WORK / "evaluate" / f"{branch}-base", log_path(branch, "evaluate_base"))
-    write_rows(scores_path(branch, "base"), rows)
-    write_json(ROOT / "metrics" / branch / "evaluate_base.json", {"base": summary(cfg, rows)})
+    stage, timer = open_stage("evaluate_base", branch), Timer()
+    cfg = stage.view
+    rows = score(cfg, stage.reads["model"] / "files", stage.reads["dataset"], WORK / "evaluate" / f"{branch}-base",
+                 stage.log)
+    write_rows(stage.outs["scores"], rows)
+    write_json(stage.metrics, {"base": summary(cfg, rows)})
     timer.record(branch, "evaluate_base")
 
 

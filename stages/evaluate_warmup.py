@@ -13,14 +13,12 @@ import shutil
 
 from mtpipe.evaluation.scoring import score, summary, write_rows
 from mtpipe.maxtext import conversion_commands, runner
-from mtpipe.pipeline.view import load_stage
-from mtpipe.pipeline.stage import (ROOT, WORK, Timer, artifact, log_path, read_stamp, require, run_stage,
-                                   scores_path, write_json)
+from mtpipe.pipeline.stage import WORK, Timer, log_path, open_stage, read_stamp, require, run_stage, write_json
 
 
 def main() -> None:
-    cfg, timer = load_stage("rl", "evaluate_warmup"), Timer()
-    warmup, model = artifact("rl", "warmup"), artifact("rl", "model")
+    stage, timer = open_stage("evaluate_warmup", "rl"), Timer()
+    cfg, warmup, model = stage.view, stage.reads["warmup"], stage.reads["model"]
     rows = []
     if not read_stamp(warmup).get("skipped"):
         export = WORK / "evaluate" / "rl-warmup-hf"
@@ -30,12 +28,11 @@ def main() -> None:
                                                      out_dir=export)
             runner.run(cmd, log_path("rl", "evaluate_warmup_export"))
             require(export / "config.json", "the warm-up's exported config.json")
-            rows = score(cfg, export, artifact("rl", "dataset"), WORK / "evaluate" / "rl-warmup",
-                         log_path("rl", "evaluate_warmup"))
+            rows = score(cfg, export, stage.reads["dataset"], WORK / "evaluate" / "rl-warmup", stage.log)
         finally:
             shutil.rmtree(export, ignore_errors=True)
-    write_rows(scores_path("rl", "warmup"), rows)
-    write_json(ROOT / "metrics" / "rl" / "evaluate_warmup.json", {"warmup": summary(cfg, rows) if rows else None})
+    write_rows(stage.outs["scores"], rows)
+    write_json(stage.metrics, {"warmup": summary(cfg, rows) if rows else None})
     timer.record("rl", "evaluate_warmup")
 
 

@@ -15,14 +15,13 @@ Run: dvc repro hf_download@sft   (or: python -m stages.hf_download sft)
 import json
 import os
 import sys
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")  # before huggingface_hub is imported
 
 from mtpipe.data import datasets_check, hub
 from mtpipe.errors import ConfigError
-from mtpipe.pipeline.stage import (ROOT, artifact, atomic_dir, is_embedded, run_stage, source_manifest, write_json,
-                                   write_stamp)
-from mtpipe.pipeline.view import load_stage
+from mtpipe.pipeline.stage import ROOT, atomic_dir, is_embedded, open_stage, run_stage, write_json, write_stamp
 
 
 def check_rows(cfg, files) -> int:
@@ -40,12 +39,11 @@ def overlap(cfg, out, train_files) -> dict[str, int]:
     return datasets_check.split_overlap(train_files, datasets_check.dataset_files(cfg, out, "eval_files"), column)
 
 
-def check_declared(branch: str, role: str, source, manifest: dict) -> None:
+def check_declared(path: Path, role: str, source, manifest: dict) -> None:
     """A copy of embedded/<name> is what make_embedded hashed into the declared source.json, file by file,
     so no byte reaches the output that the stage's address does not hold."""
     if not is_embedded(source):
         return
-    path = source_manifest(branch)
     listed = json.loads(path.read_text()).get(role, {}) if path.is_file() else {}
     if stray := [f["path"] for f in manifest["files"] if listed.get(f["path"]) != f["sha256"]]:
         raise ConfigError(str(path.relative_to(ROOT)), f"does not list {source.path}/{stray[0]} as it is now "
@@ -54,19 +52,20 @@ def check_declared(branch: str, role: str, source, manifest: dict) -> None:
 
 
 def main(branch: str) -> None:
-    cfg = load_stage(branch, "hf_download")
-    with atomic_dir(artifact(branch, "dataset"), resume=True) as out:
+    stage = open_stage("hf_download", branch)
+    cfg, declared = stage.view, stage.reads["source"]
+    with atomic_dir(stage.outs["dataset"], resume=True) as out:
         manifest = hub.fetch_dataset(cfg.dataset.source.model_dump(), out / "files")
-        check_declared(branch, "dataset", cfg.dataset.source, manifest)
+        check_declared(declared, "dataset", cfg.dataset.source, manifest)
         files = datasets_check.dataset_files(cfg, out, "train_files")
         rows = check_rows(cfg, files)
         splits = {"train_rows": rows, **overlap(cfg, out, files)}
         write_stamp(out, "hf_download", hub.file_sha256(manifest), files=manifest["files"], rows=rows)
-    with atomic_dir(artifact(branch, "model"), resume=True) as out:
+    with atomic_dir(stage.outs["model"], resume=True) as out:
         manifest = hub.fetch_model(cfg.model.source.model_dump(), out / "files")
-        check_declared(branch, "model", cfg.model.source, manifest)
+        check_declared(declared, "model", cfg.model.source, manifest)
         write_stamp(out, "hf_download", hub.file_sha256(manifest), files=manifest["files"])
-    write_json(ROOT / "metrics" / branch / "hf_download.json", splits)
+    write_json(stage.metrics, splits)
     print(f"  model: {len(manifest['files'])} files; dataset: {rows} training rows checked"
           + (f", {splits['eval_rows_in_train']} of {splits['eval_rows']} held-out rows also in training"
              if "eval_rows" in splits else ""))

@@ -21,7 +21,7 @@ from mtpipe.pipeline.view import load_stage
 def main(out: str) -> None:
     cfg = load_stage("embedded", "make_embedded")  # fails if the code's fingerprints are stale
     if sorted(cfg.twins) != sorted(embedded.FAMILIES):
-        raise ConfigError("config/embedded/make_embedded.yaml twins", f"names {sorted(cfg.twins)}, not the families "
+        raise ConfigError("views/embedded/make_embedded.yaml twins", f"names {sorted(cfg.twins)}, not the families "
                           f"{sorted(embedded.FAMILIES)}", "run `dvc repro` (it reruns configure first)")
     timer = Timer()
     with atomic_dir(Path(out)) as partial:

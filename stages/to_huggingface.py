@@ -8,25 +8,23 @@ Run: dvc repro to_huggingface@sft   (or: python -m stages.to_huggingface sft)
 import sys
 
 from mtpipe.maxtext import conversion_commands, runner
-from mtpipe.pipeline.view import load_stage
-from mtpipe.pipeline.stage import (ROOT, Timer, artifact, atomic_dir, log_path, require, run_stage, size_mib,
-                                   write_json, write_stamp)
+from mtpipe.pipeline.stage import Timer, atomic_dir, open_stage, require, run_stage, size_mib, write_json, write_stamp
 
 
 def main(branch: str) -> None:
-    cfg, timer = load_stage(branch, "to_huggingface"), Timer()
-    trained, model = artifact(branch, "trained"), artifact(branch, "model")
-    with atomic_dir(artifact(branch, "hf")) as out:
+    stage, timer = open_stage("to_huggingface", branch), Timer()
+    cfg, trained, model = stage.view, stage.reads["trained"], stage.reads["model"]
+    with atomic_dir(stage.outs["hf"]) as out:
         cmd = conversion_commands.to_huggingface(cfg, params=trained / "model_params", hf_src_dir=model / "files",
                                                  out_dir=out)
-        runner.run(cmd, log_path(branch, "to_huggingface"))
+        runner.run(cmd, stage.log)
         require(out / "config.json", "exported config.json")
         if not list(out.glob("*.safetensors")):
             raise RuntimeError(f"no *.safetensors in {out}: to_huggingface wrote no weights")
         require(out / "tokenizer_config.json", "exported tokenizer")
         write_stamp(out, "to_huggingface")
         export_mib = size_mib(out)
-    write_json(ROOT / "metrics" / branch / "to_huggingface.json",
+    write_json(stage.metrics,
                {"export_mib": export_mib, "weight_dtype": cfg.to_huggingface.weight_dtype})
     timer.record(branch, "to_huggingface")
 

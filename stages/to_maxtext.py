@@ -10,22 +10,19 @@ import sys
 
 from mtpipe.maxtext import conversion_commands, runner
 from mtpipe.maxtext.checkpoints import normalise_orbax_metadata
-from mtpipe.pipeline.view import load_stage
-from mtpipe.pipeline.stage import (ROOT, Timer, artifact, atomic_dir, log_path, require, run_stage, size_mib,
-                                   write_json, write_stamp)
+from mtpipe.pipeline.stage import Timer, atomic_dir, open_stage, require, run_stage, size_mib, write_json, write_stamp
 
 
 def main(branch: str) -> None:
-    cfg, timer = load_stage(branch, "to_maxtext"), Timer()
-    model = artifact(branch, "model")
-    with atomic_dir(artifact(branch, "maxtext")) as out:
-        cmd = conversion_commands.to_maxtext(cfg, hf_dir=model / "files", out_dir=out)
-        runner.run(cmd, log_path(branch, "to_maxtext"))
+    stage, timer = open_stage("to_maxtext", branch), Timer()
+    with atomic_dir(stage.outs["maxtext"]) as out:
+        cmd = conversion_commands.to_maxtext(stage.view, hf_dir=stage.reads["model"] / "files", out_dir=out)
+        runner.run(cmd, stage.log)
         require(out / "0" / "items", "MaxText checkpoint 0/items")
         normalise_orbax_metadata(out)
         write_stamp(out, "to_maxtext")
         checkpoint_mib = size_mib(out)
-    write_json(ROOT / "metrics" / branch / "to_maxtext.json", {"checkpoint_mib": checkpoint_mib})
+    write_json(stage.metrics, {"checkpoint_mib": checkpoint_mib})
     timer.record(branch, "to_maxtext")
 
 

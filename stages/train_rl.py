@@ -6,7 +6,7 @@ MaxText ships it), cpu_jax elsewhere (mtpipe.maxtext.rollout_cpu samples with th
 The run directory lives in work/ or the MTPIPE_WORK_BUCKET bucket under a run name that is its recipe's digest, as
 for train_sft (mtpipe.maxtext.run_dir).
 Writes artifacts/rl/trained/model_params, metrics/rl/train_rl.json (reward and eval accuracy before
-and after GRPO, pass@k for k up to the eval's samples per prompt: mtpipe.pipeline.metrics.rl_eval, and
+and after GRPO, pass@k for k up to the eval's samples per prompt: mtpipe.maxtext.training_logs.rl_eval, and
 each pass@k's gain with the 95% interval of its per-prompt differences: rl_eval_gain)
 and plots/rl/train_rl.csv (reward per function, KL, loss per step).
 Run: dvc repro train_rl   (or: python -m stages.train_rl)
@@ -19,10 +19,8 @@ from mtpipe.data import gsm8k_chat
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import training_commands
 from mtpipe.maxtext.run_dir import run_dir, run_name
-from mtpipe.pipeline.view import load_stage
-from mtpipe.pipeline.metrics import missing_steps, read_tensorboard, rl_curve, rl_eval, rl_eval_gain, write_csv
-from mtpipe.pipeline.stage import (JAX_CACHE, ROOT, Timer, artifact, atomic_dir, log_path, read_stamp,
-                                   run_stage, write_json, write_stamp)
+from mtpipe.maxtext.training_logs import missing_steps, read_tensorboard, rl_curve, rl_eval, rl_eval_gain, write_csv
+from mtpipe.pipeline.stage import JAX_CACHE, Timer, atomic_dir, open_stage, read_stamp, run_stage, write_json, write_stamp
 
 
 def check_rollout_backend(backend: str, runs_here: bool) -> None:
@@ -55,10 +53,10 @@ def check_prompt_budget(cfg, files: Path, tokenizer_dir: Path) -> None:
 
 
 def main() -> None:
-    cfg, timer = load_stage("rl", "train_rl"), Timer()
+    stage, timer = open_stage("train_rl", "rl"), Timer()
+    cfg = stage.view
     check_rollout_backend(cfg.train_rl.rollout_backend, runs_here=cfg.hardware.backend == "local")
-    converted, warmup = artifact("rl", "maxtext"), artifact("rl", "warmup")
-    dataset, model = artifact("rl", "dataset"), artifact("rl", "model")
+    converted, warmup, dataset, model = (stage.reads[name] for name in ("maxtext", "warmup", "dataset", "model"))
     start = warmup / "model_params" if not read_stamp(warmup).get("skipped") else converted / "0" / "items"
     run = run_dir("train_rl", run_name("train_rl", "rl"))
     with run.leased():  # one holder: another machine with this recipe stops here, naming it
@@ -73,7 +71,7 @@ def main() -> None:
             tokenizer_dir=model / "files", base_output=run.base, run_name=run.run_name, jax_cache_dir=JAX_CACHE,
         )
         print(f"  GRPO from {'the SFT warm-up' if start.parent == warmup else 'the converted model'}")
-        run_training(cfg, cmd, log_path("rl", "train_rl"), total_steps=cfg.train_rl.num_batches)
+        run_training(cfg, cmd, stage.log, total_steps=cfg.train_rl.num_batches)
 
         final_step = run.latest_checkpoint("checkpoints/actor")
         if final_step is None or final_step < cfg.train_rl.num_batches:
@@ -83,14 +81,14 @@ def main() -> None:
         if lost := missing_steps([row for row in curve if "reward_mean" in row], first=1):
             print(f"  warning: the reward curve has no rows for steps {lost}: a run stopped (killed, preempted) "
                   "before tensorboardX flushed them (every 120 s); the plot has a gap there")
-        this_run = log_path("rl", "train_rl").read_text(errors="replace").split(f"$ {cmd.as_tutorial()}")[-1]
+        this_run = stage.log.read_text(errors="replace").split(f"$ {cmd.as_tutorial()}")[-1]
         evals = rl_eval(this_run)
         if cfg.train_rl.num_test_batches and set(evals) != {"pre", "post"}:
             raise RuntimeError(f"train_rl logged no eval before and after GRPO (found {sorted(evals)})")
-        with atomic_dir(artifact("rl", "trained")) as out:
+        with atomic_dir(stage.outs["trained"]) as out:
             run.take(f"checkpoints/actor/{final_step}/model_params", out / "model_params")
             write_stamp(out, "train_rl", step=final_step)
-        write_csv(ROOT / "plots" / "rl" / "train_rl.csv", curve)
+        write_csv(stage.plots, curve)
         rewards = [r["reward_mean"] for r in curve if "reward_mean" in r]
         summary = {
             "steps": final_step, "resumed_from_step": resumed_from or 0,
@@ -98,7 +96,7 @@ def main() -> None:
             **{f"eval_{when}_{key}": value for when, row in evals.items() for key, value in row.items()},
             **{f"eval_gain_{key}": value for key, value in rl_eval_gain(this_run).items()},
         }
-        write_json(ROOT / "metrics" / "rl" / "train_rl.json", summary)
+        write_json(stage.metrics, summary)
         timer.record("rl", "train_rl")
         acc = {w: evals[w]["accuracy"] for w in evals}
         print(f"  reward {rewards[0]:.3f} -> {rewards[-1]:.3f}; eval accuracy before/after: {acc}")

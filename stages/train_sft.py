@@ -22,12 +22,8 @@ from mtpipe.training.backend import run_training
 from mtpipe.data import gsm8k_chat
 from mtpipe.maxtext import training_commands
 from mtpipe.maxtext.run_dir import MIRROR_EVERY_S, run_dir, run_name
-from mtpipe.pipeline.view import load_stage
-from mtpipe.pipeline.metrics import loss_curve, missing_steps, summarize_sft, tokens_per_s_median, write_csv
-from mtpipe.pipeline.stage import (JAX_CACHE, ROOT, Timer, artifact, atomic_dir, log_path, require,
-                                   run_stage, write_json, write_stamp)
-
-OUTPUT = {"sft": "trained", "rl": "warmup"}  # the SFT branch's final model; the RL branch's warm start
+from mtpipe.maxtext.training_logs import loss_curve, missing_steps, summarize_sft, tokens_per_s_median, write_csv
+from mtpipe.pipeline.stage import JAX_CACHE, Timer, atomic_dir, open_stage, require, run_stage, write_json, write_stamp
 
 
 def chat_files(cfg, dataset: Path, run_dir: Path) -> tuple[str, str | None, list[str]]:
@@ -45,18 +41,17 @@ def chat_files(cfg, dataset: Path, run_dir: Path) -> tuple[str, str | None, list
 
 
 def main(branch: str) -> None:
-    cfg, timer = load_stage(branch, "train_sft"), Timer()
-    metrics_path = ROOT / "metrics" / branch / "train_sft.json"
-    plot_path = ROOT / "plots" / branch / "train_sft.csv"
+    stage, timer = open_stage("train_sft", branch), Timer()  # its output: the SFT branch's final model, the RL
+    cfg, metrics_path, plot_path = stage.view, stage.metrics, stage.plots  # branch's warm start
     if cfg.train_sft.steps == 0:  # RL branch without warm-up: train_rl starts from the conversion
-        with atomic_dir(artifact(branch, OUTPUT[branch])) as out:
+        with atomic_dir(stage.outs["trained"]) as out:
             write_stamp(out, "train_sft", skipped=True)
         write_csv(plot_path, [{"step": 0, "loss": None}])
         write_json(metrics_path, {"steps": 0})
         timer.record(branch, "train_sft")
         print("  steps: 0, no warm-up")
         return
-    converted, dataset, model = artifact(branch, "maxtext"), artifact(branch, "dataset"), artifact(branch, "model")
+    converted, dataset, model = (stage.reads[name] for name in ("maxtext", "dataset", "model"))
     run = run_dir("train_sft", run_name("train_sft", branch))
     with run.leased():  # one holder: another machine with this recipe stops here, naming it
         run.scratch.mkdir(parents=True, exist_ok=True)
@@ -71,7 +66,7 @@ def main(branch: str) -> None:
             jax_cache_dir=JAX_CACHE,
         )
         with run.mirrored(metrics_file):
-            run_training(cfg, cmd, log_path(branch, "train_sft"), total_steps=cfg.train_sft.steps)
+            run_training(cfg, cmd, stage.log, total_steps=cfg.train_sft.steps)
 
         final_step = run.latest_checkpoint()
         if final_step is None or final_step < cfg.train_sft.steps - 1:
@@ -81,7 +76,7 @@ def main(branch: str) -> None:
             print(f"  warning: the loss curve has no rows for steps {lost}: a run stopped (killed, preempted) after "
                   f"their checkpoint but before their rows were written, or mirrored to the bucket (every "
                   f"{MIRROR_EVERY_S:.0f} s); the plot has a gap there")
-        with atomic_dir(artifact(branch, OUTPUT[branch])) as out:
+        with atomic_dir(stage.outs["trained"]) as out:
             run.take(f"checkpoints/{final_step}/model_params", out / "model_params")
             write_stamp(out, "train_sft", step=final_step)
         write_csv(plot_path, curve)

@@ -114,14 +114,14 @@ def test_configure_stage_exit_message(tmp_path):
     repo = copy_project(tmp_path / "repo")
     stage = [sys.executable, "-m", "stages.configure"]
     subprocess.run(stage, cwd=repo, check=True, capture_output=True)
-    before = {p: p.read_text() for p in (repo / "config").rglob("*.yaml")}
+    before = {p: p.read_text() for p in (repo / "views").rglob("*.yaml")}
     params = repo / "params.yaml"
     params.write_text(params.read_text().replace("steps: null", "steps: 0", 1))
     proc = subprocess.run(stage, cwd=repo, capture_output=True, text=True)
     assert proc.returncode != 0
     assert proc.stderr.strip() == ("configure: steps: must be a positive integer, got 0. "
                                    "Fix: set e.g. `dvc exp run -S steps=200`")
-    assert {p: p.read_text() for p in (repo / "config").rglob("*.yaml")} == before
+    assert {p: p.read_text() for p in (repo / "views").rglob("*.yaml")} == before
 
 
 @pytest.mark.families

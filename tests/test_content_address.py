@@ -42,10 +42,10 @@ def test_a_stamp_is_its_outputs_content_and_a_recipe_its_inputs_content(tmp_path
     stage.write_stamp(outs["b"], "to_maxtext")
     assert (outs["a"] / stage.STAMP).read_bytes() == (outs["b"] / stage.STAMP).read_bytes()
 
-    view = tmp_path / "config" / "sft" / "train_sft.yaml"
+    view = tmp_path / "views" / "sft" / "train_sft.yaml"
     view.parent.mkdir(parents=True)
     view.write_text("train_sft:\n  checkpoint_period: 50\n")
-    monkeypatch.setattr(stage, "resolved_path", lambda branch, name: tmp_path / "config" / branch / f"{name}.yaml")
+    monkeypatch.setattr(stage, "resolved_path", lambda branch, name: tmp_path / "views" / branch / f"{name}.yaml")
     first = stage.recipe("sft", "train_sft", outs["a"])
     assert stage.recipe("sft", "train_sft", outs["b"]) == first, "the same input bytes, another producer"
     view.write_text("train_sft:\n  checkpoint_period: 75\n")
@@ -88,7 +88,7 @@ def test_rewording_error_messages_reruns_only_configure(pipeline_repo):
         edit(pipeline_repo / "stages" / "train_rl.py", "not installed here", "missing on this machine")
         out = dvc(pipeline_repo, "repro").stdout
         assert ran_stages(out) == {"configure"}, out
-        assert not git(pipeline_repo, "status", "--porcelain", "config"), "a resolved view changed"
+        assert not git(pipeline_repo, "status", "--porcelain", "views"), "a resolved view changed"
     finally:
         restore(pipeline_repo)
 
@@ -96,7 +96,7 @@ def test_rewording_error_messages_reruns_only_configure(pipeline_repo):
 @pytest.mark.slow
 def test_export_name_and_operational_keys_rerun_only_what_reads_them(pipeline_repo):
     """A model's export_name is read by the export alone; the evaluation server's start-up timeout
-    and the presets' file names by no output: configure writes them to config/run.yaml."""
+    and the presets' file names by no output: configure writes them to views/run.yaml."""
     try:
         edit(pipeline_repo / "conf" / "model" / "gemma3-tiny.yaml", "export_name: gemma3-4b", "export_name: gemma3-4b-pt")
         params = pipeline_repo / "params.yaml"
@@ -112,7 +112,7 @@ def test_export_name_and_operational_keys_rerun_only_what_reads_them(pipeline_re
 
 @pytest.mark.slow
 def test_a_twin_size_reruns_the_generator_and_what_reads_the_size(pipeline_repo):
-    """A twin's sizes are in make_embedded's view (config/embedded/make_embedded.yaml): after configure
+    """A twin's sizes are in make_embedded's view (views/embedded/make_embedded.yaml): after configure
     the generator is stale, as are the MaxText stages that pass the sizes; the download, whose input is
     the generator's output, waits for its bytes."""
     try:
@@ -157,7 +157,7 @@ def test_checkpoint_period_reruns_the_training_and_nothing_after_it(pipeline_rep
     the evaluation are not run again. The run directory is another one (the recipe moved)."""
     trained = ["artifacts/sft/trained"]
     before = md5_tree(pipeline_repo, trained)
-    period = yaml.safe_load((pipeline_repo / "config/sft/train_sft.yaml").read_text())["train_sft"]["checkpoint_period"]
+    period = yaml.safe_load((pipeline_repo / "views/sft/train_sft.yaml").read_text())["train_sft"]["checkpoint_period"]
     try:
         out = dvc(pipeline_repo, "exp", "run", "-S", f"sft.train_sft.checkpoint_period={period + 25}").stdout
         assert reproduced_stages(out) == {"configure", "train_sft@sft"}, out

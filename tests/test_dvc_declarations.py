@@ -3,7 +3,7 @@
 * code: the stage script plus every project module it imports (and, for stages that run MaxText,
   every module the child process `python -m mtpipe.maxtext.adapter.conversion` or `.training` imports)
   are fingerprinted in its view (mtpipe/pipeline/fingerprint.py), and no other module; configure depends on the code;
-* config: a pipeline stage reads one resolved file, config/<branch>/<stage>.yaml, and declares it;
+* config: a pipeline stage reads one resolved file, views/<branch>/<stage>.yaml, and declares it;
 * params: `configure` declares every top-level key of params.yaml (it is the only reader).
 """
 
@@ -89,8 +89,8 @@ def test_each_stage_declares_its_resolved_config(name):
     branch = branch or {"train_rl": "rl", "evaluate_warmup": "rl", "make_embedded": "embedded"}[script_name]
     source = (ROOT / "stages" / f"{script_name}.py").read_text()
     assert f'"{script_name}")' in source, "the stage loads its own view with load_stage(..., stage)"
-    configs = {d for d in deps_of(STAGES[name]) if d.startswith("config/")}
-    assert configs == {f"config/{branch}/{script_name}.yaml"}
+    configs = {d for d in deps_of(STAGES[name]) if d.startswith("views/")}
+    assert configs == {f"views/{branch}/{script_name}.yaml"}
     assert not STAGES[name].params, "pipeline stages read params only through their resolved view"
 
 
@@ -104,9 +104,9 @@ def test_configure_declares_every_params_key():
 
 
 def test_every_resolved_view_is_produced_and_consumed_and_the_run_keys_by_no_stage():
-    """config/run.yaml holds what no output depends on: a stage that declared it would rerun for it."""
+    """views/run.yaml holds what no output depends on: a stage that declared it would rerun for it."""
     produced = {str(o.def_path) for o in STAGES["configure"].outs}
-    consumed = {d for s in STAGES.values() for d in deps_of(s) if d.startswith("config/")}
+    consumed = {d for s in STAGES.values() for d in deps_of(s) if d.startswith("views/")}
     assert consumed == produced - {config.RUN_FILE}
 
 

@@ -170,15 +170,15 @@ def test_a_view_written_for_other_code_is_refused(tmp_path: Path):
                                                                                             backends=backends)
     cfg.code["mtpipe/maxtext/commands.py"] = "0" * 16
     OmegaConf.save(cfg, path)
-    with pytest.raises(ConfigError, match=r"config/sft/to_huggingface.yaml: was written for other code "
+    with pytest.raises(ConfigError, match=r"views/sft/to_huggingface.yaml: was written for other code "
                                           r"\(changed: mtpipe/maxtext/commands.py\).*dvc repro"):
         view.load_stage("sft", "to_huggingface", tmp_path)
 
 
 def test_the_committed_views_hold_the_fingerprints_of_the_committed_code(tmp_path: Path):
-    """configure would write config/ as committed: no stage runs under another code's address."""
+    """configure would write views/ as committed: no stage runs under another code's address."""
     config.write_resolved(config.compose_all(families.load_params()), config.twin_confs(embedded.FAMILIES), tmp_path)
-    for path in sorted((tmp_path / "config").rglob("*.yaml")):
+    for path in sorted((tmp_path / "views").rglob("*.yaml")):
         committed = config.ROOT / path.relative_to(tmp_path)
         assert path.read_text() == committed.read_text(), f"{committed}: run `dvc repro configure` and commit"
 

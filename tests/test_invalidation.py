@@ -47,7 +47,7 @@ def test_noop_repro_runs_no_stage(pipeline_repo):
         (lambda p: p["sft"].update(dataset="ultrachat-200k"), {"hf_download@sft", "make_embedded"}),
         (lambda p: p["sft"].update(to_maxtext={"checkpoint_storage": "ocdbt"}), {"to_maxtext@sft"}),
         (lambda p: p["rl"]["train_rl"].update(num_batches=9), {"train_rl"}),
-        (lambda p: p["sft"].update(evaluate={"server_timeout_s": 600}), set()),  # config/run.yaml only
+        (lambda p: p["sft"].update(evaluate={"server_timeout_s": 600}), set()),  # views/run.yaml only
     ],
     ids=["steps", "learning_rate", "export_dtype", "dataset_source", "conversion_option", "rl_batches",
          "server_timeout"],
@@ -103,7 +103,7 @@ def test_comments_docstrings_and_error_messages_rerun_only_configure(pipeline_re
         out = dvc(pipeline_repo, "repro").stdout
         assert ran_stages(out) == {"configure"}, out
         assert stale(pipeline_repo) == set()
-        assert not git(pipeline_repo, "status", "--porcelain", "config"), "a resolved view changed"
+        assert not git(pipeline_repo, "status", "--porcelain", "views"), "a resolved view changed"
     finally:
         restore(pipeline_repo)
 
@@ -114,7 +114,7 @@ def test_comments_docstrings_and_error_messages_rerun_only_configure(pipeline_re
     [
         ("stages/train_sft.py", '"rl": "warmup"}', '"rl": "warm_start"}', {"train_sft@sft", "train_sft@rl"}),
         ("stages/to_maxtext.py", "\n\n\ndef ", "\n\n\nTOUCHED = 1\n\n\ndef ", {"to_maxtext@sft", "to_maxtext@rl"}),
-        ("mtpipe/pipeline/metrics.py", 'LOSS = "learning/loss"', 'LOSS = "learning/total_loss"',
+        ("mtpipe/maxtext/training_logs.py", 'LOSS = "learning/loss"', 'LOSS = "learning/total_loss"',
          {"train_sft@sft", "train_sft@rl", "train_rl"}),
         ("mtpipe/data/hub.py", '"*.txt", "*.jinja")', '"*.jinja")', {"hf_download@sft", "hf_download@rl"}),
     ],

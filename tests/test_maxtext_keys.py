@@ -59,7 +59,7 @@ def test_adding_a_maxtext_key_is_one_line_in_the_schema(tmp_path):
     assert "warmup_steps_fraction=0.25" in shown.stdout.split()
     configured = run("-m", "stages.configure")
     assert configured.returncode == 0, configured.stderr[-2000:]
-    view = yaml.safe_load((repo / "config" / "sft" / "train_sft.yaml").read_text())
+    view = yaml.safe_load((repo / "views" / "sft" / "train_sft.yaml").read_text())
     assert view["train_sft"]["warmup_steps_fraction"] == 0.25
     changed = subprocess.run(["git", "status", "--porcelain", "--", "mtpipe", "stages", "conf", "params.yaml"],
                              cwd=repo, capture_output=True, text=True, check=True).stdout.split("\n")

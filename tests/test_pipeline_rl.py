@@ -27,7 +27,7 @@ def test_grpo_logged_rewards_kl_and_eval_before_and_after(pipeline_repo):
     rows = list(csv.DictReader(open(pipeline_repo / "plots/rl/train_rl.csv")))
     assert len(rows) >= metrics["steps"] > 0
     assert {"reward_mean", "reward_exact_format", "reward_answer", "kl", "loss"} <= set(rows[0])
-    extra = yaml.safe_load((pipeline_repo / "config/rl/train_rl.yaml").read_text())["train_rl"]
+    extra = yaml.safe_load((pipeline_repo / "views/rl/train_rl.yaml").read_text())["train_rl"]
     prompts = extra["num_test_batches"] * extra["extra_args"]["eval_batch_size"]
     for when in ("pre", "post"):
         # every test prompt scored, and the accuracy is the share of them answered right
@@ -60,7 +60,7 @@ def test_base_warmup_and_grpo_are_scored_on_the_same_problems_with_paired_gains(
     paired difference of the per-problem results in scores/rl/, which the three models share."""
     from mtpipe.evaluation import gsm8k
 
-    view = yaml.safe_load((pipeline_repo / "config/rl/evaluate.yaml").read_text())["evaluate"]
+    view = yaml.safe_load((pipeline_repo / "views/rl/evaluate.yaml").read_text())["evaluate"]
     assert view["task"] == "gsm8k_rl_format"
     results = {who: [json.loads(line) for line in (pipeline_repo / "scores/rl" / path).read_text().splitlines()]
                for who, path in (("base", "before/base.jsonl"), ("warmup", "before/warmup.jsonl"),

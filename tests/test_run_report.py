@@ -93,8 +93,8 @@ def test_headline_figures_round_as_people_do():
 
 
 def test_cost_comes_from_the_vm_ledger(tmp_path):
-    (tmp_path / "config").mkdir()
-    (tmp_path / "config" / "run.yaml").write_text(yaml.safe_dump({"sft": {"train_sft": {"hardware": {"name": "v6e-8"}}}}))
+    (tmp_path / "views").mkdir()
+    (tmp_path / "views" / "run.yaml").write_text(yaml.safe_dump({"sft": {"train_sft": {"hardware": {"name": "v6e-8"}}}}))
     assert report.cost(tmp_path).startswith("not recorded here: hardware v6e-8")
     (tmp_path / ".vm_state.json").write_text(json.dumps({"vms": [{
         "name": "vm", "provisioning": "on-demand", "usd_per_hour": 21.6, "reservation": None,

@@ -97,7 +97,7 @@ def test_a_stage_refuses_to_run_under_other_tool_versions(tmp_path: Path):
     cfg = OmegaConf.load(path)
     cfg.tools["orbax-checkpoint"] = "0.0.1"
     OmegaConf.save(cfg, path)
-    with pytest.raises(ConfigError, match=rf"config/sft/to_maxtext.yaml: records other tool versions than installed "
+    with pytest.raises(ConfigError, match=rf"views/sft/to_maxtext.yaml: records other tool versions than installed "
                                           rf"\(orbax-checkpoint: 0.0.1 -> {LAPTOP['orbax-checkpoint']}\).*make"):
         view.load_stage("sft", "to_maxtext", tmp_path)
 
@@ -124,18 +124,18 @@ def test_the_record_about_to_be_committed_is_current(tmp_path: Path):
 def test_a_stale_record_is_named_and_fails_the_check(tmp_path: Path):
     repo = copy_project(tmp_path / "repo", test_params=False)
     edits = {
-        "mtpipe/pipeline/metrics.py": ("\n\n\ndef ", "\n\n\nTOUCHED = 1\n\n\ndef "),
+        "mtpipe/maxtext/training_logs.py": ("\n\n\ndef ", "\n\n\nTOUCHED = 1\n\n\ndef "),
         "conf/hardware/cpu.yaml": ("\n", "\n# an edit\n"),
         "params.yaml": ("\nsteps: ", "\nsteps: 1"),
-        "config/sft/train_sft.yaml": ("branch: sft\n", "branch: sft\nextra: 1\n"),
+        "views/sft/train_sft.yaml": ("branch: sft\n", "branch: sft\nextra: 1\n"),
     }
     for path, (old, new) in edits.items():
         text = (repo / path).read_text()
         assert old in text, path
         (repo / path).write_text(text.replace(old, new, 1))
     assert sorted(lock_check.stale_entries(repo)) == ["configure: deps conf modified", "configure: deps mtpipe modified",
-                     "configure: deps params.yaml steps modified", "configure: outs config/sft/train_sft.yaml modified",
-                     "train_sft@sft: deps config/sft/train_sft.yaml modified"]
+                     "configure: deps params.yaml steps modified", "configure: outs views/sft/train_sft.yaml modified",
+                     "train_sft@sft: deps views/sft/train_sft.yaml modified"]
     proc = subprocess.run([sys.executable, "-m", "mtpipe.pipeline.lock_check"], cwd=repo, env=env() | {
         "PYTHONPATH": str(repo)}, capture_output=True, text=True)
     assert proc.returncode == 1 and "configure: deps mtpipe modified" in proc.stderr and "dvc repro" in proc.stderr

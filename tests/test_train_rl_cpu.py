@@ -120,7 +120,7 @@ def test_each_eval_logs_how_many_samples_of_each_prompt_maxtext_scored_right(eva
     the per-prompt counts behind pass@k, in both eval modes (pass_at_1 gives the share, pass one verdict)."""
     import importlib.util
 
-    from mtpipe.pipeline.metrics import right_samples
+    from mtpipe.maxtext.training_logs import right_samples
 
     rl_yml = Path(importlib.util.find_spec("maxtext").origin).parent / "configs" / "post_train" / "rl.yml"
     right7, right12 = "<reasoning>3 + 4 = 7</reasoning><answer>7</answer>", "<reasoning>5 + 7</reasoning><answer>12</answer>"
@@ -193,7 +193,7 @@ def length_signal(prompts, completions, tmvp_config, **kwargs):
 @pytest.mark.slow
 def test_train_rl_runs_two_grpo_steps_on_cpu(tmp_path):
     from mtpipe.data import embedded
-    from mtpipe.pipeline.metrics import read_tensorboard, rl_eval
+    from mtpipe.maxtext.training_logs import read_tensorboard, rl_eval
 
     env = dict(os.environ, JAX_PLATFORMS="cpu", DECOUPLE_GCLOUD="TRUE", PYTHONPATH=str(REPO))
     cache = f"jax_cache_dir={REPO / 'work' / 'jax_cache'}"

@@ -92,7 +92,7 @@ def test_a_params_edit_is_named_with_its_key_and_values(clean: Path):
     assert "dvc commit" not in out, "a moved value is another recipe: no advice to keep the output"
     dvc(clean, "repro", "configure")  # now DVC calls it changed: the same answer, the params from the old record
     out = why(clean)
-    assert "dvc status: deps config/sft/train_sft.yaml modified" in out, out
+    assert "dvc status: deps views/sft/train_sft.yaml modified" in out, out
     assert f"`dvc repro` reruns {STAGE}.\n" in out
     assert "params.yaml sft.train_sft.learning_rate: null -> 0.0005" in out
 

@@ -128,9 +128,9 @@ def curves_png(root: Path, commit: str, branch: str) -> bytes:
 
 
 def _view(root: Path, commit: str, branch: str, stage: str) -> dict:
-    """What ``stage`` read in ``commit``: its address view with its run keys (config/run.yaml)."""
+    """What ``stage`` read in ``commit``: its address view with its run keys (views/run.yaml)."""
     run = yaml.safe_load(at(root, commit, RUN_FILE)) or {}
-    return with_run_keys(yaml.safe_load(at(root, commit, f"config/{branch}/{stage}.yaml")),
+    return with_run_keys(yaml.safe_load(at(root, commit, f"views/{branch}/{stage}.yaml")),
                          (run.get(branch) or {}).get(stage) or {})
 
 
@@ -178,7 +178,7 @@ def model_card(root: Path, commit: str, branch: str, repo_id: str, exp: str, bas
         model_name=repo_id.split("/")[-1], eval_results=results)
     lock = yaml.safe_load(at(root, commit, "dvc.lock"))
     hardware = next((_view(root, commit, branch, s)["hardware"]["name"] for s in ("train_rl", "train_sft")
-                     if f"config/{branch}/{s}.yaml" in git(root, "ls-tree", "-r", "--name-only", commit)), "?")
+                     if f"views/{branch}/{s}.yaml" in git(root, "ls-tree", "-r", "--name-only", commit)), "?")
     lines = [
         "---", data.to_yaml(), "---", "",
         f"# {repo_id.split('/')[-1]}", "",

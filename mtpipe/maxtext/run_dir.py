@@ -44,7 +44,8 @@ from typing import TYPE_CHECKING
 
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext.checkpoints import COMMIT_MARKER, latest_checkpoint, normalise_orbax_metadata
-from mtpipe.pipeline.stage import WORK, artifact, recipe
+from mtpipe.pipeline import stage_table
+from mtpipe.pipeline.stage import ROOT, WORK, recipe
 
 if TYPE_CHECKING:
     import gcsfs
@@ -318,15 +319,14 @@ def _alive(pid: int, started: str | None = None) -> bool:
     return state not in ("Z", "X") and (started is None or _started(pid) == started)
 
 
-# The inputs a training stage's recipe covers besides its view, by artifact name: its run name's digest.
-RECIPE_INPUTS = {"train_sft": ("maxtext", "dataset", "model"), "train_rl": ("maxtext", "warmup", "dataset", "model")}
-TRAINING = (("train_sft", "sft"), ("train_sft", "rl"), ("train_rl", "rl"))   # (stage, branch) of each run
+TRAINING = tuple((stage, branch) for stage in stage_table.TRAINING for branch in stage_table.BY_NAME[stage].branches)
 
 
 def run_name(stage: str, branch: str) -> str:
     """The run name of ``stage`` in ``branch`` as its view and inputs are now: its recipe's digest
     (:func:`mtpipe.pipeline.stage.recipe`), so the same recipe finds the same run directory."""
-    digest = recipe(branch, stage, *(artifact(branch, name) for name in RECIPE_INPUTS[stage]))[:12]
+    declared = stage_table.BY_NAME[stage]  # the inputs its recipe covers besides its view: what it reads
+    digest = recipe(branch, stage, *(ROOT / declared.path(path, branch) for path in declared.reads.values()))[:12]
     return f"train_sft-{branch}-{digest}" if stage == "train_sft" else f"train_rl-{digest}"
 
 

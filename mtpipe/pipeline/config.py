@@ -7,7 +7,7 @@ Values in ``params.yaml`` override the preset; ``null`` there keeps the preset's
 checked against the typed schema in :mod:`mtpipe.pipeline.schema` (type, range) and the rules of
 :mod:`mtpipe.pipeline.rules` (combinations), once: :func:`compose` returns the validated branch.
 
-The ``configure`` stage resolves everything and writes ``config/<branch>/<stage>.yaml``: exactly what
+The ``configure`` stage resolves everything and writes ``views/<branch>/<stage>.yaml``: exactly what
 that stage reads, nothing more, plus the fingerprints of the code it runs (``code:``,
 :mod:`mtpipe.pipeline.fingerprint`) and the versions of the tools it runs (``tools:``,
 :mod:`mtpipe.pipeline.toolchain`). Each pipeline stage depends on its own file, so DVC reruns a
@@ -29,16 +29,11 @@ from omegaconf import DictConfig, OmegaConf
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline import fingerprint, rules, schema, toolchain
 from mtpipe.pipeline.stage import is_embedded
-from mtpipe.pipeline.view import (EMBEDDED_VIEW, ROOT, RUN_FILE, STAGE_SECTIONS, backends, load_yaml,
-                                  resolved_path, view_model)
+from mtpipe.pipeline.stage_table import BRANCH_STAGES, RUN_FILE, STAGE_SECTIONS
+from mtpipe.pipeline.view import EMBEDDED_VIEW, ROOT, backends, load_yaml, resolved_path, view_model
 
 CONF_DIR = ROOT / "conf"
 
-BRANCH_STAGES: dict[str, tuple[str, ...]] = {
-    "sft": ("hf_download", "to_maxtext", "train_sft", "to_huggingface", "evaluate_base", "evaluate"),
-    "rl": ("hf_download", "to_maxtext", "train_sft", "train_rl", "to_huggingface", "evaluate_base", "evaluate_warmup",
-           "evaluate"),
-}
 # make_embedded's view (view.EMBEDDED_VIEW) holds the twins it writes (each twin's conf/model/<twin>.yaml
 # `maxtext_name` and sizes, :func:`twin_confs`), so a size edit reruns it and an
 # `export_name` edit does not, and the embedded directories each branch's hf_download copies
@@ -182,7 +177,7 @@ def _write_if_changed(path: Path, text: str) -> None:
 
 def write_resolved(composed: dict[str, schema.SftBranch], twins: dict[str, dict], root: Path = ROOT) -> list[Path]:
     """Write each stage's address view of the composed branches (:func:`compose_all`), make_embedded's view
-    of the ``twins`` (:func:`twin_confs` of the embedded families) and the run keys of all of them (``config/run.yaml``)."""
+    of the ``twins`` (:func:`twin_confs` of the embedded families) and the run keys of all of them (``views/run.yaml``)."""
     views = {(branch, stage): _view_tree(cfg, stage) for branch, cfg in composed.items()
              for stage in BRANCH_STAGES[branch]}
     views[EMBEDDED_VIEW] = {"twins": twins, "sources": embedded_sources(composed)}

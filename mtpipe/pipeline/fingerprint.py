@@ -1,6 +1,6 @@
 """Code fingerprints: what a stage's code does, not how its text reads.
 
-``configure`` writes into each stage's resolved view (config/<branch>/<stage>.yaml) a ``code:``
+``configure`` writes into each stage's resolved view (views/<branch>/<stage>.yaml) a ``code:``
 mapping, module path -> fingerprint, for every project module the stage runs: its script, the
 modules it imports (transitively, imports inside functions included), and the entry points of the
 child processes it starts, less the modules that declare that they only check (:data:`EXEMPT_MARK`). DVC

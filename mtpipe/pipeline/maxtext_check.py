@@ -20,16 +20,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline import config, rules, schema
 from mtpipe.pipeline.schema import Fix, SftBranch
-
-
-# The free-form MaxText mappings each stage passes on, every key as it is.
-MAXTEXT_MAPPINGS: dict[str, tuple[str, ...]] = {
-    "to_maxtext": ("model.maxtext_overrides",),
-    "train_sft": ("hardware.maxtext_args", "model.maxtext_overrides", "train_sft.extra_args"),
-    "train_rl": ("hardware.maxtext_args", "model.maxtext_overrides", "train_rl.extra_args"),
-    "to_huggingface": ("model.maxtext_overrides",),
-    "evaluate_warmup": ("model.maxtext_overrides",),  # its export of the warm-up, as to_huggingface's
-}
+from mtpipe.pipeline.stage_table import MAXTEXT_MAPPINGS
 
 
 @functools.cache

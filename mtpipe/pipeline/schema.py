@@ -59,7 +59,7 @@ MAXTEXT = MaxTextKey()
 @dataclass(frozen=True)
 class ReadBy:
     """Marks a key only the stages named compute with (:func:`read_by`): it is in their addresses only. Any
-    other stage whose view holds the key's section gets it from config/run.yaml, which no stage depends
+    other stage whose view holds the key's section gets it from views/run.yaml, which no stage depends
     on, so a change to it reruns none of them. :data:`RUN` (no stage) marks a key that only names a preset
     or says where and how patiently a stage runs. A key without a mark is in the address of every stage
     that reads its section (mtpipe/pipeline/view.py ``STAGE_SECTIONS``)."""

@@ -19,13 +19,15 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mtpipe.errors import ConfigError
+from mtpipe.pipeline import stage_table
 from mtpipe.pipeline.schema import Source
-from mtpipe.pipeline.view import ROOT, resolved_path
+from mtpipe.pipeline.view import ROOT, View, load_stage, resolved_path
 
 WORK = ROOT / "work"                # untracked: MaxText run dirs (resume), logs, JAX compile cache
 # JAX's compile cache is content-addressed, so every workspace of a checkout shares one: DVC_ROOT is the
@@ -47,7 +49,7 @@ def source_manifest(branch: str, root: Path = ROOT) -> Path:
     """``artifacts/<branch>/source.json``: the sha256 of each file of the embedded directories the branch's
     hf_download copies (``{"model": {path: sha256}, "dataset": ...}``, empty for Hub sources), written by
     make_embedded; hf_download@<branch> depends on it instead of on all of embedded/."""
-    return root / "artifacts" / branch / "source.json"
+    return root / stage_table.BY_NAME["make_embedded"].outs[f"source_{branch}"]
 
 
 def is_embedded(source: Source) -> bool:
@@ -55,16 +57,40 @@ def is_embedded(source: Source) -> bool:
     return source.kind == "local" and Path(source.path).parts[:1] == (EMBEDDED_DIR,)
 
 
-def scores_path(branch: str, model: str) -> Path:
-    """A model's per-problem results (JSON lines): ``scores/<branch>/trained.jsonl`` for the export, and
-    ``scores/<branch>/before/<model>.jsonl`` for the models scored before it (the base, the RL warm-up),
-    the directory evaluate@<branch> depends on."""
-    return ROOT / "scores" / branch / ("trained.jsonl" if model == "trained" else f"before/{model}.jsonl")
-
-
 def log_path(branch: str, stage: str) -> Path:
     """Where a stage's full MaxText log goes."""
     return WORK / "logs" / branch / f"{stage}.log"
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """What a stage script works with (:func:`open_stage`): its view and the paths the stage table
+    (:mod:`mtpipe.pipeline.stage_table`, held equal to dvc.yaml) declares for it, absolute."""
+
+    name: str
+    branch: str
+    view: View
+    reads: Mapping[str, Path]    # its inputs besides the view, by name
+    outs: Mapping[str, Path]     # what it writes, by name
+    metrics: Path | None         # its DVC metrics file
+    plots: Path | None           # its DVC plots file
+
+    @property
+    def log(self) -> Path:
+        """Where its full log goes (work/logs/)."""
+        return log_path(self.branch, self.name)
+
+
+def open_stage(name: str, branch: str) -> StageContext:
+    """``name`` in ``branch`` as its script runs it: the view :func:`load_stage` checks, and its paths."""
+    declared = stage_table.BY_NAME[name]
+
+    def at(template: str) -> Path:
+        return ROOT / declared.path(template, branch)
+
+    return StageContext(name, branch, load_stage(branch, name),
+                        {k: at(t) for k, t in declared.reads.items()}, {k: at(t) for k, t in declared.outs.items()},
+                        at(declared.metrics) if declared.metrics else None, at(declared.plots) if declared.plots else None)
 
 
 @contextlib.contextmanager
@@ -110,7 +136,7 @@ def tree_sha256(root: Path) -> dict[str, str]:
 
 
 def recipe(branch: str, stage: str, *inputs: Path) -> str:
-    """sha256 of what a stage computes from: its address view (config/<branch>/<stage>.yaml: values,
+    """sha256 of what a stage computes from: its address view (views/<branch>/<stage>.yaml: values,
     code fingerprints, tool versions) and the content digests stamped in its input directories."""
     h = hashlib.sha256(resolved_path(branch, stage).read_bytes())
     for path in inputs:

@@ -1,7 +1,7 @@
-"""What a stage reads: its resolved view, ``config/<branch>/<stage>.yaml``, typed and checked.
+"""What a stage reads: its resolved view, ``views/<branch>/<stage>.yaml``, typed and checked.
 
 ``configure`` (:mod:`mtpipe.pipeline.config`) composes params.yaml and conf/ and writes one view per
-stage: the sections the stage reads, minus its run keys (config/run.yaml), plus ``code:`` and
+stage: the sections the stage reads, minus its run keys (views/run.yaml), plus ``code:`` and
 ``tools:``, the fingerprints of the code it runs and the versions of its tools. A stage loads its view
 with :func:`load_stage`. This module is all of the configuration code a stage runs; composition,
 presets and the schema's cross-key rules (:mod:`mtpipe.pipeline.rules`) run in ``configure`` only, so
@@ -20,23 +20,12 @@ from pydantic import create_model
 
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline import fingerprint, schema, toolchain
+from mtpipe.pipeline.stage_table import EMBEDDED, RUN_FILE, STAGE_SECTIONS, VIEW
 
 ROOT = Path(__file__).resolve().parents[2]
-RUN_FILE = "config/run.yaml"
-# The sections of the composed branch config that each stage reads.
-STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
-    "hf_download": ("model", "dataset", "hf_download"),
-    "to_maxtext": ("model", "to_maxtext"),
-    "train_sft": ("model", "dataset", "hardware", "train_sft"),
-    "train_rl": ("model", "dataset", "hardware", "train_rl"),
-    "to_huggingface": ("model", "to_huggingface"),
-    "evaluate_base": ("dataset", "evaluate"),
-    "evaluate_warmup": ("model", "dataset", "to_huggingface", "evaluate"),  # exports the warm-up to score it
-    "evaluate": ("dataset", "evaluate"),
-}
 # The stage outside the branches: make_embedded's view holds the twins it writes and the embedded
 # directories each branch's hf_download copies (:func:`mtpipe.pipeline.config.embedded_sources`).
-EMBEDDED_VIEW = ("embedded", "make_embedded")
+EMBEDDED_VIEW = (EMBEDDED, "make_embedded")
 
 View = schema.Section  # what a stage reads: an instance of view_model(branch, stage)
 
@@ -79,7 +68,7 @@ def with_run_keys(address: dict, run: dict) -> dict:
 
 def resolved_path(branch: str, stage: str, root: Path = ROOT) -> Path:
     """Where ``configure`` writes the view of ``stage`` in ``branch``."""
-    return root / "config" / branch / f"{stage}.yaml"
+    return root / VIEW.format(branch=branch, stage=stage)
 
 
 def backends(view: dict) -> dict[str, str]:

@@ -2,7 +2,7 @@
 
     python -m mtpipe.pipeline.why train_sft@sft      (or: doit why train_sft@sft)
 
-A stage's address is its view (config/<branch>/<stage>.yaml: the values it reads, the fingerprints of its
+A stage's address is its view (views/<branch>/<stage>.yaml: the values it reads, the fingerprints of its
 code, the versions of its tools) and its input data. The command writes the views as ``configure`` would
 write them now, with configure's own code (stages/configure.py, into a scratch directory), and compares
 the stage's view with the one dvc.lock recorded (found in git's history by the hash dvc.lock holds). So it
@@ -32,9 +32,9 @@ import yaml
 
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline import config, fingerprint, toolchain
-from mtpipe.pipeline.view import EMBEDDED_VIEW, ROOT, RUN_FILE, resolved_path
+from mtpipe.pipeline.stage_table import BRANCH_STAGES, RUN_FILE, TRAINING
+from mtpipe.pipeline.view import EMBEDDED_VIEW, ROOT, resolved_path
 
-TRAINING = ("train_sft", "train_rl")  # the stages that train: on a TPU preset, each run is paid TPU time
 HISTORY = 200  # how many commits back the recorded view or module is looked for
 KEEP = "dvc repro configure && dvc commit --force {stages}"
 KEEPABLE = {"code", "tools"}  # what a user may judge behaviour-free; a moved value is another recipe
@@ -53,7 +53,7 @@ class Explanation:
     """What moved in one stage's address, and what follows from it."""
 
     stage: str
-    view: str  # config/<branch>/<stage>.yaml
+    view: str  # views/<branch>/<stage>.yaml
     status: list[str] = field(default_factory=list)   # what `dvc status` says changed, in words
     moved: list[str] = field(default_factory=list)    # in the view: recorded by dvc.lock -> written now
     kinds: set[str] = field(default_factory=set)      # what moved in the view: values, code, tools
@@ -63,7 +63,7 @@ class Explanation:
     upstream: dict[str, set[str]] = field(default_factory=dict)  # stage before it -> what moved in its view
     downstream: list[str] = field(default_factory=list)
     others: dict[str, set[str]] = field(default_factory=dict)  # other stages whose view the same edits move
-    configure_behind: bool = False  # config/ on disk is not what configure writes now
+    configure_behind: bool = False  # views/ on disk is not what configure writes now
     recorded_found: bool = True
     hardware: str = ""
 
@@ -71,7 +71,7 @@ class Explanation:
         """The explanation as the command prints it."""
         lines = [f"{self.stage} ({self.view})",
                  "dvc status: " + ("; ".join(self.status) if self.status else "up to date")]
-        first = " (configure first: config/ is not yet what the edits make)" if self.configure_behind else ""
+        first = " (configure first: views/ is not yet what the edits make)" if self.configure_behind else ""
         if not self.recorded_found:
             lines.append(f"The view dvc.lock recorded is neither on disk nor in git's last {HISTORY} commits: what "
                          f"moved in it cannot be named (`git log -p {self.view}`).")
@@ -134,8 +134,8 @@ def view_of(stage: str) -> tuple[str, str]:
                           "requirements.lock or params.yaml change, and writes the views of the others",
                           "ask about a stage it feeds, e.g. `doit why train_sft@sft`")
     base, _, branch = stage.partition("@")
-    owners = {s: [b for b, stages in config.BRANCH_STAGES.items() if s in stages]
-              for s in dict.fromkeys(s for stages in config.BRANCH_STAGES.values() for s in stages)}
+    owners = {s: [b for b, stages in BRANCH_STAGES.items() if s in stages]
+              for s in dict.fromkeys(s for stages in BRANCH_STAGES.values() for s in stages)}
     found = [b for b in owners.get(base, []) if branch == b or not branch and len(owners[base]) == 1]
     if len(found) != 1:
         names = [EMBEDDED_VIEW[1], *(f"{s}@{b}" if len(bs) > 1 else s for s, bs in owners.items() for b in bs)]

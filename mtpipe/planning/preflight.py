@@ -41,7 +41,8 @@ from mtpipe.errors import ConfigError
 from mtpipe.maxtext import commands, tpu_check, training_commands
 from mtpipe.maxtext.runner import child_env
 from mtpipe.pipeline import maxtext_check, overrides, toolchain
-from mtpipe.pipeline.config import BRANCH_STAGES, ROOT, stage_view
+from mtpipe.pipeline.config import ROOT, stage_view
+from mtpipe.pipeline.stage_table import BRANCH_STAGES, BUDGET_STAGES
 from mtpipe.pipeline.view import View
 from mtpipe.pipeline.maxtext_check import compose_checked
 from mtpipe.planning import budget, compiled_presets, run_forecast, step_model
@@ -501,10 +502,6 @@ def budget_on_vm(sets: list[str], machine: budget.Machine, root: Path = ROOT) ->
     raises ConfigError naming the key to change when it does not fit (:func:`machine_budget`)."""
     _, composed, views = composed_views(sets, root, tuple(BRANCH_STAGES), committed=True)
     return machine_budget(composed, views, machine, root, root / "work" / "preflight", refuse=True)
-
-
-BUDGET_STAGES = {"sft": ("hf_download", "train_sft", "to_huggingface"),
-                 "rl": ("hf_download", "train_sft", "train_rl", "to_huggingface")}
 
 
 def machine_budget(composed: dict[str, Any], views: dict[str, View], machine: budget.Machine, root: Path,

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mtpipe.errors import ConfigError
-from mtpipe.pipeline.config import BRANCH_STAGES, ROOT
+from mtpipe.pipeline.config import ROOT
+from mtpipe.pipeline.stage_table import BRANCH_STAGES, address
 from mtpipe.planning import budget, step_model
 
 if TYPE_CHECKING:
@@ -138,11 +139,6 @@ def stages_of(target: str | None, root: Path = ROOT) -> set[str]:
             raise ConfigError("--target", f"{target!r} is no stage of {root / 'dvc.yaml'} ({e})",
                               "name a stage as `dvc repro` does, e.g. evaluate@sft or train_rl") from e
     return {stage.name for stage in found}   # name: train_sft@sft (addressing is relative to the cwd)
-
-
-def address(stage: str, branch: str) -> str:
-    """A stage's DVC address: ``stage@branch`` for a stage of every branch (a foreach), else its name."""
-    return f"{stage}@{branch}" if all(stage in stages for stages in BRANCH_STAGES.values()) else stage
 
 
 def scaled(seconds: float, scale: Range) -> tuple[float, float, float]:

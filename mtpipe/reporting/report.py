@@ -2,7 +2,7 @@
 
     python -m mtpipe.reporting.report [--out reports/latest] [--timings work/timings.jsonl]
 
-From the workspace's record (metrics/, plots/, dvc.yaml, dvc.lock, params.yaml, config/run.yaml),
+From the workspace's record (metrics/, plots/, dvc.yaml, dvc.lock, params.yaml, views/run.yaml),
 the stage times this machine recorded (work/timings.jsonl) and the VM ledger (.vm_state.json, when
 a VM ran), it writes OUT/README.md: the headline figures (what README.md quotes), the curves of
 dvc.yaml's plots as PNGs drawn with matplotlib (no browser, no network), the stage times, the scores
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 REPORT = "README.md"
 TIMES = "timings.jsonl"
 HEADLINES = "## Headline figures"
-RECORD = ["dvc.lock", "params.yaml", "metrics", "plots", "config"]   # what the lineage's "uncommitted" names
+RECORD = ["dvc.lock", "params.yaml", "metrics", "plots", "views"]   # what the lineage's "uncommitted" names
 
 
 def fixed(value: float, digits: int) -> str:
@@ -162,7 +162,7 @@ def cost(root: Path) -> str:
         paid = f"; {s.reserved_count} paid by reservation {', '.join(sorted(s.reservations))} " \
                f"({s.reserved_hours:.2f} h, {s.reserved_usd:.2f} USD on-demand equivalent)" if s.reserved_count else ""
         return f"{s.count} VM(s), {s.hours:.2f} h, {s.usd:.2f} USD billed{paid} (.vm_state.json, conf/prices.yaml)"
-    run = yaml.safe_load((root / "config" / "run.yaml").read_text()) or {}
+    run = yaml.safe_load((root / "views" / "run.yaml").read_text()) or {}
     hardware = sorted({view["hardware"]["name"] for branch in run.values() for view in branch.values()
                        if "hardware" in view})
     if hardware == ["cpu"]:

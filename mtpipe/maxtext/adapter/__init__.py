@@ -74,7 +74,7 @@ For ``maxtext.trainers.post_train.rl.train_rl`` (training.py):
     after GRPO, and the intermediate ones) now also logs, just before MaxText's own summary line,
     how many of each prompt's samples were right (``EVAL_SAMPLES_LINE``); the scores are MaxText's
     own (``evaluate_rl.score_responses``), and what the eval returns is unchanged.
-    ``mtpipe.pipeline.metrics.rl_eval`` turns the counts into pass@k.
+    ``mtpipe.maxtext.training_logs.rl_eval`` turns the counts into pass@k.
 16. ``keep_the_first_pre_eval`` (monkeypatch): train_rl evaluates the policy before GRPO in every
     process it starts, so a resumed run scored the restored actor, not the warm-up, as "before GRPO".
     The first eval of a run now saves its result and per-prompt counts in the run directory (local or

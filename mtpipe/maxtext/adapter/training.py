@@ -21,14 +21,12 @@ import types
 from typing import Any, Callable
 
 from mtpipe.maxtext import launch
+from mtpipe.maxtext.log_protocol import EVAL_SAMPLES_LINE  # patch 12's log line
 from mtpipe.maxtext.adapter import (CONVERTERS, TRAIN_SFT, TRAINERS, AdapterError, _arg_value, defer_vertex_ai_import,
                                     reject_secrets)
 
 HOLD_ENV = "MTPIPE_HOLD_AFTER_STEP"
 STOPPED_STATUS = 128 + signal.SIGTERM  # the exit status of a run that SIGTERM stopped after its save
-# Patch 12's log line; mtpipe.pipeline.metrics parses it (its own copy: an import would make every stage
-# that launches MaxText depend on metrics.py's code; tests/test_metrics.py checks the two are equal)
-EVAL_SAMPLES_LINE = "mtpipe eval: right samples per prompt:"
 PRE_EVAL_FILE = "mtpipe_pre_eval.json"  # patch 16's record of a run's first eval, in its run directory
 ARROW_GRACE_S = 0.5  # patch 15: Arrow's read-ahead threads end in milliseconds on a local parquet file
 

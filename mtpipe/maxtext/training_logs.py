@@ -8,6 +8,7 @@ import math
 import re
 from pathlib import Path
 
+from mtpipe.maxtext.log_protocol import EVAL_SAMPLES_LINE
 from mtpipe.pipeline.stats import mean_ci
 
 LOSS = "learning/loss"
@@ -105,8 +106,6 @@ def read_tensorboard(log_dir: Path | str) -> dict[str, list[tuple[int, float]]]:
 
 RL_EVAL = re.compile(r"(Pre|Post) RL Training: corr=([\d.]+), total=(\d+), accuracy=([\d.]+)%, "
                      r"partial_accuracy=([\d.]+)%, format_accuracy=([\d.]+)%, mean_reward=([-\d.]+)")
-# train_rl's eval, per prompt: right samples / samples (logged by mtpipe.maxtext.adapter.training, patch 12)
-EVAL_SAMPLES_LINE = "mtpipe eval: right samples per prompt:"
 # an eval's per-prompt counts, then any eval's summary line (pre, post, intermediate)
 RL_EVAL_EVENTS = re.compile(re.escape(EVAL_SAMPLES_LINE) + r" ([\d/ ]*)$|(Pre|Post) RL Training: |Intermediate Eval",
                             re.MULTILINE)
