@@ -96,7 +96,7 @@ POINTS = calibrate.points()
 LEAVE_ONE_OUT = calibrate.leave_one_out(POINTS)
 # The records whose HBM the model over-forecasts by more than HBM_TOLERANCE, with their measured miss
 # rounded up (docs/step-time.md): the test holds each to that miss.
-KNOWN_HBM_MISSES = {"gemma_d4_v48k_b4": 0.13, "gemma_d6_v16k_b2": 0.26}
+KNOWN_HBM_MISSES = {"gemma_d6_v16k_b1": 0.21, "gemma_d6_v16k_b2": 0.22}
 
 
 @pytest.mark.forecast
@@ -104,7 +104,7 @@ def test_the_records_span_both_families_batches_1_to_4_and_grpo_at_real_width():
     """The SFT slices cover both tutorial families at real width and batch 1, 2 and 4; the GRPO cuts run
     the GRPO tutorial's Llama 3.1 8B at its real width (4096) through train_rl with the JAX rollout."""
     sft = calibrate.slices()
-    assert len(sft) >= 11
+    assert len(sft) >= 12
     assert {run["family"] for run in sft if "family" in run} == {"gemma3", "llama3.1"}
     assert {run.get("batch", 1) for run in sft} == {1, 2, 4}
     grpo = calibrate.grpo_runs()
@@ -119,8 +119,12 @@ def test_the_records_span_both_families_batches_1_to_4_and_grpo_at_real_width():
 @pytest.mark.parametrize("row", LEAVE_ONE_OUT, ids=[r["name"] for r in LEAVE_ONE_OUT])
 def test_each_record_is_forecast_by_a_fit_on_the_others(row: dict):
     """Leave-one-out: the model fit on every other record forecasts this one's step time within
-    STEP_TOLERANCE and its peak HBM within HBM_TOLERANCE (or its documented miss)."""
-    assert abs(row["step_ratio"] - 1) <= preflight.STEP_TOLERANCE, row
+    STEP_TOLERANCE (a record left out of the step fit, calibrate.OUTSIDE_THE_STEP_FIT, still misses it)
+    and its peak HBM within HBM_TOLERANCE (or its documented miss)."""
+    if row["outside_the_step_fit"]:  # still the shape it was left out for, else it belongs in the fit again
+        assert row["step_ratio"] < 1 - preflight.STEP_TOLERANCE, row
+    else:
+        assert abs(row["step_ratio"] - 1) <= preflight.STEP_TOLERANCE, row
     assert abs(row["hbm_ratio"] - 1) <= KNOWN_HBM_MISSES.get(row["name"], preflight.HBM_TOLERANCE), row
     assert row["name"] not in KNOWN_HBM_MISSES or row["hbm_ratio"] > 1  # over, the safe side of a fit check
 

@@ -38,6 +38,15 @@ GIB = 2**30
 CHIP = preflight.CHIPS["v5e"]
 
 
+# Records the step-time fit and its interval leave out, with what the chip showed. Each stays in the table
+# beside its forecast, and tests/test_on_tpu.py checks it still misses (else it belongs in the fit again).
+OUTSIDE_THE_STEP_FIT = {
+    name: "a two-layer Llama: its steady step is 1.5x what one and three layers say (llama_d1_v16k_b1 0.062 s, "
+          "llama_d3_v4k_b1 0.125 s), at 16k and 8k vocabularies alike; a shape this compile handles badly, "
+          "not a cost the tutorial's 32-layer model pays"
+    for name in ("llama_d2_v16k_b1", "llama_d2_v8k_b1")}
+
+
 def measured_runs(prefix: str) -> list[dict[str, Any]]:
     """Every run of the committed records ``<prefix>*.json`` that finished, with its record's name."""
     found = []
@@ -62,6 +71,12 @@ def measured_hbm_gib(run: dict[str, Any]) -> float:
     """What the run held at most: peak bytes in use plus the peak the runtime reserved for the program."""
     mem = run["memory"]
     return (mem["peak_bytes_in_use"] + mem["peak_bytes_reserved"]) / GIB
+
+
+def measured_step_s(run: dict[str, Any]) -> float:
+    """The device-bound step: the lower quartile of the step times where the record has them (collect.py's
+    ``steady_step_s``: a checkpoint save or a stalled host adds seconds to a few steps), else the median."""
+    return run.get("steady_step_s") or run["median_step_s"]
 
 
 def compiled_for(run: dict[str, Any], compile_now: bool = False) -> dict[str, Any]:
@@ -117,7 +132,7 @@ def point(run: dict[str, Any], compiled: dict[str, Any]) -> Point:
     kind = "GRPO" if grpo else "SFT" if run["module"] == commands.TRAIN_SFT else "pre-train"
     return Point(run["name"], kind, grpo, flops / (CHIP.peak_tflops * 1e12), compiled["param_count"] / (CHIP.hbm_gbps * 1e9),
                  decode, hbm_compiled, compiled["param_count"] / GIB if extra_applies else 0.0,
-                 run["median_step_s"], measured_hbm_gib(run), run.get("median_rollout_s") or 0.0)
+                 measured_step_s(run), measured_hbm_gib(run), run.get("median_rollout_s") or 0.0)
 
 
 @dataclass(frozen=True)
@@ -143,7 +158,8 @@ def fit(points: list[Point]) -> Constants:
     """The constants fit on ``points``: the SFT step and HBM on the SFT slices; then, on the GRPO cuts,
     the rollout's decode efficiency on its measured time, the train-step factor on the rest of the
     step (the train step through the SFT fit), and the extra HBM."""
-    sft = [p for p in points if not p.grpo]
+    sft = [p for p in points if not p.grpo and p.name not in OUTSIDE_THE_STEP_FIT]
+    sft_hbm = [p for p in points if not p.grpo and p.params_gib]
     grpo = [p for p in points if p.grpo]
     efficiency, bytes_per_param = step_model.fit_sft([p.compute_s for p in sft], [p.traffic_s for p in sft],
                                                      [p.step_s for p in sft])
@@ -151,7 +167,7 @@ def fit(points: list[Point]) -> Constants:
     # each part on its own measurement: the rollout's time, and the rest of the step
     decode_efficiency = 1 / step_model.fit_ratio([p.decode_s for p in grpo], [p.rollout_s for p in grpo])
     train_factor = step_model.fit_ratio(train, [p.step_s - p.rollout_s for p in grpo])
-    return Constants(efficiency, bytes_per_param, _bytes_per_param([p for p in sft if p.params_gib]),
+    return Constants(efficiency, bytes_per_param, _bytes_per_param(sft_hbm),
                      decode_efficiency, train_factor, _bytes_per_param(grpo))
 
 
@@ -177,22 +193,22 @@ def leave_one_out(pts: list[Point]) -> list[dict[str, Any]]:
         rows.append({"name": p.name, "kind": p.kind, "hbm_forecast_gib": hbm,
                      "hbm_measured_gib": p.hbm_gib, "hbm_ratio": hbm / p.hbm_gib, "step_forecast_s": step_s,
                      "step_measured_s": p.step_s, "step_ratio": step_s / p.step_s,
-                     "mfu_measured": p.compute_s / p.step_s})
+                     "mfu_measured": p.compute_s / p.step_s, "outside_the_step_fit": p.name in OUTSIDE_THE_STEP_FIT})
     return rows
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("record", "kind", "HBM forecast GiB", "HBM measured GiB", "ratio", "step forecast s", "step measured s",
             "ratio", "MFU measured")
-    lines = [head] + [(r["name"], r["kind"], f"{r['hbm_forecast_gib']:.2f}", f"{r['hbm_measured_gib']:.2f}",
+    lines = [head] + [(r["name"] + (" (outside the step fit)" if r["outside_the_step_fit"] else ""), r["kind"], f"{r['hbm_forecast_gib']:.2f}", f"{r['hbm_measured_gib']:.2f}",
                        f"{r['hbm_ratio']:.3f}", f"{r['step_forecast_s']:.4f}", f"{r['step_measured_s']:.4f}",
                        f"{r['step_ratio']:.3f}", f"{r['mfu_measured']:.1%}") for r in rows]
     return "\n".join("| " + " | ".join(str(v) for v in line) + " |" for line in lines[:1] + [("---",) * len(head)] + lines[1:])
 
 
 def step_error(rows: list[dict[str, Any]]) -> tuple[float, float]:
-    """measured / forecast of the step time, lowest and highest over the leave-one-out rows."""
-    ratios = [1 / r["step_ratio"] for r in rows]
+    """measured / forecast of the step time, lowest and highest over the leave-one-out rows in the fit."""
+    ratios = [1 / r["step_ratio"] for r in rows if not r["outside_the_step_fit"]]
     return min(ratios), max(ratios)
 
 
@@ -201,8 +217,8 @@ if __name__ == "__main__":
     loo = leave_one_out(pts)
     print(table(loo))
     low, high = step_error(loo)
-    print(f"leave-one-out: step measured/forecast {low:.3f}-{high:.3f}, HBM within "
-          f"{max(abs(r['hbm_ratio'] - 1) for r in loo):.1%}; median |step miss| "
-          f"{statistics.median(abs(r['step_ratio'] - 1) for r in loo):.1%}")
+    print(f"leave-one-out: step measured/forecast {low:.3f}-{high:.3f} ({len(OUTSIDE_THE_STEP_FIT)} records outside "
+          f"the step fit), HBM within {max(abs(r['hbm_ratio'] - 1) for r in loo):.1%}; median |step miss| "
+          f"{statistics.median(abs(r['step_ratio'] - 1) for r in loo if not r['outside_the_step_fit']):.1%}")
     if "--fit" in sys.argv[1:]:
         print(fit(pts))

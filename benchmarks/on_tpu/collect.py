@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from mtpipe.maxtext import conversion_commands, runner  # noqa: E402
-from mtpipe.pipeline.metrics import read_steps, read_tensorboard, rl_curve, rl_eval  # noqa: E402
+from mtpipe.maxtext.training_logs import read_steps, read_tensorboard, rl_curve, rl_eval  # noqa: E402
 from mtpipe.pipeline.stage import ROOT, artifact  # noqa: E402
 from mtpipe.evaluation import scoring  # noqa: E402
 from plan import committed_view, slice_forecast  # noqa: E402  (benchmarks/on_tpu/plan.py)
@@ -43,13 +43,18 @@ def cpu_curve(csv_path: Path, column: str) -> dict[int, float]:
 
 
 def step_stats(metrics: Path) -> dict[str, Any]:
-    """Loss per step and the median step time / TFLOP/s after the first two (compile) steps."""
+    """Loss per step, and the step times after the first two (compile) steps: each, their median, and their
+    lower quartile, the steady step (MaxText's step time is wall time between steps, so a checkpoint save or
+    a stalled host adds seconds to a few steps: the device-bound step is the lower quartile, which a run
+    of 17 steps with up to four such stalls keeps)."""
     steps = read_steps(metrics)
     times = [r[STEP_TIME] for s, r in steps.items() if s > 2 and STEP_TIME in r]
     tflops = [r[TFLOPS] for s, r in steps.items() if s > 2 and TFLOPS in r]
     return {"loss": {s: round(r["learning/loss"], 6) for s, r in steps.items() if "learning/loss" in r},
             "eval_loss": {s: round(r["eval/avg_loss"], 6) for s, r in steps.items() if "eval/avg_loss" in r},
+            "step_s": [round(t, 5) for t in times],
             "median_step_s": round(statistics.median(times), 5) if times else None,
+            "steady_step_s": round(statistics.quantiles(times, n=4)[0], 5) if len(times) > 3 else None,
             "median_tflops_per_s": round(statistics.median(tflops), 2) if tflops else None}
 
 
@@ -136,8 +141,7 @@ def slices(group: Path, summary: dict[str, Any], plan: dict[str, Any]) -> dict[s
                     "peaks_own": peaks_own(run)}
         if (group / f"{name}.metrics.jsonl").is_file():
             stats = step_stats(group / f"{name}.metrics.jsonl")
-            row |= {"median_step_s": stats["median_step_s"], "median_tflops_per_s": stats["median_tflops_per_s"],
-                    "loss": stats["loss"]}
+            row |= {k: stats[k] for k in ("median_step_s", "steady_step_s", "step_s", "median_tflops_per_s", "loss")}
         out["runs"][name] = row
     return out
 

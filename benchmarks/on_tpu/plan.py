@@ -85,9 +85,10 @@ SLICE_GROUPS = {
     "slices_depths": (Slice("gemma_d4_v32k_b1", "gemma3", 4, 32768, 1), Slice("llama_d2_v16k_b1", "llama3.1", 2, 16384, 1)),
     "slices_scanned_b1": (Slice("gemma_d6_v16k_b1", "gemma3", 6, 16384, 1),),
     "slices_scanned_v32k": (Slice("gemma_d6_v32k_b2", "gemma3", 6, 32768, 2),),
+    "slices_llama_deep": (Slice("llama_d2_v8k_b1", "llama3.1", 2, 8192, 1), Slice("llama_d3_v4k_b1", "llama3.1", 3, 4096, 1)),
 }
 SLICES = tuple(s for group in SLICE_GROUPS.values() for s in group)
-TOGETHER = ("slices_gemma", "slices_llama", "slices_llama_more", "slices_depths")
+TOGETHER = ("slices_gemma", "slices_llama", "slices_llama_more", "slices_depths", "slices_llama_deep")
 SLICE_STEPS = 20
 SPLASH_BLOCK = 128  # JAX 0.10.2's splash-attention kernel needs sequence lengths in multiples of this
 
