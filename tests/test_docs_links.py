@@ -76,12 +76,7 @@ def missing_paths(text: str) -> list[str]:
 
 
 def report(problems: list[str]) -> str:
-    cloud = [p for p in problems if "mtpipe/cloud/" in p]
-    text = "\n".join(problems)
-    if cloud:
-        text += ("\n\nOf these, names under mtpipe/cloud/ may be modules that moved into its sub-packages: "
-                 "write the module's new path (git log -- mtpipe/cloud says where it went):\n" + "\n".join(cloud))
-    return text
+    return "\n".join(problems) + "\n\nA module that moved: `git log --stat --follow -- OLD_PATH` says where it went."
 
 
 def test_every_relative_link_reaches_its_file_and_heading():
@@ -95,11 +90,10 @@ def test_every_project_path_the_docs_name_exists():
     assert not problems, report(problems)
 
 
-def code_files(under_cloud: bool) -> list[Path]:
+def code_files() -> list[Path]:
     files = [ROOT / "dodo.py", *[p for folder in ("mtpipe", "stages", "tests", "benchmarks")
                                  for p in sorted((ROOT / folder).rglob("*.py"))]]
-    files = [p for p in files if p != Path(__file__).resolve()]
-    return [p for p in files if ("mtpipe/cloud/" in p.relative_to(ROOT).as_posix()) == under_cloud]
+    return [p for p in files if p != Path(__file__).resolve()]
 
 
 def docs_named_by(files: list[Path]) -> list[str]:
@@ -115,14 +109,7 @@ def docs_named_by(files: list[Path]) -> list[str]:
 
 
 def test_every_doc_the_code_names_exists():
-    problems = docs_named_by(code_files(under_cloud=False))
-    assert not problems, report(problems)
-
-
-@pytest.mark.xfail(reason="mtpipe/cloud/ is being moved into sub-packages; its doc references are swept after",
-                   strict=False)
-def test_every_doc_the_cloud_code_names_exists():
-    problems = docs_named_by(code_files(under_cloud=True))
+    problems = docs_named_by(code_files())
     assert not problems, report(problems)
 
 
