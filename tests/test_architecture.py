@@ -181,6 +181,7 @@ OPERATIONAL_ENV = {
     "MTPIPE_HOLD_AFTER_STEP": "the tests' hold after a step, to kill a run at a known point",
     "MTPIPE_VM_CONFIG": "which VM config file",
     "MTPIPE_COMPUTE_ENDPOINT": "the Compute API's address (the tests' fake)",
+    "MTPIPE_TPU_ENDPOINT": "the Cloud TPU API's address (the tests' fake; else MTPIPE_COMPUTE_ENDPOINT's)",
     "MTPIPE_IAM_ENDPOINT": "the IAM API's address (the tests' fake)",
     "MTPIPE_NOTIFY_URL": "where run notifications go",
     "MTPIPE_XPK": "the xpk executable",

@@ -46,15 +46,17 @@ def offer_v6e(fake, *zones: str) -> None:
 
 
 def test_a_v5e_vm_is_refused_before_any_request(world: Env) -> None:
-    """machine_type ct5lp-hightpu-8t (what conf/hardware/v5e-8.yaml asks of the VM): vm_up and vm_run stop
+    """machine_type ct5lp-hightpu-8t (what conf/hardware/v5e-8.yaml asks of the VM) with route: compute: vm_up and vm_run stop
     naming vm.machine_type, Compute's 403 and the routes that create v5e, with no request sent at all
     (no insert, no firewall rule, not even a read); the same config still loads for preflight's v5e
     forecast (its machine budget)."""
     w = world
-    w.configure(machine_type="ct5lp-hightpu-8t", boot_disk_type="pd-balanced", provisioning="on-demand")
+    w.configure(machine_type="ct5lp-hightpu-8t", boot_disk_type="pd-balanced", provisioning="on-demand",
+                route="compute")   # by machine type it takes the Cloud TPU API (tests/test_tpu_api.py)
     for task in ("vm_up", "vm_run"):
         out = w.doit(task, ok=False).stdout
         assert "ConfigError: vm.machine_type: ct5lp-hightpu-8t (v5e) cannot be created on Compute Engine" in out, out
+        assert "set route: tpu_api (or null: by machine type) in conf/vm.yaml" in out
         assert 'instances.insert with 403 "This user agent is not allowed to use the machine type ' \
                '[ct5lp-hightpu-8t]", even for a project holding v5e quota' in out
         assert "gcloud compute tpus tpu-vm create NAME --zone ZONE --accelerator-type=v5litepod-8" in out

@@ -44,7 +44,9 @@ def test_the_roles_page_lists_the_roles_vm_run_checks_and_the_grant_it_names() -
     everything_on = OmegaConf.create({"external_ip": False, "name": "n", "zone": "z", "project": "p",
                                       "ssh": {"proxy_command": None, "port": 22}})
     checked, setup, _ = tables(ROLES)
-    asked_for = set(caller.permissions(everything_on, creates_rule=True).values())
+    tpu_route = OmegaConf.merge(everything_on, {"machine_type": "ct5lp-hightpu-8t", "route": "tpu_api"})
+    asked_for = set(caller.permissions(everything_on, creates_rule=True).values()) | set(
+        caller.permissions(tpu_route, creates_rule=True).values())   # both routes' (vm_config.route)
     assert sorted(checked) == sorted(asked_for), f"docs/roles.md's first table: {checked}; checks.caller: {asked_for}"
     grant = identity.grant_command(SimpleNamespace(bucket="b"), "sa@p.iam.gserviceaccount.com")
     assert re.search(r"--role=(\S+)", grant)[1] in setup and "roles/storage.admin" in setup

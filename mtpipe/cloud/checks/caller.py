@@ -19,6 +19,7 @@ from mtpipe.cloud.providers.gcp import ssh_route
 from mtpipe.cloud.providers.gcp.api_errors import SERVICE_TITLES
 from mtpipe.cloud.providers.gcp.google_apis import GoogleApis, Unknown, member
 from mtpipe.cloud.providers.interface import GcpError
+from mtpipe.cloud.settings import vm_config
 from mtpipe.errors import ConfigError
 
 INSTANCE_ADMIN = "roles/compute.instanceAdmin.v1"
@@ -38,8 +39,19 @@ VM_PERMISSIONS = ("compute.instances.create", "compute.instances.get", "compute.
                   "compute.disks.get", "compute.disks.delete", "compute.subnetworks.use",
                   "compute.zoneOperations.get", "compute.machineTypes.list")
 # vm_up's own SSH rule: firewalls.insert and delete, which also take networks.updatePolicy.
+# The Cloud TPU API route's VM (vm_config.route: tpu_api): its queued resource and node created, read,
+# listed and deleted, their operations waited on; each is in roles/tpu.admin.
+TPU_ADMIN = "roles/tpu.admin"
+TPU_PERMISSIONS = ("tpu.nodes.create", "tpu.nodes.get", "tpu.nodes.list", "tpu.nodes.delete",
+                   "tpu.queuedResources.create", "tpu.queuedResources.get", "tpu.queuedResources.list",
+                   "tpu.queuedResources.delete", "tpu.operations.get")
 FIREWALL_PERMISSIONS = ("compute.firewalls.create", "compute.firewalls.delete", "compute.networks.updatePolicy",
                         "compute.globalOperations.get")
+
+
+def tpu_route(cfg: DictConfig) -> bool:
+    """The VM is the Cloud TPU API's (vm_config.route), not Compute Engine's."""
+    return "machine_type" in cfg and vm_config.route(cfg) == "tpu_api"
 
 
 def _say(line: str) -> None:
@@ -51,6 +63,9 @@ def services(cfg: DictConfig, uses_gcs: bool) -> dict[str, str]:
     checks), OS Login where it is on, IAP for SSH through its tunnel, Cloud Storage for a gs:// DVC
     remote or work bucket (the VM's service account reads and writes it)."""
     wanted = {"compute.googleapis.com": "the VM", "cloudresourcemanager.googleapis.com": "these checks"}
+    if tpu_route(cfg):
+        wanted["compute.googleapis.com"] = "the network and its firewall"
+        wanted["tpu.googleapis.com"] = "the VM (a queued resource, route: tpu_api)"
     if cfg.ssh.os_login is True:
         wanted["oslogin.googleapis.com"] = "OS Login"
     if ssh_route.through_iap(cfg):
@@ -94,8 +109,11 @@ def permissions(cfg: DictConfig, creates_rule: bool) -> dict[str, str]:
     """The permissions the run will use on the project, each with the predefined role the fix
     names: the VM's life, vm_up's firewall rule when it makes one, the IAP tunnel, and acting as
     the VM's service account."""
-    wanted = dict.fromkeys(VM_PERMISSIONS, INSTANCE_ADMIN)
-    if cfg.external_ip:
+    if tpu_route(cfg):
+        wanted = dict.fromkeys(TPU_PERMISSIONS, TPU_ADMIN)
+    else:
+        wanted = dict.fromkeys(VM_PERMISSIONS, INSTANCE_ADMIN)
+    if cfg.external_ip and not tpu_route(cfg):
         wanted["compute.subnetworks.useExternalIp"] = INSTANCE_ADMIN
     if creates_rule:
         wanted |= dict.fromkeys(FIREWALL_PERMISSIONS, SECURITY_ADMIN)

@@ -26,6 +26,7 @@ from mtpipe.cloud.checks.project import check_hub_repo, check_remote_writable, c
 from mtpipe.cloud.providers.gcp.compute import Compute
 from mtpipe.cloud.providers.gcp.google_apis import GoogleApis, Unknown
 from mtpipe.cloud.providers.interface import GcpError
+from mtpipe.cloud.providers.tpu_api.client import TpuClient
 from mtpipe.cloud.settings import vm_config
 from mtpipe.cloud.settings.vm_config import VmError
 from mtpipe.errors import ConfigError
@@ -146,16 +147,20 @@ def check_all(run: Runner, cfg: DictConfig, root: Path, experiments: list[list[s
     ``act``: vm_up's mode, which enables disabled APIs (enable_apis: true) and imports the SSH key
     into the OS Login profile; without it nothing is changed anywhere."""
     apis = settings(run, cfg)
-    run.check("route", lambda: vm_config.check_route(cfg) or f"Compute Engine creates {cfg.machine_type}")
+    run.check("route", lambda: vm_config.check_route(cfg))
+    tpu_route = vm_config.route(cfg) == "tpu_api"
     if cfg.provisioning == "flex-start":
         run.check("Flex-start zones", lambda: "; ".join(vm_config.flex_start_zones(cfg))
                   or f"{', '.join(vm_config.candidate_zones(cfg))} grant Flex-start {cfg.machine_type} VMs")
     run.check("gcloud", lambda: access.check_gcloud(cfg, apis), needs=("credentials",))
     compute = run.check("Compute", lambda: _compute(cfg, client), needs=("PROJECT", "ZONE", "credentials"))
     compute_needs = ("Compute",)
-    run.check("machine type", lambda: check_machine_type(cfg, compute)
-              or f"{cfg.zone} offers {cfg.machine_type}", needs=(*compute_needs, "route"))
-    if cfg.provisioning == "reservation":
+    if tpu_route:
+        run.check("machine type", lambda: _accelerator_type(cfg), needs=(*compute_needs, "route"))
+    else:
+        run.check("machine type", lambda: check_machine_type(cfg, compute)
+                  or f"{cfg.zone} offers {cfg.machine_type}", needs=(*compute_needs, "route"))
+    if cfg.provisioning == "reservation" and not tpu_route:
         run.check("reservation", lambda: check_reservation(cfg, compute)
                   or f"{cfg.reservation} has room for one {cfg.machine_type}", needs=(*compute_needs, "RESERVATION"))
     run.check("network", lambda: access.check_network(cfg, compute) or f"{cfg.network}"
@@ -169,8 +174,13 @@ def check_all(run: Runner, cfg: DictConfig, root: Path, experiments: list[list[s
               needs=compute_needs)
     run.check("permissions", lambda: caller.check_permissions(cfg, apis, caller.permissions(cfg, bool(creates_rule))),
               needs=(*compute_needs, "SSH route"))
-    run.check("zones and quota", lambda: check_zones(cfg, compute, apis)
-              or f"trying {', '.join(cfg.zones)}", needs=("machine type",))
+    if tpu_route:   # Compute's TPUS_PER_TPU_FAMILY is not the TPU API's quota, whose metric names are not mapped here
+        run._record("zones and quota", NOT_CHECKED, "the Cloud TPU API route's TPU quota is not read here (its "
+                    "Service Usage metrics per generation are not mapped); a short quota fails the queued resource, "
+                    "which vm_up deletes, naming the reason")
+    else:
+        run.check("zones and quota", lambda: check_zones(cfg, compute, apis)
+                  or f"trying {', '.join(cfg.zones)}", needs=("machine type",))
     for constraint, check in (("compute.requireShieldedVm", org_policies.check_shielded_vm),
                               ("compute.trustedImageProjects", org_policies.check_trusted_images),
                               ("gcp.resourceLocations", org_policies.check_locations),
@@ -184,11 +194,22 @@ def check_all(run: Runner, cfg: DictConfig, root: Path, experiments: list[list[s
     return unproven or []
 
 
-def _compute(cfg: DictConfig, client: Compute | None) -> tuple[str, Compute]:
-    """The first authenticated Compute call (projects.get): the credentials and the project work."""
-    compute = client or Compute(cfg.project, cfg.zone, float(cfg.operation_timeout_s))
+def _compute(cfg: DictConfig, client: Any) -> tuple[str, Compute]:
+    """The first authenticated Compute call (projects.get): the credentials and the project work. ``client``:
+    the lifecycle's provider, used when it is Compute Engine's (the TPU API route's reads the network here)."""
+    compute = client if isinstance(client, Compute) else Compute(cfg.project, cfg.zone, float(cfg.operation_timeout_s))
     compute.project_metadata()
     return f"project {cfg.project} answers", compute
+
+
+def _accelerator_type(cfg: DictConfig) -> str:
+    """The Cloud TPU API offers the VM's accelerator type in its zone (acceleratorTypes.get)."""
+    name = vm_config.accelerator_type(cfg)
+    if TpuClient(cfg.project, cfg.zone, float(cfg.operation_timeout_s)).accelerator_type(name) is None:
+        raise ConfigError("vm.zone", f"the Cloud TPU API offers no {name} ({cfg.machine_type}) in {cfg.zone}",
+                          f"use a zone that does: gcloud compute tpus accelerator-types list --zone ZONE "
+                          f"--project {cfg.project}")
+    return f"the Cloud TPU API offers {name} in {cfg.zone}"
 
 
 def _ssh_route(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> tuple[str, bool]:

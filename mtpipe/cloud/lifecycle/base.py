@@ -17,7 +17,7 @@ from mtpipe.cloud.lifecycle.lines import _say, spend_line
 from mtpipe.cloud.on_vm import run_status, ssh
 from mtpipe.cloud.providers import interrupts
 from mtpipe.cloud.providers.gcp import ssh_route
-from mtpipe.cloud.providers.gcp.compute import compute_engine
+from mtpipe.cloud.providers.choice import provider_for
 from mtpipe.cloud.providers.interface import Provider
 from mtpipe.cloud.settings import prices, vm_config, vm_state
 
@@ -34,11 +34,11 @@ class VmBase:
     
     ``keep``: a VM survives a failure or an interrupt of the task (never a loss: a lost VM cannot
     be restarted). ``yes``: create without asking (--yes); else the price is confirmed on the
-    terminal, and without one nothing is created. ``provider`` makes the cloud for a config (tests
-    pass a loopback one)."""
+    terminal, and without one nothing is created. ``provider`` makes the cloud for a config: by default
+    the one of its route (vm_config.route: Compute Engine, or the Cloud TPU API's queued resources)."""
 
     def __init__(self, cfg: DictConfig, root: Path, keep: bool = False, yes: bool = False,
-                 provider: Callable[[DictConfig], Provider] = compute_engine) -> None:
+                 provider: Callable[[DictConfig], Provider] = provider_for) -> None:
         self.cfg, self.root, self.keep, self.yes, self._provider = cfg, root, keep, yes, provider
 
     @functools.cached_property

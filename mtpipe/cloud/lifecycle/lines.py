@@ -7,7 +7,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from mtpipe.cloud.settings import prices, vm_state
+from mtpipe.cloud.settings import prices, vm_config, vm_state
 from mtpipe.planning import run_forecast
 
 
@@ -28,7 +28,10 @@ def creation_line(cfg: DictConfig, model: str) -> str:
     """What vm_up says before creating the VM: its kind, what it costs, when Compute deletes it."""
     rate, hours = prices.vm_rate(cfg), int(cfg.max_run_duration_s) / 3600
     kind = f"reservation {cfg.reservation}, {model}" if rate.reservation else cfg.provisioning
-    if not hours:
+    if vm_config.route(cfg) == "tpu_api":
+        limit = ("the Cloud TPU API sets it no time limit (max_run_duration_s is Compute Engine's): vm_run deletes "
+                 "it when the run ends, unless --keep; else `doit vm_down`.")
+    elif not hours:
         limit = "NO time limit (max_run_duration_s: 0): `doit vm_down` when done."
     elif model == "RESERVATION_BOUND":
         limit = (f"maxRunDuration {hours:g} h is sent, but it is not known to be honoured for "

@@ -44,6 +44,14 @@ FLEX_START_ZONES = {"ct6e": ("asia-northeast1-b", "us-east5-a", "us-south1-ai1b"
 # answers 403 "This user agent is not allowed to use the machine type [ct5lp-hightpu-Nt]", also for
 # projects holding v5e quota (public reports); v5e is reached through the Cloud TPU API or GKE.
 COMPUTE_REFUSED = frozenset({"ct5lp"})
+# The two ways to create the VM (conf/vm.yaml `route:`, :func:`route`): Compute Engine's instances.insert,
+# or the Cloud TPU API's queued resources (tpu.googleapis.com/v2). null: by machine type, the families in
+# COMPUTE_REFUSED taking the TPU API, every other Compute Engine (docs/vm-provisioning.md, "Two routes").
+ROUTES = ("compute", "tpu_api")
+# The Cloud TPU API's name for a TPU generation's accelerator type (<name>-<chips>) and the TPU VM image
+# (runtimeVersion) its docs create it with (cloud.google.com/tpu/docs/runtimes).
+TPU_API_ACCELERATORS = {"v5e": "v5litepod", "v6e": "v6e"}
+TPU_API_RUNTIMES = {"v5e": "v2-alpha-tpuv5-lite", "v6e": "v2-alpha-tpuv6e"}
 
 
 class VmError(RuntimeError):
@@ -111,6 +119,12 @@ class FlexStart(Section):
     poll_s: Seconds                        # how often vm_up looks at a PENDING VM (and says it still waits)
 
 
+class TpuApi(Section):
+    runtime_version: Optional[str]         # the node's runtimeVersion; null: TPU_API_RUNTIMES of the generation
+    valid_for_s: Seconds                   # queueingPolicy.validUntilDuration: how long the queue may wait
+    poll_s: Seconds                        # how often vm_up looks at a waiting queued resource (and says so)
+
+
 class VmConfig(Section):
     """conf/vm.yaml as :func:`load_config` assembles it (the file's comments say what each key does).
 
@@ -127,6 +141,8 @@ class VmConfig(Section):
     subnetwork: Optional[str]              # null = the auto-mode network's subnetwork of the region
     external_ip: bool                      # false: no external IP, SSH through IAP
     machine_type: str
+    route: Optional[str]                   # compute | tpu_api; null: by machine type (:func:`route`)
+    tpu_api: TpuApi                        # the Cloud TPU API route's queued resource
     image_project: str
     image_family: str
     boot_disk_gb: PositiveInt
@@ -158,6 +174,10 @@ class VmConfig(Section):
                               "pass --provisioning=spot (or reservation, on-demand, flex-start), or set "
                               "provisioning: in conf/vm.yaml")
         self.check_zones()
+        if self.route is not None and self.route not in ROUTES:
+            raise ConfigError("vm.route", f"{self.route!r} is not one of {', '.join(ROUTES)}",
+                              "set route: compute (Compute Engine), tpu_api (the Cloud TPU API's queued resources) "
+                              "or null (by machine type) in conf/vm.yaml")
         if self.provisioning == "flex-start" and not 0 < self.max_run_duration_s <= FLEX_START_MAX_RUN_S:
             raise ConfigError("vm.max_run_duration_s", f"is {self.max_run_duration_s} with provisioning: "
                               "flex-start, which Compute runs for a limited time only (its maxRunDuration, at "
@@ -315,24 +335,57 @@ def check_create(cfg: DictConfig) -> list[str]:
     return flex_start_zones(cfg)
 
 
-def check_route(cfg: DictConfig) -> None:
-    """Refuse a machine type Compute Engine lists but does not create (COMPUTE_REFUSED: TPU v5e),
-    before any request. The one place that decides the route of a machine type: a Cloud TPU API
-    route would take these VMs here instead of refusing them."""
+def route(cfg: DictConfig) -> str:
+    """How the VM is created, decided here only: conf/vm.yaml's ``route`` when set, else by machine type:
+    a family Compute Engine refuses (COMPUTE_REFUSED: ct5lp, TPU v5e) takes the Cloud TPU API (``tpu_api``),
+    every other Compute Engine (``compute``; v6e may take either)."""
+    if cfg.get("route"):
+        return str(cfg.route)
+    return "tpu_api" if cfg.machine_type.split("-", 1)[0] in COMPUTE_REFUSED else "compute"
+
+
+def accelerator_type(cfg: DictConfig) -> str:
+    """The Cloud TPU API's acceleratorType of ``machine_type``: ct5lp-hightpu-8t -> v5litepod-8,
+    ct6e-standard-8t -> v6e-8."""
+    tpu, chips = prices.machine_tpu(cfg.machine_type)
+    return f"{TPU_API_ACCELERATORS[tpu]}-{chips}"
+
+
+def runtime_version(cfg: DictConfig) -> str:
+    """The TPU VM image of a node: ``tpu_api.runtime_version``, else the generation's (TPU_API_RUNTIMES)."""
+    return cfg.tpu_api.runtime_version or TPU_API_RUNTIMES[prices.machine_tpu(cfg.machine_type)[0]]
+
+
+def check_route(cfg: DictConfig) -> str:
+    """The route of the VM (:func:`route`) checked before any request, said in a line: a machine type
+    Compute Engine lists but does not create (COMPUTE_REFUSED: TPU v5e) is refused on the Compute route,
+    naming ``route: tpu_api``; the TPU API route takes TPU generations it has an accelerator type for
+    (TPU_API_ACCELERATORS), not Flex-start (a Compute Engine provisioning model)."""
+    tpu, chips = prices.machine_tpu(cfg.machine_type)
+    if route(cfg) == "tpu_api":
+        if tpu not in TPU_API_ACCELERATORS:
+            raise ConfigError("vm.route", f"tpu_api creates TPU {', '.join(TPU_API_ACCELERATORS)} VMs, not "
+                              f"{cfg.machine_type}", "set route: compute (or null) in conf/vm.yaml")
+        if cfg.provisioning == "flex-start":
+            raise ConfigError("vm.provisioning", "flex-start is Compute Engine's (Dynamic Workload Scheduler), "
+                              "and route tpu_api asks for capacity with a queued resource, which waits by itself",
+                              "use --provisioning=spot, on-demand or reservation (or route: compute with a v6e)")
+        return (f"the Cloud TPU API creates {accelerator_type(cfg)} ({cfg.machine_type}) as a queued resource "
+                f"(route: tpu_api{'' if cfg.get('route') else ', by machine type'}), runtime {runtime_version(cfg)}")
     family = cfg.machine_type.split("-", 1)[0]
     if family not in COMPUTE_REFUSED:
-        return
-    tpu, chips = prices.machine_tpu(cfg.machine_type)
+        return f"Compute Engine creates {cfg.machine_type}"
     raise ConfigError(
         "vm.machine_type", f"{cfg.machine_type} ({tpu}) cannot be created on Compute Engine, the route vm_up "
-        f"takes: Compute answers instances.insert with 403 \"This user agent is not allowed to use the machine "
-        f"type [{cfg.machine_type}]\", even for a project holding {tpu} quota (docs/tpu-vm.md, \"What Google "
-        "refuses\"); nothing was requested",
-        f"use a ct6e (v6e) machine type here (machine_type: ct6e-standard-8t), or create a {tpu} VM through the "
-        f"Cloud TPU API (`gcloud compute tpus tpu-vm create NAME --zone ZONE --accelerator-type=v5litepod-{chips} "
-        f"--version v2-alpha-tpuv5-lite`, or queued resources: `gcloud compute tpus queued-resources create`) or "
-        "GKE through xpk (a branch's hardware preset with backend: xpk); `doit preflight` still forecasts a "
-        f"{tpu} run (conf/hardware/{tpu}-{chips}.yaml)")
+        f"takes with route: compute: Compute answers instances.insert with 403 \"This user agent is not allowed to "
+        f"use the machine type [{cfg.machine_type}]\", even for a project holding {tpu} quota (docs/tpu-vm.md, "
+        "\"What Google refuses\"); nothing was requested",
+        f"set route: tpu_api (or null: by machine type) in conf/vm.yaml: vm_up then creates the {tpu} VM through the "
+        f"Cloud TPU API as a queued resource (`gcloud compute tpus queued-resources create`, accelerator type "
+        f"v5litepod-{chips}; by hand: `gcloud compute tpus tpu-vm create NAME --zone ZONE "
+        f"--accelerator-type=v5litepod-{chips} --version v2-alpha-tpuv5-lite`); or a ct6e (v6e) machine type, or GKE "
+        f"through xpk (a branch's hardware preset with backend: xpk); `doit preflight` still forecasts a {tpu} run "
+        f"(conf/hardware/{tpu}-{chips}.yaml)")
 
 
 def flex_start_zones(cfg: DictConfig) -> list[str]:

@@ -58,7 +58,8 @@ SERVICE_TITLES = {"compute.googleapis.com": "Compute Engine API", "oslogin.googl
                   "cloudresourcemanager.googleapis.com": "Cloud Resource Manager API",
                   "iap.googleapis.com": "Cloud Identity-Aware Proxy API", "storage.googleapis.com": "Cloud Storage API",
                   "serviceusage.googleapis.com": "Service Usage API",
-                  "iam.googleapis.com": "Identity and Access Management (IAM) API"}
+                  "iam.googleapis.com": "Identity and Access Management (IAM) API",
+                  "tpu.googleapis.com": "Cloud TPU API"}
 DISABLED_URL = re.compile(r"apis/api/(?P<service>[a-z0-9.-]+)/")
 
 
