@@ -378,7 +378,7 @@ def check_route(cfg: DictConfig) -> str:
     raise ConfigError(
         "vm.machine_type", f"{cfg.machine_type} ({tpu}) cannot be created on Compute Engine, the route vm_up "
         f"takes with route: compute: Compute answers instances.insert with 403 \"This user agent is not allowed to "
-        f"use the machine type [{cfg.machine_type}]\", even for a project holding {tpu} quota (docs/tpu-vm.md, "
+        f"use the machine type [{cfg.machine_type}]\", even for a project holding {tpu} quota (docs/vm-provisioning.md, "
         "\"What Google refuses\"); nothing was requested",
         f"set route: tpu_api (or null: by machine type) in conf/vm.yaml: vm_up then creates the {tpu} VM through the "
         f"Cloud TPU API as a queued resource (`gcloud compute tpus queued-resources create`, accelerator type "
