@@ -2,7 +2,7 @@
 
 dvc.lock is the record of which code, config and params made the committed metrics and plots. It is
 current when every dependency and output of every stage that git tracks (the stage scripts, mtpipe/,
-conf/, params.yaml, requirements.lock, the resolved views in config/, metrics/, plots/) has the hash
+conf/, params.yaml, requirements.lock, the resolved views in views/, metrics/, plots/) has the hash
 dvc.lock records for it. DVC's own ``dvc status`` compares them; what it says about files git does not
 hold (the artifacts, which live in DVC's cache and remote) is left out, so the check runs on a clean
 clone in seconds.
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-FIX = "run `dvc repro` (it reruns only what changed) and commit dvc.lock, config/, metrics/ and plots/"
+FIX = "run `dvc repro` (it reruns only what changed) and commit dvc.lock, views/, metrics/ and plots/"
 
 
 def _tracked(root: Path) -> set[str]:

@@ -99,7 +99,7 @@ HELD_BACK = {"chardet": {"mbstrdecoder"}, "flufl-lock": {"dvc"}, "typepy": {"pyt
 TORCH_PINS = re.compile(r"nvidia-(?!ml-py$)|cuda-toolkit$")
 RELOCK = ("To take the index as it is now: `make lock` (rewrites both locks), `make` (installs the new "
           "requirements.lock), then `dvc repro`: each stage's view records the versions of the tools it runs, so "
-          "the stages whose tools moved rerun; commit the locks with dvc.lock, config/, metrics/ and plots/. "
+          "the stages whose tools moved rerun; commit the locks with dvc.lock, views/, metrics/ and plots/. "
           "Until then the committed locks still install as they are (every file is hash-pinned).")
 
 
