@@ -10,6 +10,7 @@ fixture: no MaxText, the embedded pipeline is test_vm_cycle.py's), or the lifecy
 from __future__ import annotations
 
 import getpass
+import subprocess
 import sys
 import threading
 import time
@@ -20,10 +21,13 @@ from unittest import mock
 import pytest
 from fakes import fake_tpu
 from fakes.fake_compute import FakeCompute
+from fakes.fake_metadata import FakeMetadata, running_metadata
 from fakes.fake_tpu import FakeTpu, Outcome
+from fakes.gcs_emulator import SA_TOKEN_PREFIX
 from vm_world import Env, experiments, sh
 
 from mtpipe.cloud.checks import caller
+from mtpipe.cloud.providers.gcp import idle_watch
 from mtpipe.cloud.lifecycle.run import VmLifecycle
 from mtpipe.cloud.providers.tpu_api import provider
 from mtpipe.cloud.providers.tpu_api.client import TPU_ENDPOINT_ENV
@@ -111,6 +115,8 @@ def test_a_failed_queued_resource_leaves_nothing(tpu_world: tuple[Env, FakeTpu])
     tpu.outcomes.append(Outcome("FAILED", waits=1))
     out = w.doit("vm_up", ok=False).stdout
     assert "queued resource mt-test FAILED in us-east5-b: no capacity (There is no more capacity" in out, out
+    # the other zones the Cloud TPU API offers v5litepod-8 in (locations.list, each one's acceleratorTypes.list)
+    assert "Other zones that offer ct5lp-hightpu-8t: us-west4-a (add them to zones:" in out, out
     assert tpu.calls("DELETE", "/queuedResources/mt-test")
     assert_nothing_left(w, tpu)
 
@@ -209,3 +215,98 @@ def test_a_preempted_spot_node_is_replaced(tpu_world: tuple[Env, FakeTpu]) -> No
     assert len(tpu.calls("POST", "/queuedResources")) == 2 and '"spot": {}' in tpu.calls("POST", "/queuedResources")[0][2]
     assert experiments(w)["three"]["metrics"] == {"count.json": {"steps": 3}}
     assert_nothing_left(w, tpu)
+
+
+def test_zones_offering_lists_the_locations_that_offer_the_accelerator(fake: FakeCompute,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """zones_offering on the TPU API route: every location (locations.list, followed page by page) whose
+    acceleratorTypes.list holds the machine type's accelerator type; none for a machine type the route
+    does not create."""
+    with fake_tpu.running_fake() as tpu:
+        monkeypatch.setenv(TPU_ENDPOINT_ENV, tpu.url)
+        tpu.zones["europe-west4-a"] = {"v6e-8"}
+        tpu.zones["us-central1-a"] = set()
+        api = provider.TpuApi("proj-1", "us-east5-b")
+        assert api.zones_offering("ct5lp-hightpu-8t") == ["us-east5-b", "us-west4-a"]
+        assert len(tpu.calls("GET", "/locations?pageToken=")) == 3   # 4 locations, one a page
+        assert len(tpu.calls("GET", "/acceleratorTypes")) == 4
+        assert api.zones_offering("ct6e-standard-8t") == ["europe-west4-a", "us-east5-b", "us-west4-a"]
+        assert api.zones_offering("n2-standard-8") == []
+
+
+# ---------------------------------------------------------------- the idle watch on a node
+
+@pytest.fixture
+def idle_node(tpu_world: tuple[Env, FakeTpu], tmp_path: Path) -> Iterator[tuple[Env, FakeTpu, Path]]:
+    """tpu_world with a 1-s idle limit and the node's metadata server; where the node's lock file is."""
+    w, tpu = tpu_world
+    with running_metadata(FakeMetadata(lambda: "vm-sa@proj-1.iam.gserviceaccount.com")) as metadata:
+        lock = tmp_path / "vm-busy"
+        w.configure(idle__delete_after_s=1, idle__poll_s=0.2, idle__lock_file=str(lock),
+                    idle__poweroff_command=f"touch {tmp_path / 'powered-off'}",
+                    run__env__GCE_METADATA_HOST=metadata.host)
+        yield w, tpu, lock
+
+
+def boot_node(tpu: FakeTpu) -> None:
+    """Run the node's startup script (its metadata, from the queued resource's node spec) as the TPU VM
+    does at boot: it starts the idle watch, detached."""
+    subprocess.run(["bash", "-c", tpu.nodes[KEY]["metadata"]["startup-script"]], check=True, timeout=30)
+
+
+def wait_for(condition, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_an_idle_node_deletes_its_queued_resource(idle_node: tuple[Env, FakeTpu, Path]) -> None:
+    """Idle past the limit, the node sends queuedResources.delete (force) for its queued resource to the
+    Cloud TPU API with its service account's token; while a vm_run command holds the lock it is kept."""
+    w, tpu, lock = idle_node
+    w.doit("vm_up", "--keep")
+    assert tpu.nodes[KEY]["state"] == "READY"
+    holder = subprocess.Popen(["flock", "-s", str(lock), "sleep", "2.5"])   # a pipeline running
+    try:
+        time.sleep(0.3)
+        boot_node(tpu)
+        time.sleep(1.8)   # past the limit, but busy
+        assert tpu.calls("DELETE", "/mt-test") == [] and tpu.nodes[KEY]["state"] == "READY"
+    finally:
+        holder.wait(10)
+    wait_for(lambda: tpu.calls("DELETE", "/queuedResources/mt-test?force=true"))
+    log = Path(f"{lock}.log")
+    wait_for(lambda: log.is_file() and "deleting this VM (queuedResources.delete: HTTP 200)" in log.read_text())
+    assert tpu.tokens[-1] == f"Bearer {SA_TOKEN_PREFIX}vm-sa@proj-1.iam.gserviceaccount.com"   # the node's token
+    for op in [o for o in tpu.operations.values() if not o["op"]["done"]]:   # the API finishes the delete
+        op["op"]["done"] = True
+        op["done"]()
+    assert not tpu.queued and not tpu.nodes
+    assert "already gone" in w.doit("vm_down").stdout
+
+
+def test_a_node_that_may_not_delete_itself_powers_off(idle_node: tuple[Env, FakeTpu, Path], tmp_path: Path) -> None:
+    """Its service account lacks tpu.queuedResources.delete (403): it runs idle.poweroff_command; the
+    laptop's vm_down deletes it later."""
+    w, tpu, lock = idle_node
+    w.doit("vm_up", "--keep")
+    tpu.delete_denied = True
+    boot_node(tpu)
+    wait_for(lambda: (tmp_path / "powered-off").exists())
+    assert "not allowed to delete this VM (HTTP 403): powered off" in Path(f"{lock}.log").read_text()
+    assert KEY in tpu.queued and KEY in tpu.nodes
+    tpu.delete_denied = False
+    w.doit("vm_down")
+    assert not tpu.queued and not tpu.nodes
+
+
+def test_a_node_without_a_queued_resource_deletes_the_node(fake: FakeCompute) -> None:
+    """A node the watch finds no queued resource of (queuedResources.delete: 404) is deleted itself."""
+    with fake_tpu.running_fake() as tpu, running_metadata(FakeMetadata(lambda: "sa@proj-1.iam")) as metadata:
+        tpu.nodes[KEY] = {"name": "projects/proj-1/locations/us-east5-b/nodes/mt-test", "state": "READY"}
+        assert idle_watch.delete_self(metadata.host, "", tpu.url, "mt-test") == (200, "nodes.delete")
+        assert [r[1] for r in tpu.requests] == [
+            "/v2/projects/proj-1/locations/us-east5-b/queuedResources/mt-test?force=true",
+            "/v2/projects/proj-1/locations/us-east5-b/nodes/mt-test"]
+        assert tpu.nodes[KEY]["state"] == "DELETING"

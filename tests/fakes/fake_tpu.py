@@ -15,7 +15,11 @@ States, scripted by tests through :attr:`FakeTpu.outcomes` (first queued resourc
   FAILED (``failedData.error`` with a gRPC code and message) or SUSPENDED;
 - :meth:`FakeTpu.preempt` preempts a Spot node: node PREEMPTED, its queued resource SUSPENDED;
 - queuedResources.delete refuses a queued resource whose node exists unless ``force=true`` (then the
-  node goes too); a delete is an operation, done on its first read, whose node is DELETING until then.
+  node goes too); a delete is an operation, done on its first read, whose node is DELETING until then;
+  with :attr:`FakeTpu.delete_denied` every delete is refused (403, as to a caller without
+  tpu.queuedResources.delete);
+- locations.list names the zones of :attr:`FakeTpu.zones` (one a page: the caller must follow
+  nextPageToken), acceleratorTypes.list and .get the accelerator types each offers.
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ class FakeTpu:
     scripts: dict[tuple[str, str, str], list[str]] = field(default_factory=dict)   # the states still to come
     operations: dict[str, dict] = field(default_factory=dict)
     requests: list[tuple[str, str, str]] = field(default_factory=list)   # (method, path with query, body)
+    tokens: list[str] = field(default_factory=list)   # the Authorization header of each request
+    delete_denied: bool = False
     contract: Contract = field(default_factory=lambda: Contract(tpu_v2()))
     lock: threading.Lock = field(default_factory=threading.Lock)
     on_poll: Callable[[str, str], None] | None = None   # sees (name, state) of each read of a queued resource
@@ -87,7 +93,21 @@ class FakeTpu:
     def handle(self, method: str, url: str, body: dict) -> tuple[int, dict]:
         split = urlsplit(url)
         query = parse_qs(split.query)
+        if method == "DELETE" and self.delete_denied:
+            return _error(403, "Permission 'tpu.queuedResources.delete' denied on resource (or it may not exist).")
         match split.path.removeprefix("/v2/").split("/"):
+            case ["projects", project, "locations"]:
+                zones = sorted(self.zones)
+                at = int(query.get("pageToken", ["0"])[0])
+                page: dict = {"locations": [{"name": f"projects/{project}/locations/{zones[at]}",
+                                             "locationId": zones[at]}] if at < len(zones) else []}
+                if at + 1 < len(zones):
+                    page["nextPageToken"] = str(at + 1)
+                return 200, page
+            case ["projects", project, "locations", zone, "acceleratorTypes"]:
+                return 200, {"acceleratorTypes": [
+                    {"name": f"projects/{project}/locations/{zone}/acceleratorTypes/{name}", "type": name}
+                    for name in sorted(self.zones.get(zone, set()))]}
             case ["projects", project, "locations", zone, "queuedResources"] if method == "POST":
                 return self._create(project, zone, query["queuedResourceId"][0], body)
             case ["projects", project, "locations", zone, "queuedResources"]:
@@ -193,6 +213,7 @@ def _handler(fake: FakeTpu) -> type[BaseHTTPRequestHandler]:
             length = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(length).decode() if length else ""
             fake.requests.append((self.command, self.path, raw))
+            fake.tokens.append(self.headers.get("Authorization") or "")
             method, refusal = fake.contract.request(self.command, self.path, raw)
             if method is None:
                 code, out = refusal

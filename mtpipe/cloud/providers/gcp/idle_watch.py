@@ -9,9 +9,15 @@ it is and sends Compute's ``instances.delete`` for itself with the VM's service 
 that account may not delete it (401/403), it runs ``idle.poweroff_command``: a stopped VM bills its
 disk only. It stops once the metadata server no longer answers (not a VM any more).
 
+On the Cloud TPU API route (``--tpu URL --tpu-name NAME``: the node's ``startup-script`` metadata,
+mtpipe.cloud.providers.tpu_api.bodies) the VM is a node of a queued resource, both named NAME: idle,
+it sends ``queuedResources.delete`` with ``force=true`` for NAME (its node goes with it) in the zone
+the metadata server names, or, when there is no such queued resource (404), ``nodes.delete`` for NAME.
+
 This file runs on the VM as a script with the standard library only: :func:`startup_script` sends it.
     python3 idle_watch.py --idle-s 1800 --poll-s 60 --lock /tmp/mtpipe-busy --metadata HOST \
         --compute https://compute.googleapis.com --poweroff 'shutdown -h now'
+    python3 idle_watch.py ... --tpu https://tpu.googleapis.com --tpu-name mt-test   (a TPU API node)
 (the startup script writes it beside the lock file, <lock>.watch.py, and its log, <lock>.log).
 """
 
@@ -31,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 COMPUTE_URL = "https://compute.googleapis.com"
+TPU_URL = "https://tpu.googleapis.com"
 METADATA_HOST = "metadata.google.internal"   # the VM's metadata server (GCE_METADATA_HOST elsewhere)
 LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -57,13 +64,8 @@ def metadata(host: str, path: str) -> str:
         return answer.read().decode()
 
 
-def delete_self(host: str, compute: str) -> int:
-    """Send instances.delete for this VM with its service account's token; the HTTP status."""
-    project = metadata(host, "project/project-id")
-    zone = metadata(host, "instance/zone").rsplit("/", 1)[-1]
-    name = metadata(host, "instance/name")
-    token = json.loads(metadata(host, "instance/service-accounts/default/token"))["access_token"]
-    url = f"{compute}/compute/v1/projects/{project}/zones/{zone}/instances/{name}"
+def send_delete(url: str, token: str) -> int:
+    """One DELETE with the bearer ``token``; the HTTP status."""
     request = urllib.request.Request(url, method="DELETE", headers={"Authorization": f"Bearer {token}"})
     try:
         with LOOPBACK.open(request, timeout=60) as answer:
@@ -72,8 +74,28 @@ def delete_self(host: str, compute: str) -> int:
         return err.code
 
 
-def watch(idle_s: float, poll_s: float, lock: str, host: str, compute: str, poweroff: str) -> str:
-    """Poll until the VM has been idle for ``idle_s``, then delete it (or power it off); what was done."""
+def delete_self(host: str, compute: str, tpu: str = "", tpu_name: str = "") -> tuple[int, str]:
+    """Delete this VM with its service account's token: Compute's instances.delete, or with ``tpu`` (the
+    Cloud TPU API's root) queuedResources.delete (force) of ``tpu_name``, else nodes.delete of it when
+    there is no such queued resource; (the HTTP status, the call made)."""
+    project = metadata(host, "project/project-id")
+    zone = metadata(host, "instance/zone").rsplit("/", 1)[-1]
+    token = json.loads(metadata(host, "instance/service-accounts/default/token"))["access_token"]
+    if not tpu:
+        name = metadata(host, "instance/name")
+        url = f"{compute}/compute/v1/projects/{project}/zones/{zone}/instances/{name}"
+        return send_delete(url, token), "instances.delete"
+    location = f"{tpu}/v2/projects/{project}/locations/{zone}"
+    status = send_delete(f"{location}/queuedResources/{tpu_name}?force=true", token)
+    if status != 404:
+        return status, "queuedResources.delete"
+    return send_delete(f"{location}/nodes/{tpu_name}", token), "nodes.delete"
+
+
+def watch(idle_s: float, poll_s: float, lock: str, host: str, compute: str, poweroff: str, tpu: str = "",
+          tpu_name: str = "") -> str:
+    """Poll until the VM has been idle for ``idle_s``, then delete it (:func:`delete_self`) or power it
+    off; what was done."""
     last_busy = time.monotonic()
     while True:
         try:
@@ -84,20 +106,24 @@ def watch(idle_s: float, poll_s: float, lock: str, host: str, compute: str, powe
         if busy(lock):
             last_busy = now
         elif now - last_busy >= idle_s:
-            status = delete_self(host, compute)
+            status, call = delete_self(host, compute, tpu, tpu_name)
             if status < 300:
-                return f"idle for {idle_s:g} s: deleting this VM (instances.delete: HTTP {status})"
+                return f"idle for {idle_s:g} s: deleting this VM ({call}: HTTP {status})"
             if status in (401, 403):
                 subprocess.run(shlex.split(poweroff), check=False)
                 return f"idle for {idle_s:g} s: not allowed to delete this VM (HTTP {status}): powered off"
-            print(f"mtpipe idle watch: instances.delete answered HTTP {status}; trying again", flush=True)
+            print(f"mtpipe idle watch: {call} answered HTTP {status}; trying again", flush=True)
         time.sleep(poll_s)
 
 
-def startup_script(idle: Any, metadata_host: str, compute: str = COMPUTE_URL) -> str:
-    """The VM's startup script: write this file and start the watch, detached (``idle``: conf/vm.yaml's)."""
+def startup_script(idle: Any, metadata_host: str, compute: str = COMPUTE_URL, tpu: str = "",
+                   tpu_name: str = "") -> str:
+    """The VM's startup script: write this file and start the watch, detached (``idle``: conf/vm.yaml's);
+    with ``tpu`` (the Cloud TPU API's root) the watch deletes the queued resource or node ``tpu_name``."""
     args = ["--idle-s", str(idle.delete_after_s), "--poll-s", str(idle.poll_s), "--lock", idle.lock_file,
             "--metadata", metadata_host, "--compute", compute, "--poweroff", idle.poweroff_command]
+    if tpu:
+        args += ["--tpu", tpu, "--tpu-name", tpu_name]
     watch_file, log = (shlex.quote(f"{idle.lock_file}{suffix}") for suffix in (".watch.py", ".log"))
     return "\n".join([
         "#!/bin/bash",
@@ -121,8 +147,13 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--metadata", required=True)
     parser.add_argument("--compute", required=True)
     parser.add_argument("--poweroff", required=True)
+    parser.add_argument("--tpu", default="", help="the Cloud TPU API's root: the VM is a TPU API node")
+    parser.add_argument("--tpu-name", default="", help="its queued resource's and node's name")
     a = parser.parse_args(argv)
-    print(f"mtpipe idle watch: {watch(a.idle_s, a.poll_s, a.lock, a.metadata, a.compute, a.poweroff)}", flush=True)
+    if a.tpu and not a.tpu_name:
+        parser.error("--tpu needs --tpu-name")
+    done = watch(a.idle_s, a.poll_s, a.lock, a.metadata, a.compute, a.poweroff, a.tpu, a.tpu_name)
+    print(f"mtpipe idle watch: {done}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """What the Cloud TPU API is sent for a VM: the queued resource with one node spec (accelerator type,
-runtime, network with an external IP, SSH metadata, labels, network tags for the SSH firewall rule,
+runtime, network with an external IP, SSH metadata, the idle watch's startup script, labels, network tags for the SSH firewall rule,
 the service account), its tier (Spot, reserved or on-demand) and how long it may queue; and how a node
 or a queued resource reads as the VM the lifecycle knows (:class:`TpuVm`, its status mapped to Compute's)."""
 
@@ -8,8 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from mtpipe.cloud.providers.gcp import idle_watch
 from mtpipe.cloud.providers.gcp.bodies import ssh_metadata
 from mtpipe.cloud.providers.interface import WAITING_FOR_CAPACITY, region
+from mtpipe.cloud.providers.tpu_api.client import endpoint
 from mtpipe.cloud.settings import vm_config
 
 # A node's state (tpu.v2 Node.state) as the status the lifecycle reads (Compute's Instance.status).
@@ -68,7 +70,7 @@ def queued_resource_body(cfg: Any, public_key: str, labels: dict[str, str]) -> d
                           "enableExternalIps": bool(cfg.external_ip)},
         "tags": [cfg.name],
         "labels": dict(labels),
-        "metadata": {item["key"]: item["value"] for item in ssh_metadata(cfg, public_key)},
+        "metadata": {item["key"]: item["value"] for item in ssh_metadata(cfg, public_key)} | idle_metadata(cfg),
     }
     if cfg.subnetwork:
         node["networkConfig"]["subnetwork"] = f"projects/{cfg.project}/regions/{region(cfg.zone)}/subnetworks/" \
@@ -85,6 +87,17 @@ def queued_resource_body(cfg: Any, public_key: str, labels: dict[str, str]) -> d
     elif cfg.provisioning == "reservation":
         body["reservationName"] = reservation_name(cfg)
     return body
+
+
+def idle_metadata(cfg: Any) -> dict[str, str]:
+    """The node's ``startup-script``: the idle watch (mtpipe.cloud.providers.gcp.idle_watch) that, idle for
+    ``idle.delete_after_s``, deletes the queued resource ``cfg.name`` (force: its node with it) through the
+    Cloud TPU API with the node's service account token, as the Compute route's VM deletes itself (none
+    with ``idle.delete_after_s: 0``)."""
+    if not cfg.idle.delete_after_s:
+        return {}
+    host = str(cfg.run.env.get("GCE_METADATA_HOST") or idle_watch.METADATA_HOST)
+    return {"startup-script": idle_watch.startup_script(cfg.idle, host, tpu=endpoint(), tpu_name=cfg.name)}
 
 
 def reservation_name(cfg: Any) -> str:

@@ -26,13 +26,18 @@ TIMEOUT_S = 60
 OPERATION_POLL_S = 2.0
 
 
+def endpoint() -> str:
+    """Where the Cloud TPU API is: ``MTPIPE_TPU_ENDPOINT``, else ``MTPIPE_COMPUTE_ENDPOINT``, else Google's."""
+    return os.environ.get(TPU_ENDPOINT_ENV) or os.environ.get(ENDPOINT_ENV) or ROOT
+
+
 class TpuClient:
     """The calls of one project's zone (a TPU API location) that the provider and the checks make."""
 
     def __init__(self, project: str, zone: str, timeout_s: float = 900, poll_s: float = OPERATION_POLL_S) -> None:
         self.project, self.zone, self.timeout_s, self.poll_s = project, zone, timeout_s, poll_s
         self.session = AuthorizedSession(client_kwargs()["credentials"])
-        self.root = os.environ.get(TPU_ENDPOINT_ENV) or os.environ.get(ENDPOINT_ENV) or ROOT
+        self.root = endpoint()
         self.parent = f"projects/{project}/locations/{zone}"
 
     def call(self, method: str, path: str, body: dict | None = None, params: dict[str, str] | None = None) -> dict:
@@ -49,15 +54,19 @@ class TpuClient:
             except gexc.NotFound:
                 return None
 
-    def _list(self, kind: str) -> list[dict]:
+    def _pages(self, path: str, kind: str) -> list[dict]:
+        """Every item of a list call (``kind``: its answer's list field), page after page."""
         found, token = [], None
+        while True:
+            answer = self.call("GET", path, params={"pageToken": token} if token else None)
+            found += answer.get(kind, [])
+            token = answer.get("nextPageToken")
+            if not token:
+                return found
+
+    def _list(self, kind: str) -> list[dict]:
         with explained(f"listing the {kind} of {self.zone}", self.project):
-            while True:
-                answer = self.call("GET", f"{self.parent}/{kind}", params={"pageToken": token} if token else None)
-                found += answer.get(kind, [])
-                token = answer.get("nextPageToken")
-                if not token:
-                    return found
+            return self._pages(f"{self.parent}/{kind}", kind)
 
     def get_node(self, name: str) -> dict | None:
         return self._get("nodes", name)
@@ -74,6 +83,23 @@ class TpuClient:
     def accelerator_type(self, name: str) -> dict | None:
         """acceleratorTypes.get: the zone offers ``name`` (e.g. v5litepod-8); None when it does not."""
         return self._get("acceleratorTypes", name)
+
+    def zones_offering(self, accelerator: str) -> list[str]:
+        """The project's TPU API locations (locations.list) whose acceleratorTypes.list holds ``accelerator``
+        (e.g. v5litepod-8), one list per location; a location that refuses the list (not enabled there,
+        not a zone) is left out."""
+        with explained(f"listing the zones that offer {accelerator}", self.project):
+            locations = self._pages(f"projects/{self.project}/locations", "locations")
+        zones = []
+        for location in locations:
+            zone = location.get("locationId") or location["name"].rsplit("/", 1)[-1]
+            try:
+                types = self._pages(f"projects/{self.project}/locations/{zone}/acceleratorTypes", "acceleratorTypes")
+            except gexc.GoogleAPICallError:
+                continue
+            if any(t.get("type") == accelerator or t.get("name", "").endswith(f"/{accelerator}") for t in types):
+                zones.append(zone)
+        return sorted(zones)
 
     def create_queued_resource(self, name: str, body: dict) -> None:
         """queuedResources.create, its operation waited on (the queued resource accepted, not its capacity).

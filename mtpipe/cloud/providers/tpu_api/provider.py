@@ -17,6 +17,7 @@ rule's target); there is no boot disk left behind by a failed request (``delete_
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from typing import Any
 
 from omegaconf import DictConfig
@@ -143,8 +144,13 @@ class TpuApi:
         return spec.get("acceleratorType", "?"), tier(instance.node, instance.queued), 0
 
     def zones_offering(self, machine_type: str) -> list[str]:
-        """Not looked up on this route (it would take one acceleratorTypes.list per location of the project)."""
-        return []
+        """Every zone of the project where the Cloud TPU API offers ``machine_type``'s accelerator type
+        (ct5lp-hightpu-8t: v5litepod-8): locations.list, then one acceleratorTypes.list per location."""
+        try:
+            accelerator = vm_config.accelerator_type(SimpleNamespace(machine_type=machine_type))
+        except (KeyError, ValueError):   # not a TPU the route creates
+            return []
+        return self.tpu.zones_offering(accelerator)
 
 
 def failure(name: str, zone: str, state: str, queued: dict) -> GcpError:
