@@ -310,3 +310,18 @@ def test_a_node_without_a_queued_resource_deletes_the_node(fake: FakeCompute) ->
             "/v2/projects/proj-1/locations/us-east5-b/queuedResources/mt-test?force=true",
             "/v2/projects/proj-1/locations/us-east5-b/nodes/mt-test"]
         assert tpu.nodes[KEY]["state"] == "DELETING"
+
+
+def test_a_stockout_moves_to_the_next_zone(tpu_world: tuple[Env, FakeTpu]) -> None:
+    """No capacity in the first zone of `zones:` (the queued resource FAILED): it is deleted there and the
+    VM queued in the next zone, as on the Compute route."""
+    w, tpu = tpu_world
+    w.configure(zones=["us-east5-b", "us-west4-a"])
+    tpu.outcomes += [Outcome("FAILED", waits=0), Outcome("ACTIVE")]
+    w.doit("vm_up", "--keep")
+    assert [r[1].split("/queuedResources")[0] for r in tpu.calls("POST", "/queuedResources")] == [
+        "/v2/projects/proj-1/locations/us-east5-b", "/v2/projects/proj-1/locations/us-west4-a"]
+    assert set(tpu.nodes) == {("proj-1", "us-west4-a", "mt-test")}
+    assert set(tpu.queued) == {("proj-1", "us-west4-a", "mt-test")}
+    w.doit("vm_down")
+    assert_nothing_left(w, tpu)
