@@ -112,7 +112,7 @@ def test_comments_docstrings_and_error_messages_rerun_only_configure(pipeline_re
 @pytest.mark.parametrize(
     ("path", "old", "new", "expected"),
     [
-        ("stages/train_sft.py", '"rl": "warmup"}', '"rl": "warm_start"}', {"train_sft@sft", "train_sft@rl"}),
+        ("stages/train_sft.py", '"  steps: 0, no warm-up"', '"  steps: 0: no warm-up"', {"train_sft@sft", "train_sft@rl"}),
         ("stages/to_maxtext.py", "\n\n\ndef ", "\n\n\nTOUCHED = 1\n\n\ndef ", {"to_maxtext@sft", "to_maxtext@rl"}),
         ("mtpipe/maxtext/training_logs.py", 'LOSS = "learning/loss"', 'LOSS = "learning/total_loss"',
          {"train_sft@sft", "train_sft@rl", "train_rl"}),
