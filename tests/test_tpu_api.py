@@ -24,7 +24,7 @@ from fakes.fake_compute import FakeCompute
 from fakes.fake_metadata import FakeMetadata, running_metadata
 from fakes.fake_tpu import FakeTpu, Outcome
 from fakes.gcs_emulator import SA_TOKEN_PREFIX
-from vm_world import Env, experiments, sh
+from vm_world import Env, experiments, idle_limit, sh
 
 from mtpipe.cloud.checks import caller
 from mtpipe.cloud.providers.gcp import idle_watch
@@ -241,11 +241,7 @@ def idle_node(tpu_world: tuple[Env, FakeTpu], tmp_path: Path) -> Iterator[tuple[
     """tpu_world with a 1-s idle limit and the node's metadata server; where the node's lock file is."""
     w, tpu = tpu_world
     with running_metadata(FakeMetadata(lambda: "vm-sa@proj-1.iam.gserviceaccount.com")) as metadata:
-        lock = tmp_path / "vm-busy"
-        w.configure(idle__delete_after_s=1, idle__poll_s=0.2, idle__lock_file=str(lock),
-                    idle__poweroff_command=f"touch {tmp_path / 'powered-off'}",
-                    run__env__GCE_METADATA_HOST=metadata.host)
-        yield w, tpu, lock
+        yield w, tpu, idle_limit(w, tmp_path, metadata.host)
 
 
 def boot_node(tpu: FakeTpu) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from fakes.fake_metadata import FakeMetadata, running_metadata
-from vm_world import Env
+from vm_world import Env, idle_limit
 
 pytestmark = pytest.mark.first_hour
 
@@ -31,11 +31,7 @@ MODES = {   # provisioning -> what its world needs besides the reservation of th
 def idle_world(world: Env, tmp_path: Path) -> Iterator[tuple[Env, FakeMetadata, Path]]:
     """The world with a 1-s idle limit, its metadata server, and where the VM's lock file is."""
     with running_metadata(FakeMetadata(lambda: "vm-sa@proj-1.iam.gserviceaccount.com")) as metadata:
-        lock = tmp_path / "vm-busy"
-        world.configure(idle__delete_after_s=1, idle__poll_s=0.2, idle__lock_file=str(lock),
-                        idle__poweroff_command=f"touch {tmp_path / 'powered-off'}",
-                        run__env__GCE_METADATA_HOST=metadata.host)
-        yield world, metadata, lock
+        yield world, metadata, idle_limit(world, tmp_path, metadata.host)
 
 
 def boot(w: Env) -> None:

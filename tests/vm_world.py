@@ -241,6 +241,15 @@ def hub_with_tutorial_repos(hub: HubServer) -> None:
     hub.gated["google/gemma-3-4b-it"] = "hf_" + "a" * 30
 
 
+def idle_limit(w: Env, tmp_path: Path, metadata_host: str) -> Path:
+    """A 1-s idle limit polled every 0.2 s, a power-off that touches ``tmp_path/powered-off``, the VM's
+    metadata server at ``metadata_host``: where the VM's lock file is."""
+    lock = tmp_path / "vm-busy"
+    w.configure(idle__delete_after_s=1, idle__poll_s=0.2, idle__lock_file=str(lock),
+                idle__poweroff_command=f"touch {tmp_path / 'powered-off'}", run__env__GCE_METADATA_HOST=metadata_host)
+    return lock
+
+
 def assert_deleted(w: Env) -> None:
     assert w.instance() is None and not w.fake.firewalls
     assert w.fake.calls("DELETE", "/instances/mt-test") and not (w.repo / ".vm_state.json").exists()
