@@ -108,7 +108,7 @@ def run_seed(repo: Path, seed: int, sets: list[str]) -> dict:
     curve = list(csv.DictReader(open(repo / "plots" / "rl" / "train_rl.csv")))
     rewards = [sum(float(row[key]) for key in REWARD_COLUMNS) for row in curve]
     # the stage's resolved config (params.yaml, the preset and --set overrides), as train_rl ran it
-    extra_args = yaml.safe_load((repo / "config" / "rl" / "train_rl.yaml").read_text())["train_rl"]["extra_args"]
+    extra_args = yaml.safe_load((repo / "views" / "rl" / "train_rl.yaml").read_text())["train_rl"]["extra_args"]
     return {"seed": seed, "seconds": time.monotonic() - start, "steps": metrics["steps"],
             "eval_n": metrics["eval_pre_total"], "eval_passes": extra_args.get("num_eval_passes", 1),
             "train_reward_first": statistics.fmean(rewards[:EDGE_STEPS]),

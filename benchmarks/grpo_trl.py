@@ -191,7 +191,7 @@ def reference(repo: Path, out: Path, seed: int | None = None, steps: int | None 
     if not (repo / "artifacts/rl/warmup/model_params").is_dir():
         raise SystemExit(f"{repo}/artifacts/rl/warmup/model_params is missing: run `dvc repro train_sft@rl` there first")
     out.mkdir(parents=True, exist_ok=True)
-    stage = yaml.safe_load((repo / "config" / "rl" / "train_rl.yaml").read_text())
+    stage = yaml.safe_load((repo / "views" / "rl" / "train_rl.yaml").read_text())
     settings = maxtext_settings(stage["train_rl"])
     seed = settings["data_shuffle_seed"] if seed is None else seed
     files = repo / "artifacts/rl/dataset/files"

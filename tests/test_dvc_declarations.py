@@ -88,7 +88,8 @@ def test_each_stage_declares_its_resolved_config(name):
     script_name, _, branch = name.partition("@")
     branch = branch or {"train_rl": "rl", "evaluate_warmup": "rl", "make_embedded": "embedded"}[script_name]
     source = (ROOT / "stages" / f"{script_name}.py").read_text()
-    assert f'"{script_name}")' in source, "the stage loads its own view with load_stage(..., stage)"
+    assert f'open_stage("{script_name}", ' in source or f'load_stage("{branch}", "{script_name}")' in source, \
+        "the stage opens its own view: open_stage(stage, branch)"
     configs = {d for d in deps_of(STAGES[name]) if d.startswith("views/")}
     assert configs == {f"views/{branch}/{script_name}.yaml"}
     assert not STAGES[name].params, "pipeline stages read params only through their resolved view"
@@ -99,8 +100,8 @@ def test_configure_declares_every_params_key():
     declared = {p for dep in STAGES["configure"].deps for p in getattr(dep, "params", None) or []}
     assert declared == set(params)
     outs = {str(o.def_path) for o in STAGES["configure"].outs}
-    assert outs == {f"config/{b}/{s}.yaml" for b, stages in config.BRANCH_STAGES.items() for s in stages} | {
-        "config/{}/{}.yaml".format(*config.EMBEDDED_VIEW)} | {config.RUN_FILE}
+    assert outs == {f"views/{b}/{s}.yaml" for b, stages in config.BRANCH_STAGES.items() for s in stages} | {
+        "views/{}/{}.yaml".format(*config.EMBEDDED_VIEW)} | {config.RUN_FILE}
 
 
 def test_every_resolved_view_is_produced_and_consumed_and_the_run_keys_by_no_stage():

@@ -53,8 +53,8 @@ def project(tmp_path_factory) -> Path:
     run = {}  # as configure writes them: each address view, and the keys no output depends on
     for stage, view in views.items():
         run[stage] = config.split_run_keys(view, "rl", stage)
-        (repo / "config" / "rl").mkdir(parents=True, exist_ok=True)
-        (repo / "config" / "rl" / f"{stage}.yaml").write_text(yaml.safe_dump(view))
+        (repo / "views" / "rl").mkdir(parents=True, exist_ok=True)
+        (repo / "views" / "rl" / f"{stage}.yaml").write_text(yaml.safe_dump(view))
     assert run["hf_download"]["model"]["name"] and run["train_rl"]["hardware"]["name"]  # the card reads both
     (repo / config.RUN_FILE).write_text(yaml.safe_dump({"rl": run}))
     score = {"problems": 1319, "flexible_accuracy": 80.0, "flexible_ci95": 2.2, "strict_accuracy": 75.0,

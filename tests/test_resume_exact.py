@@ -135,7 +135,7 @@ def test_grpo_killed_after_a_checkpoint_resumes_as_the_uninterrupted_run(pipelin
     try:
         path.write_text(yaml.safe_dump(settings, sort_keys=False))
         dvc(pipeline_repo, "repro", "-s", "configure")  # start_held runs train_rl alone (-s)
-        assert "checkpoint_period: 2" in (pipeline_repo / "config" / "rl" / "train_rl.yaml").read_text()
+        assert "checkpoint_period: 2" in (pipeline_repo / "views" / "rl" / "train_rl.yaml").read_text()
         kill_group(start_held(pipeline_repo, "train_rl", 2, log))
         kill_group(start_held(pipeline_repo, "train_rl", 4, log))
         out = dvc(pipeline_repo, "repro", "-f", "-s", "--no-run-cache", "train_rl").stdout

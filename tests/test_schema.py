@@ -148,7 +148,7 @@ def test_every_shipped_preset_passes(preset):
 def test_both_tutorial_presets_resolve_together(tmp_path):
     params = OmegaConf.merge(families.load_params(), {"sft": {"preset": "gemma3-4b-ultrachat-v6e8"}, "rl": TUTORIAL_RL})
     written = config.write_resolved(config.compose_all(params), config.twin_confs(embedded.FAMILIES), tmp_path)
-    assert yaml.safe_load((tmp_path / "config" / "rl" / "train_rl.yaml").read_text())["train_rl"]["chips_per_vm"] == 8
+    assert yaml.safe_load((tmp_path / "views" / "rl" / "train_rl.yaml").read_text())["train_rl"]["chips_per_vm"] == 8
     assert len(written) == 16  # 14 stage views, make_embedded's view and views/run.yaml
 
 
