@@ -41,6 +41,15 @@ TIMEOUT_S = 60
 ENABLE_TIMEOUT_S = 300   # Service Usage enables an API within a minute or two ("this may take a minute": sky check)
 
 
+def rest_call(session: AuthorizedSession, method: str, url: str, body: dict | None = None,
+              params: dict[str, str | list[str]] | None = None) -> dict:
+    """One REST request to a Google API; its JSON answer; a google.api_core exception for an error answer."""
+    answer = session.request(method, url, json=body, params=params, timeout=TIMEOUT_S)
+    if answer.status_code >= 400:
+        raise gexc.from_http_response(answer)
+    return answer.json() if answer.content else {}
+
+
 class GoogleApis:
     """REST calls to the APIs in ROOTS with the Compute clients' credentials."""
 
@@ -53,11 +62,7 @@ class GoogleApis:
              params: dict[str, str | list[str]] | None = None) -> dict:
         """One request (``path`` under the API's root, e.g. ``v1/users/X:importSshPublicKey``); its
         JSON answer; a google.api_core exception for an error answer."""
-        url = f"{self.endpoint or ROOTS[api]}/{path}"
-        answer = self.session.request(method, url, json=body, params=params, timeout=TIMEOUT_S)
-        if answer.status_code >= 400:
-            raise gexc.from_http_response(answer)
-        return answer.json() if answer.content else {}
+        return rest_call(self.session, method, f"{self.endpoint or ROOTS[api]}/{path}", body, params)
 
     def account(self) -> str | None:
         """The email of the credentials: a service account's from its key, a user's from Google's

@@ -18,11 +18,11 @@ from google.auth.transport.requests import AuthorizedSession
 
 from mtpipe.cloud.providers import interrupts
 from mtpipe.cloud.providers.gcp.api_errors import ENDPOINT_ENV, client_kwargs, explained
+from mtpipe.cloud.providers.gcp.google_apis import rest_call
 from mtpipe.cloud.providers.interface import GcpError
 
 TPU_ENDPOINT_ENV = "MTPIPE_TPU_ENDPOINT"
 ROOT = "https://tpu.googleapis.com"
-TIMEOUT_S = 60
 OPERATION_POLL_S = 2.0
 
 
@@ -42,10 +42,7 @@ class TpuClient:
 
     def call(self, method: str, path: str, body: dict | None = None, params: dict[str, str] | None = None) -> dict:
         """One request (``path`` under v2/); its JSON answer; a google.api_core exception for an error."""
-        answer = self.session.request(method, f"{self.root}/v2/{path}", json=body, params=params, timeout=TIMEOUT_S)
-        if answer.status_code >= 400:
-            raise gexc.from_http_response(answer)
-        return answer.json() if answer.content else {}
+        return rest_call(self.session, method, f"{self.root}/v2/{path}", body, params)
 
     def _get(self, kind: str, name: str) -> dict | None:
         with explained(f"reading {kind} {name} in {self.zone}", self.project):
