@@ -16,7 +16,7 @@ import pytest
 from mtpipe.cloud.settings import vm_config
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext.run_dir import run_dir
-from mtpipe.pipeline import overrides
+from mtpipe.pipeline import generations, overrides
 from mtpipe.pipeline.config import ROOT, compose, stage_view
 from mtpipe.pipeline.maxtext_check import compose_checked
 from mtpipe.planning import budget, preflight
@@ -79,7 +79,7 @@ def test_a_vm_with_less_than_the_table_fails_the_budget_naming_the_fix(tmp_path:
     """The budget before the VM exists uses Google's VM-type table (ct6e-standard-8t: 1,440 GB of RAM,
     /dev/shm half of it); what the VM says after the setup replaces it: a /dev/shm mounted at 64 GB
     cannot hold the tutorials' run directories (96.4 GB at the peak), with the keys and the remount."""
-    host = budget.HOSTS["v6e-8"]
+    host = budget.host_of("v6e-8")
     assert (host.memory_gib * 2**30, host.shm_gib * 2**30) == (1440e9, 720e9)
     shipped = budget.Machine(200, SHM_ENV, "v6e-8")
     measured = budget.Host(memory_gib=1340.0, shm_gib=64.0, source="read on VM mt-test after the setup")
@@ -195,7 +195,7 @@ def test_a_v5e_vm_runs_the_tutorials_on_its_own_tpu(tmp_path: Path) -> None:
     view = stage_view(compose_checked("sft", params), "train_sft")
     assert preflight.topology(view) == "v5litepod-8" and preflight.maxtext_topology("v5litepod-8") == "v5e-8"
     chip, chips = preflight.chip_of(preflight.topology(view), "sft", "v5e-8")
-    assert (chip, chips) == (preflight.CHIPS["v5e"], 8) and chip.hbm_gib == 15.75
+    assert (chip, chips) == (generations.load()["v5e"].chip, 8) and chip.hbm_gib == 15.75
     args = preflight.compile_args(preflight.stage_command(view), preflight.maxtext_topology(preflight.topology(view)))
     assert "compile_topology=v5e-8" in args
     from maxtext.utils.accelerator_to_spec_map import get_system_characteristics

@@ -18,7 +18,7 @@ from mtpipe.cloud.lifecycle.lines import creation_line
 from mtpipe.cloud.settings import vm_config
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline import config
-from mtpipe.planning.preflight import CHIPS
+from mtpipe.pipeline import generations
 
 ROOT = Path(__file__).resolve().parents[1]
 ROLES = ROOT / "docs" / "roles.md"
@@ -78,7 +78,7 @@ def test_the_self_delete_is_stated_as_the_code_sends_it(monkeypatch: pytest.Monk
 
 
 def test_the_v6e_hbm_and_the_sft_tutorial_price_are_the_ones_preflight_computes() -> None:
-    gib = f"{CHIPS['v6e'].hbm_gib:g} GiB"
+    gib = f"{generations.load()['v6e'].chip.hbm_gib:g} GiB"
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
         assert "32 GiB" not in path.read_text(), f"{path.name}: a v6e chip offers {gib} (32 GB)"
     for page in QUICKSTARTS:

@@ -21,6 +21,7 @@ from packaging.utils import canonicalize_name
 
 from mtpipe.maxtext import commands, training_commands
 from mtpipe.planning import preflight, step_model
+from mtpipe.pipeline import generations
 from mtpipe.pipeline.toolchain import lock_pins
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +76,8 @@ def test_the_chip_runs_the_stages_commands_changing_only_the_backend(branch: str
 
 def test_the_tpu_check_refuses_a_machine_without_the_expected_chips():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, "-m", "mtpipe.maxtext.tpu_check", "--chips", "8", "--generation", "v6e"],
+    done = subprocess.run([sys.executable, "-m", "mtpipe.maxtext.tpu_check", "--chips", "8",
+                           "--device-kind", "TPU v6 lite"],
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     assert "expected 8 x 'TPU v6 lite' on backend tpu, found 1 x ['cpu'] on backend 'cpu'" in done.stderr
@@ -152,7 +154,7 @@ def test_preflight_forecasts_with_the_committed_constants(run: dict):
     """preflight's own functions (step_forecast, _grpo_estimate) give what calibrate's model gives with
     the committed constants, so the records check the code `doit preflight` runs."""
     compiled = calibrate.compiled_for(run)
-    chip = preflight.CHIPS["v5e"]
+    chip = generations.load()["v5e"].chip
     committed = calibrate.Constants(step_model.COMPUTE_EFFICIENCY, step_model.STEP_BYTES_PER_PARAM,
                                     preflight.SFT_TRAINER_EXTRA_BYTES_PER_PARAM, step_model.DECODE_EFFICIENCY,
                                     step_model.GRPO_TRAIN_FACTOR, preflight.GRPO_EXTRA_BYTES_PER_PARAM)

@@ -15,6 +15,7 @@ import pytest
 from mtpipe.cloud.lifecycle.lines import forecast_line
 from mtpipe.cloud.settings import prices, vm_config
 from mtpipe.errors import ConfigError
+from mtpipe.pipeline import generations
 from mtpipe.planning import preflight, run_forecast
 
 pytestmark = pytest.mark.forecast
@@ -117,7 +118,7 @@ def test_a_target_before_the_evaluation_leaves_its_lines_out(
     rows, _ = tutorial_runs["sft"]
     [row] = rows
     cfg = preflight.composed_views(["sft.preset=gemma3-4b-ultrachat-v6e8"], preflight.ROOT, ("sft",), True)[1]["sft"]
-    chip = preflight.CHIPS["v6e"]
+    chip = generations.load()["v6e"].chip
     exported = run_forecast.branch_phases(cfg, row, chip, run_forecast.stages_of("to_huggingface@sft"))
     assert [p.name for p in exported] == ["hf_download@sft", "to_maxtext@sft", "train_sft@sft", "to_huggingface@sft"]
     trained = run_forecast.forecast([row | {"run_phases": run_forecast.as_row(

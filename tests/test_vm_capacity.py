@@ -20,13 +20,14 @@ from vm_world import Env
 
 from mtpipe.cloud.checks import quota
 from mtpipe.cloud.settings import vm_state
+from mtpipe.pipeline import generations
 
 pytestmark = pytest.mark.first_request
 EAST, WEST = "us-east5-b", "europe-west4-a"   # zones of two regions that offer ct6e-standard-8t
 STOCKOUT = ("operation", "ZONE_RESOURCE_POOL_EXHAUSTED",
             f"The zone 'projects/proj-1/zones/{EAST}' does not have enough resources available to fulfill the "
             "request. Try a different zone, or try again later.")
-TPU_QUOTA = quota.QUOTAS["ct6e"]
+TPU_QUOTA = generations.load()["v6e"].compute.quota
 
 
 def insert_zones(w: Env) -> list[str]:

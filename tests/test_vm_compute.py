@@ -30,6 +30,7 @@ from mtpipe.cloud.providers.gcp.compute import Compute, external_ip
 from mtpipe.cloud.providers.interface import CapacityError, GcpError
 from mtpipe.cloud.settings import prices, vm_config
 from mtpipe.errors import ConfigError
+from mtpipe.pipeline import generations
 from vm_world import as_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -354,12 +355,12 @@ def test_bad_provisioning_settings_fail_before_any_request(
 @pytest.mark.cloud_contract
 def test_the_price_table_is_checked_and_dated(tmp_path: Path) -> None:
     """conf/prices.yaml: per-chip prices with their date and source; a bad value names its key."""
-    v6e = prices.load().tpu.v6e
+    v6e = prices.load().tpu["v6e"]
     on_demand, spot, flex = v6e.per_chip_hour.on_demand, v6e.per_chip_hour.spot, v6e.per_chip_hour.flex_start
-    assert v6e.machine_family == "ct6e" and (on_demand.usd, spot.usd, flex.usd) == (2.70, 0.54, 1.27)
+    assert (on_demand.usd, spot.usd, flex.usd) == (2.70, 0.54, 1.27)
     assert all(p.as_of and p.source.startswith("https://cloud.google.com/") for p in (on_demand, spot, flex))
     assert "53%" in flex.as_of   # a relative figure (the largest DWS discount), said so
-    assert prices.tpu_chips("ct6e-standard-8t") == ("ct6e", 8)
+    assert set(prices.load().tpu) == set(generations.load())   # every generation priced
     bad = tmp_path / "prices.yaml"
     bad.write_text(prices.PRICES.read_text().replace("usd: 0.54", "usd: cheap"))
     with pytest.raises(ConfigError, match=r"^prices.tpu.v6e.per_chip_hour.spot.usd: "):

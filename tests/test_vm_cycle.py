@@ -33,7 +33,7 @@ from pipeline import md5_tree, ran_stages
 from vm_world import ROOT, TOKEN, Env, assert_deleted, experiments, hub_with_tutorial_repos, sh
 
 from mtpipe.cloud.checks import tpu
-from mtpipe.maxtext import tpu_check
+from mtpipe.pipeline import generations
 
 SFT_DTYPE = "sft.to_huggingface.weight_dtype"
 
@@ -282,19 +282,24 @@ def test_setup_failure_in_vm_run(world: Env, keep: bool) -> None:
 # The embedded SFT branch with its MaxText on the VM's TPU: the v6e-8 hardware preset (no Hub model,
 # so the checks before spending stay on loopback); preflight's AOT compile is not what these test.
 TPU_RUN = ("--set=sft.hardware=v6e-8", "--no-preflight")
-TPU_CHECK = "python -m mtpipe.maxtext.tpu_check --chips 8 --generation v6e"
+TPU_CHECK = "python -m mtpipe.maxtext.tpu_check --chips 8 --device-kind 'TPU v6 lite'"
+TPU_CHECK_SENT = TPU_CHECK.split(" '")[0]   # as sent over SSH, inside bash -c '...' (its quotes escaped)
 
 
 @pytest.mark.vm_experiments
 @pytest.mark.on_tpu
 def test_which_tpu_the_vm_must_have() -> None:
-    """The check's chips and generation from TPU_ACCELERATOR_TYPE (a v5e VM's type is v5litepod-N, a
-    v5p's number counts TensorCores); the branches on the CPU or on a GKE slice (xpk) need none."""
-    assert [tpu_check.accelerator(t) for t in ("v6e-8", "v5litepod-8", "v5litepod-1", "v5e-4", "v5p-8")] == [
-        ("v6e", 8), ("v5e", 8), ("v5e", 1), ("v5e", 4), ("v5p", 4)]
-    for wrong in ("v4-8", "v6e", "v6e-x"):
-        with pytest.raises(ValueError, match="is none of v5e, v5p, v6e"):
-            tpu_check.accelerator(wrong)
+    """The check's chips and device kinds from TPU_ACCELERATOR_TYPE, by conf/generations.yaml (a v5e VM's
+    type is v5litepod-N, MaxText's v5e-N; a v5p's and a TPU7x's number counts TensorCores, two a chip);
+    the branches on the CPU or on a GKE slice (xpk) need none."""
+    types = ("v6e-8", "v5litepod-8", "v5litepod-1", "v5e-4", "v5p-8", "tpu7x-8")
+    found = [generations.of_accelerator(t) for t in types]
+    assert [(gen.name, chips) for gen, chips in found] == [
+        ("v6e", 8), ("v5e", 8), ("v5e", 1), ("v5e", 4), ("v5p", 4), ("tpu7x", 4)]
+    assert [gen.device_kinds for gen, _ in found][3:] == [["TPU v5 lite"], ["TPU v5", "TPU v5p"], ["TPU7x"]]
+    for wrong in ("v4-8", "v6e", "v6e-x", "v5p-1"):
+        with pytest.raises(ValueError, match="is none of tpu7x, v5litepod, v5p, v6e"):
+            generations.of_accelerator(wrong)
     found = tpu.targets(ROOT, [[], ["sft.preset=gemma3-4b-ultrachat-v6e32"],
                                   ["sft.preset=gemma3-4b-ultrachat-v6e8", "rl.preset=llama3.1-8b-gsm8k-v6e8"]])
     assert [(t.accelerator_type, t.hardware, t.branches, t.command()) for t in found] == [
@@ -320,7 +325,7 @@ def test_tpu_check_stops_a_run_on_a_vm_without_the_tpu(world: Env) -> None:
     assert "fix: check the VM's accelerator type" in out
     assert_deleted(world)
     commands = world.sshd.commands
-    assert index_of(commands, "mtpipe: VM set up") < index_of(commands, TPU_CHECK) == len(commands) - 1
+    assert index_of(commands, "mtpipe: VM set up") < index_of(commands, TPU_CHECK_SENT) == len(commands) - 1
     assert not (world.sshd.home / "probe.json").exists()   # run.command never started: no dvc pull, no stage
     assert "running the pipeline" not in out and "hf_download" not in out
 
@@ -343,14 +348,14 @@ def test_tpu_check_runs_between_setup_and_the_pipeline(world: Env) -> None:
     out = w.doit("vm_run", *TPU_RUN, "--keep").stdout
     commands = w.sshd.commands
     setup, ship = index_of(commands, "mtpipe: VM set up"), index_of(commands, "git fetch -q .git/mtpipe.bundle")
-    assert setup < ship < index_of(commands, TPU_CHECK) < index_of(commands, '>> "$HOME/runs"')
+    assert setup < ship < index_of(commands, TPU_CHECK_SENT) < index_of(commands, '>> "$HOME/runs"')
     calls = (w.sshd.home / "tpu-check-calls").read_text().splitlines()
-    assert calls == [f"{TPU_CHECK.removeprefix('python ')}|v6e-8|{w.sshd.home / 'mtpipe'}"]
+    assert calls == [f"{TPU_CHECK.removeprefix('python ').replace(chr(39), '')}|v6e-8|{w.sshd.home / 'mtpipe'}"]
     assert (f"mtpipe: checking the TPU runtime on VM mt-test: {TPU_CHECK}\n"
             "mtpipe: TPU runtime ok: 8 x 'TPU v6 lite' (a stand-in)\nmtpipe: shipped ") in out
     before = len(commands)
     out = w.doit("vm_run").stdout
-    assert not any(TPU_CHECK in c for c in commands[before:] if c) and "TPU runtime" not in out
+    assert not any(TPU_CHECK_SENT in c for c in commands[before:] if c) and "TPU runtime" not in out
     assert (w.sshd.home / "runs").read_text().count("run ") == 2
     assert_deleted(w)   # the second run, without --keep
 

@@ -30,12 +30,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from mtpipe.maxtext import commands  # noqa: E402
+from mtpipe.pipeline import generations  # noqa: E402
 from mtpipe.planning import preflight, step_model  # noqa: E402
 
 RECORDS = Path(__file__).resolve().parent / "records"
 COMPILED = RECORDS / "compiled.json"
 GIB = 2**30
-CHIP = preflight.CHIPS["v5e"]
+CHIP = generations.load()["v5e"].chip
 
 
 # Records the step-time fit and its interval leave out, with what the chip showed. Each stays in the table

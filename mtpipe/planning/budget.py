@@ -16,7 +16,7 @@ Answered before any VM exists, from numbers that need no accelerator and no netw
   (``/dev/shm/...``: tmpfs, which is host memory) or in ``MTPIPE_WORK_BUCKET``; everything else on
   the boot disk. DVC's cache links outputs (``cache.type`` hardlink: no second copy) or copies them.
 
-Capacities of the machine are in :data:`HOSTS` with their sources, or what the VM itself says after
+Capacities of the machine are :func:`host_of` with their sources, or what the VM itself says after
 its setup (``Machine.host``, read by mtpipe.cloud.checks.host); :func:`check` refuses a plan that leaves
 less than :data:`MARGIN` of a file system or of host memory free, naming the key to change.
 docs/machine-budget.md says which number is measured, compiled or estimated.
@@ -39,6 +39,7 @@ import yaml
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import commands, training_commands
 from mtpipe.maxtext.run_dir import WORK_BUCKET_ENV, WORK_DIR_ENV
+from mtpipe.pipeline import generations
 from mtpipe.pipeline.view import ROOT, View
 
 GIB = 2**30
@@ -56,16 +57,18 @@ class Host:
     left: dict[str, int] = field(default_factory=dict)
 
 
-# The VM's RAM, not the host's DRAM. ct6e-standard-8t: 180 vCPUs and 1,440 GB of RAM (the VM-type
-# table of Google's TPU pages; the host has "DRAM per host 1,536 GiB", cloud.google.com/tpu/docs/v6e,
-# "System architecture"). The table's unit is read as GB (10^9 B), the smaller reading: the VM itself
-# is read after the setup (mtpipe.cloud.checks.host). ct5lp-hightpu-8t: 384 GB (cloud.google.com/tpu/docs/v5e,
-# "VM types"; the host has 512 GiB). /dev/shm: Linux mounts tmpfs at half of RAM unless told otherwise
-# (mount(8), tmpfs "size"); the TPU image is assumed to set no other size, and the VM says.
-HOSTS = {"v6e-8": Host(memory_gib=1440e9 / 2**30, shm_gib=1440e9 / 2**30 / 2,
-                       source="Google's VM types: ct6e-standard-8t, 1,440 GB of RAM; tmpfs default: half of RAM"),
-         "v5e-8": Host(memory_gib=384e9 / 2**30, shm_gib=384e9 / 2**30 / 2,
-                       source="Google's VM types: ct5lp-hightpu-8t, 384 GB of RAM; tmpfs default: half of RAM")}
+def host_of(topology: str) -> Host | None:
+    """The VM's RAM and /dev/shm of MaxText's ``topology`` (v6e-8) as Google's VM-type tables give them
+    (conf/generations.yaml host_ram_gb, GB: 10^9 B, the smaller reading; the VM itself is read after the
+    setup, mtpipe.cloud.checks.host); None where the table has no figure. /dev/shm: Linux mounts tmpfs at
+    half of RAM unless told otherwise (mount(8), tmpfs "size"); the TPU image is assumed to set no other
+    size, and the VM says."""
+    gen, chips = generations.of_accelerator(topology)
+    ram_gb = gen.host_ram_gb.get(chips)
+    if ram_gb is None:
+        return None
+    return Host(memory_gib=ram_gb * 1e9 / 2**30, shm_gib=ram_gb * 1e9 / 2**30 / 2,
+                source=f"Google's VM types: {gen.machine_type(chips)}, {ram_gb:,} GB of RAM; tmpfs default: half of RAM")
 
 
 @dataclass(frozen=True)
@@ -405,7 +408,7 @@ def _state_keys(branch: str, stages: dict[str, View]) -> list[str]:
 class Machine:
     """What the budget reads of conf/vm.yaml: the boot disk's size, the run's environment and the TPU
     its machine type holds, as MaxText names it (``v6e-8``; None: not said); ``host``: the VM's RAM and
-    /dev/shm as read on it (None: :data:`HOSTS`)."""
+    /dev/shm as read on it (None: :func:`host_of`)."""
 
     boot_disk_gb: int
     env: dict[str, str]

@@ -32,15 +32,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from mtpipe.errors import ConfigError
-from mtpipe.maxtext import commands, tpu_check, training_commands
+from mtpipe.maxtext import commands, training_commands
 from mtpipe.maxtext.runner import child_env
-from mtpipe.pipeline import maxtext_check, overrides, toolchain
+from mtpipe.pipeline import generations, maxtext_check, overrides, toolchain
 from mtpipe.pipeline.config import ROOT, stage_view
 from mtpipe.pipeline.stage_table import BRANCH_STAGES, BUDGET_STAGES
 from mtpipe.pipeline.view import View
@@ -48,21 +47,7 @@ from mtpipe.pipeline.maxtext_check import compose_checked
 from mtpipe.planning import budget, compiled_presets, run_forecast, step_model
 
 
-@dataclass(frozen=True)
-class Chip:
-    """One TPU generation's per-chip numbers (Google's published specs)."""
-
-    hbm_gib: float        # HBM the runtime lets a program use (bytes_limit)
-    peak_tflops: float    # bf16 dense peak
-    hbm_gbps: float       # HBM bandwidth, GB/s (memory-bound decoding)
-
-
-# v6e (Trillium): 32 GB HBM, of which the runtime reports 33550237184 bytes (31.25 GiB) as its
-# limit; 918 bf16 TFLOP/s; 1640 GB/s (cloud.google.com/tpu/docs/v6e).
-# v5e: 16 GB HBM, of which the lent chip's runtime reports 16909336064 bytes (15.75 GiB) as its limit
-# (benchmarks/on_tpu/records); 197 bf16 TFLOP/s; 819 GB/s (cloud.google.com/tpu/docs/v5e).
-CHIPS = {"v6e": Chip(hbm_gib=31.25, peak_tflops=918.0, hbm_gbps=1640.0),
-         "v5e": Chip(hbm_gib=15.75, peak_tflops=197.0, hbm_gbps=819.0)}
+Chip = generations.Chip   # one TPU generation's per-chip numbers (conf/generations.yaml)
 
 # Measured on one TPU v5e chip: the SFT tutorial's model (Gemma 3 4B at full width, batch 1 x 2048) cut
 # in depth and vocabulary to fit it, through the SFT stage's trainer and MaxText's pre-training trainer
@@ -124,22 +109,21 @@ def usd_per_hour(chips: int, usd_per_chip_hour: float) -> float:
 
 
 def chip_of(topo: str, branch: str, hardware: str) -> tuple[Chip, int]:
-    """(per-chip specs, number of chips) of an accelerator type such as ``v6e-8`` or ``v5litepod-8``."""
+    """(per-chip specs, number of chips) of an accelerator type (conf/generations.yaml)."""
     try:
-        generation, chips = tpu_check.accelerator(topo)
-    except ValueError:
-        generation, chips = "", 0
-    if generation not in CHIPS:
-        raise ConfigError(f"{branch}.hardware", f"preflight knows no TPU {topo!r} (conf/hardware/{hardware}.yaml)",
-                          f"use one of {sorted(CHIPS)}-<chips> (v5e: v5litepod-<chips>), or add its specs to "
-                          "mtpipe/planning/preflight.py CHIPS")
-    return CHIPS[generation], chips
+        gen, chips = generations.of_accelerator(topo)
+    except ValueError as err:
+        raise ConfigError(f"{branch}.hardware", f"preflight knows no TPU {topo!r} (conf/hardware/{hardware}.yaml): "
+                          f"{err}", f"spell it as an accelerator type of {generations.TABLE_NAME}, or add the "
+                          "generation there") from None
+    return gen.chip, chips
 
 
 def maxtext_topology(topo: str) -> str:
-    """MaxText's name of an accelerator type, for its AOT compile and the machine budget: a v5e VM's
-    ``v5litepod-8`` is MaxText's ``v5e-8``; the others are spelled alike."""
-    return topo.replace("v5litepod-", "v5e-", 1)
+    """MaxText's name of an accelerator type, for its AOT compile and the machine budget (a v5e VM's
+    accelerator type is spelled otherwise than MaxText's topology: conf/generations.yaml)."""
+    gen, chips = generations.of_accelerator(topo)
+    return gen.maxtext_topology(chips)
 
 
 def stage_command(cfg: View) -> commands.MaxTextCommand:
@@ -391,7 +375,7 @@ def check_fits(row: dict[str, Any]) -> None:
 def step_range(step_s: float, topo: str) -> tuple[float, float]:
     """The step time's interval on the TPU ``topo`` (e.g. v6e-8): step_model's leave-one-out misses on
     the chip, widened on another generation than the one measured."""
-    return step_model.interval(step_s, topo.split("-", 1)[0].replace("v5litepod", "v5e"))
+    return step_model.interval(step_s, generations.of_accelerator(topo)[0].name)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -480,7 +464,7 @@ def check(sets: list[str], usd_per_chip_hour: float, machine: budget.Machine, ro
         basis = f" ({price_basis})" if price_basis else ""
         print(f"assumptions: step = FLOPs at {step_model.COMPUTE_EFFICIENCY:.0%} of the peak + "
               f"{step_model.STEP_BYTES_PER_PARAM:.0f} B per parameter at the HBM bandwidth (fit on a TPU v5e chip; the "
-              f"interval: its leave-one-out misses, ±{step_model.GENERATION_ERROR:.0%} more on v6e), HBM "
+              f"interval: its leave-one-out misses, ±{step_model.GENERATION_ERROR:.0%} more on other generations), HBM "
               f"±{HBM_ERROR:.0%} (docs/preflight.md), {usd_per_chip_hour:.2f} USD per chip-hour{basis}; "
               f"reports in {work}/<branch>-<preset>.json")
         print(versions_line())
@@ -522,10 +506,10 @@ def machine_budget(composed: dict[str, Any], views: dict[str, View], machine: bu
                               "machine type) in a VM config named by $MTPIPE_VM_CONFIG, or set "
                               f"{branch}.hardware to a preset of the VM's TPU")
     topo = maxtext_topology(topology(views[on_vm[0]]))
-    host = machine.host or budget.HOSTS.get(topo)
+    host = machine.host or budget.host_of(topo)
     if host is None:
         raise ConfigError(f"{on_vm[0]}.hardware", f"the machine budget knows no host for {topo}",
-                          "add it to mtpipe/planning/budget.py HOSTS")
+                          f"add its VM's RAM to host_ram_gb in {generations.TABLE_NAME}")
     stages = {b: {s: stage_view(composed[b], s) for s in BUDGET_STAGES[b]} for b in on_vm}
     missing = [str(root / cfg.model.source.path) for b in on_vm for cfg in [stages[b]["hf_download"]]
                if cfg.model.source.kind == "local" and not (root / cfg.model.source.path).is_dir()]

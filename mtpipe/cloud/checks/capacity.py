@@ -1,6 +1,6 @@
 """Checks before spending of capacity: where Compute can create the VM.
 
-The zone offers the machine type (TPU v6e), and with `provisioning: reservation` the reservation
+The zone offers the machine type, and with `provisioning: reservation` the reservation
 exists (another project's: shared with this one), is READY, reserves that machine type (or its TPU
 chips) and has room for one VM, and how its VMs are provisioned is decided (RESERVATION_BOUND or
 STANDARD); every other zone of ``zones`` as the first (it offers the machine type; its region has the
@@ -20,8 +20,9 @@ from mtpipe.cloud.providers.gcp.bodies import reservation_path
 from mtpipe.cloud.providers.gcp.compute import Compute
 from mtpipe.cloud.providers.gcp.google_apis import GoogleApis
 from mtpipe.cloud.providers.interface import region
-from mtpipe.cloud.settings import prices, vm_config
+from mtpipe.cloud.settings import vm_config
 from mtpipe.errors import ConfigError
+from mtpipe.pipeline import generations
 
 
 def check_compute(cfg: DictConfig, compute: Compute) -> None:
@@ -34,9 +35,10 @@ def check_compute(cfg: DictConfig, compute: Compute) -> None:
 def check_machine_type(cfg: DictConfig, compute: Compute) -> None:
     """The zone offers the machine type (an authenticated call: bad credentials fail here too)."""
     if compute.get_machine_type(cfg.machine_type) is None:
+        tpu = generations.of_machine_type(cfg.machine_type)[0].title
         raise ConfigError("vm.zones" if cfg.zones else "vm.zone", f"zone {cfg.zone!r} does not offer "
-                          f"{cfg.machine_type} (TPU v6e)", "pick zones listed for v6e at "
-                          "cloud.google.com/tpu/docs/regions-zones (e.g. us-east5-b) with ZONE / --zone or "
+                          f"{cfg.machine_type} ({tpu})", f"pick zones listed for {tpu} at "
+                          "cloud.google.com/tpu/docs/regions-zones with ZONE / --zone or "
                           "zones: in conf/vm.yaml, where your reservation is")
 
 
@@ -91,8 +93,14 @@ def check_reservation(cfg: DictConfig, compute: Compute) -> None:
     else:
         raise ConfigError("vm.reservation", f"{cfg.reservation} reserves neither VMs "
                           "(specificReservation) nor TPU chips (aggregateReservation)",
-                          "use a reservation of v6e-8 VMs (ct6e-standard-8t) or of TPU v6e chips")
+                          f"use a reservation of {cfg.machine_type} VMs or of {_chips_of(cfg)}")
     compute.provisioning_model(cfg)   # decided (and kept for the insert) before anything exists
+
+
+def _chips_of(cfg: DictConfig) -> str:
+    """The chips an aggregate reservation must hold for the VM, as the fixes name them."""
+    gen = generations.of_machine_type(cfg.machine_type)[0]
+    return f"{gen.title} chips ({gen.compute.reservation_family})"
 
 
 def _check_vms(cfg: DictConfig, specific: compute_v1.AllocationSpecificSKUReservation) -> None:
@@ -100,21 +108,21 @@ def _check_vms(cfg: DictConfig, specific: compute_v1.AllocationSpecificSKUReserv
     reserved = specific.instance_properties.machine_type.rsplit("/", 1)[-1]
     if reserved and reserved != cfg.machine_type:
         raise ConfigError("vm.reservation", f"{cfg.reservation} reserves {reserved}, not "
-                          f"{cfg.machine_type}", "use a reservation of v6e-8 VMs (ct6e-standard-8t)")
+                          f"{cfg.machine_type}", f"use a reservation of {cfg.machine_type} VMs")
     if specific.count - specific.in_use_count < 1:
         raise ConfigError("vm.reservation", f"{cfg.reservation} has no free VM ({specific.in_use_count}"
                           f" of {specific.count} VMs in use)", FULL_FIX)
 
 
 def _check_chips(cfg: DictConfig, aggregate: compute_v1.AllocationAggregateReservation) -> None:
-    """An aggregate (TPU) reservation: chips of one VM family (vmFamily ..._CT6E for v6e), counted in
-    ``reservedResources`` and ``inUseResources``; a VM takes its machine type's chips (8 for a v6e-8)."""
-    family, chips = prices.tpu_chips(cfg.machine_type)
-    reserved_family = aggregate.vm_family.rsplit("_", 1)[-1].lower()
-    if reserved_family != family:
+    """An aggregate (TPU) reservation: chips of one VM family (the generation's ``reservation_family``,
+    conf/generations.yaml), counted in ``reservedResources`` and ``inUseResources``; a VM takes its machine
+    type's chips (8 for a v6e-8)."""
+    gen, chips = generations.of_machine_type(cfg.machine_type)
+    family = gen.machine.family
+    if aggregate.vm_family != gen.compute.reservation_family:
         raise ConfigError("vm.reservation", f"{cfg.reservation} reserves {aggregate.vm_family} chips, "
-                          f"not {family} ones ({cfg.machine_type})",
-                          "use a reservation of TPU v6e chips (VM_FAMILY_CLOUD_TPU_LITE_POD_SLICE_CT6E)")
+                          f"not {family} ones ({cfg.machine_type})", f"use a reservation of {_chips_of(cfg)}")
 
     def count(resources: Iterable[compute_v1.AllocationAggregateReservationReservedResourceInfo]) -> int:
         return sum(r.accelerator.accelerator_count for r in resources

@@ -65,7 +65,7 @@ def check(remote: Remote, cfg: DictConfig, root: Path, experiments: list[list[st
     host = read_host(remote, cfg)
     machine = dataclasses.replace(vm_config.budget_machine(cfg), host=host)
     checked = [sets for sets in experiments if preflight.budget_on_vm(sets, machine, root) is not None]
-    table = budget.HOSTS.get(machine.tpu or "")
+    table = budget.host_of(machine.tpu) if machine.tpu else None
     told = (f" (Google's table: {table.memory_gib * budget.GIB / budget.GB:,.0f} GB, /dev/shm "
             f"{table.shm_gib * budget.GIB / budget.GB:,.0f} GB)") if table else ""
     what = "the machine budget fits them" if checked else ("no machine budget to hold them to (no branch "

@@ -3,7 +3,8 @@ chips in the region of each zone it may be created in.
 
 Compute Engine meters TPU VMs against regional quotas of compute.googleapis.com (not the Cloud TPU
 API's per-zone "TPU v6e cores per project per zone", which TPU nodes made through tpu.googleapis.com
-use). A ct6e (TPU v6e) VM that is not Spot, Flex-start or a reservation's counts its chips against
+use). The generation's quota is its row's ``compute.quota`` in conf/generations.yaml (none known: not
+checked). A ct6e (TPU v6e) VM that is not Spot, Flex-start or a reservation's counts its chips against
 TPUS_PER_TPU_FAMILY, the metric compute.googleapis.com/tpus_per_tpu_family with dimension
 tpu_family=CT6E ("TPUs per TPU family" on the console's quota page), whose default is 0. regions.get
 cannot tell it (compute.v1's Quota.metric enum has no v6e metric), so its limit is read from Service
@@ -19,29 +20,13 @@ VMs consume what the reservation holds, no quota.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from omegaconf import DictConfig
 
 from mtpipe.cloud.providers.gcp.api_errors import quota_page
 from mtpipe.cloud.providers.gcp.google_apis import GoogleApis
 from mtpipe.cloud.providers.interface import GcpError, region
-from mtpipe.cloud.settings import prices
 from mtpipe.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class TpuQuota:
-    """A Compute Engine quota of a TPU machine family."""
-
-    name: str                 # as Compute's QUOTA_EXCEEDED error names it
-    metric: str               # its Service Usage (and Cloud Quotas) metric
-    dimensions: dict[str, str]
-    title: str                # its name on the console's quota page
-
-
-QUOTAS = {"ct6e": TpuQuota("TPUS_PER_TPU_FAMILY", "compute.googleapis.com/tpus_per_tpu_family",
-                           {"tpu_family": "CT6E"}, "TPUs per TPU family")}
+from mtpipe.pipeline import generations
 
 
 def _say(line: str) -> None:
@@ -63,8 +48,8 @@ def usable_zones(cfg: DictConfig, apis: GoogleApis, zones: list[str]) -> list[st
     """``zones`` without those whose region's quota is below the VM's chips (each region left out is
     said); all of them when no quota applies or it cannot be read. None left: a ConfigError naming the
     quota, where to raise it and the other ways out."""
-    family, chips = prices.tpu_chips(cfg.machine_type)
-    quota = QUOTAS.get(family)
+    gen, chips = generations.of_machine_type(cfg.machine_type)
+    quota = gen.compute.quota
     if quota is None or cfg.provisioning == "reservation":
         return zones
     try:

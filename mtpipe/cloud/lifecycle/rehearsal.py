@@ -14,7 +14,6 @@ back; then the VM is deleted (unless --keep) and the spend line says what it cos
 
 from __future__ import annotations
 
-import re
 import shlex
 from collections.abc import Callable
 from pathlib import Path
@@ -24,8 +23,9 @@ from omegaconf import DictConfig
 
 from mtpipe.cloud.checks import tpu
 from mtpipe.cloud.on_vm import dvc_experiments, ssh
-from mtpipe.cloud.settings import prices, vm_config, vm_state
+from mtpipe.cloud.settings import vm_config, vm_state
 from mtpipe.errors import ConfigError
+from mtpipe.pipeline import generations
 
 if TYPE_CHECKING:
     from mtpipe.cloud.lifecycle.run import VmLifecycle
@@ -41,10 +41,10 @@ Check = tuple[str, Callable[[ssh.Remote], str]]   # what is checked, and the che
 
 
 def one_chip(machine_type: str) -> tuple[str, str]:
-    """The machine type of one chip of ``machine_type``'s generation and its hardware preset:
-    ct6e-standard-8t -> (ct6e-standard-1t, v6e-1)."""
-    version, _ = prices.machine_tpu(machine_type)
-    return re.sub(r"-[0-9]+t$", "-1t", machine_type), f"{version}-1"
+    """The machine type of one chip of ``machine_type``'s generation and its hardware preset, named as
+    MaxText names the topology (conf/generations.yaml): ct6e-standard-8t -> (ct6e-standard-1t, v6e-1)."""
+    gen, _ = generations.of_machine_type(machine_type)
+    return gen.machine_type(1), gen.maxtext_topology(1)
 
 
 def check_options(sets: list[str], queue: bool, target: str | None) -> None:
@@ -70,7 +70,7 @@ def load_config(params: dict[str, Any], root: Path) -> DictConfig:
     machine, hardware = one_chip(real.machine_type)
     if not (root / "conf" / "hardware" / f"{hardware}.yaml").is_file():
         raise ConfigError("vm.machine_type", f"{real.machine_type}: the rehearsal needs conf/hardware/{hardware}.yaml "
-                          f"(the one-chip {machine})", "write it as conf/hardware/v6e-1.yaml is written")
+                          f"(the one-chip {machine})", "write it as the other one-chip presets of conf/hardware/ are written")
     limit = int(real.max_run_duration_s)
     return vm_config.load_config({**params, "machine_type": machine, "run.hardware": hardware,
                                   "max_run_duration_s": min(limit, MAX_RUN_DURATION_S) if limit else MAX_RUN_DURATION_S,
@@ -78,7 +78,7 @@ def load_config(params: dict[str, Any], root: Path) -> DictConfig:
 
 
 def tpu_target(cfg: DictConfig, root: Path) -> tpu.Target:
-    """The VM's one chip as run.hardware's preset (conf/hardware/v6e-1.yaml) describes it."""
+    """The VM's one chip as run.hardware's preset (e.g. conf/hardware/v6e-1.yaml) describes it."""
     env = dvc_experiments.hardware_env(root, cfg.run.hardware)
     return tpu.Target(env["TPU_ACCELERATOR_TYPE"], cfg.run.hardware, env, [WHO])
 

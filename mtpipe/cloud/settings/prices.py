@@ -1,6 +1,6 @@
 """conf/prices.yaml: the one table of prices that every cost line reads.
 
-Prices are per chip-hour of a TPU version, one per provisioning mode that has a price (on-demand,
+Prices are per chip-hour of a TPU generation (conf/generations.yaml's names), one per provisioning mode that has a price (on-demand,
 spot, flex-start), each with the date its source gives and the page to check it on. A VM's rate is
 its machine type's chips (``ct6e-standard-8t``: 8) times its mode's price. A reservation's VMs cost
 nothing on top of the reservation: its commitment pays for the reserved capacity, used or not, so
@@ -11,7 +11,6 @@ their rate is the on-demand equivalent and every line that shows it names the re
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -21,12 +20,11 @@ from omegaconf import DictConfig, OmegaConf
 from pydantic import Field
 
 from mtpipe.errors import ConfigError
+from mtpipe.pipeline import generations
 from mtpipe.pipeline.schema import KEEP_INT, Section, validate
 from mtpipe.pipeline.view import load_yaml
 
 PRICES = Path(__file__).resolve().parents[3] / "conf" / "prices.yaml"
-# Compute's TPU machine types: <family>-<kind>-<N>t holds N chips of <family> (ct6e-standard-8t).
-TPU_MACHINE = re.compile(r"(?P<family>[a-z][a-z0-9]*)-[a-z]+-(?P<chips>[0-9]+)t")
 
 
 class ChipPrice(Section):
@@ -44,33 +42,23 @@ class PerChipHour(Section):
 
 
 class Tpu(Section):
-    machine_family: str                      # Compute's machine types <family>-<kind>-<N>t
     per_chip_hour: PerChipHour
 
 
-class Tpus(Section):
-    v6e: Tpu                                 # TPU v6e (Trillium)
-    v5e: Tpu                                 # TPU v5e
-
-
-class Prices(Section):
-    tpu: Tpus
+@dataclass(frozen=True)
+class Prices:
+    tpu: dict[str, Tpu]                      # by generation (conf/generations.yaml)
 
 
 @functools.cache
 def load(path: Path = PRICES) -> Prices:
     """The price table, checked (each error names its key)."""
-    return validate(Prices, OmegaConf.to_container(load_yaml(path)), "prices",
-                    lambda key, requirement: f"set {key.removeprefix('prices.')} {requirement} in {path}")
-
-
-def tpu_chips(machine_type: str) -> tuple[str, int]:
-    """(machine family, chips) of a Compute TPU machine type: ct6e-standard-8t -> ("ct6e", 8)."""
-    found = TPU_MACHINE.fullmatch(machine_type)
-    if not found:
-        raise ConfigError("vm.machine_type", f"{machine_type!r} is not a TPU machine type "
-                          "(<family>-<kind>-<N>t, N chips)", "use ct6e-standard-8t (a v6e-8), as the tutorials do")
-    return found["family"], int(found["chips"])
+    table = OmegaConf.to_container(load_yaml(path))
+    tpus = table.get("tpu") if isinstance(table, dict) else None
+    if not isinstance(tpus, dict):
+        raise ConfigError("prices.tpu", f"is missing in {path}", "give each TPU generation its per_chip_hour prices")
+    fix = lambda key, requirement: f"set {key.removeprefix('prices.')} {requirement} in {path}"  # noqa: E731
+    return Prices({name: validate(Tpu, entry, f"prices.tpu.{name}", fix) for name, entry in tpus.items()})
 
 
 def paid_by(reservation: str, on_demand: str) -> str:
@@ -109,28 +97,18 @@ class Rate:
         return basis
 
 
-def machine_tpu(machine_type: str) -> tuple[str, int]:
-    """(TPU, chips) a Compute TPU machine type holds, by conf/prices.yaml's machine families:
-    ct6e-standard-8t -> ("v6e", 8), ct5lp-hightpu-8t -> ("v5e", 8)."""
-    family, chips = tpu_chips(machine_type)
-    tpus = {name: getattr(load().tpu, name) for name in Tpus.model_fields}
-    tpu = next((name for name, entry in tpus.items() if entry.machine_family == family), None)
-    if tpu is None:
-        raise ConfigError("vm.machine_type", f"conf/prices.yaml prices no TPU of machine family {family!r} "
-                          f"({machine_type})", "use ct6e-standard-8t (TPU v6e), or add the TPU to "
-                          "conf/prices.yaml and mtpipe/cloud/settings/prices.py Tpus")
-    return tpu, chips
-
-
 def vm_rate(cfg: DictConfig) -> Rate:
     """The rate of the VM ``cfg`` describes: its machine type's chips at its provisioning mode's price
     (a reservation: the on-demand price, as the equivalent of what the commitment pays)."""
-    tpu, chips = machine_tpu(cfg.machine_type)
-    tpus = {name: getattr(load().tpu, name) for name in Tpus.model_fields}
+    gen, chips = generations.of_machine_type(cfg.machine_type)
+    tpu = gen.name
+    if tpu not in load().tpu:
+        raise ConfigError(f"prices.tpu.{tpu}", f"is missing: conf/prices.yaml prices no {gen.title} ({cfg.machine_type})",
+                          f"add tpu.{tpu}.per_chip_hour (on-demand, spot, flex-start: usd, as_of, source) to {PRICES}")
     reserved = cfg.provisioning == "reservation"
     reservation = (cfg.reservation or "(RESERVATION not set)") if reserved else None
     mode = "on-demand" if reserved else cfg.provisioning
-    price = getattr(tpus[tpu].per_chip_hour, mode.replace("-", "_"))
+    price = getattr(load().tpu[tpu].per_chip_hour, mode.replace("-", "_"))
     if price is None:
         raise ConfigError(f"prices.tpu.{tpu}.per_chip_hour.{mode}", f"is null: no {mode} price of TPU {tpu} is known",
                           f"set its usd, as_of and source in {PRICES} (the region's price), or use another provisioning")

@@ -17,6 +17,7 @@ from pydantic import model_validator
 from mtpipe.cloud.settings import prices
 from mtpipe.cloud.settings.vm_env import CONFIG_ENV, ENV_KEYS
 from mtpipe.errors import ConfigError
+from mtpipe.pipeline import generations
 from mtpipe.pipeline.schema import KEEP_INT, PositiveInt, Section, validate
 from mtpipe.planning.budget import Machine
 
@@ -28,8 +29,6 @@ ZONE_RE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z0-9]+$")   # us-east5-b, europe-
 RESERVATION_MODELS = ("auto", "bound", "standard")    # how a reservation's VMs are provisioned
 # A reservation named as reservationAffinity.values names a shared one: another project's.
 SHARED_RESERVATION = re.compile(r"projects/(?P<project>[^/]+)/reservations/(?P<name>[^/]+)")
-# TPU machine types whose VMs take Hyperdisk only (cloud.google.com/tpu/docs/storage-options-compute)
-HYPERDISK_ONLY = ("ct6e-",)
 NAME_RE = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")   # Compute's resource names (RFC 1035)
 NAME_MAX = 63
 LABEL_KEY_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
@@ -37,21 +36,11 @@ LABEL_VALUE_RE = re.compile(r"^[a-z0-9_-]{0,63}$")
 # Compute Engine's bounds on params.requestValidForDuration (a Flex-start insert's wait for capacity):
 # it refuses values outside 90-7200 s (the error text a Flex-start report quotes, /work/shared notes)
 FLEX_START_WAIT_S = (90, 7200)
-# The zones that grant Flex-start VMs of a TPU machine family on Compute Engine: SkyPilot's table
-# (sky/clouds/gcp.py, _COMPUTE_TPU_FLEX_START_ZONES); Google's TPU Flex-start page lists the first two.
-FLEX_START_ZONES = {"ct6e": ("asia-northeast1-b", "us-east5-a", "us-south1-ai1b")}
-# TPU machine families Compute Engine lists but refuses to create: for ct5lp (v5e) instances.insert
-# answers 403 "This user agent is not allowed to use the machine type [ct5lp-hightpu-Nt]", also for
-# projects holding v5e quota (public reports); v5e is reached through the Cloud TPU API or GKE.
-COMPUTE_REFUSED = frozenset({"ct5lp"})
 # The two ways to create the VM (conf/vm.yaml `route:`, :func:`route`): Compute Engine's instances.insert,
-# or the Cloud TPU API's queued resources (tpu.googleapis.com/v2). null: by machine type, the families in
-# COMPUTE_REFUSED taking the TPU API, every other Compute Engine (docs/vm-provisioning.md, "Two routes").
+# or the Cloud TPU API's queued resources (tpu.googleapis.com/v2). null: by machine type, a generation
+# Compute Engine refuses (conf/generations.yaml compute.refused) taking the TPU API, every other Compute
+# Engine (docs/vm-provisioning.md, "Two routes").
 ROUTES = ("compute", "tpu_api")
-# The Cloud TPU API's name for a TPU generation's accelerator type (<name>-<chips>) and the TPU VM image
-# (runtimeVersion) its docs create it with (cloud.google.com/tpu/docs/runtimes).
-TPU_API_ACCELERATORS = {"v5e": "v5litepod", "v6e": "v6e"}
-TPU_API_RUNTIMES = {"v5e": "v2-alpha-tpuv5-lite", "v6e": "v2-alpha-tpuv6e"}
 
 
 class VmError(RuntimeError):
@@ -120,7 +109,7 @@ class FlexStart(Section):
 
 
 class TpuApi(Section):
-    runtime_version: Optional[str]         # the node's runtimeVersion; null: TPU_API_RUNTIMES of the generation
+    runtime_version: Optional[str]         # the node's runtimeVersion; null: the generation's (conf/generations.yaml)
     valid_for_s: Seconds                   # queueingPolicy.validUntilDuration: how long the queue may wait
     poll_s: Seconds                        # how often vm_up looks at a waiting queued resource (and says so)
 
@@ -146,7 +135,7 @@ class VmConfig(Section):
     image_project: str
     image_family: str
     boot_disk_gb: PositiveInt
-    boot_disk_type: str                    # a Compute disk type; ct6e (v6e) VMs boot from Hyperdisk only
+    boot_disk_type: str                    # a Compute disk type, one the generation boots from (conf/generations.yaml)
     service_account: str
     scopes: list[str]
     max_run_duration_s: int                # 0 disables it
@@ -218,10 +207,12 @@ class VmConfig(Section):
                               "projects/PROJECT/reservations/NAME",
                               "pass the name of a reservation of this project, or that form for one "
                               "another project shares with it (RESERVATION / --reservation)")
-        if self.machine_type.startswith(HYPERDISK_ONLY) and self.boot_disk_type != "hyperdisk-balanced":
+        gen, _ = generations.of_machine_type(self.machine_type)
+        disks = gen.compute.boot_disks
+        if disks is not None and self.boot_disk_type not in disks:
             raise ConfigError("vm.boot_disk_type", f"{self.boot_disk_type!r} cannot be the boot disk of a "
-                              f"{self.machine_type} VM (TPU v6e takes Hyperdisk Balanced or ML, and Hyperdisk ML "
-                              "is read-only)", "set boot_disk_type: hyperdisk-balanced in conf/vm.yaml")
+                              f"{self.machine_type} VM ({gen.title} boots from {', '.join(disks)} only: "
+                              f"{generations.TABLE_NAME})", f"set boot_disk_type: {disks[0]} in conf/vm.yaml")
         if self.max_run_duration_s < 0:
             raise ConfigError("vm.max_run_duration_s", "is negative", "use seconds, or 0 to disable")
         if self.max_recoveries < 0:
@@ -337,69 +328,75 @@ def check_create(cfg: DictConfig) -> list[str]:
 
 def route(cfg: DictConfig) -> str:
     """How the VM is created, decided here only: conf/vm.yaml's ``route`` when set, else by machine type:
-    a family Compute Engine refuses (COMPUTE_REFUSED: ct5lp, TPU v5e) takes the Cloud TPU API (``tpu_api``),
-    every other Compute Engine (``compute``; v6e may take either)."""
+    a generation Compute Engine refuses (its ``compute.refused`` in conf/generations.yaml) takes the Cloud
+    TPU API (``tpu_api``), every other Compute Engine (``compute``; one the TPU API offers may take either)."""
     if cfg.get("route"):
         return str(cfg.route)
-    return "tpu_api" if cfg.machine_type.split("-", 1)[0] in COMPUTE_REFUSED else "compute"
+    return "tpu_api" if generations.of_machine_type(cfg.machine_type)[0].compute.refused else "compute"
 
 
 def accelerator_type(cfg: DictConfig) -> str:
-    """The Cloud TPU API's acceleratorType of ``machine_type``: ct5lp-hightpu-8t -> v5litepod-8,
-    ct6e-standard-8t -> v6e-8."""
-    tpu, chips = prices.machine_tpu(cfg.machine_type)
-    return f"{TPU_API_ACCELERATORS[tpu]}-{chips}"
+    """The Cloud TPU API's acceleratorType of ``machine_type`` (the generation's accelerator type of
+    its chips, conf/generations.yaml)."""
+    gen, chips = generations.of_machine_type(cfg.machine_type)
+    return gen.accelerator_type(chips)
 
 
 def runtime_version(cfg: DictConfig) -> str:
-    """The TPU VM image of a node: ``tpu_api.runtime_version``, else the generation's (TPU_API_RUNTIMES)."""
-    return cfg.tpu_api.runtime_version or TPU_API_RUNTIMES[prices.machine_tpu(cfg.machine_type)[0]]
+    """The TPU VM image of a node: ``tpu_api.runtime_version``, else the generation's (conf/generations.yaml)."""
+    gen, _ = generations.of_machine_type(cfg.machine_type)
+    return cfg.tpu_api.runtime_version or (gen.tpu_api.runtime_version if gen.tpu_api else "")
 
 
 def check_route(cfg: DictConfig) -> str:
     """The route of the VM (:func:`route`) checked before any request, said in a line: a machine type
-    Compute Engine lists but does not create (COMPUTE_REFUSED: TPU v5e) is refused on the Compute route,
-    naming ``route: tpu_api``; the TPU API route takes TPU generations it has an accelerator type for
-    (TPU_API_ACCELERATORS), not Flex-start (a Compute Engine provisioning model)."""
-    tpu, chips = prices.machine_tpu(cfg.machine_type)
+    Compute Engine lists but does not create (``compute.refused`` in conf/generations.yaml) is refused on
+    the Compute route, naming ``route: tpu_api``; the TPU API route takes the generations it offers
+    (``tpu_api`` there), not Flex-start (a Compute Engine provisioning model)."""
+    gen, chips = generations.of_machine_type(cfg.machine_type)
+    tpu = gen.name
     if route(cfg) == "tpu_api":
-        if tpu not in TPU_API_ACCELERATORS:
-            raise ConfigError("vm.route", f"tpu_api creates TPU {', '.join(TPU_API_ACCELERATORS)} VMs, not "
-                              f"{cfg.machine_type}", "set route: compute (or null) in conf/vm.yaml")
+        if gen.tpu_api is None:
+            offered = ", ".join(g.title for g in generations.load().values() if g.tpu_api)
+            raise ConfigError("vm.route", f"tpu_api creates {offered} VMs, not {cfg.machine_type} ({tpu}: "
+                              f"{generations.TABLE_NAME})", "set route: compute (or null) in conf/vm.yaml")
         if cfg.provisioning == "flex-start":
             raise ConfigError("vm.provisioning", "flex-start is Compute Engine's (Dynamic Workload Scheduler), "
                               "and route tpu_api asks for capacity with a queued resource, which waits by itself",
-                              "use --provisioning=spot, on-demand or reservation (or route: compute with a v6e)")
+                              "use --provisioning=spot, on-demand or reservation (or route: compute, where the "
+                              "generation offers Flex-start)")
         return (f"the Cloud TPU API creates {accelerator_type(cfg)} ({cfg.machine_type}) as a queued resource "
                 f"(route: tpu_api{'' if cfg.get('route') else ', by machine type'}), runtime {runtime_version(cfg)}")
-    family = cfg.machine_type.split("-", 1)[0]
-    if family not in COMPUTE_REFUSED:
+    if not gen.compute.refused:
         return f"Compute Engine creates {cfg.machine_type}"
+    accelerator = gen.accelerator_type(chips)
+    by_hand = (f"; by hand: `gcloud compute tpus tpu-vm create NAME --zone ZONE --accelerator-type={accelerator} "
+               f"--version {gen.tpu_api.runtime_version}`") if gen.tpu_api else ""
+    others = ", ".join(g.machine_type(8 // g.cores_per_chip) for g in generations.load().values()
+                       if not g.compute.refused)
     raise ConfigError(
         "vm.machine_type", f"{cfg.machine_type} ({tpu}) cannot be created on Compute Engine, the route vm_up "
-        f"takes with route: compute: Compute answers instances.insert with 403 \"This user agent is not allowed to "
-        f"use the machine type [{cfg.machine_type}]\", even for a project holding {tpu} quota (docs/vm-provisioning.md, "
-        "\"What Google refuses\"); nothing was requested",
+        f"takes with route: compute: {gen.compute.refused.format(machine_type=cfg.machine_type)}, even for a project holding {tpu} "
+        "quota (docs/vm-provisioning.md, \"What Google refuses\"); nothing was requested",
         f"set route: tpu_api (or null: by machine type) in conf/vm.yaml: vm_up then creates the {tpu} VM through the "
         f"Cloud TPU API as a queued resource (`gcloud compute tpus queued-resources create`, accelerator type "
-        f"v5litepod-{chips}; by hand: `gcloud compute tpus tpu-vm create NAME --zone ZONE "
-        f"--accelerator-type=v5litepod-{chips} --version v2-alpha-tpuv5-lite`); or a ct6e (v6e) machine type, or GKE "
+        f"{accelerator}{by_hand}); or a machine type Compute Engine creates ({others}), or GKE "
         f"through xpk (a branch's hardware preset with backend: xpk); `doit preflight` still forecasts a {tpu} run "
-        f"(conf/hardware/{tpu}-{chips}.yaml)")
+        f"(conf/hardware/{gen.maxtext_topology(chips)}.yaml)")
 
 
 def flex_start_zones(cfg: DictConfig) -> list[str]:
     """Keep, of a Flex-start VM's zones, those known to grant its TPU family Flex-start VMs
-    (FLEX_START_ZONES); refuse the config when none is left. Returns a line for each zone dropped
-    (nothing for other modes and machine types)."""
-    known = FLEX_START_ZONES.get(cfg.machine_type.split("-", 1)[0])
-    if cfg.provisioning != "flex-start" or known is None:
+    (conf/generations.yaml ``compute.flex_start_zones``); refuse the config when none is left. Returns a
+    line for each zone dropped (nothing for other modes, and for a generation with no zones listed)."""
+    known = generations.of_machine_type(cfg.machine_type)[0].compute.flex_start_zones
+    if cfg.provisioning != "flex-start" or not known:
         return []
     zones = candidate_zones(cfg)
     kept = [z for z in zones if z in known]
     if not kept:
         raise ConfigError("vm.zones", f"{', '.join(zones)} grant no Flex-start {cfg.machine_type} VMs: the zones "
-                          f"known to are {', '.join(known)} (SkyPilot's table, Google's TPU Flex-start page)",
+                          f"known to are {', '.join(known)} ({generations.TABLE_NAME})",
                           "list one of those in zones: (or ZONE / --zone), or use --provisioning=spot, on-demand "
                           "or reservation")
     cfg.zone, cfg.zones = kept[0], kept
@@ -410,5 +407,5 @@ def flex_start_zones(cfg: DictConfig) -> list[str]:
 def budget_machine(cfg: DictConfig) -> Machine:
     """What the machine budget (mtpipe.planning.budget) reads of a loaded VM config: the boot disk's size,
     the run's environment and the TPU its machine type holds."""
-    tpu, chips = prices.machine_tpu(cfg.machine_type)
-    return Machine(int(cfg.boot_disk_gb), {str(k): str(v) for k, v in cfg.run.env.items()}, f"{tpu}-{chips}")
+    gen, chips = generations.of_machine_type(cfg.machine_type)
+    return Machine(int(cfg.boot_disk_gb), {str(k): str(v) for k, v in cfg.run.env.items()}, gen.maxtext_topology(chips))

@@ -12,6 +12,7 @@ from mtpipe.cloud.providers.gcp import idle_watch, ssh_route
 from mtpipe.cloud.providers.gcp.api_errors import ENDPOINT_ENV
 from mtpipe.cloud.providers.interface import region
 from mtpipe.cloud.settings.vm_config import SHARED_RESERVATION
+from mtpipe.pipeline import generations
 
 # reservation: decided per reservation (Compute.provisioning_model)
 PROVISIONING_MODELS = {"spot": "SPOT", "on-demand": "STANDARD", "flex-start": "FLEX_START"}
@@ -75,12 +76,6 @@ def ssh_metadata(cfg: Any, ssh_public_key: str) -> list[dict[str, str]]:
     return [{"key": "ssh-keys", "value": f"{cfg.ssh.user}:{ssh_public_key}"}]
 
 
-# Machine types Compute creates only with one thread per physical core (`--threads-per-core=1`,
-# advancedMachineFeatures.threadsPerCore): the 8-chip v6e VM. SkyPilot sends it for this type ("CT6e
-# 8-chip VMs require single-threaded cores", sky/clouds/gcp.py); docs/tpu-vm.md, "Decisions".
-SINGLE_THREADED = frozenset({"ct6e-standard-8t"})
-
-
 def idle_metadata(cfg: Any) -> list[dict[str, str]]:
     """The startup script that deletes the VM once idle (mtpipe.cloud.providers.gcp.idle_watch; none with
     ``idle.delete_after_s: 0``)."""
@@ -119,7 +114,8 @@ def instance_body(cfg: Any, name: str, ssh_public_key: str, labels: dict[str, st
         body["reservation_affinity"] = affinity
     if model == "FLEX_START":   # --request-valid-for-duration: how long the insert may wait for capacity
         body["params"] = {"request_valid_for_duration": {"seconds": int(cfg.flex_start.request_valid_for_s)}}
-    if cfg.machine_type in SINGLE_THREADED:
+    gen, chips = generations.of_machine_type(cfg.machine_type)
+    if chips in gen.compute.single_threaded_chips:   # Compute creates it with one thread per core only
         body["advanced_machine_features"] = {"threads_per_core": 1}
     return body
 
