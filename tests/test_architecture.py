@@ -72,6 +72,68 @@ def test_the_check_sees_an_import_against_the_order(tmp_path: Path):
     assert imports(module) == [(2, "mtpipe.training")]
 
 
+def module_name(path: Path, root: Path) -> str:
+    """`mtpipe/planning/preflight.py` -> `mtpipe.planning.preflight` (``root``: the folder above mtpipe/); a
+    package's `__init__.py` -> the package."""
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_mtpipe_modules(path: Path, known: set[str]) -> set[str]:
+    """The modules of ``known`` a file imports, those inside functions and under TYPE_CHECKING included:
+    `from mtpipe.planning import budget` names `mtpipe.planning.budget`, `from mtpipe.planning.budget
+    import plan` names it too."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in known else node.module
+                      for alias in node.names}
+    return found & known
+
+
+def import_circles(root: Path) -> list[list[str]]:
+    """Each circle of imports among the modules of one package under ``root`` (mtpipe/<package>/...),
+    as the modules around it, the first one repeated at the end."""
+    files = {module_name(path, root.parent): path for path in sorted(root.rglob("*.py"))}
+    graph = {m: sorted(n for n in imported_mtpipe_modules(path, set(files))
+                       if n != m and n.split(".")[:2] == m.split(".")[:2]) for m, path in files.items()}
+    circles: list[list[str]] = []
+    seen: set[frozenset[str]] = set()
+
+    def walk(start: str, here: str, trail: list[str]) -> None:
+        for nxt in graph[here]:
+            if nxt == start and frozenset(trail) not in seen:
+                seen.add(frozenset(trail))
+                circles.append([*trail, start])
+            elif nxt not in trail and nxt > start:   # each circle found once, from its smallest module
+                walk(start, nxt, [*trail, nxt])
+
+    for module in sorted(graph):
+        walk(module, module, [module])
+    return circles
+
+
+def test_no_package_imports_itself_in_a_circle():
+    """Inside a package, imports go one way: a module that imports another is not imported by it,
+    directly or around a circle (an import inside a function counts: it only hides the circle)."""
+    circles = import_circles(ROOT / "mtpipe")
+    assert not circles, "import circles inside a package:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_the_check_sees_an_import_circle(tmp_path: Path):
+    package = tmp_path / "mtpipe" / "planning"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from mtpipe.planning import b\n")
+    (package / "b.py").write_text("def f():\n    from mtpipe.planning.c import g\n")
+    (package / "c.py").write_text("import mtpipe.planning.a\nfrom mtpipe.errors import ConfigError\n")
+    (package / "d.py").write_text("from mtpipe.planning import a, b\n")
+    assert import_circles(tmp_path / "mtpipe") == [["mtpipe.planning.a", "mtpipe.planning.b", "mtpipe.planning.c",
+                                                    "mtpipe.planning.a"]]
+
+
 CLOUD = ROOT / "mtpipe" / "cloud"
 MAX_CLASS_LINES = 300
 

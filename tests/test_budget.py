@@ -19,7 +19,7 @@ from mtpipe.maxtext.run_dir import run_dir
 from mtpipe.pipeline import generations, overrides
 from mtpipe.pipeline.config import ROOT, compose, stage_view
 from mtpipe.pipeline.maxtext_check import compose_checked
-from mtpipe.planning import budget, preflight
+from mtpipe.planning import aot, budget, preflight
 import families
 
 pytestmark = pytest.mark.first_contact
@@ -34,7 +34,7 @@ def budget_of(sets: list[str], machine: budget.Machine, tmp_path: Path) -> dict 
     """preflight's machine budget of params.yaml + ``sets`` (refusing what does not fit)."""
     params = overrides.apply_sets(families.committed_params_text().encode(), sets)
     composed = {b: compose_checked(b, params) for b in ("sft", "rl")}
-    views = {b: stage_view(cfg, preflight.TRAINING_STAGE[b]) for b, cfg in composed.items()}
+    views = {b: stage_view(cfg, aot.trainer_of(b).stage) for b, cfg in composed.items()}
     return preflight.machine_budget(composed, views, machine, ROOT, tmp_path, refuse=True)
 
 
@@ -179,7 +179,7 @@ def options():
     return manager._checkpoint_manager._options
 
 print(options().max_to_keep)
-training.apply(training.TRAIN_SFT, ["steps=100", "max_num_checkpoints_to_keep=2"])
+training.apply(training.SFT.module, ["steps=100", "max_num_checkpoints_to_keep=2"])
 print(options().save_interval_steps, options().max_to_keep)
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
@@ -196,7 +196,7 @@ def test_a_v5e_vm_runs_the_tutorials_on_its_own_tpu(tmp_path: Path) -> None:
     assert preflight.topology(view) == "v5litepod-8" and preflight.maxtext_topology("v5litepod-8") == "v5e-8"
     chip, chips = preflight.chip_of(preflight.topology(view), "sft", "v5e-8")
     assert (chip, chips) == (generations.load()["v5e"].chip, 8) and chip.hbm_gib == 15.75
-    args = preflight.compile_args(preflight.stage_command(view), preflight.maxtext_topology(preflight.topology(view)))
+    args = aot.compile_args(aot.stage_command(view), preflight.maxtext_topology(preflight.topology(view)))
     assert "compile_topology=v5e-8" in args
     from maxtext.utils.accelerator_to_spec_map import get_system_characteristics
     assert get_system_characteristics("v5e-8").chips_per_host_bounds[:2] == (2, 2)  # MaxText's name: no ValueError

@@ -20,8 +20,8 @@ import pytest
 from packaging.utils import canonicalize_name
 
 from mtpipe.maxtext import commands, training_commands
-from mtpipe.planning import preflight, step_model
 from mtpipe.pipeline import generations
+from mtpipe.planning import aot, preflight, step_model
 from mtpipe.pipeline.toolchain import lock_pins
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,8 +55,8 @@ def stage_command(branch: str, stage: str) -> commands.MaxTextCommand:
     """The command training_commands.py builds for ``stage`` of ``branch`` (placeholder paths)."""
     cfg = plan.committed_view(branch, stage)
     if stage == "train_rl":
-        return preflight.stage_command(cfg)
-    p = Path(preflight.PLACEHOLDER)
+        return aot.stage_command(cfg)
+    p = Path(training_commands.PLACEHOLDER)
     return training_commands.train_sft(cfg, ckpt=p, train_files=str(p), eval_files=str(p), columns=["messages"],
                                        tokenizer_dir=p, base_output=p, run_name="run", metrics_file=p, jax_cache_dir=p)
 

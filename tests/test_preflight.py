@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from mtpipe.cloud.settings import vm_config
-from mtpipe.maxtext import commands
-from mtpipe.planning import preflight, step_model
+from mtpipe.maxtext import commands, training_commands
+from mtpipe.planning import aot, preflight, step_model
 
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline import overrides
@@ -57,7 +57,7 @@ def test_an_xpk_preset_is_compiled_for_its_slice_and_priced_per_chip() -> None:
     """GKE presets name their TPU in hardware.xpk.tpu_type (no TPU_ACCELERATOR_TYPE: GKE sets it)."""
     cfg = sft_view(overrides.apply_sets(PARAMS, ["sft.preset=gemma3-4b-ultrachat-v6e32"]))
     assert preflight.topology(cfg) == "v6e-32"
-    assert "compile_topology=v6e-32" in preflight.compile_args(preflight.stage_command(cfg), preflight.topology(cfg))
+    assert "compile_topology=v6e-32" in aot.compile_args(aot.stage_command(cfg), preflight.topology(cfg))
     assert preflight.chip_of("v6e-32", "sft", "v6e-32")[1] == 32
     chip_price = 2.70  # conf/prices.yaml: v6e on demand, per chip-hour
     assert preflight.usd_per_hour(8, chip_price) == pytest.approx(21.60)   # a v6e-8 VM
@@ -67,24 +67,24 @@ def test_an_xpk_preset_is_compiled_for_its_slice_and_priced_per_chip() -> None:
 
 def test_compile_args_are_the_stage_args_without_paths() -> None:
     cfg = sft_view(overrides.apply_sets(PARAMS, ["sft.preset=gemma3-4b-ultrachat-v6e8"]))
-    cmd = preflight.stage_command(cfg)
-    args = preflight.compile_args(cmd, preflight.topology(cfg))
+    cmd = aot.stage_command(cfg)
+    args = aot.compile_args(cmd, preflight.topology(cfg))
     assert cmd.module == commands.TRAIN_SFT
     assert "per_device_batch_size=1" in args and "steps=1000" in args and "model_name=gemma3-4b" in args
     assert "compile_topology=v6e-8" in args and "compile_topology_num_slices=1" in args
-    assert not any(preflight.PLACEHOLDER in a or a.startswith(("load_parameters_path=", "tokenizer_path="))
+    assert not any(training_commands.PLACEHOLDER in a or a.startswith(("load_parameters_path=", "tokenizer_path="))
                    for a in args)
     # a --set the stage would see changes the compile, so the cache digest changes too
     bigger = sft_view(overrides.apply_sets(PARAMS, ["sft.preset=gemma3-4b-ultrachat-v6e8",
                                                                   "sft.train_sft.per_device_batch_size=2"]))
-    bigger_args = preflight.compile_args(preflight.stage_command(bigger), "v6e-8")
+    bigger_args = aot.compile_args(aot.stage_command(bigger), "v6e-8")
     assert "per_device_batch_size=2" in bigger_args
-    assert preflight.compile_digest(cmd.module, args) != preflight.compile_digest(cmd.module, bigger_args)
+    assert aot.compile_digest(cmd.module, args) != aot.compile_digest(cmd.module, bigger_args)
     # a learning rate or step count shapes nothing: the same digest (tests below: no second compile)
     for sets in (["sft.train_sft.learning_rate=1e-5"], ["steps=300"]):
         swept = sft_view(overrides.apply_sets(PARAMS, ["sft.preset=gemma3-4b-ultrachat-v6e8", *sets]))
-        swept_args = preflight.compile_args(preflight.stage_command(swept), "v6e-8")
-        assert swept_args != args and preflight.compile_digest(cmd.module, swept_args) == preflight.compile_digest(
+        swept_args = aot.compile_args(aot.stage_command(swept), "v6e-8")
+        assert swept_args != args and aot.compile_digest(cmd.module, swept_args) == aot.compile_digest(
             cmd.module, args)
 
 
@@ -158,7 +158,7 @@ def test_tiny_presets_compile_for_v6e8_and_the_second_run_is_cached(root: Path, 
     assert [r["hbm_gib_per_chip"] for r in again] == [r["hbm_gib_per_chip"] for r in rows]
 
     # A sweep of three learning rates and two lengths of training compiles nothing more: the cache is
-    # keyed by what shapes the compiled step (preflight.SHAPE_FREE_ARGS are left out); each row's
+    # keyed by what shapes the compiled step (aot.SHAPE_FREE_ARGS are left out); each row's
     # steps, time and cost are the run's own.
     sweep = [[f"sft.train_sft.learning_rate={lr}", f"rl.train_rl.learning_rate={lr}"] for lr in (1e-5, 3e-5, 1e-4)]
     sweep += [["steps=300", "rl.train_rl.num_batches=50"]]

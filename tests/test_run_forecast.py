@@ -16,7 +16,7 @@ from mtpipe.cloud.lifecycle.lines import forecast_line
 from mtpipe.cloud.settings import prices, vm_config
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline import generations
-from mtpipe.planning import preflight, run_forecast
+from mtpipe.planning import aot, preflight, run_forecast
 
 pytestmark = pytest.mark.forecast
 
@@ -45,7 +45,7 @@ def tutorial_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[l
         root = tmp_path_factory.mktemp(branch)
         (root / "params.yaml").write_text(families.committed_params_text())
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(preflight, "child_env", lambda *a: pytest.fail("preflight started a compile"))
+            m.setattr(aot, "child_env", lambda *a: pytest.fail("preflight started a compile"))
             printed: list[str] = []
             m.setattr("builtins.print", lambda *a, **k: printed.append(" ".join(map(str, a))))
             rows = preflight.check([f"{branch}.preset={preset}"], rate.price.usd, vm_config.budget_machine(cfg),
@@ -117,7 +117,7 @@ def test_a_target_before_the_evaluation_leaves_its_lines_out(
     monkeypatch.chdir(tmp_path)   # doit -d: the working directory need not be the checkout
     rows, _ = tutorial_runs["sft"]
     [row] = rows
-    cfg = preflight.composed_views(["sft.preset=gemma3-4b-ultrachat-v6e8"], preflight.ROOT, ("sft",), True)[1]["sft"]
+    cfg = aot.composed_views(["sft.preset=gemma3-4b-ultrachat-v6e8"], preflight.ROOT, ("sft",), True)[1]["sft"]
     chip = generations.load()["v6e"].chip
     exported = run_forecast.branch_phases(cfg, row, chip, run_forecast.stages_of("to_huggingface@sft"))
     assert [p.name for p in exported] == ["hf_download@sft", "to_maxtext@sft", "train_sft@sft", "to_huggingface@sft"]
@@ -130,7 +130,7 @@ def test_a_target_before_the_evaluation_leaves_its_lines_out(
 
 
 def test_an_unknown_test_split_without_num_problems_is_refused_naming_the_key() -> None:
-    cfg = preflight.composed_views(["rl.preset=llama3.1-8b-gsm8k-v6e8"], preflight.ROOT, ("rl",), True)[1]["rl"]
+    cfg = aot.composed_views(["rl.preset=llama3.1-8b-gsm8k-v6e8"], preflight.ROOT, ("rl",), True)[1]["rl"]
     local = cfg.model_copy(update={"dataset": cfg.dataset.model_copy(
         update={"source": cfg.dataset.source.model_copy(update={"repo_id": "someone/else"})})})
     with pytest.raises(ConfigError, match=r"rl\.evaluate\.num_problems"):

@@ -151,7 +151,7 @@ def test_maxtext_processes_load_vertex_ai_only_when_they_use_it() -> None:
     code = """
 import sys
 from mtpipe.maxtext.adapter import training
-training.apply(training.TRAIN_SFT, [])
+training.apply(training.SFT.module, [])
 import maxtext.common.vertex_tensorboard
 print("google.cloud.aiplatform.initializer" in sys.modules)
 from google.cloud import aiplatform
@@ -205,7 +205,7 @@ def test_a_finished_trainer_closes_its_parquet_stream_before_exit(tmp_path: Path
 import gc, time, weakref
 import datasets, pyarrow as pa, pyarrow.parquet as pq
 from mtpipe.maxtext.adapter import training
-finish = training.apply(training.TRAIN_SFT, [])
+finish = training.apply(training.SFT.module, [])
 for shard in range(2):
     pq.write_table(pa.table({{"text": [f"row {{i}}" for i in range(64)]}}), {str(tmp_path)!r} + f"/train-{{shard}}.parquet")
 stream = datasets.load_dataset("parquet", data_files={str(tmp_path / "train-*.parquet")!r}, split="train",

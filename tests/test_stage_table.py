@@ -141,3 +141,18 @@ def test_the_path_check_sees_a_built_path(tmp_path: Path):
     script.write_text('"""Writes metrics/x.json."""\nout = ROOT / "metrics" / b\nm = artifact(b, "hf")\n'
                       'p = f(stage.outs["scores"], "plots/x.csv")\n')
     assert built_paths(script) == ["s.py:2 'metrics'", "s.py:3 artifact(...)", "s.py:4 'plots/x.csv'"]
+
+
+def test_every_training_stage_has_one_trainer_record_whose_keys_its_section_has():
+    """A stage that trains is run, budgeted, forecast and reported through its record
+    (mtpipe/maxtext/trainers.py); a key the record names that its section lacks would fail preflight's
+    or the budget's message, so each is checked here."""
+    from mtpipe.maxtext import trainers
+    from mtpipe.pipeline import schema
+
+    assert [t.stage for t in trainers.TRAINERS] == list(stage_table.TRAINING)
+    assert [trainers.of_branch(stages).stage for stages in stage_table.BRANCH_STAGES.values()] == ["train_sft", "train_rl"]
+    for t in trainers.TRAINERS:
+        section = schema.RlStages.model_fields[t.stage].annotation
+        for key in (t.steps_key, *t.memory_keys, *t.checkpoint_keys):
+            assert key.split(".")[0] in section.model_fields, f"{t.stage}: {key}"

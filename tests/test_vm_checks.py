@@ -29,7 +29,7 @@ from mtpipe.cloud.providers.gcp.api_errors import ENDPOINT_ENV
 from mtpipe.cloud.settings import vm_config, vm_state
 
 from mtpipe.errors import ConfigError
-from mtpipe.planning import preflight, step_model
+from mtpipe.planning import aot, preflight, step_model
 import families
 from vm_world import as_script, hub_with_tutorial_repos
 
@@ -254,9 +254,9 @@ def test_preset_that_does_not_fit_creates_nothing(world: World, tmp_path: Path,
 def plant_compile(world: World, sets: list[str], temp_gib: float, tflops_per_device: float) -> None:
     """A compile result of the sft branch in preflight's own cache, under the digest of the exact
     arguments (a real full-size compile takes 10+ minutes: benchmarks/preflight_full.py)."""
-    cmd = preflight.stage_command(composed_branches(world.repo, sets)["sft"])
-    args = preflight.compile_args(cmd, "v6e-8")
-    cache = world.repo / "work" / "preflight" / f"{preflight.compile_digest(cmd.module, args)}.json"
+    cmd = aot.stage_command(composed_branches(world.repo, sets)["sft"])
+    args = aot.compile_args(cmd, "v6e-8")
+    cache = world.repo / "work" / "preflight" / f"{aot.compile_digest(cmd.module, args)}.json"
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps({
         "param_count": 4_300_000_000, "param_bytes": 8_600_000_000, "tflops_per_device": tflops_per_device,

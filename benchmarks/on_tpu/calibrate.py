@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from mtpipe.maxtext import commands  # noqa: E402
 from mtpipe.pipeline import generations  # noqa: E402
-from mtpipe.planning import preflight, step_model  # noqa: E402
+from mtpipe.planning import aot, preflight, step_model  # noqa: E402
 
 RECORDS = Path(__file__).resolve().parent / "records"
 COMPILED = RECORDS / "compiled.json"
@@ -82,7 +82,7 @@ def measured_step_s(run: dict[str, Any]) -> float:
 
 def compiled_for(run: dict[str, Any], compile_now: bool = False) -> dict[str, Any]:
     """preflight's compile result for the run's arguments on v5e-1: stored, or compiled (and stored)."""
-    digest = preflight.compile_digest(run["module"], run["compile_args"])
+    digest = aot.compile_digest(run["module"], run["compile_args"])
     stored = json.loads(COMPILED.read_text()) if COMPILED.is_file() else {}
     if not compile_now:
         if digest not in stored:
@@ -91,7 +91,7 @@ def compiled_for(run: dict[str, Any], compile_now: bool = False) -> dict[str, An
         return stored[digest]
     work = preflight.ROOT / "work" / "preflight"
     work.mkdir(parents=True, exist_ok=True)
-    result = preflight.compile_step(run["module"], run["compile_args"], work, work / f"calibrate-{run['name']}.log")
+    result = aot.compile_step(run["module"], run["compile_args"], work, work / f"calibrate-{run['name']}.log")
     stored[digest] = {k: v for k, v in result.items() if k != "cached"} | {"slice": run["name"]}
     COMPILED.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")
     return stored[digest]

@@ -37,7 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from mtpipe.maxtext import commands, training_commands  # noqa: E402
-from mtpipe.planning import preflight  # noqa: E402
+from mtpipe.planning import aot, preflight  # noqa: E402
 from mtpipe.pipeline import overrides  # noqa: E402
 from mtpipe.pipeline.config import stage_view  # noqa: E402
 from mtpipe.pipeline.view import View  # noqa: E402
@@ -191,7 +191,7 @@ def smoke_run(run: dict[str, Any]) -> dict[str, Any]:
 def slice_command(cut: Slice, smoke: bool) -> commands.MaxTextCommand:
     """The SFT tutorial's training command (preflight's, placeholder paths) for ``cut``: its family's
     model at real width, cut to its layers and vocabulary, at its batch."""
-    cmd = preflight.stage_command(committed_view("sft", "train_sft", (f"sft.preset={SFT_TUTORIAL}",)))
+    cmd = aot.stage_command(committed_view("sft", "train_sft", (f"sft.preset={SFT_TUTORIAL}",)))
     args = [a for a in cmd.args if not a.startswith(("load_parameters_path=", "profiler=", "checkpoint_period=",
                                                       "max_num_checkpoints_to_keep="))]
     args = set_arg(set_arg(args, "model_name", FAMILIES[cut.family]), "per_device_batch_size", cut.batch)
@@ -213,7 +213,7 @@ def chip_args(cmd: commands.MaxTextCommand, paths: dict[str, str]) -> list[str]:
     args = []
     for arg in cmd.args:
         key, _, value = arg.partition("=")
-        args.append(f"{key}={paths[key] if value.startswith(preflight.PLACEHOLDER) else value}")
+        args.append(f"{key}={paths[key] if value.startswith(training_commands.PLACEHOLDER) else value}")
     return args
 
 
@@ -265,7 +265,7 @@ def grpo_command(cut: GrpoCut, smoke: bool) -> commands.MaxTextCommand:
     from randomly initialised weights (no checkpoint: a step's cost does not depend on the values),
     without evals (num_test_batches 0)."""
     sets = (f"rl.preset={GRPO_TUTORIAL}", "rl.train_rl.rollout_backend=cpu_jax")
-    cmd = preflight.stage_command(committed_view("rl", "train_rl", sets))
+    cmd = aot.stage_command(committed_view("rl", "train_rl", sets))
     args = [a for a in cmd.args if not a.startswith(("load_parameters_path=", "checkpoint_period=",
                                                       "max_num_checkpoints_to_keep="))]
     changes = {"chips_per_vm": 1, "rollout_tensor_parallelism": 1, "num_batches": 2 if smoke else GRPO_STEPS,
@@ -300,7 +300,7 @@ def slice_forecast(run: dict[str, Any]) -> list[str]:
     """The arguments preflight compiles for a slice on topology v5e-1 (paths left out, as preflight does)."""
     cmd = commands.MaxTextCommand(run["module"], [a for a in run["args"] if "@CHIP@" not in a and "@RUNS@" not in a],
                                   launcher=run["launcher"])
-    return preflight.compile_args(cmd, "v5e-1")
+    return aot.compile_args(cmd, "v5e-1")
 
 
 def main() -> None:

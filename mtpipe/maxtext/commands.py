@@ -19,10 +19,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from mtpipe.maxtext.trainers import GRPO, SFT
+
 TO_MAXTEXT = "maxtext.checkpoint_conversion.to_maxtext"
 TO_HUGGINGFACE = "maxtext.checkpoint_conversion.to_huggingface"
-TRAIN_SFT = "maxtext.trainers.post_train.sft.train_sft"
-TRAIN_RL = "maxtext.trainers.post_train.rl.train_rl"
+TRAIN_SFT = SFT.module   # the trainers' modules are named in their records (mtpipe.maxtext.trainers)
+TRAIN_RL = GRPO.module
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,21 @@
 """The trainers' MaxText command lines (SFT, GRPO), built from a stage's resolved config and launched
 through :mod:`mtpipe.maxtext.adapter.training` (the training patches); GRPO with the cpu_jax rollout
-through :mod:`mtpipe.maxtext.launch_rl_cpu`, which applies the same patches."""
+through :mod:`mtpipe.maxtext.launch_rl_cpu`, which applies the same patches. :func:`placeholder_command`
+is a trainer's command with placeholder paths: what preflight compiles and the machine budget reads."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from mtpipe.maxtext.commands import TRAIN_RL, TRAIN_SFT, MaxTextCommand, fmt, kv, storage_flags, take
+from mtpipe.maxtext.commands import MaxTextCommand, fmt, kv, storage_flags, take
+from mtpipe.maxtext.trainers import GRPO, SFT, Trainer
 from mtpipe.pipeline.view import View
 from mtpipe.pipeline.schema import maxtext_args
 
 LAUNCHER = "mtpipe.maxtext.adapter.training"
 # Trained params are stage outputs too: written plain, an identical training gives identical bytes.
 TRAINED_STORAGE = storage_flags("plain")
+PLACEHOLDER = "/mtpipe-preflight-path"  # the start of every path of a placeholder command: opened by no one
 
 
 def train_sft(
@@ -42,7 +45,7 @@ def train_sft(
         *kv(cfg.model.maxtext_overrides),
         *kv(t.extra_args),
     ]
-    return MaxTextCommand(TRAIN_SFT, args, env=dict(cfg.hardware.env), launcher=LAUNCHER)
+    return MaxTextCommand(SFT.module, args, env=dict(cfg.hardware.env), launcher=LAUNCHER)
 
 
 def _eval_files(eval_files: str, columns: list[str]) -> list[str]:
@@ -72,4 +75,16 @@ def train_rl(
         *kv(t.extra_args),
     ]
     launcher = {"cpu_jax": "mtpipe.maxtext.launch_rl_cpu", "vllm": LAUNCHER}[t.rollout_backend]
-    return MaxTextCommand(TRAIN_RL, args, env=dict(cfg.hardware.env), launcher=launcher)
+    return MaxTextCommand(GRPO.module, args, env=dict(cfg.hardware.env), launcher=launcher)
+
+
+def placeholder_command(cfg: View, trainer: Trainer) -> MaxTextCommand:
+    """The command ``trainer``'s stage runs for ``cfg``, every path a placeholder under :data:`PLACEHOLDER`:
+    its shapes, dtypes and checkpoint keys are the stage's own (what preflight compiles, what the machine
+    budget reads), its files none."""
+    p = Path(PLACEHOLDER)
+    paths = {"ckpt": p / "ckpt", "train_files": f"{p}/train", "eval_files": f"{p}/eval", "tokenizer_dir": p / "tokenizer",
+             "base_output": p / "out", "run_name": f"{PLACEHOLDER}-run", "jax_cache_dir": p / "jax_cache"}
+    if trainer == SFT:
+        return train_sft(cfg, columns=list(cfg.dataset.columns), metrics_file=p / "metrics", **paths)
+    return train_rl(cfg, **paths)

@@ -6,10 +6,12 @@ Answered before any VM exists, from numbers that need no accelerator and no netw
   :data:`HUB_MODELS` (the Hub index's ``total_size`` and the language model's parameter count of
   each tutorial model, pinned by tests/test_budget.py against tests/fixtures/). With a cached
   preflight compile, its train state's parameter count and weight dtype are used instead.
-* **Dtypes**: the stage's own MaxText command line (:mod:`mtpipe.maxtext.training_commands`) over MaxText's
-  config files (``post_train/sft.yml``, ``rl.yml``, ``base.yml``): ``weight_dtype`` for params,
-  ``mu_dtype`` (empty: the weights') for Adam's first moment, the weights' dtype for the second.
-* **Checkpoints**: one every ``checkpoint_period`` steps plus the last; Orbax keeps
+* **Dtypes**: the stage's own MaxText command line (:func:`mtpipe.maxtext.training_commands.placeholder_command`)
+  over MaxText's config files (the trainer's, :attr:`mtpipe.maxtext.trainers.Trainer.config_file`, and
+  ``base.yml``): ``weight_dtype`` for params, ``mu_dtype`` (empty: the weights') for Adam's first
+  moment, the weights' dtype for the second.
+* **Checkpoints**: one every ``checkpoint_period`` steps plus the last (the command line's, else the
+  config files'); Orbax keeps
   ``max_num_checkpoints_to_keep`` and deletes an older one only after the newer is committed, so a
   run directory peaks at ``min(saves, kept + 1)`` checkpoints.
 * **Where**: run directories on the boot disk (the checkout's ``work/``), in ``MTPIPE_WORK_DIR``
@@ -39,8 +41,11 @@ import yaml
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import commands, training_commands
 from mtpipe.maxtext.run_dir import WORK_BUCKET_ENV, WORK_DIR_ENV
+from mtpipe.maxtext.trainers import BY_MODULE, in_branch
 from mtpipe.pipeline import generations
+from mtpipe.pipeline.stage_table import BRANCH_STAGES, address
 from mtpipe.pipeline.view import ROOT, View
+from mtpipe.planning.aot import run_steps, trainer_of
 
 GIB = 2**30
 GB = 10**9
@@ -98,8 +103,6 @@ PROCESS_BASE_GB = 4.0            # a MaxText/vLLM process before it holds a mode
 LAYER = re.compile(r"layers\.(\d+)\.")
 SCAN_BLOCK = {"gemma3": 6}      # MaxText's gemma3 decoder scans blocks of 6 layers (5 local + 1 global)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "F32": 4, "BF16": 2, "F16": 2}
-# MaxText's config file per trainer (pyconfig's mapping), relative to maxtext/configs/
-TRAINER_CONFIG = {commands.TRAIN_SFT: "post_train/sft.yml", commands.TRAIN_RL: "post_train/rl.yml"}
 BOOT, SHM, BUCKET = "boot disk", "/dev/shm", "work bucket"
 LEFT_BEHIND = "left behind"  # the plan's first "stage": what earlier runs left on the VM
 
@@ -239,20 +242,26 @@ def dataset_bytes(cfg: View, root: Path = ROOT) -> int:
 
 def maxtext_value(cmd: commands.MaxTextCommand, key: str) -> Any:
     """``key`` as the trainer sees it: the command line, else its config file, else the file that one
-    is based on (sft.yml: base.yml; rl.yml stands alone); None when none sets it."""
+    is based on (sft.yml: base.yml; rl.yml stands alone); None when none sets it (or sets MaxText's
+    ``None``)."""
     for arg in reversed(cmd.args):
         name, _, value = arg.partition("=")
         if name == key:
-            return yaml.safe_load(value)
+            return _null(yaml.safe_load(value))
     configs = Path(util.find_spec("maxtext").submodule_search_locations[0]) / "configs"
-    path = configs / TRAINER_CONFIG[cmd.module]
+    path = configs / BY_MODULE[cmd.module].config_file
     while True:
         values = yaml.safe_load(path.read_text())
         if key in values:
-            return values[key]
+            return _null(values[key])
         if "base_config" not in values:
             return None
         path = configs / values["base_config"]
+
+
+def _null(value: Any) -> Any:
+    """MaxText's YAML spells null ``None`` (base.yml: ``max_num_checkpoints_to_keep: None``)."""
+    return None if value == "None" else value
 
 
 def saves(steps: int, period: int) -> int:
@@ -297,11 +306,12 @@ def dvc_cache_links(root: Path = ROOT) -> bool:
 
 
 def training(name: str, cmd: commands.MaxTextCommand, model: Model, compiled: dict | None, steps: int,
-             period: int, kept: int | None, place: Placement) -> tuple[Item, int, int]:
+             place: Placement) -> tuple[Item, int, int]:
     """A training stage's run directory at its peak: (item, parameters, bytes per parameter of the
     trained weights). The final params leave it for the boot disk (a rename there, else a copy).
     Parameters and weight dtype: the compiled train state's when ``compiled``, else the model's and
-    the command's ``weight_dtype``."""
+    the command's ``weight_dtype``; checkpoints: the command's ``checkpoint_period`` and
+    ``max_num_checkpoints_to_keep``."""
     if compiled:
         params, weight = compiled["param_count"], compiled["param_bytes"] // compiled["param_count"]
     else:
@@ -309,8 +319,9 @@ def training(name: str, cmd: commands.MaxTextCommand, model: Model, compiled: di
     mu = DTYPE_BYTES.get(str(maxtext_value(cmd, "mu_dtype") or ""), weight)
     arrays = model.lm_arrays * ARRAY_OVERHEAD_BYTES
     checkpoint = params * (weight + mu + weight) + 3 * arrays  # model_params + Adam's mu and nu
-    written = saves(steps, period)
-    held = written if kept is None else min(written, kept + 1)
+    written = saves(steps, int(maxtext_value(cmd, "checkpoint_period")))
+    kept = maxtext_value(cmd, "max_num_checkpoints_to_keep")
+    held = written if kept is None else min(written, int(kept) + 1)
     item = Item(name, f"run directory: {held} of {written} checkpoints x {checkpoint / GB:.2f} GB",
                 place.run_dirs, held * checkpoint, transient=True)
     return item, params, weight
@@ -338,49 +349,31 @@ def plan(views: dict[str, dict[str, View]], place: Placement, compiled: dict[str
         p.items.append(Item(f"to_maxtext@{branch}", "converted checkpoint", BOOT, dvc * converted))
         p.memory[f"to_maxtext@{branch}"] = int(PROCESS_BASE_GB * GB + 2 * converted)
         params, weight = model.lm_params, model.lm_dtype_bytes
-        sft = stages["train_sft"].train_sft
-        if sft.steps:
-            cmd = _command(stages["train_sft"], "train_sft")
-            run, params, weight = training(f"train_sft@{branch}", cmd, model,
-                                           (compiled or {}).get(branch) if branch == "sft" else None,
-                                           sft.steps, sft.checkpoint_period, sft.max_num_checkpoints_to_keep, place)
+        for trainer in in_branch(tuple(stages)):
+            view = stages[trainer.stage]
+            steps = getattr(getattr(view, trainer.stage), trainer.steps_key)
+            if not steps:   # an RL warm-up of 0 steps: skipped
+                continue
+            cmd = training_commands.placeholder_command(view, trainer)
+            # the compile is of the branch's last training stage (the SFT warm-up of rl has none)
+            mine = (compiled or {}).get(branch) if trainer == trainer_of(branch) else None
+            name = address(trainer.stage, branch)
+            run, params, weight = training(name, cmd, model, mine, run_steps(mine, cmd.args) if mine else steps, place)
             p.items.append(run)
-            p.items.append(Item(f"train_sft@{branch}", "final params", BOOT, dvc * (params * weight + arrays)))
-            p.memory[f"train_sft@{branch}"] = int(PROCESS_BASE_GB * GB + converted)
-        if "train_rl" in stages:
-            rl_cfg = stages["train_rl"]
-            cmd = _command(rl_cfg, "train_rl")
-            rl_compiled = (compiled or {}).get(branch)
-            steps = int(rl_compiled["config"]["steps"]) if rl_compiled else rl_cfg.train_rl.num_batches
-            kept = rl_cfg.train_rl.max_num_checkpoints_to_keep
-            if kept is None:
-                kept = maxtext_value(cmd, "max_num_checkpoints_to_keep")
-            run, params, weight = training("train_rl", cmd, model, rl_compiled, steps,
-                                           int(maxtext_value(cmd, "checkpoint_period")), kept, place)
-            p.items.append(run)
-            p.items.append(Item("train_rl", "final params", BOOT, dvc * (params * weight + arrays)))
-            p.memory["train_rl"] = int(PROCESS_BASE_GB * GB + converted)
+            p.items.append(Item(name, "final params", BOOT, dvc * (params * weight + arrays)))
+            p.memory[name] = int(PROCESS_BASE_GB * GB + converted)
         export_dtype = DTYPE_BYTES[stages["to_huggingface"].to_huggingface.weight_dtype]
         export = params * export_dtype + model.other_tensor_bytes + _other_files(cfg, root)
         p.items.append(Item(f"to_huggingface@{branch}", "export (safetensors + tokenizer)", BOOT, dvc * export))
         p.memory[f"to_huggingface@{branch}"] = int(PROCESS_BASE_GB * GB + params * (weight + export_dtype))
         p.memory[f"evaluate@{branch}"] = int(PROCESS_BASE_GB * GB + export)  # the model server loads the export
-        if "train_rl" in stages and sft.steps:  # evaluate_warmup exports the warm-up, scores it, deletes it
+        # evaluate_warmup exports the warm-up, scores it, deletes it
+        if "evaluate_warmup" in BRANCH_STAGES[branch] and stages["train_sft"].train_sft.steps:
             p.items.append(Item("evaluate_warmup", "the warm-up's export, while it is scored", BOOT, export,
                                 transient=True))
             p.memory["evaluate_warmup"] = p.memory[f"to_huggingface@{branch}"]
         p.state_keys += _state_keys(branch, stages)
     return p
-
-
-def _command(cfg: View, stage: str) -> commands.MaxTextCommand:
-    """The stage's MaxText command with placeholder paths (dtypes and checkpoint keys are what it reads)."""
-    p = Path("/budget")
-    if stage == "train_sft":
-        return training_commands.train_sft(cfg, ckpt=p, train_files="", eval_files=None, columns=[], tokenizer_dir=p,
-                                           base_output=p, run_name="budget", metrics_file=p, jax_cache_dir=p)
-    return training_commands.train_rl(cfg, ckpt=p, train_files="", eval_files="", tokenizer_dir=p, base_output=p,
-                                      run_name="budget", jax_cache_dir=p)
 
 
 def _other_files(cfg: View, root: Path) -> int:
@@ -392,13 +385,9 @@ def _other_files(cfg: View, root: Path) -> int:
 
 
 def _state_keys(branch: str, stages: dict[str, View]) -> list[str]:
-    """The keys that size a branch's run directories."""
-    keys = []
-    if stages["train_sft"].train_sft.steps:
-        keys += [f"{branch}.train_sft.max_num_checkpoints_to_keep", f"{branch}.train_sft.checkpoint_period"]
-    if "train_rl" in stages:
-        keys += [f"{branch}.train_rl.max_num_checkpoints_to_keep", f"{branch}.train_rl.extra_args.checkpoint_period"]
-    return keys
+    """The keys that size a branch's run directories: those of each training stage that runs."""
+    return [f"{branch}.{t.stage}.{key}" for t in in_branch(tuple(stages))
+            if getattr(getattr(stages[t.stage], t.stage), t.steps_key) for key in t.checkpoint_keys]
 
 
 # ---------------------------------------------------------------- capacity

@@ -2,11 +2,11 @@
 where MaxText cannot compile (the control environment of `make control`: no JAX, no MaxText's stack).
 
 One file per preset, ``mtpipe/planning/compiled/<branch>-<preset>.json``: the result preflight's compile
-child wrote (:func:`mtpipe.planning.preflight.compile_step`) and the key it holds for, the digest of
+child wrote (:func:`mtpipe.planning.aot.compile_step`) and the key it holds for, the digest of
 the work/preflight/ cache and what that digest hashes (trainer module, the compile arguments that shape
 the step, the MaxText/JAX/libtpu versions, the cache format). preflight reads one when its own cache
-misses and the digest is the one it computes now (:func:`find`); otherwise it says what moved
-(:func:`mismatch`). To record them again, in the full environment (`make`):
+misses and the digest is the one it computes now (:func:`mtpipe.planning.aot.committed`); otherwise
+it says what moved (:func:`mismatch`). To record them again, in the full environment (`make`):
 
     python -m mtpipe.planning.compiled_presets [--preset NAME ...]
 
@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from mtpipe.pipeline.config import ROOT
+from mtpipe.planning import aot
 
-FOLDER = Path(__file__).resolve().parent / "compiled"
+FOLDER = aot.COMMITTED
 RECORD_COMMAND = "python -m mtpipe.planning.compiled_presets"
 # The presets the project ships results for, each with its branch.
 SHIPPED = {"gemma3-4b-ultrachat-v6e8": "sft", "llama3.1-8b-gsm8k-v6e8": "rl",
@@ -36,15 +37,6 @@ SHIPPED = {"gemma3-4b-ultrachat-v6e8": "sft", "llama3.1-8b-gsm8k-v6e8": "rl",
 def path(branch: str, preset: str) -> Path:
     """The committed result file of a branch's preset."""
     return FOLDER / f"{branch}-{preset}.json"
-
-
-def find(digest: str) -> dict[str, Any] | None:
-    """The committed compile result recorded under ``digest`` (``committed``: its file), or None."""
-    for file in sorted(FOLDER.glob("*.json")):
-        record = json.loads(file.read_text())
-        if record["digest"] == digest:
-            return record["result"] | {"committed": str(file.relative_to(ROOT))}
-    return None
 
 
 def _args(key: dict[str, Any]) -> dict[str, str]:
@@ -75,19 +67,16 @@ def mismatch(branch: str, preset: str, key: dict[str, Any]) -> str:
 def record(preset: str, root: Path = ROOT) -> Path:
     """Write ``preset``'s committed file: its training step as `doit preflight --set=<branch>.preset=
     <preset>` compiles it (from work/preflight/ when compiled before)."""
-    from mtpipe.planning import preflight  # preflight imports this module for its look-ups
-
     branch = SHIPPED[preset]
-    _, _, views = preflight.composed_views([f"{branch}.preset={preset}"], root, (branch,), committed=False)
-    cmd = preflight.stage_command(views[branch])
-    args = preflight.compile_args(cmd, preflight.maxtext_topology(preflight.topology(views[branch])))
+    _, _, views = aot.composed_views([f"{branch}.preset={preset}"], root, (branch,), committed=False)
+    module, args = aot.training_step(views[branch])
     work = root / "work" / "preflight"
-    result = preflight.compile_step(cmd.module, args, work, work / f"{branch}-{preset}.log")
+    result = aot.compile_step(module, args, work, work / f"{branch}-{preset}.log")
     result = {k: v for k, v in result.items() if k not in ("cached", "committed")}
-    key = preflight.compile_key(cmd.module, args)
+    key = aot.compile_key(module, args)
     FOLDER.mkdir(exist_ok=True)
     file = path(branch, preset)
-    digest = preflight.compile_digest(cmd.module, args)
+    digest = aot.compile_digest(module, args)
     file.write_text(json.dumps({"branch": branch, "preset": preset, "digest": digest, "key": key, "result": result},
                                indent=1) + "\n")
     return file
@@ -95,12 +84,10 @@ def record(preset: str, root: Path = ROOT) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """Record the shipped presets' compile results (all, or those named)."""
-    from mtpipe.planning import preflight  # preflight imports this module for its look-ups
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", action="append", choices=sorted(SHIPPED), help="only this one (repeatable)")
     presets = parser.parse_args(argv).preset or list(SHIPPED)
-    if not preflight.can_compile():
+    if not aot.can_compile():
         sys.exit(f"mtpipe: {RECORD_COMMAND} compiles with MaxText, which this environment lacks: run it with the "
                  "full environment's python (`make`, then .venv/bin/python)")
     for preset in presets:

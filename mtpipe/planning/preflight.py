@@ -12,7 +12,7 @@ Answered on the laptop CPU, with no TPU and no network, before any VM exists:
   counts a scanned layer block once, not once per layer), step and run time from them and the
   parameters (:mod:`mtpipe.planning.step_model`, fit on a TPU chip), and for
   GRPO the reference model, the rollout engine's weights and KV cache, and the rollout time.
-* The compile runs in a child process (``python -m mtpipe.planning.preflight --compile``), cached in
+* The compile (:mod:`mtpipe.planning.aot`) runs in a child process, cached in
   ``work/preflight/<digest>.json`` by the digest of its command line and the MaxText/JAX/libtpu
   versions: an unchanged preflight costs nothing the second time.
 
@@ -22,29 +22,19 @@ Entry points: :func:`run` (``doit preflight``, and ``doit vm_run`` before it cre
 
 from __future__ import annotations
 
-import functools
-import gc
-import hashlib
 import json
-import math
-import os
-import subprocess
-import sys
-import tempfile
-import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from mtpipe.errors import ConfigError
-from mtpipe.maxtext import commands, training_commands
-from mtpipe.maxtext.runner import child_env
-from mtpipe.pipeline import generations, maxtext_check, overrides, toolchain
+from mtpipe.maxtext.trainers import BY_STAGE, SFT
+from mtpipe.pipeline import generations, toolchain
 from mtpipe.pipeline.config import ROOT, stage_view
 from mtpipe.pipeline.stage_table import BRANCH_STAGES, BUDGET_STAGES
 from mtpipe.pipeline.view import View
-from mtpipe.pipeline.maxtext_check import compose_checked
 from mtpipe.planning import budget, compiled_presets, run_forecast, step_model
+from mtpipe.planning.aot import (can_compile, compile_key, compile_step, composed_views, maxtext_topology,
+                                     run_steps, stored_compile, topology, trainer_of, training_step, versions)
 
 
 Chip = generations.Chip   # one TPU generation's per-chip numbers (conf/generations.yaml)
@@ -68,39 +58,10 @@ CONVERT_S_PER_BPARAM = 70.0    # to_maxtext: the tutorials' ~5 min for Gemma 3 4
 EXPORT_S_PER_BPARAM = 70.0     # to_huggingface: assumed like the conversion
 TRAIN_STARTUP_S = 180.0        # loading the checkpoint + compiling the step on the TPU VM
 VM_SETUP_S = 900.0             # VM creation, boot and `doit vm_setup` (apt, uv, MaxText install)
-
-# A stage argument whose value starts with this is a file path; the compile does not read files.
-TRAINING_STAGE = {"sft": "train_sft", "rl": "train_rl"}  # the stage preflight compiles, per branch
-PLACEHOLDER = "/mtpipe-preflight-path"
-# Keys the compile sets itself (hardware=cpu in a CPU preset's extra_args would fight the topology).
-# jax_cache_dir is empty: a compile-only TPU executable cannot be loaded back from JAX's disk cache.
-COMPILE_OWN_KEYS = ("hardware", "run_name", "base_output_directory", "compile_topology",
-                    "compile_topology_num_slices", "skip_jax_distributed_system", "jax_cache_dir")
-# MaxText arguments that change no shape, dtype or buffer of the compiled training step, only scalars
-# in it (the learning-rate schedule) or what happens around it: the compile's cache key leaves them out,
-# so a sweep over them compiles once, and the report takes the step count from the run's own arguments.
-SHAPE_FREE_ARGS = frozenset({"learning_rate", "steps", "num_batches", "num_test_batches", "warmup_steps_fraction",
-                             "checkpoint_period", "eval_interval", "log_period", "max_num_checkpoints_to_keep"})
-CACHE_FORMAT = 2   # of the cached compile results: 2 records num_batches (GRPO's step count scales with it)
-# The keys that decide the HBM a training step needs, named as params.yaml spells them.
-MEMORY_KEYS = {
-    "train_sft": ("per_device_batch_size", "max_target_length", "extra_args.remat_policy"),
-    "train_rl": ("batch_size", "num_generations", "max_target_length", "extra_args.remat_policy",
-                 "extra_args.hbm_utilization_vllm"),
-}
-OOM_MARKERS = ("resource_exhausted", "hbm", "out of memory", "exceeds the memory")
 GIB = 2**30
 
 
-# ---------------------------------------------------------------- parent: config -> compile args
-
-
-def topology(cfg: View) -> str | None:
-    """The TPU topology a branch's hardware preset targets: its TPU_ACCELERATOR_TYPE on a TPU VM, its
-    `xpk.tpu_type` on GKE (backend xpk), or None (CPU)."""
-    if cfg.hardware.backend == "xpk":
-        return cfg.hardware.xpk.tpu_type
-    return cfg.hardware.env.get("TPU_ACCELERATOR_TYPE")
+# ---------------------------------------------------------------- the chips and their price
 
 
 def usd_per_hour(chips: int, usd_per_chip_hour: float) -> float:
@@ -119,134 +80,6 @@ def chip_of(topo: str, branch: str, hardware: str) -> tuple[Chip, int]:
     return gen.chip, chips
 
 
-def maxtext_topology(topo: str) -> str:
-    """MaxText's name of an accelerator type, for its AOT compile and the machine budget (a v5e VM's
-    accelerator type is spelled otherwise than MaxText's topology: conf/generations.yaml)."""
-    gen, chips = generations.of_accelerator(topo)
-    return gen.maxtext_topology(chips)
-
-
-def stage_command(cfg: View) -> commands.MaxTextCommand:
-    """The training command the branch's main stage runs, with placeholder paths."""
-    p = Path(PLACEHOLDER)
-    if cfg.branch == "sft":
-        return training_commands.train_sft(
-            cfg, ckpt=p / "ckpt", train_files=f"{p}/train", eval_files=f"{p}/eval", columns=list(cfg.dataset.columns),
-            tokenizer_dir=p / "tokenizer", base_output=p / "out", run_name=f"{PLACEHOLDER}-run",
-            metrics_file=p / "metrics", jax_cache_dir=p / "jax_cache")
-    return training_commands.train_rl(
-        cfg, ckpt=p / "ckpt", train_files=f"{p}/train", eval_files=f"{p}/eval", tokenizer_dir=p / "tokenizer",
-        base_output=p / "out", run_name=f"{PLACEHOLDER}-run", jax_cache_dir=p / "jax_cache")
-
-
-def compile_args(cmd: commands.MaxTextCommand, topo: str) -> list[str]:
-    """The stage's arguments without file paths, plus the cross-compilation target."""
-    kept: dict[str, str] = {}
-    for arg in cmd.args:
-        key, _, value = arg.partition("=")
-        if value.startswith(PLACEHOLDER) or key in COMPILE_OWN_KEYS:
-            continue
-        kept[key] = value
-    kept |= {"run_name": "preflight", "compile_topology": topo, "compile_topology_num_slices": "1",
-             "skip_jax_distributed_system": "true", "jax_cache_dir": ""}
-    return [f"{k}={v}" for k, v in kept.items()]
-
-
-# ---------------------------------------------------------------- parent: compile (cached)
-
-
-def versions() -> dict[str, str]:
-    """What the compiled result depends on besides its arguments: the installed compiler's versions,
-    which are the VM lock's (one toolchain); the VM lock's where they are not installed (the control
-    plane's light environment, which can still read a result compiled elsewhere)."""
-    names = ("maxtext", "jax", "jaxlib", "libtpu")
-    try:
-        return {name: metadata.version(name) for name in names}
-    except metadata.PackageNotFoundError:
-        pins = toolchain.lock_pins((ROOT / "requirements-vm.lock").read_text())
-        return {name: pins[name] for name in names}
-
-
-def can_compile() -> bool:
-    """Whether JAX and MaxText are installed here (not in requirements-control.lock's environment)."""
-    return maxtext_check.installed()
-
-
-def compile_key(module: str, args: list[str]) -> dict[str, Any]:
-    """What the compiled step depends on: the trainer, its arguments but the :data:`SHAPE_FREE_ARGS`,
-    the software versions, the cache format."""
-    shaped = [a for a in args if a.partition("=")[0] not in SHAPE_FREE_ARGS]
-    return {"module": module, "args": shaped, "versions": versions(), "format": CACHE_FORMAT}
-
-
-def compile_digest(module: str, args: list[str]) -> str:
-    """sha256 of :func:`compile_key`: the name of the step's compile result."""
-    return hashlib.sha256(json.dumps(compile_key(module, args), sort_keys=True).encode()).hexdigest()
-
-
-def stored_compile(module: str, args: list[str], work: Path) -> dict[str, Any] | None:
-    """The step's compile result from ``work`` (this machine's cache), else the committed one of a
-    shipped preset with the same digest (:mod:`mtpipe.planning.compiled_presets`), else None."""
-    digest = compile_digest(module, args)
-    cache = work / f"{digest}.json"
-    return json.loads(cache.read_text()) if cache.is_file() else compiled_presets.find(digest)
-
-
-def run_steps(compiled: dict[str, Any], args: list[str]) -> int:
-    """The training steps of the run ``args`` describe, which a cached compile of another step count
-    (:data:`SHAPE_FREE_ARGS`) does not hold: SFT's ``steps``; GRPO's MaxText derives from num_batches
-    (train_steps = num_batches x num_iterations x train_fraction x num_epoch), so it scales with it."""
-    given = dict(a.partition("=")[::2] for a in args)
-    c = compiled["config"]
-    if "num_batches" in given and c.get("num_batches"):
-        return round(int(c["steps"]) * int(given["num_batches"]) / int(c["num_batches"]))
-    return int(given.get("steps", c["steps"]))
-
-
-def _wait_showing_progress(child: subprocess.Popen, log: Path, every_s: float = 60) -> int:
-    """The compile's exit status; meanwhile a line each ``every_s`` with the minutes it has taken."""
-    start = time.monotonic()
-    while True:
-        try:
-            return child.wait(timeout=every_s)
-        except subprocess.TimeoutExpired:
-            print(f"mtpipe preflight: still compiling, {(time.monotonic() - start) / 60:.0f} min so far "
-                  f"(its log: {log})", flush=True)
-        except BaseException:
-            child.kill()
-            child.wait()
-            raise
-
-
-def compile_step(module: str, args: list[str], work: Path, log: Path) -> dict[str, Any]:
-    """Cross-compile the training step in a child process; the result is cached by its digest."""
-    stored = stored_compile(module, args, work)
-    if stored is not None:
-        return stored | {"cached": True}
-    cache = work / f"{compile_digest(module, args)}.json"
-    work.mkdir(parents=True, exist_ok=True)
-    # No Hub token (as for every MaxText child). The compile touches no TPU, so libtpu's one-process
-    # lock (/tmp/libtpu_lockfile) would only stop two preflights, or a preflight and a test, side by side.
-    env = child_env({"JAX_PLATFORMS": "cpu", "DECOUPLE_GCLOUD": "TRUE", "ALLOW_MULTIPLE_LIBTPU_LOAD": "true"})
-    with tempfile.TemporaryDirectory(dir=work) as tmp:
-        out = Path(tmp) / "result.json"
-        argv = [sys.executable, "-m", "mtpipe.planning.preflight", "--compile", str(out), module,
-                *args, f"base_output_directory={tmp}"]
-        with open(log, "w", encoding="utf8") as log_file:
-            log_file.write(f"$ {' '.join(argv)}\n")
-            log_file.flush()
-            code = _wait_showing_progress(subprocess.Popen(argv, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                                                           cwd=ROOT), log)
-        if not out.is_file():
-            tail = log.read_text(errors="replace").splitlines()[-30:]
-            raise RuntimeError(f"the AOT compile exited with {code} and no result; log {log}:\n" + "\n".join(tail))
-        result = json.loads(out.read_text())
-    tmp_cache = cache.with_suffix(".partial")
-    tmp_cache.write_text(json.dumps(result, indent=1))
-    os.replace(tmp_cache, cache)
-    return result | {"cached": False}
-
-
 # ---------------------------------------------------------------- parent: the report
 
 
@@ -256,7 +89,7 @@ def hbm_parts(compiled: dict[str, Any], chips: int, module: str) -> dict[str, fl
     mem = compiled["memory"]
     parts = {"train_state": mem["argument_size_in_bytes"] / GIB, "step_temporaries": mem["temp_size_in_bytes"] / GIB,
              "code": mem["generated_code_size_in_bytes"] / GIB}
-    if module == commands.TRAIN_SFT:
+    if module == SFT.module:
         parts["sft_trainer_extra"] = SFT_TRAINER_EXTRA_BYTES_PER_PARAM * compiled["param_count"] / chips / GIB
     return parts
 
@@ -274,17 +107,18 @@ def report(cfg: View, preset: str, compiled: dict[str, Any], chip: Chip, chips: 
            usd_per_hour: float, args: list[str]) -> dict[str, Any]:
     """HBM per chip, fit, FLOPs, time and cost of one branch from its compile result (of the step
     ``args`` compile: the step count is theirs, :func:`run_steps`)."""
-    stage = TRAINING_STAGE[cfg.branch]
+    trainer = trainer_of(cfg.branch)
     c = compiled["config"]
-    hbm = hbm_parts(compiled, chips, commands.TRAIN_SFT if cfg.branch == "sft" else commands.TRAIN_RL)
+    hbm = hbm_parts(compiled, chips, trainer.module)
     # GRPO: the compiled batch is rounded up to a multiple of the chips; FLOPs count the real one
-    real_batch = c["grpo_sequences"] / c["global_batch_size_to_train_on"] if cfg.branch == "rl" else 1.0
+    real_batch = c["grpo_sequences"] / c["global_batch_size_to_train_on"] if trainer.rollout else 1.0
     flops_per_chip = compiled["tflops_per_device"] * 1e12 * real_batch
     step_s = step_model.train_step_s(flops_per_chip, compiled["param_count"] / chips, chip.peak_tflops, chip.hbm_gbps)
     steps = run_steps(compiled, args)
     notes = ["compiled: the train step (params, optimizer state, temporaries) for the topology"]
-    if cfg.branch == "rl":
-        extra, needed, step_s = _grpo_estimate(cfg.train_rl.rollout_backend, compiled, chip, chips, hbm, step_s)
+    if trainer.rollout:
+        rollout_backend = getattr(cfg, trainer.stage).rollout_backend
+        extra, needed, step_s = _grpo_estimate(rollout_backend, compiled, chip, chips, hbm, step_s)
         notes.append(extra)
     else:
         needed = sum(hbm.values())
@@ -294,7 +128,7 @@ def report(cfg: View, preset: str, compiled: dict[str, Any], chip: Chip, chips: 
     total_s = VM_SETUP_S + convert_s + train_s + export_s
     fits = not compiled.get("oom") and needed <= chip.hbm_gib
     return {
-        "branch": cfg.branch, "preset": preset, "topology": topology(cfg), "stage": stage,
+        "branch": cfg.branch, "preset": preset, "topology": topology(cfg), "stage": trainer.stage,
         "fits": fits, "compile_oom": compiled.get("oom"),
         "hbm_gib_per_chip": round(needed, 3), "hbm_gib_available": chip.hbm_gib,
         "hbm_headroom_gib": round(chip.hbm_gib - needed, 3),
@@ -317,6 +151,18 @@ def report(cfg: View, preset: str, compiled: dict[str, Any], chip: Chip, chips: 
                         "train_startup_s": TRAIN_STARTUP_S, "vm_setup_s": VM_SETUP_S},
         "notes": notes, "versions": versions(), "compile_cached": compiled.get("cached", False),
     }
+
+
+def stored_report(cfg: View, preset: str, usd_per_chip_hour: float, work: Path) -> dict[str, Any] | None:
+    """:func:`report` of a TPU branch from the compile result preflight already has (its cache in
+    ``work``, or a shipped preset's committed one); None when it has none. Nothing compiles here."""
+    topo = topology(cfg)
+    chip, chips = chip_of(topo, cfg.branch, cfg.hardware.name)
+    module, args = training_step(cfg)
+    compiled = stored_compile(module, args, work)
+    if compiled is None:
+        return None
+    return report(cfg, preset, compiled, chip, chips, usd_per_hour(chips, usd_per_chip_hour), args)
 
 
 def _grpo_estimate(rollout_backend: str, compiled: dict[str, Any], chip: Chip, chips: int, hbm: dict[str, float],
@@ -362,7 +208,7 @@ def check_fits(row: dict[str, Any]) -> None:
     if row["fits"]:
         return
     branch, stage = row["branch"], row["stage"]
-    keys = [f"{branch}.{stage}.{k}" for k in MEMORY_KEYS[stage]]
+    keys = [f"{branch}.{stage}.{k}" for k in BY_STAGE[stage].memory_keys]
     need = (f"ran out of HBM while compiling for {row['topology']} ({row['compile_oom']})" if row["compile_oom"] else
             f"needs {row['hbm_gib_per_chip']:.1f} GiB of HBM per chip, {row['topology']} has "
             f"{row['hbm_gib_available']:.2f} (parts: {row['hbm_parts_gib']})")
@@ -384,7 +230,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [head]
     for r in rows:
         low, high = r["est_step_s_range"]
-        bar = f" ±{HBM_ERROR:.0%}" if r["branch"] == "sft" else ""  # calibrated for the SFT trainer only
+        bar = f" ±{HBM_ERROR:.0%}" if r["stage"] == SFT.stage else ""  # calibrated for the SFT trainer only
         hbm = "compile OOM" if r["compile_oom"] else f"{r['hbm_gib_per_chip']:.1f}{bar}"
         lines.append((r["branch"], r["preset"], r["topology"], f"{hbm} / {r['hbm_gib_available']:.2f}",
                       "yes" if r["fits"] else "NO", f"{r['flops_per_step'] / 1e12:.1f}",
@@ -433,11 +279,10 @@ def check(sets: list[str], usd_per_chip_hour: float, machine: budget.Machine, ro
             print(f"mtpipe preflight: {branch} ({preset}) runs on hardware {cfg.hardware.name}: no TPU to check")
             continue
         chip, chips = chip_of(topo, branch, cfg.hardware.name)
-        cmd = stage_command(cfg)
-        args = compile_args(cmd, maxtext_topology(topo))
-        stored = stored_compile(cmd.module, args, work)
+        module, args = training_step(cfg)
+        stored = stored_compile(module, args, work)
         # a shipped preset's committed result that does not hold for these shapes or versions: why
-        missed = "" if stored else compiled_presets.mismatch(branch, preset, compile_key(cmd.module, args))
+        missed = "" if stored else compiled_presets.mismatch(branch, preset, compile_key(module, args))
         if stored is None and not can_compile():
             raise ConfigError("preflight", f"the {branch} branch's step ({preset} on {topo}) is not compiled yet"
                               + (f" ({missed})" if missed else "") + ", and this environment "
@@ -452,7 +297,7 @@ def check(sets: list[str], usd_per_chip_hour: float, machine: budget.Machine, ro
                  "per shape (model, batch, lengths, dtypes, remat): a learning-rate or step-count sweep reuses it. "
                  "The tutorial models took 11-15 min on 2 cores (docs/preflight.md), a tiny one about a minute"),
               flush=True)
-        compiled = compile_step(cmd.module, args, work, work / f"{branch}-{preset}.log")
+        compiled = compile_step(module, args, work, work / f"{branch}-{preset}.log")
         row = report(cfg, preset, compiled, chip, chips, usd_per_hour(chips, usd_per_chip_hour), args)
         row["run_phases"] = run_forecast.as_row(run_forecast.branch_phases(composed[branch], row, chip, stages, root))
         (work / f"{branch}-{preset}.json").write_text(json.dumps(row, indent=1) + "\n")
@@ -469,16 +314,6 @@ def check(sets: list[str], usd_per_chip_hour: float, machine: budget.Machine, ro
               f"reports in {work}/<branch>-<preset>.json")
         print(versions_line())
     return rows
-
-
-def composed_views(sets: list[str], root: Path, branches: tuple[str, ...],
-                   committed: bool) -> tuple[Any, dict[str, Any], dict[str, View]]:
-    """(params, composed branch, training-stage view per branch) of params.yaml + ``sets`` (HEAD's
-    params.yaml when ``committed``); every config error before anything else."""
-    params_yaml = overrides.committed_params(root) if committed else (root / "params.yaml").read_bytes()
-    params = overrides.apply_sets(params_yaml, sets)
-    composed = {branch: compose_checked(branch, params) for branch in branches}
-    return params, composed, {branch: stage_view(cfg, TRAINING_STAGE[branch]) for branch, cfg in composed.items()}
 
 
 def budget_on_vm(sets: list[str], machine: budget.Machine, root: Path = ROOT) -> dict[str, Any] | None:
@@ -519,8 +354,7 @@ def machine_budget(composed: dict[str, Any], views: dict[str, View], machine: bu
         return None
     compiled = {}
     for b in on_vm:
-        cmd = stage_command(views[b])
-        stored = stored_compile(cmd.module, compile_args(cmd, topo), work)
+        stored = stored_compile(*training_step(views[b]), work)
         if stored is not None:
             compiled[b] = stored
     place = budget.Placement.from_env(machine.env)
@@ -549,97 +383,3 @@ def versions_line(vm_lock: Path = ROOT / "requirements-vm.lock") -> str:
 
 
 # ---------------------------------------------------------------- child: the compile itself
-
-GRPO_BATCH_KEYS = ("global_batch_size_to_load", "global_batch_size_to_train_on", "micro_batch_size_to_train_on")
-
-
-def _grpo_config(initialize: Any, rl_config: type, argv: list[str], **kwargs: Any) -> Any:
-    """train_rl's config (rl.yml read as RLConfig, as train_rl reads it), shaped as one GRPO mini-batch.
-
-    A GRPO step trains on ``batch_size`` prompts x ``num_generations`` completions of up to
-    ``max_target_length`` tokens; RLConfig leaves pre-training's batch fields unset, so they are set
-    here. The compiled step shards its batch over every chip, so the sequences are rounded up to a
-    multiple of the chips (the tutorial's 1 x 2 becomes 8: an upper bound on the temporaries).
-    """
-    config = initialize(argv, config_class=rl_config, **kwargs)
-    grpo = config._pydantic_config  # the attribute paths train_rl itself reads
-    sequences = grpo.batch_size * grpo.rl.num_generations
-    chips = int(config.compile_topology.rsplit("-", 1)[1])
-    compiled = math.ceil(sequences / chips) * chips
-    config._flat_config.update(
-        dict.fromkeys(GRPO_BATCH_KEYS, compiled), per_device_batch_size=compiled // chips, grpo_sequences=sequences,
-        steps=grpo.train_steps, num_generations=grpo.rl.num_generations, grpo_beta=grpo.rl.grpo_beta)
-    return config
-
-
-
-def _child(out: Path, module: str, args: list[str]) -> int:
-    """Run MaxText's train_compile for ``module``'s config file; write memory, FLOPs and shapes to ``out``."""
-    import jax
-    from absl import app
-    from maxtext.configs import pyconfig, types
-    from maxtext.trainers.pre_train import train_compile
-    from maxtext.utils import maxtext_utils
-    from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR
-
-    config_file = os.path.join(MAXTEXT_CONFIGS_DIR, pyconfig._CONFIG_FILE_MAPPING[module])  # the stage's own
-    argv = ["train_compile", config_file, *args]
-    if module == commands.TRAIN_RL:
-        pyconfig.initialize = functools.partial(_grpo_config, pyconfig.initialize, types.RLConfig)
-    seen: dict[str, Any] = {}
-    original = train_compile.jit_and_compile
-
-    def capture(func, func_input_args, *rest):
-        seen["config"], seen["state"] = rest[-2], func_input_args[0]
-        try:
-            seen["compiled"] = original(func, func_input_args, *rest)
-        except Exception as err:  # MaxText: "you will see the same OOM error as on the target hardware"
-            if not any(m in str(err).lower() for m in OOM_MARKERS):
-                raise
-            seen["oom"] = str(err).splitlines()[0][:500]
-            raise SystemExit(0) from None
-        return seen["compiled"]
-
-    train_compile.jit_and_compile = capture
-    try:
-        app.run(train_compile.main, argv=argv)
-    except SystemExit as exc:
-        if exc.code not in (0, None):
-            return int(exc.code) if isinstance(exc.code, int) else 1
-    config = seen["config"]
-    state = seen["state"]  # linen: a TrainState with .params; NNX (pure_nnx): a State with a "model" subtree
-    weights = getattr(state, "params", None) or state["model"]
-    params = [p for p in jax.tree.leaves(weights) if jax.numpy.issubdtype(p.dtype, jax.numpy.floating)]
-    result: dict[str, Any] = {
-        "param_count": int(sum(math.prod(p.shape) for p in params)),
-        "param_bytes": int(sum(math.prod(p.shape) * p.dtype.itemsize for p in params)),
-        "tflops_per_device": float(maxtext_utils.calculate_tflops_training_per_device(config, log=False)[0]),
-        "config": {k: getattr(config, k, None) for k in (
-            "model_name", "per_device_batch_size", "global_batch_size_to_train_on", "max_target_length",
-            "max_prefill_predict_length", "steps", "num_batches", "weight_dtype", "dtype", "remat_policy", "scan_layers",
-            "num_decoder_layers", "num_kv_heads", "head_dim", "emb_dim", "vocab_size", "batch_size",
-            "hbm_utilization_vllm", "num_generations", "grpo_beta", "grpo_sequences", "compile_topology")},
-    }
-    result["config"] = {k: (str(v) if not isinstance(v, (int, float, bool, str, type(None))) else v)
-                        for k, v in result["config"].items()}
-    if "oom" in seen:
-        result |= {"oom": seen["oom"], "memory": dict.fromkeys(
-            ("argument_size_in_bytes", "temp_size_in_bytes", "generated_code_size_in_bytes"), 0)}
-    else:
-        stats = seen["compiled"].memory_analysis()
-        result["memory"] = {k: int(getattr(stats, k)) for k in (
-            "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
-            "generated_code_size_in_bytes", "host_argument_size_in_bytes", "host_temp_size_in_bytes")}
-        cost = seen["compiled"].cost_analysis()
-        cost = cost[0] if isinstance(cost, list) else cost
-        result["xla_flops"] = float(cost.get("flops", 0.0)) if cost else None
-    out.write_text(json.dumps(result, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    if len(sys.argv) < 4 or sys.argv[1] != "--compile":
-        sys.exit("usage: python -m mtpipe.planning.preflight --compile OUT.json <maxtext trainer module> key=value ...")
-    _status = _child(Path(sys.argv[2]), sys.argv[3], sys.argv[4:])
-    gc.freeze()  # the exit frees MaxText's modules without a collection over them (mtpipe.maxtext.launch)
-    sys.exit(_status)

@@ -26,15 +26,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from mtpipe.errors import ConfigError
+from mtpipe.maxtext.trainers import in_branch
 from mtpipe.pipeline.config import ROOT
 from mtpipe.pipeline.stage_table import BRANCH_STAGES, address
 from mtpipe.planning import budget, step_model
-
-if TYPE_CHECKING:
-    from mtpipe.planning.preflight import Chip
 
 Range = tuple[float, float, float]   # (low, mid, high)
 
@@ -61,6 +59,13 @@ TEST_ROWS = {"openai/gsm8k": 1319, "HuggingFaceH4/ultrachat_200k": 23110}
 
 # What each kind of phase is called where the total says what it holds, in run order.
 KINDS = ("VM setup", "downloads", "conversion", "training", "export", "evaluation")
+
+
+class Chip(Protocol):
+    """What the evaluation's estimate reads of a TPU chip (mtpipe.planning.preflight.CHIPS)."""
+
+    peak_tflops: float
+    hbm_gbps: float
 
 
 @dataclass(frozen=True)
@@ -167,9 +172,11 @@ def branch_phases(cfg: Any, row: dict[str, Any], chip: Chip, stages: set[str], r
     add("to_maxtext", "conversion", scaled(row["est_convert_s"], CONVERSION_SCALE),
         f"{row['param_count'] / 1e9:.2f} B parameters x {row['est_convert_s'] * 1e9 / row['param_count']:.0f} s "
         f"per billion: the tutorials' ~5 min for Gemma 3 4B (x{CONVERSION_SCALE[0]:g}-{CONVERSION_SCALE[2]:g})")
-    if branch == "rl" and cfg.train_sft.steps:
-        add("train_sft", "training", (0.0, 0.0, 0.0),
-            f"NOT counted: the warm-up's {cfg.train_sft.steps} steps (preflight compiles train_rl only)")
+    for trainer in in_branch(BRANCH_STAGES[branch]):   # the training stages before the one preflight compiles
+        steps = getattr(getattr(cfg, trainer.stage), trainer.steps_key)
+        if trainer.stage != row["stage"] and steps:
+            add(trainer.stage, "training", (0.0, 0.0, 0.0),
+                f"NOT counted: the warm-up's {steps} steps (preflight compiles {row['stage']} only)")
     add(row["stage"], "training", _training(row),
         f"preflight: {row['steps']} steps x {row['est_step_s']:.3f} s "
         f"({row['est_step_s_range'][0]:.3f}-{row['est_step_s_range'][1]:.3f}) + "
@@ -178,7 +185,7 @@ def branch_phases(cfg: Any, row: dict[str, Any], chip: Chip, stages: set[str], r
     add("to_huggingface", "export", export, f"like the conversion (x{CONVERSION_SCALE[0]:g}-{CONVERSION_SCALE[2]:g})")
     score, how = _evaluation(cfg, row["param_count"], chip)
     add("evaluate_base", "evaluation", score, f"the base model: {how}")
-    if branch == "rl":
+    if "evaluate_warmup" in BRANCH_STAGES[branch]:
         if cfg.train_sft.steps:
             add("evaluate_warmup", "evaluation", tuple(e + s for e, s in zip(export, score)),
                 f"the warm-up exported, then {how}")

@@ -25,6 +25,8 @@ from typing import Any
 import yaml
 
 from mtpipe.cloud.settings import vm_state
+from mtpipe.maxtext.trainers import TRAINERS
+from mtpipe.pipeline.stage_table import BY_NAME, address
 
 ROOT = Path(__file__).resolve().parents[2]
 REPORT = "README.md"
@@ -68,21 +70,10 @@ def metrics(root: Path) -> dict[str, dict[str, Any]]:
 def headlines(m: dict[str, dict[str, Any]]) -> dict[str, str]:
     """The figures people quote (README.md's stage table), keyed by stage; those of the stages that ran."""
     figures = {}
-    if sft := m.get("train_sft@sft"):
-        figures["train_sft@sft"] = (f"{sft['steps']} steps: loss {short(sft['loss_first'])} -> {short(sft['loss_last'])} "
-                                    f"(eval {short(sft['eval_loss_first'])} -> {short(sft['eval_loss_last'])})")
-    if warmup := m.get("train_sft@rl"):
-        figures["train_sft@rl"] = f"{warmup['steps']} steps: loss {short(warmup['loss_first'])} -> {short(warmup['loss_last'])}"
-    if rl := m.get("train_rl@rl"):
-        samples = rl.get("eval_post_samples_per_prompt", 1)
-        score, drawn = ("pass@1", f" x {samples} samples") if samples > 1 else ("accuracy", "")
-        figures["train_rl"] = (f"eval {score} {fixed(rl['eval_pre_accuracy'], 1)}% before / "
-                               f"{fixed(rl['eval_post_accuracy'], 1)}% after on {rl['eval_post_total']} prompts{drawn}")
-        if "eval_gain_pass_at_1" in rl:
-            k = max(int(key.rsplit("_", 1)[1]) for key in rl if re.fullmatch(r"eval_gain_pass_at_\d+", key))
-            figures["train_rl"] += "".join(
-                f"; pass@{j} gain {signed(rl[f'eval_gain_pass_at_{j}'], 1)} [+/-{fixed(rl[f'eval_gain_pass_at_{j}_ci95'], 1)}]"
-                for j in sorted({1, k}))
+    for trainer in TRAINERS:
+        for branch in BY_NAME[trainer.stage].branches:
+            if trained := m.get(f"{trainer.stage}@{branch}"):
+                figures[address(trainer.stage, branch)] = (rollout_figures if trainer.rollout else loss_figures)(trained)
     if gsm8k := m.get("evaluate@rl"):
         base, trained, gain = gsm8k["base"], gsm8k["trained"], gsm8k["gain"]
         warmup = f"warm-up {fixed(gsm8k['warmup']['flexible_accuracy'], 1)}%, " if "warmup" in gsm8k else ""
@@ -99,6 +90,28 @@ def headlines(m: dict[str, dict[str, Any]]) -> dict[str, str]:
         base, trained, gain = heldout["base"], heldout["trained"], heldout["gain"]
         figures["evaluate@sft"] = (f"base {fixed(base['loss'], 2)}, trained {fixed(trained['loss'], 2)}, "
                                    f"gain {fixed(gain['loss_gain'], 2)} [+/-{fixed(gain['loss_gain_ci95'], 2)}]")
+    return figures
+
+
+def loss_figures(m: dict[str, Any]) -> str:
+    """A training's loss, first and last step (and its eval loss, when it evaluated)."""
+    figures = f"{m['steps']} steps: loss {short(m['loss_first'])} -> {short(m['loss_last'])}"
+    if "eval_loss_first" in m:
+        figures += f" (eval {short(m['eval_loss_first'])} -> {short(m['eval_loss_last'])})"
+    return figures
+
+
+def rollout_figures(m: dict[str, Any]) -> str:
+    """A GRPO run's eval before and after, and its pass@k gains."""
+    samples = m.get("eval_post_samples_per_prompt", 1)
+    score, drawn = ("pass@1", f" x {samples} samples") if samples > 1 else ("accuracy", "")
+    figures = (f"eval {score} {fixed(m['eval_pre_accuracy'], 1)}% before / "
+               f"{fixed(m['eval_post_accuracy'], 1)}% after on {m['eval_post_total']} prompts{drawn}")
+    if "eval_gain_pass_at_1" in m:
+        k = max(int(key.rsplit("_", 1)[1]) for key in m if re.fullmatch(r"eval_gain_pass_at_\d+", key))
+        figures += "".join(
+            f"; pass@{j} gain {signed(m[f'eval_gain_pass_at_{j}'], 1)} [+/-{fixed(m[f'eval_gain_pass_at_{j}_ci95'], 1)}]"
+            for j in sorted({1, k}))
     return figures
 
 

@@ -14,6 +14,7 @@ from mtpipe.errors import ConfigError
 from mtpipe.maxtext.run_dir import WORK_BUCKET_ENV, WORK_DIR_ENV
 from mtpipe.pipeline import config
 from mtpipe.planning import preflight
+from mtpipe.planning.aot import composed_views, topology
 from mtpipe.planning.preflight import TRAIN_STARTUP_S
 
 
@@ -42,24 +43,19 @@ def check_spot_resume(cfg: DictConfig, forecasts: list[dict[str, Any]]) -> None:
 
 
 def cached_forecasts(cfg: DictConfig, root: Path, experiments: list[list[str]]) -> tuple[list[dict[str, Any]], list[str]]:
-    """preflight's rows (mtpipe.planning.preflight.report) of the TPU branches of every experiment whose
-    training step preflight has a compile result of (preflight.stored_compile: its cache in
-    work/preflight/, or a shipped preset's committed one), and the branches it has not compiled yet;
-    nothing compiles here."""
+    """preflight's rows (mtpipe.planning.preflight.stored_report) of the TPU branches of every experiment
+    whose training step preflight has a compile result of (its cache in work/preflight/, or a shipped
+    preset's committed one), and the branches it has not compiled yet; nothing compiles here."""
     rate, rows, missing = prices.vm_rate(cfg), [], []
     for sets in experiments:
-        params, _, views = preflight.composed_views(sets, root, tuple(config.BRANCH_STAGES), committed=True)
+        params, _, views = composed_views(sets, root, tuple(config.BRANCH_STAGES), committed=True)
         for branch, view in views.items():
-            topo = preflight.topology(view)
+            topo = topology(view)
             if topo is None:
                 continue
-            chip, chips = preflight.chip_of(topo, branch, view.hardware.name)
-            cmd = preflight.stage_command(view)
-            args = preflight.compile_args(cmd, preflight.maxtext_topology(topo))
-            compiled = preflight.stored_compile(cmd.module, args, root / "work" / "preflight")
-            if compiled is None:
+            row = preflight.stored_report(view, params[branch].preset, rate.price.usd, root / "work" / "preflight")
+            if row is None:
                 missing.append(f"{branch} ({params[branch].preset} on {topo})")
-                continue
-            rows.append(preflight.report(view, params[branch].preset, compiled, chip, chips,
-                                         preflight.usd_per_hour(chips, rate.price.usd), args))
+            else:
+                rows.append(row)
     return rows, missing

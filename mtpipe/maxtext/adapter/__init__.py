@@ -117,12 +117,10 @@ For both trainers, after a successful run (training.py):
 
 from __future__ import annotations
 
-TO_MAXTEXT = "maxtext.checkpoint_conversion.to_maxtext"
-TO_HUGGINGFACE = "maxtext.checkpoint_conversion.to_huggingface"
-TRAIN_SFT = "maxtext.trainers.post_train.sft.train_sft"
-TRAIN_RL = "maxtext.trainers.post_train.rl.train_rl"
+from mtpipe.maxtext.commands import TO_HUGGINGFACE, TO_MAXTEXT
+from mtpipe.maxtext.trainers import MODULES as TRAINERS
+
 CONVERTERS = (TO_MAXTEXT, TO_HUGGINGFACE)
-TRAINERS = (TRAIN_SFT, TRAIN_RL)
 _SECRET_KEYS = ("hf_access_token",)
 VERTEX_AI = "google.cloud.aiplatform"
 

@@ -22,8 +22,9 @@ from typing import Any, Callable
 
 from mtpipe.maxtext import launch
 from mtpipe.maxtext.log_protocol import EVAL_SAMPLES_LINE  # patch 12's log line
-from mtpipe.maxtext.adapter import (CONVERTERS, TRAIN_SFT, TRAINERS, AdapterError, _arg_value, defer_vertex_ai_import,
+from mtpipe.maxtext.adapter import (CONVERTERS, TRAINERS, AdapterError, _arg_value, defer_vertex_ai_import,
                                     reject_secrets)
+from mtpipe.maxtext.trainers import SFT
 
 HOLD_ENV = "MTPIPE_HOLD_AFTER_STEP"
 STOPPED_STATUS = 128 + signal.SIGTERM  # the exit status of a run that SIGTERM stopped after its save
@@ -333,7 +334,7 @@ def apply(module: str, argv: list[str]) -> Callable[[], None]:
     if module not in TRAINERS:
         return lambda: None
     honour_checkpoint_storage(argv)
-    if module == TRAIN_SFT:
+    if module == SFT.module:
         hold_after = hold_after_step()
         keep_checkpoints(argv)
         resume_data_position()
