@@ -257,3 +257,51 @@ def test_no_environment_variable_of_ours_changes_what_a_stage_computes():
     named = {m for path in [*(ROOT / "mtpipe").rglob("*.py"), *(ROOT / "stages").glob("*.py")]
              for m in re.findall(r"\bMTPIPE_[A-Z0-9_]+\b", path.read_text())}
     assert named == set(OPERATIONAL_ENV), f"undeclared: {named - set(OPERATIONAL_ENV)}, gone: {set(OPERATIONAL_ENV) - named}"
+
+
+# ---------------------------------------------------------------- TPU generations
+
+
+def generation_spellings() -> re.Pattern:
+    """Every way conf/generations.yaml spells a generation other than its row's name: machine families,
+    accelerator and MaxText names, device kinds, runtimes, reservation families, quota names."""
+    from mtpipe.pipeline import generations  # pylint: disable=import-outside-toplevel
+
+    words: set[str] = set()
+    for gen in generations.load().values():
+        words |= {gen.machine.family, gen.accelerator, gen.maxtext, gen.compute.reservation_family, *gen.device_kinds}
+        words |= {gen.tpu_api.runtime_version} if gen.tpu_api else set()
+        words |= {gen.compute.quota.name, gen.compute.quota.metric} if gen.compute.quota else set()
+        words.discard(gen.name)
+    return re.compile(r"(?<![\w-])(" + "|".join(sorted(map(re.escape, words), key=len, reverse=True)) + r")(?!\w)")
+
+
+def generation_literals(path: Path, spellings: re.Pattern) -> list[tuple[int, str]]:
+    """(line, spelling) of each generation spelling in a string of the code (docstrings, which explain
+    with examples, and comments are not code)."""
+    tree = ast.parse(path.read_text())
+    docs = {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return [(node.lineno, found.group(1)) for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
+            for found in spellings.finditer(node.value)]
+
+
+@pytest.mark.generation
+def test_no_generation_is_spelt_outside_its_table():
+    """What a TPU generation is called on each route, and what it is, lives in conf/generations.yaml: the
+    code reads it through mtpipe/pipeline/generations.py and spells none of it itself."""
+    spellings, table = generation_spellings(), ROOT / "mtpipe" / "pipeline" / "generations.py"
+    code = [*ROOT.glob("mtpipe/**/*.py"), *ROOT.glob("stages/*.py"), ROOT / "dodo.py"]
+    found = [f"{path.relative_to(ROOT)}:{line}: {word}" for path in code if path != table
+             for line, word in generation_literals(path, spellings)]
+    assert not found, "generation facts outside conf/generations.yaml:\n" + "\n".join(found)
+
+
+@pytest.mark.generation
+def test_the_check_sees_a_generation_spelt_in_code(tmp_path: Path):
+    module = tmp_path / "m.py"
+    module.write_text('"""A v5litepod-8 in a docstring is an example."""\nTYPE = "ct6e-standard-8t"  # a v6e-8\n'
+                      'KIND = f"{1} x TPU v6 lite"\n')
+    assert generation_literals(module, generation_spellings()) == [(2, "ct6e"), (3, "TPU v6 lite")]

@@ -57,7 +57,7 @@ def test_the_rehearsal_runs_the_embedded_default_on_one_chip_and_deletes_its_vm(
 
     # the TPU runtime check asked for the one chip, with the one-chip preset's environment
     calls = (w.sshd.home / "tpu-check-calls").read_text().splitlines()
-    assert calls == ["-m mtpipe.maxtext.tpu_check --chips 1 --device-kind TPU v6 lite|v6e-1"]
+    assert calls == ["-m mtpipe.maxtext.tpu_check --devices 1 --device-kind TPU v6 lite|v6e-1"]
     assert "TPU runtime ok: 1 x 'TPU v6 lite' (a stand-in)" in out
     assert "Hub download ok: README.md of dataset HuggingFaceH4/ultrachat_200k at 8049631c405a" in out
     # the embedded default came from the bucket: no stage trained, and the experiment is here

@@ -76,7 +76,7 @@ def test_the_chip_runs_the_stages_commands_changing_only_the_backend(branch: str
 
 def test_the_tpu_check_refuses_a_machine_without_the_expected_chips():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, "-m", "mtpipe.maxtext.tpu_check", "--chips", "8",
+    done = subprocess.run([sys.executable, "-m", "mtpipe.maxtext.tpu_check", "--devices", "8",
                            "--device-kind", "TPU v6 lite"],
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1

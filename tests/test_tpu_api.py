@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import getpass
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ from fakes.fake_compute import FakeCompute
 from fakes.fake_metadata import FakeMetadata, running_metadata
 from fakes.fake_tpu import FakeTpu, Outcome
 from fakes.gcs_emulator import SA_TOKEN_PREFIX
-from vm_world import Env, experiments, idle_limit, sh
+from vm_world import Env, add_count_stage, admitted_by_nodes, experiments, idle_limit
 
 from mtpipe.cloud.checks import caller
 from mtpipe.cloud.providers.gcp import idle_watch
@@ -39,12 +38,6 @@ V5E = {"machine_type": "ct5lp-hightpu-8t", "boot_disk_type": "pd-balanced", "pro
 KEY = ("proj-1", "us-east5-b", "mt-test")
 
 
-def admitted_by_nodes(tpu: FakeTpu) -> list[str]:
-    """The keys a TPU VM admits: the ssh-keys metadata of each READY node."""
-    return [node["metadata"]["ssh-keys"] for node in tpu.nodes.values()
-            if node.get("state") == "READY" and "ssh-keys" in node.get("metadata", {})]
-
-
 @pytest.fixture
 def tpu_world(world: Env) -> Iterator[tuple[Env, FakeTpu]]:
     """`world` with a v5e VM config: the fake TPU API beside the fake Compute API, the loopback VM
@@ -55,12 +48,7 @@ def tpu_world(world: Env) -> Iterator[tuple[Env, FakeTpu]]:
         w.env.pop("RESERVATION")
         w.configure(**V5E, tpu_api__poll_s=0.05, stockout__retry_for_s=0)
         w.sshd.authorized = lambda: admitted_by_nodes(tpu)
-        stage = ('python -c "import json, yaml; s = yaml.safe_load(open(\'params.yaml\'))[\'steps\']; '
-                 'json.dump({\'steps\': s}, open(\'count.json\', \'w\'))"')
-        sh([sys.executable, "-m", "dvc", "stage", "add", "-q", "-n", "count", "-p", "steps", "-M", "count.json",
-            stage], w.repo, w.env)
-        sh(["git", "add", "-A"], w.repo, w.env)
-        sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "stage"], w.repo, w.env)
+        add_count_stage(w)
         yield w, tpu
 
 

@@ -282,7 +282,7 @@ def test_setup_failure_in_vm_run(world: Env, keep: bool) -> None:
 # The embedded SFT branch with its MaxText on the VM's TPU: the v6e-8 hardware preset (no Hub model,
 # so the checks before spending stay on loopback); preflight's AOT compile is not what these test.
 TPU_RUN = ("--set=sft.hardware=v6e-8", "--no-preflight")
-TPU_CHECK = "python -m mtpipe.maxtext.tpu_check --chips 8 --device-kind 'TPU v6 lite'"
+TPU_CHECK = "python -m mtpipe.maxtext.tpu_check --devices 8 --device-kind 'TPU v6 lite'"
 TPU_CHECK_SENT = TPU_CHECK.split(" '")[0]   # as sent over SSH, inside bash -c '...' (its quotes escaped)
 
 

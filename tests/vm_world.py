@@ -282,3 +282,19 @@ def tpu_stand_in(w: Env) -> None:
                     '  *) exec "$HOME/venv/bin/python" "$@" ;;\nesac\n')
     shim.chmod(0o755)
     w.configure(run__tpu_check='source "$HOME/venv/bin/activate" && export PATH="$HOME/tpu:$PATH" && {check}')
+
+
+def add_count_stage(w: Env) -> None:
+    """Make `w.repo` a one-stage pipeline, committed: `count` writes params.yaml's steps to count.json."""
+    stage = ('python -c "import json, yaml; s = yaml.safe_load(open(\'params.yaml\'))[\'steps\']; '
+             'json.dump({\'steps\': s}, open(\'count.json\', \'w\'))"')
+    sh([sys.executable, "-m", "dvc", "stage", "add", "-q", "-n", "count", "-p", "steps", "-M", "count.json",
+        stage], w.repo, w.env)
+    sh(["git", "add", "-A"], w.repo, w.env)
+    sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "stage"], w.repo, w.env)
+
+
+def admitted_by_nodes(tpu) -> list[str]:
+    """The keys a TPU VM of the fake TPU API admits: the ssh-keys metadata of each READY node."""
+    return [node["metadata"]["ssh-keys"] for node in tpu.nodes.values()
+            if node.get("state") == "READY" and "ssh-keys" in node.get("metadata", {})]

@@ -152,7 +152,7 @@ def run_together(runs: list[dict], work: Path, left_s: float, cpu: bool) -> list
 
 def tpu_check() -> dict:
     """The TPU runtime check the VM runs after its setup (mtpipe.maxtext.tpu_check), for one v5e chip."""
-    check = subprocess.run([sys.executable, "-m", "mtpipe.maxtext.tpu_check", "--chips", "1",
+    check = subprocess.run([sys.executable, "-m", "mtpipe.maxtext.tpu_check", "--devices", "1",
                             "--device-kind", "TPU v5 lite"],
                            capture_output=True, text=True, timeout=300)
     print(check.stdout + check.stderr, flush=True)

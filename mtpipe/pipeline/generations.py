@@ -76,6 +76,7 @@ class Generation(Section):
     accelerator: str
     maxtext: str
     cores_per_chip: Annotated[int, Ge(1)]
+    devices_per_chip: Annotated[int, Ge(1)]
     device_kinds: list[str]
     chip: Chip
     host_ram_gb: dict[int, Positive]
@@ -89,6 +90,12 @@ class Generation(Section):
     def maxtext_topology(self, chips: int) -> str:
         """MaxText's name of ``chips`` chips (its compile_topology): v6e-8, v5e-8, v5p-8 (4 chips)."""
         return f"{self.maxtext}-{chips * self.cores_per_chip}"
+
+    def device(self) -> Chip:
+        """One JAX device's share of a chip (a TPU7x chip is two devices, each with half of it)."""
+        n = self.devices_per_chip
+        return self.chip.model_copy(update={"hbm_gib": self.chip.hbm_gib / n, "peak_tflops": self.chip.peak_tflops / n,
+                                            "hbm_gbps": self.chip.hbm_gbps / n})
 
     def machine_type(self, chips: int) -> str:
         """Compute Engine's machine type of a VM of ``chips`` chips: ct6e-standard-8t."""

@@ -31,7 +31,8 @@ FOLDER = aot.COMMITTED
 RECORD_COMMAND = "python -m mtpipe.planning.compiled_presets"
 # The presets the project ships results for, each with its branch.
 SHIPPED = {"gemma3-4b-ultrachat-v6e8": "sft", "llama3.1-8b-gsm8k-v6e8": "rl",
-           "gemma3-4b-ultrachat-v6e32": "sft", "llama3.1-8b-gsm8k-v6e32": "rl"}
+           "gemma3-4b-ultrachat-v6e32": "sft", "llama3.1-8b-gsm8k-v6e32": "rl",
+           "gemma3-4b-ultrachat-v5p8": "sft", "gemma3-4b-ultrachat-tpu7x8": "sft"}
 
 
 def path(branch: str, preset: str) -> Path:

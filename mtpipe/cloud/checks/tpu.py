@@ -1,7 +1,7 @@
 """The TPU runtime proven on the VM before anything is downloaded.
 
 After the setup and shipping HEAD (which holds the check), vm_run runs `python -m
-mtpipe.maxtext.tpu_check --chips N --device-kind K` in the VM's MaxText venv (`run.tpu_check` in
+mtpipe.maxtext.tpu_check --devices N --device-kind K` in the VM's MaxText venv (`run.tpu_check` in
 conf/vm.yaml), once for each TPU that the branches running on the VM target: a branch whose hardware
 preset runs MaxText where DVC runs (`backend: local`) and names a TPU (preflight's
 :func:`~mtpipe.planning.preflight.topology`: its TPU_ACCELERATOR_TYPE, e.g. v6e-8). CPU presets and
@@ -38,7 +38,7 @@ class Target:
     branches: list[str] = field(default_factory=list)
 
     def command(self) -> str:
-        """`python -m mtpipe.maxtext.tpu_check --chips N --device-kind K` for this accelerator type
+        """`python -m mtpipe.maxtext.tpu_check --devices N --device-kind K` for this accelerator type
         (its generation's device kinds, conf/generations.yaml)."""
         try:
             gen, chips = generations.of_accelerator(self.accelerator_type)
@@ -46,7 +46,8 @@ class Target:
             raise ConfigError(f"conf/hardware/{self.hardware}.yaml TPU_ACCELERATOR_TYPE", str(err),
                               "spell it as the TPU VM's accelerator type (conf/generations.yaml)") from err
         kinds = [arg for kind in gen.device_kinds for arg in ("--device-kind", kind)]
-        return shlex.join(["python", "-m", "mtpipe.maxtext.tpu_check", "--chips", str(chips), *kinds])
+        devices = chips * gen.devices_per_chip
+        return shlex.join(["python", "-m", "mtpipe.maxtext.tpu_check", "--devices", str(devices), *kinds])
 
 
 def targets(root: Path, experiments: list[list[str]]) -> list[Target]:
