@@ -112,11 +112,13 @@ def tpu_api(world: Env) -> Iterator[FakeTpu]:
                                            ("tpu7x-standard-4t", "compute")])
 def test_vm_run_makes_runs_and_deletes_a_vm_of_an_added_generation(
         world: Env, tpu_api: FakeTpu, machine: str, route: str) -> None:
-    """vm_run on a v5p VM (Compute Engine or the Cloud TPU API) and a TPU7x VM (Compute Engine): the VM
-    is asked for by the table's names, runs the experiment, which comes back, and is deleted."""
+    """`doit check` then vm_run on a v5p VM (Compute Engine or the Cloud TPU API) and a TPU7x VM (Compute
+    Engine): every check passes, the VM is asked for by the table's names, runs the experiment, which
+    comes back, and is deleted."""
     w, gen = world, generations.of_machine_type(machine)[0]
     w.fake.machine_types[ZONE].add(machine)
     w.configure(machine_type=machine, route=route)
+    assert " 0 FAILS" in w.doit("check").stdout
     out = w.doit("vm_run", "--set=steps=4", "--exp-name=four", "--no-preflight").stdout
     assert experiments(w)["four"]["metrics"] == {"count.json": {"steps": 4}}
     if route == "compute":
