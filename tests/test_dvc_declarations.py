@@ -113,10 +113,12 @@ def test_every_resolved_view_is_produced_and_consumed_and_the_run_keys_by_no_sta
 
 @pytest.mark.architecture
 @pytest.mark.parametrize(("stage", "backends", "left_out"), [
-    ("train_sft", {"hardware.backend": "local"}, {"mtpipe/training/xpk.py", "mtpipe/training/image.py",
-                                                  "mtpipe/maxtext/launch_rl_cpu.py", "mtpipe/maxtext/rollout_cpu.py"}),
+    ("train_sft", {"hardware.backend": "local"}, {"mtpipe/training/xpk.py", "mtpipe/training/xpk_pod.py",
+                                                  "mtpipe/training/image.py", "mtpipe/maxtext/launch_rl_cpu.py",
+                                                  "mtpipe/maxtext/rollout_cpu.py"}),
     ("train_rl", {"hardware.backend": "local", "train_rl.rollout_backend": "vllm"},
-     {"mtpipe/training/xpk.py", "mtpipe/training/image.py", "mtpipe/maxtext/launch_rl_cpu.py", "mtpipe/maxtext/rollout_cpu.py"}),
+     {"mtpipe/training/xpk.py", "mtpipe/training/xpk_pod.py", "mtpipe/training/image.py",
+      "mtpipe/maxtext/launch_rl_cpu.py", "mtpipe/maxtext/rollout_cpu.py"}),
     ("evaluate", {"evaluate.backend": "vllm", "evaluate.task": "gsm8k_rl_format"},
      {"mtpipe/evaluation/server.py", "mtpipe/evaluation/numpy_forward.py"}),
     ("evaluate", {"evaluate.backend": "cpu", "evaluate.task": "gsm8k_cot_llama"}, {"mtpipe/data/gsm8k_chat.py"}),

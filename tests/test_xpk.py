@@ -12,7 +12,8 @@
   emulator as the work bucket: completed, failed, restarted, out of restarts, a leftover workload
   of the same name; errors that stop the stage before any xpk or docker call; a canary HF_TOKEN
   that must appear in no xpk command line, environment, log or console line.
-* The pod side (`python3 -m mtpipe.training.xpk pod`) with a tiny command instead of MaxText.
+* The pod side (`python3 -m mtpipe.training.xpk_pod`, mtpipe/training/xpk_pod.py) with a tiny command
+  instead of MaxText.
 * Image tags: they change with the lock and the package's code, and only with them.
 No MaxText runs here; the module takes seconds.
 """
@@ -33,7 +34,7 @@ from omegaconf import OmegaConf
 
 import xpk_parser
 from fakes.gcs_emulator import GCS_TEST_ENV
-from mtpipe.training import image, xpk
+from mtpipe.training import image, xpk, xpk_pod
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import commands, training_commands
 from mtpipe.pipeline import config, rules, schema
@@ -135,7 +136,7 @@ def test_sft_tutorial_on_v6e32_is_an_xpk_workload_running_the_stage_command(tmp_
     assert args[-2] == "--command"
     env, pod, main = split_command(args[-1])
     assert env == []
-    assert pod == ["python3", "-m", "mtpipe.training.xpk", "pod", "--run-dir", f"{BUCKET}/train_sft/{SFT_RUN}",
+    assert pod == ["python3", "-m", "mtpipe.training.xpk_pod", "--run-dir", f"{BUCKET}/train_sft/{SFT_RUN}",
                    "--fetch", f"{BUCKET}/inputs/<d>/files=/tmp/mtpipe/inputs/<d>/files",
                    "--metrics", "/tmp/mtpipe/metrics.jsonl"]
     assert main == ["python3", "-m", "mtpipe.maxtext.adapter.training", commands.TRAIN_SFT, *mapped(single.args, {
@@ -161,7 +162,7 @@ def test_grpo_on_v6e32_is_a_pathways_workload_running_the_stage_command(tmp_path
         "--pathways-gcs-location", f"{BUCKET}/pathways"]
     env, pod, main = split_command(args[-1])
     assert env == ["JAX_PLATFORMS=proxy", "JAX_BACKEND_TARGET=grpc://127.0.0.1:29000", "ENABLE_PATHWAYS_PERSISTENCE=1"]
-    assert pod == ["python3", "-m", "mtpipe.training.xpk", "pod", "--run-dir", f"{BUCKET}/train_rl/{RL_RUN}",
+    assert pod == ["python3", "-m", "mtpipe.training.xpk_pod", "--run-dir", f"{BUCKET}/train_rl/{RL_RUN}",
                    "--fetch", f"{BUCKET}/inputs/<d>/files=/tmp/mtpipe/inputs/<d>/files"]
     assert main == ["python3", "-m", "mtpipe.maxtext.adapter.training", commands.TRAIN_RL, *mapped(single.args, {
         "load_parameters_path": f"{BUCKET}/inputs/<d>/items",
@@ -503,28 +504,28 @@ def test_provisioning_and_environment_become_xpk_flags():
 def test_the_pod_side_fetches_runs_and_mirrors_on_the_first_host(bucket, tmp_path, monkeypatch, capsys):
     fs = emulator_fs()
     fs.pipe(f"{bucket}/inputs/abc/files/tokenizer.json", b'{"tok": 1}')
-    monkeypatch.setattr(xpk, "POD_DIR", str(tmp_path / "pod"))
+    monkeypatch.setattr(xpk_pod, "POD_DIR", str(tmp_path / "pod"))
     monkeypatch.delenv("TPU_WORKER_ID", raising=False)
     tok, metrics = tmp_path / "pod/inputs/abc/files", tmp_path / "pod/metrics.jsonl"
     fs.pipe(f"{bucket}/train_sft/r/metrics.jsonl", b'{"step": 0.0}\n')  # from an earlier attempt
     child = (f"import pathlib; print(pathlib.Path({str(tok)!r}, 'tokenizer.json').read_text()); "
              f"open({str(metrics)!r}, 'a').write('{{\"step\": 1.0}}\\n'); print('completed step: 1'); exit(3)")
-    code = xpk.pod_main(["--run-dir", f"{bucket}/train_sft/r", "--fetch", f"{bucket}/inputs/abc/files={tok}",
+    code = xpk_pod.main(["--run-dir", f"{bucket}/train_sft/r", "--fetch", f"{bucket}/inputs/abc/files={tok}",
                          "--metrics", str(metrics), "--", sys.executable, "-c", child])
     assert code == 3
     assert '{"tok": 1}' in capsys.readouterr().out
-    (log,) = fs.glob(f"{bucket}/train_sft/r/{xpk.LOG_DIR}/*.log")
+    (log,) = fs.glob(f"{bucket}/train_sft/r/{xpk_pod.LOG_DIR}/*.log")
     assert fs.cat(log).decode() == '{"tok": 1}\ncompleted step: 1\n# exit 3\n'
     assert fs.cat(f"{bucket}/train_sft/r/metrics.jsonl") == b'{"step": 0.0}\n{"step": 1.0}\n'
 
-    assert xpk.pod_main(["--run-dir", f"{bucket}/train_sft/r2", "--fetch", f"{bucket}/inputs/none={tmp_path}/x",
+    assert xpk_pod.main(["--run-dir", f"{bucket}/train_sft/r2", "--fetch", f"{bucket}/inputs/none={tmp_path}/x",
                          "--", sys.executable, "-c", "pass"]) == 1
-    (log,) = fs.glob(f"{bucket}/train_sft/r2/{xpk.LOG_DIR}/*.log")
+    (log,) = fs.glob(f"{bucket}/train_sft/r2/{xpk_pod.LOG_DIR}/*.log")
     assert "FileNotFoundError" in fs.cat(log).decode(), "a failed fetch is in the log the laptop reads"
 
     monkeypatch.setenv("TPU_WORKER_ID", "1")  # another host: runs, mirrors nothing
-    assert xpk.pod_main(["--run-dir", f"{bucket}/train_sft/r", "--", sys.executable, "-c", "pass"]) == 0
-    assert len(fs.glob(f"{bucket}/train_sft/r/{xpk.LOG_DIR}/*.log")) == 1
+    assert xpk_pod.main(["--run-dir", f"{bucket}/train_sft/r", "--", sys.executable, "-c", "pass"]) == 0
+    assert len(fs.glob(f"{bucket}/train_sft/r/{xpk_pod.LOG_DIR}/*.log")) == 1
 
 
 # ---- the image ----------------------------------------------------------------------------------------
