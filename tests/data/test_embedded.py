@@ -17,7 +17,7 @@ from families import TWINS, twins
 from mtpipe.data import embedded
 from mtpipe.pipeline import config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from mtpipe.reporting.report import flatten
 
 pytestmark = pytest.mark.families
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TWINS = sorted(embedded.FAMILIES)
 CONFS = config.twin_confs(TWINS)  # what configure writes into make_embedded's view
 MISSING = object()

@@ -19,7 +19,7 @@ from pipeline import copy_project, env
 
 pytestmark = pytest.mark.families
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # A family MaxText converts but the numpy forward cannot run (a mixture of experts): its twin would
 # train, then fail in evaluate's model server, unless configure refuses it.
 UNSERVED = {"name": "mixtral-tiny", "maxtext_name": "mixtral-8x7b", "model_type": "mixtral"}
@@ -110,7 +110,7 @@ def test_config_tests_pass_after_a_dvc_exp_run_rewrote_params(tmp_path):
     text = params.read_text()
     assert "preset: gemma3-4b-ultrachat-v6e8" in text and "\nsteps: null" not in text and "\nsteps:" in text
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q",
-                           "-m", "not slow", "tests/test_config.py"],
+                           "-m", "not slow", "tests/pipeline/test_config.py"],
                           cwd=repo, env=env(), capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert params.read_text() == text  # the workspace file stays as the experiment left it

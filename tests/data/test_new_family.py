@@ -138,8 +138,8 @@ def test_the_tests_parametrize_over_the_new_family_without_edits(project):
     ids = set(re.findall(r"^(tests/\S+::\S+)$", collected.stdout, re.M))
     shipped = {i for i in ids if f"[{SHIPPED}" in i or f"-{SHIPPED}" in i}
     assert {i.replace(SHIPPED, NEW) for i in shipped} <= ids, sorted({i.replace(SHIPPED, NEW) for i in shipped} - ids)
-    for expected in ("tests/test_conversion_roundtrip.py::test_round_trip_is_bit_exact",
-                     "tests/test_embedded_twins.py::test_config_sizes_are_the_yaml_s"):
+    for expected in ("tests/maxtext/test_conversion_roundtrip.py::test_round_trip_is_bit_exact",
+                     "tests/data/test_embedded_twins.py::test_config_sizes_are_the_yaml_s"):
         assert f"{expected}[{NEW}]" in ids, expected
 
     quick = _pytest(project, "-q", "-m", "families and not slow", "-k", NEW)

@@ -24,7 +24,7 @@ import families
 
 pytestmark = pytest.mark.evaluate_publish
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "hf_writecanary" + "Q" * 24
 STAGE = """stages:
   to_huggingface:

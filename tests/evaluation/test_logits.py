@@ -210,5 +210,5 @@ def test_a_config_the_forward_cannot_serve_is_refused_naming_the_key(llama_dir, 
         numpy_forward.Model(tmp_path)
 
 
-# MaxText against this reference: tests/test_conversion_roundtrip.py (the converted tiny twins,
-# untrained) and tests/test_pipeline_{sft,rl}.py (the pipeline's trained, exported models).
+# MaxText against this reference: tests/maxtext/test_conversion_roundtrip.py (the converted tiny twins,
+# untrained) and tests/pipeline/test_pipeline_{sft,rl}.py (the pipeline's trained, exported models).

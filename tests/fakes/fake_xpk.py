@@ -1,6 +1,6 @@
-"""Stand-ins for the `xpk` and `docker` executables, for tests/test_xpk.py.
+"""Stand-ins for the `xpk` and `docker` executables, for tests/training/test_xpk.py.
 
-`tests/test_xpk.py` puts two wrappers on PATH (`xpk`, `docker`) that run this file with the tool's
+`tests/training/test_xpk.py` puts two wrappers on PATH (`xpk`, `docker`) that run this file with the tool's
 name first. State lives in $FAKE_XPK_DIR: `calls.jsonl` gets one record per call (tool, argv, and
 whether a Hugging Face token was in its environment), `scenario.json` says what the workload does,
 `workload.json` is the submitted workload.

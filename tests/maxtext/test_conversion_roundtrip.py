@@ -22,7 +22,7 @@ from families import TWINS, twins
 from mtpipe.evaluation import numpy_forward
 
 from mtpipe.maxtext.adapter import conversion
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 JAX_CACHE = ROOT / "work" / "jax_cache"
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
 

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from mtpipe.pipeline import config
 import families
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import grpo_trl  # noqa: E402
 

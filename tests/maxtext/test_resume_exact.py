@@ -3,8 +3,8 @@ ends with the bytes and the curve of the uninterrupted run, which is the shared 
 
 The kill points do not depend on the machine's speed: MaxText holds after a chosen step
 (MTPIPE_HOLD_AFTER_STEP, tests/pipeline.py::start_held) until the signal comes. The two-process run's
-kill (its run directory in work/) is tests/test_multihost.py's; the Spot VM's (SIGKILL, resumed from
-the bucket on a new VM) is tests/test_vm_recovery.py's.
+kill (its run directory in work/) is tests/training/test_multihost.py's; the Spot VM's (SIGKILL, resumed from
+the bucket on a new VM) is tests/cloud/lifecycle/test_vm_recovery.py's.
 """
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ def test_the_grading_workers_do_not_import_jax_or_tunix():
     """train_rl's child process is launched as `python -m mtpipe.maxtext.launch_rl_cpu`; each grading
     worker (one more per 100 graded answers) re-imports that module, and must not pay JAX's, flax's
     and tunix's import (benchmarks/grading_workers.py measures the cost). The control: the rollout backend as
-    __main__ makes every worker import them. (tests/test_tutorial_commands.py checks the launcher.)"""
+    __main__ makes every worker import them. (tests/maxtext/test_tutorial_commands.py checks the launcher.)"""
     assert _heavy_modules_a_grading_worker_imports("mtpipe.maxtext.launch_rl_cpu") == []
     assert {"jax", "flax", "tunix"} <= set(_heavy_modules_a_grading_worker_imports("mtpipe.maxtext.rollout_cpu"))
 

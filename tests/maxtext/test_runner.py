@@ -65,7 +65,7 @@ def test_a_failing_tool_fails_the_stage(tmp_path, monkeypatch):
 
 
 @pytest.mark.multihost
-@pytest.mark.xdist_group("coordinator-port")  # with tests/test_multihost.py
+@pytest.mark.xdist_group("coordinator-port")  # with tests/training/test_multihost.py
 @pytest.mark.slow
 def test_processes_get_the_jobset_environment_and_one_failure_stops_all(tmp_path, monkeypatch):
     """Two processes: each gets its index as a GKE JobSet gives it; when process 1 dies, process 0
@@ -157,7 +157,7 @@ print("google.cloud.aiplatform.initializer" in sys.modules)
 from google.cloud import aiplatform
 print(callable(aiplatform.init), "google.cloud.aiplatform.initializer" in sys.modules)
 """
-    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], capture_output=True,
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2], capture_output=True,
                          text=True, check=True).stdout
     assert out.split() == ["False", "True", "True"], out
 
@@ -183,7 +183,7 @@ def test_a_process_runs_and_exits_with_its_heap_frozen(tmp_path: Path, command: 
     interpreter's exit finds nothing left to walk (3-4 s of CPU per MaxText process on 2 cores,
     docs/testing.md)."""
     (tmp_path / "probe_module.py").write_text(PROBE)
-    done = subprocess.run([sys.executable, *command], cwd=Path(__file__).parents[1],
+    done = subprocess.run([sys.executable, *command], cwd=Path(__file__).parents[2],
                           env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True, check=False)
     out = done.stdout
     assert done.returncode == status, done.stderr[-2000:]
@@ -222,6 +222,6 @@ print(alive() is not None, sleeps)
 finish()
 print(alive() is not None, sleeps, datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN)
 """
-    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], capture_output=True,
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2], capture_output=True,
                          text=True, check=True).stdout
     assert out.splitlines()[-2:] == ["True []", "False [0.5] 5"], out

@@ -32,7 +32,7 @@ from mtpipe.pipeline import config
 
 pytestmark = [pytest.mark.preflight, pytest.mark.slow, pytest.mark.families]
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 VISION_PREFIXES = adapter.UNTRAINED_PREFIXES
 
 

@@ -21,7 +21,7 @@ import pytest
 import families
 from pipeline import orbax_arrays
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MODEL_NAME = "llama3.1-8b-Instruct"
 
 

@@ -1,7 +1,7 @@
 """Training state in a work bucket (mtpipe/maxtext/run_dir.py): the run directory's place, lease and
 mirror, and the collector of run directories no recipe names. A stopped training resuming on another
-machine from the bucket is tests/test_resume_exact.py's (a fresh clone) and tests/test_vm_recovery.py's
-(a new Spot VM).
+machine from the bucket is tests/maxtext/test_resume_exact.py's (a fresh clone) and
+tests/cloud/lifecycle/test_vm_recovery.py's (a new Spot VM).
 
 The patched GCS emulator (tests/fakes/gcs_emulator.py) is the bucket for every client a stage has:
 gcsfs and google-cloud-storage read STORAGE_EMULATOR_HOST, tensorstore (Orbax's storage)

@@ -17,7 +17,7 @@ def test_forced_rerun_gives_identical_outputs(pipeline_repo):
     """`-f to_maxtext@sft` reruns the SFT branch's download and conversion and the stages before them
     (configure, the generator of the embedded default), `-f -s to_huggingface@sft` the export alone:
     each must write the bytes it wrote before. The training between them is rerun on identical inputs by
-    tests/test_content_address.py (another checkpoint period, the same params) and the resume tests."""
+    tests/pipeline/test_content_address.py (another checkpoint period, the same params) and the resume tests."""
     lock = (pipeline_repo / "dvc.lock").read_text()
     try:
         ran = ran_stages(dvc(pipeline_repo, "repro", "-f", "to_maxtext@sft").stdout)

@@ -171,7 +171,8 @@ def test_killed_and_failed_training_leave_the_token_nowhere(pipeline_repo: Path,
         # tensorboardX flushes every 120 s (flush_secs) or on close; a run can end before the first
         # flush, so the killed run is held after its first step's checkpoint (MTPIPE_HOLD_AFTER_STEP:
         # waiting, not training) until its config dump is flushed. Its 6 steps and the failed run's 4
-        # are the sweeps' (tests/test_invalidation.py, tests/test_vm_sweep.py): one compile each.
+        # are the sweeps' (tests/pipeline/test_invalidation.py, tests/cloud/lifecycle/test_vm_sweep.py): one
+        # compile each.
         cfg["train_sft"].update(steps=6)
         preset.write_text(yaml.safe_dump(cfg, sort_keys=False))
         with ProcessWatch(canary.canary, canary.marker) as watch:

@@ -14,7 +14,7 @@ import yaml
 from mtpipe.pipeline import stage_table
 from mtpipe.pipeline.stage_table import STAGES, Stage
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.house
 
 

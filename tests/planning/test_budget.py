@@ -22,7 +22,7 @@ from mtpipe.pipeline.maxtext_check import compose_checked
 from mtpipe.planning import budget, preflight
 import families
 
-pytestmark = pytest.mark.first_contact
+pytestmark = [pytest.mark.checks, pytest.mark.first_contact]
 
 TUTORIALS = ["sft.preset=gemma3-4b-ultrachat-v6e8", "rl.preset=llama3.1-8b-gsm8k-v6e8"]
 FIXTURES = {"google/gemma-3-4b-it": ("gemma-3-4b-it", "gemma3-4b"),

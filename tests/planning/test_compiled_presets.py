@@ -1,7 +1,7 @@
 """The committed compile results of the shipped tutorial presets (mtpipe/planning/compiled/): each one
 holds for its preset as preflight composes it now, at the TPU VM's versions, and preflight reads it
 instead of compiling; a result of other versions or another shape is not used, and says why.
-(tests/test_control_plane.py runs `doit preflight` from one in the environment without JAX.)"""
+(tests/project/test_control_plane.py runs `doit preflight` from one in the environment without JAX.)"""
 
 from __future__ import annotations
 

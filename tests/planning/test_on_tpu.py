@@ -23,7 +23,7 @@ from mtpipe.maxtext import commands, training_commands
 from mtpipe.planning import preflight, step_model
 from mtpipe.pipeline.toolchain import lock_pins
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ON_TPU = ROOT / "benchmarks" / "on_tpu"
 sys.path.insert(0, str(ON_TPU))
 

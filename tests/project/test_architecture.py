@@ -1,6 +1,6 @@
 """mtpipe's packages, and mtpipe/cloud's rooms, keep the orders docs/architecture.md declares: no import
 runs against them; no class is longer than 300 lines. The tests keep the layout docs/testing.md
-describes: no test file imports another, fakes in tests/fakes/."""
+describes: no test file imports another, fakes in tests/fakes/, each test file in its room's folder."""
 
 import ast
 import re
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TESTS, FAKES = ROOT / "tests", ROOT / "tests" / "fakes"
 pytestmark = pytest.mark.architecture
 
@@ -169,6 +169,20 @@ def test_every_fake_lives_in_tests_fakes():
                       for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
                       and any(ast.unparse(base).endswith(("Server", "RequestHandler")) for base in node.bases)]
     assert not misplaced, "fakes outside tests/fakes/:\n" + "\n".join(misplaced)
+
+
+def test_every_test_file_is_in_the_folder_of_the_room_it_tests():
+    """A test file lives in tests/<package>/ (a package of the package order), tests/cloud/<room>/ (a
+    room of the cloud order) or tests/project/ (the project as a whole), and no two test files share a
+    name: pytest imports each by its name (docs/testing.md, "Where the tests are")."""
+    folders = ({name for name in declared_order() if name != "cloud"} | {"project"}
+               | {f"cloud/{room}" for room in declared_cloud_order()})
+    files = sorted(TESTS.rglob("test_*.py"))
+    misplaced = [str(path.relative_to(ROOT)) for path in files
+                 if path.parent.relative_to(TESTS).as_posix() not in folders]
+    assert not misplaced, f"test files outside the rooms' folders {sorted(folders)}:\n" + "\n".join(misplaced)
+    names = [path.name for path in files]
+    assert len(names) == len(set(names)), sorted({name for name in names if names.count(name) > 1})
 
 
 # The project's own environment variables: each says where or how patiently something runs, or how to

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.explains
 # What takes seconds to import; an action imports it when it runs, dodo.py never does.
 HEAVY = ("google.cloud.compute_v1", "google.auth", "google.api_core", "asyncssh", "dvc", "jax", "maxtext",

@@ -87,7 +87,7 @@ def test_vm_run_from_the_light_environment(light: Path, world: Env) -> None:
 def test_preflight_of_the_sft_tutorial_answers_without_jax(light: Path, tmp_path: Path) -> None:
     """No compile: the SFT tutorial's committed result (mtpipe/planning/compiled/) gives the HBM per
     chip and its fit, the step time and the whole run's price, the row preflight prints with MaxText
-    (tests/test_compiled_presets.py)."""
+    (tests/planning/test_compiled_presets.py)."""
     repo = tmp_path / "repo"
     repo.mkdir()
     (repo / "params.yaml").write_text(families.committed_params_text())

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.house
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.docs, pytest.mark.house]
 
 README_MAX_LINES = 150
 DOC_MAX_LINES = 400

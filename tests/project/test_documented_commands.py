@@ -17,8 +17,8 @@ from doit.doit_cmd import DoitMain
 
 import dodo
 
-ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.cloud_contract
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.docs, pytest.mark.cloud_contract]
 DOIT_COMMANDS = {"list", "help", "info", "run", "clean", "forget", "ignore", "auto", "dumpdb", "strace",
                  "tabcompletion", "reset-dep"}
 

@@ -20,11 +20,11 @@ from mtpipe.errors import ConfigError
 from mtpipe.pipeline import config
 from mtpipe.planning.preflight import CHIPS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ROLES = ROOT / "docs" / "roles.md"
 QUICKSTARTS = [ROOT / "docs" / "quickstart-sft.md", ROOT / "docs" / "quickstart-grpo.md"]
 ROLE = re.compile(r"`(roles/[\w.]+)`")
-pytestmark = pytest.mark.first_run
+pytestmark = [pytest.mark.docs, pytest.mark.first_run]
 
 
 def tables(page: Path) -> list[list[str]]:

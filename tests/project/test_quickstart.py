@@ -6,7 +6,7 @@ VM the first one kept.
 
 What the run changes, each for a stated reason (SUBSTITUTIONS, NOT_RUN, SKIPPED): the placeholders
 become the fakes' names; the tutorial presets become the embedded ones (a 4B or 8B model does not
-train on this machine); `doit vm_run` gets `--yes` (no terminal to answer on: tests/test_lifecycle.py
+train on this machine); `doit vm_run` gets `--yes` (no terminal to answer on: tests/cloud/lifecycle/test_lifecycle.py
 asks); the new bucket gets the emulator's endpoint and, as if the pipeline had run before, the shared
 pipeline's outputs (building it on the loopback VM from nothing would take minutes, and the shared
 build proves it).
@@ -28,7 +28,7 @@ from fakes.gcs_emulator import GcsEmulator
 from fakes.hf_server import HubServer
 from vm_world import ONE_CHIP, ROOT, Env, assert_deleted, hub_with_tutorial_repos, loopback_world, sh, tpu_stand_in
 
-pytestmark = [pytest.mark.first_hour, pytest.mark.first_run]
+pytestmark = [pytest.mark.docs, pytest.mark.first_hour, pytest.mark.first_run]
 SETUP = ROOT / "docs" / "quickstart-setup.md"
 PAGES = {"sft": ROOT / "docs" / "quickstart-sft.md", "rl": ROOT / "docs" / "quickstart-grpo.md"}
 TUTORIAL = {"sft": "gemma3-4b-ultrachat-v6e8", "rl": "llama3.1-8b-gsm8k-v6e8"}

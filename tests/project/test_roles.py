@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PREDEFINED = ROOT / "tests" / "fixtures" / "gcp" / "predefined-roles.txt"
 # A predefined role's name (a custom one is projects/P/roles/X or organizations/O/roles/X).
 ROLE = re.compile(r"(?<![\w/.-])roles/[A-Za-z][\w.]*\w")
-pytestmark = pytest.mark.first_request
+pytestmark = [pytest.mark.docs, pytest.mark.first_request]
 
 
 def named_roles(paths: list[Path]) -> dict[str, list[str]]:

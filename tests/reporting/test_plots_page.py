@@ -15,7 +15,7 @@ import yaml
 
 from mtpipe.reporting import plots_page
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")
 pytestmark = pytest.mark.explains
 

@@ -13,7 +13,7 @@ from matplotlib import image
 from mtpipe.pipeline import fingerprint
 from mtpipe.reporting import report
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "reports" / "embedded"
 pytestmark = pytest.mark.explains
 

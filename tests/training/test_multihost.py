@@ -33,7 +33,7 @@ from work_bucket import bucket_env, emulator_fs
 
 from mtpipe.maxtext.checkpoints import COMMIT_MARKER
 
-# one multi-process run per machine at a time (MaxText's coordinator port): with tests/test_runner.py
+# one multi-process run per machine at a time (MaxText's coordinator port): with tests/maxtext/test_runner.py
 pytestmark = [pytest.mark.multihost, pytest.mark.slow, pytest.mark.xdist_group("coordinator-port")]
 
 STEPS, PERIOD = 12, 4
@@ -126,7 +126,7 @@ def test_two_processes_survive_a_killed_process_resume_exactly_and_export(pipeli
     in both processes, each skipping the batches of its own shard it trained, and ends as the
     uninterrupted run (from the bucket) ended: the same param bytes, the same loss curve. The export
     of the 2-process checkpoint matches MaxText's forward as tightly as the 1-process one
-    (tests/test_pipeline_sft.py)."""
+    (tests/pipeline/test_pipeline_sft.py)."""
     runs = pipeline_repo / "work" / "train_sft"
     folder = pipeline_repo / "work" / "logs" / "sft"
     try:

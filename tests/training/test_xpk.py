@@ -41,8 +41,8 @@ from mtpipe.pipeline import config, rules, schema
 
 pytestmark = pytest.mark.multihost
 
-ROOT = Path(__file__).resolve().parents[1]
-FAKE = Path(__file__).parent / "fakes" / "fake_xpk.py"
+ROOT = Path(__file__).resolve().parents[2]
+FAKE = Path(__file__).parents[1] / "fakes" / "fake_xpk.py"
 BUCKET = "gs://bkt/work"
 SFT_RUN, RL_RUN = "train_sft-sft-0123456789ab", "train_rl-0123456789ab"
 FILLED = {"cluster": "mtpipe-c", "project": "my-project", "zone": "us-east5-b",

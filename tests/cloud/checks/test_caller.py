@@ -24,7 +24,7 @@ from vm_world import Env
 from mtpipe.cloud.checks import caller
 from mtpipe.cloud.settings import vm_state
 
-pytestmark = pytest.mark.first_request
+pytestmark = [pytest.mark.checks, pytest.mark.first_request]
 RUNNER = "runner@proj-1.iam.gserviceaccount.com"
 DEFAULT_SA = "1234-compute@developer.gserviceaccount.com"   # fake Compute: proj-1 is project 1234
 NAT_ROUTER = {"name": "nat-router", "region": "us-east5", "network": "default",

@@ -25,7 +25,7 @@ from mtpipe.cloud.settings import vm_state
 from mtpipe.errors import ConfigError
 from mtpipe.planning import preflight
 
-pytestmark = pytest.mark.first_run
+pytestmark = [pytest.mark.checks, pytest.mark.first_run]
 SFT_TUTORIAL = "--set=sft.preset=gemma3-4b-ultrachat-v6e8"
 RUNNER = "runner@proj-1.iam.gserviceaccount.com"
 # What a run that makes its own firewall rule asks testIamPermissions for.

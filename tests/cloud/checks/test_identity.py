@@ -26,7 +26,7 @@ from mtpipe.cloud.checks import identity
 from mtpipe.cloud.settings import vm_config, vm_state
 from mtpipe.errors import ConfigError
 
-pytestmark = pytest.mark.first_contact
+pytestmark = [pytest.mark.checks, pytest.mark.first_contact]
 
 DEFAULT_SA = "1234-compute@developer.gserviceaccount.com"   # fake Compute: proj-1 is project 1234
 WORK_BUCKET = "mtpipe-work"

@@ -26,7 +26,7 @@ from vm_world import Env
 from mtpipe.cloud.providers.gcp import ssh_route
 from mtpipe.cloud.settings import vm_state
 
-pytestmark = pytest.mark.first_contact
+pytestmark = [pytest.mark.checks, pytest.mark.first_contact]
 NAT_ROUTER = {"name": "nat-router", "region": "us-east5", "network": "default",
               "nats": [{"name": "nat", "sourceSubnetworkIpRangesToNat": "ALL_SUBNETWORKS_ALL_IP_RANGES"}]}
 
@@ -68,7 +68,7 @@ def test_os_login_from_project_metadata_uses_the_os_login_user(world: Env) -> No
     assert "OS Login (project metadata enable-oslogin=TRUE): the SSH key is in the OS Login profile of " \
            "ci-runner@example.com; SSH as ci_runner_example_com" in out, out
     assert [i for i in insert_body(w)["metadata"]["items"] if i["key"] != "startup-script"] == [
-        {"key": "enable-oslogin", "value": "TRUE"}]   # and the idle watch (tests/test_vm_idle.py)
+        {"key": "enable-oslogin", "value": "TRUE"}]   # and the idle watch (tests/cloud/providers/test_vm_idle.py)
     state = vm_state.read_state(w.repo)
     assert state["os_login"] is True and state["ssh_user"] == "ci_runner_example_com"
     assert "oslogin.users.importSshPublicKey" in {r.api_method for r in w.fake.requests}

@@ -33,9 +33,9 @@ from mtpipe.planning import preflight, step_model
 import families
 from vm_world import as_script, hub_with_tutorial_repos
 
-pytestmark = pytest.mark.vm_experiments
+pytestmark = [pytest.mark.checks, pytest.mark.vm_experiments]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 TARGET = {"PROJECT": "proj-1", "ZONE": "us-east5-b", "RESERVATION": "v6e-res", "NAME": "mt-test"}
 SFT_TUTORIAL = "--set=sft.preset=gemma3-4b-ultrachat-v6e8"
 

@@ -1,7 +1,7 @@
 """The VM lifecycle (mtpipe/cloud/lifecycle/) driven directly, without doit: the fake Compute API
 and the loopback SSH server of tests/vm_world.py stand in for Google Cloud and the VM.
 
-The doit tasks (tests/test_vm_cycle.py, test_vm_recovery.py) check the same rules end to end."""
+The doit tasks (tests/cloud/lifecycle/test_vm_cycle.py, test_vm_recovery.py) check the same rules end to end."""
 
 from __future__ import annotations
 

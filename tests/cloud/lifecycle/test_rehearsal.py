@@ -2,7 +2,7 @@
 one-chip VM, which is then deleted (mtpipe/cloud/lifecycle/rehearsal.py, docs/vm-checks.md).
 
 The loopback VM is the project's clone whose DVC remote holds the shared pipeline's outputs (the
-`project_world` fixture, as tests/test_vm_cycle.py's full cycle), so the VM's `dvc exp run` pulls
+`project_world` fixture, as tests/cloud/lifecycle/test_vm_cycle.py's full cycle), so the VM's `dvc exp run` pulls
 rather than trains. Its JAX has only the CPU: the TPU runtime check meets a stand-in `python` first on
 PATH in `run.tpu_check` (as test_vm_cycle's TPU tests do) that records its arguments and hands every
 other command line to the real interpreter; the Hub is tests/fakes/hf_server.py.

@@ -2,7 +2,8 @@
 the flex-start provisioning). A stockout in the first of `zones` moves the insert to the next one,
 leaving nothing in the zone it left; a quota short in a region skips that region's zones before the
 insert, or stops the run naming the quota when no zone is left; a Flex-start VM is created as Compute
-takes one and priced as conf/prices.yaml says (tests/test_first_run_compute.py, with the Flex-start queue).
+takes one and priced as conf/prices.yaml says (tests/cloud/providers/test_compute_refusals.py, with the
+Flex-start queue).
 
 `doit vm_up` runs in process against the loopback world (tests/vm_world.py): the fake Compute API
 keeps each VM's boot disk as a disk of its zone and refuses an on-demand insert past the region's
@@ -21,7 +22,7 @@ from vm_world import Env
 from mtpipe.cloud.checks import quota
 from mtpipe.cloud.settings import vm_state
 
-pytestmark = pytest.mark.first_request
+pytestmark = [pytest.mark.provisioning, pytest.mark.first_request]
 EAST, WEST = "us-east5-b", "europe-west4-a"   # zones of two regions that offer ct6e-standard-8t
 STOCKOUT = ("operation", "ZONE_RESOURCE_POOL_EXHAUSTED",
             f"The zone 'projects/proj-1/zones/{EAST}' does not have enough resources available to fulfill the "

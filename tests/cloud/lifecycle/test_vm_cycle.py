@@ -5,7 +5,7 @@ default ran) to the loopback "VM", which pulls the artifacts from the GCS emulat
 tutorial-like experiments there (`dvc exp run`, one per branch, one of them training) and pushes;
 the experiments come back as refs (`dvc exp show`), and `dvc exp apply` + `dvc pull` fetch what the
 VM produced. The failure paths (teardown, --keep, an unreachable VM, a VM deleted by
-maxRunDuration) use a minimal DVC repo; Ctrl-C in each phase is tests/test_vm_interrupts.py's.
+maxRunDuration) use a minimal DVC repo; Ctrl-C in each phase is tests/cloud/lifecycle/test_vm_interrupts.py's.
 
 Stand-ins, all on 127.0.0.1 and reached through the real clients: the fake Compute API
 (google-cloud-compute), an asyncssh server that admits only the key found in the fake instance's

@@ -18,7 +18,7 @@ import pytest
 from fakes.fake_compute import Reservation
 from vm_world import Env, assert_deleted
 
-pytestmark = pytest.mark.cloud_contract
+pytestmark = [pytest.mark.provisioning, pytest.mark.cloud_contract]
 
 AFFINITY = {"consumeReservationType": "SPECIFIC_RESERVATION", "key": "compute.googleapis.com/reservation-name"}
 SHARED = "projects/owner-proj/reservations/shared-res"

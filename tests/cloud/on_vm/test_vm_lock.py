@@ -42,7 +42,7 @@ from mtpipe.pipeline import requirement_locks
 from mtpipe.pipeline.requirement_locks import VM_LOCK, uv
 from mtpipe.pipeline.toolchain import lock_pins
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 pytestmark = pytest.mark.preflight
 

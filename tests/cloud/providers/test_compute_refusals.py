@@ -28,7 +28,7 @@ from mtpipe.cloud.providers.interface import CapacityError, GcpError
 from mtpipe.cloud.settings import prices, vm_config, vm_state
 from mtpipe.errors import ConfigError
 
-pytestmark = pytest.mark.first_run
+pytestmark = [pytest.mark.provisioning, pytest.mark.first_run]
 EAST_B, EAST_A, WEST, TOKYO = "us-east5-b", "us-east5-a", "europe-west4-a", "asia-northeast1-b"
 V6E = "ct6e-standard-8t"
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE2e7Q2Wn5mJ0o7P1E5c1kdP0b4o3FqXg0aWQkMGxS5f test"
@@ -52,7 +52,7 @@ def test_a_v5e_vm_is_refused_before_any_request(world: Env) -> None:
     forecast (its machine budget)."""
     w = world
     w.configure(machine_type="ct5lp-hightpu-8t", boot_disk_type="pd-balanced", provisioning="on-demand",
-                route="compute")   # by machine type it takes the Cloud TPU API (tests/test_tpu_api.py)
+                route="compute")   # by machine type it takes the Cloud TPU API (tests/cloud/providers/test_tpu_api.py)
     for task in ("vm_up", "vm_run"):
         out = w.doit(task, ok=False).stdout
         assert "ConfigError: vm.machine_type: ct5lp-hightpu-8t (v5e) cannot be created on Compute Engine" in out, out

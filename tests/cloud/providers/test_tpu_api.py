@@ -34,7 +34,7 @@ from mtpipe.cloud.providers.tpu_api.client import TPU_ENDPOINT_ENV
 from mtpipe.cloud.settings import vm_config, vm_state
 from mtpipe.errors import ConfigError
 
-pytestmark = pytest.mark.tpu_api
+pytestmark = [pytest.mark.provisioning, pytest.mark.tpu_api]
 V5E = {"machine_type": "ct5lp-hightpu-8t", "boot_disk_type": "pd-balanced", "provisioning": "on-demand"}
 KEY = ("proj-1", "us-east5-b", "mt-test")
 

@@ -32,7 +32,8 @@ from mtpipe.cloud.settings import prices, vm_config
 from mtpipe.errors import ConfigError
 from vm_world import as_script
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
+pytestmark = pytest.mark.provisioning
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE2fTTNpubliconly mtpipe"
 
 # gcloud compute instances create NAME --zone=us-east5-b --network=default --tags=NAME
@@ -78,7 +79,7 @@ GOLDEN_FIREWALL = {
 
 def without_idle_watch(body: dict) -> dict:
     """An insert body without its startup script, which must be the idle watch of conf/vm.yaml's
-    idle.delete_after_s (tests/test_vm_idle.py runs it)."""
+    idle.delete_after_s (tests/cloud/providers/test_vm_idle.py runs it)."""
     items = body["metadata"]["items"]
     (script,) = [i["value"] for i in items if i["key"] == "startup-script"]
     assert script.startswith("#!/bin/bash\n# mtpipe: delete this VM after 1800 s with nothing of vm_run running")
