@@ -13,7 +13,7 @@ BIN := $(CURDIR)/$(VENV)/bin
 # Python 3.12 (MaxText needs >= 3.12): a working python3.12 on PATH, else pyenv's, else say how to get one.
 PY312 := $(shell for p in python3.12 $$(pyenv root 2>/dev/null)/versions/3.12*/bin/python; do \
 	  $$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { command -v $$p; break; }; done)
-# headless Chromium: tests/test_plots_page.py opens the plots page in it with the network off
+# headless Chromium: tests/reporting/test_plots_page.py opens the plots page in it with the network off
 CHROMIUM := /usr/bin/chromium
 export PATH := $(BIN):$(PATH)
 export GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT := false
@@ -67,7 +67,7 @@ test-fast: $(VENV)/.installed $(CHROMIUM) work/.test-envs
 	python tests/offline.py python -m pytest -n $(or $(WORKERS),2) -m "not slow"
 
 # What the tests would otherwise fetch from a package index: xpk's and TRL's side environments, the uv
-# tests/test_vm_lock.py runs, requirements-vm.lock in uv's cache (tests/prefetch.py; each kept while
+# tests/cloud/on_vm/test_vm_lock.py runs, requirements-vm.lock in uv's cache (tests/prefetch.py; each kept while
 # its marker matches).
 work/.test-envs: $(VENV)/.installed requirements-vm.lock requirements-control.lock tests/prefetch.py tests/xpk_parser.py benchmarks/grpo_trl.py
 	python tests/prefetch.py

@@ -13,8 +13,8 @@ spent to write the same bytes. Each waste is put down to what moved in its depen
 * inputs: only its input data (another stage's outputs, or embedded/ for a download).
 
 What the replay cannot see: a change of behaviour that no dependency recorded (a **miss**, an
-output left stale). The suite looks for those at HEAD: tests/test_reproducible.py reruns the SFT
-branch with --force and requires the same bytes, and tests/test_toolchain.py fails while the
+output left stale). The suite looks for those at HEAD: tests/pipeline/test_reproducible.py reruns the SFT
+branch with --force and requires the same bytes, and tests/pipeline/test_toolchain.py fails while the
 committed record is not what the committed code makes.
 
 Usage: python benchmarks/address_replay.py [--since REV]   (REV: count only commits after it)

@@ -8,7 +8,7 @@ SPEC.json (written by benchmarks/grpo_trl.py): the HF model directory (the expor
 training prompts in MaxText's order, the held-out prompts, and MaxText's settings (group size,
 learning rate and schedule, beta, clip, sampling, reward weights). The reward functions below are
 written from MaxText's description (utils_rl.match_format_exactly, match_format_approximately,
-check_numbers), not imported: tests/test_grpo_trl.py checks that both score hand-written
+check_numbers), not imported: tests/maxtext/test_grpo_trl.py checks that both score hand-written
 completions alike. OUT.json: the held-out eval before and after (greedy accuracy, sampled pass@1,
 format share, reward under sampling) and the reward per GRPO step; with 0 steps, the eval of the
 model alone (grpo_trl.py --model: MaxText's GRPO result under the same evaluator).

@@ -45,7 +45,7 @@ class PipelineRun:
 @pytest.fixture(scope="session")
 def pipeline_run(tmp_path_factory) -> PipelineRun:
     """A copy of the project where `dvc repro` ran the whole embedded default once (real MaxText),
-    on the code path of a TPU VM, with a canary HF_TOKEN (tests/test_secrets.py searches for it).
+    on the code path of a TPU VM, with a canary HF_TOKEN (tests/pipeline/test_secrets.py searches for it).
 
     The result is committed, so tests that change things can go back with :func:`restore`.
     Under xdist the first worker that needs it builds it (the others wait for the lock) and each
@@ -95,7 +95,7 @@ def pipeline_repo(pipeline_run: PipelineRun) -> Path:
 def gcs_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GcsEmulator]:
     """One patched emulator per test module, storing objects under a temporary directory. Its bucket
     lets the fake Compute project's default service account (what the loopback VMs run as) use
-    objects, so the identity check before spending passes (tests/test_first_contact_identity.py
+    objects, so the identity check before spending passes (tests/cloud/checks/test_identity.py
     takes it away)."""
     with running_emulator(tmp_path_factory.mktemp("gcs-data")) as emulator:
         set_bucket_policy(emulator, [{"role": "roles/storage.objectAdmin",
@@ -130,15 +130,17 @@ def pytest_collection_modifyitems(config, items: list[pytest.Item]) -> None:
         if not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(f"pipeline-{item.path.stem}"))
 
-    def rank(item: pytest.Item) -> tuple[int, int]:
+    def rank(item: pytest.Item) -> tuple[int, int, str]:
         long = LONGEST_FILES.index(item.path.stem) if item.path.stem in LONGEST_FILES else len(LONGEST_FILES)
         if uses_pipeline(item) and item.path.stem == FIRST_PIPELINE_FILE:
-            return 0, long
+            return 0, long, item.path.name
         if item.get_closest_marker("xdist_group"):
-            return 2, long
-        return (1 if item.get_closest_marker("slow") else 3), long
+            return 2, long, item.path.name
+        return (1 if item.get_closest_marker("slow") else 3), long, item.path.name
 
-    items.sort(key=rank)  # stable: file order within each rank
+    # stable: within a rank, files by name whatever their folder (a file moved between folders keeps its
+    # place in the schedule), and each file's tests in their order
+    items.sort(key=rank)
 
 
 def model_servers(root: Path) -> dict[int, str]:

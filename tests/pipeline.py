@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parents[1]
 # What a test copy changes in the committed params.yaml: the RL warm-up runs 120 steps, not 400 (enough for
-# the answer format: tests/test_pipeline_rl.py), GRPO 8 steps, not the demo's 100, and its eval takes 16
+# the answer format: tests/pipeline/test_pipeline_rl.py), GRPO 8 steps, not the demo's 100, and its eval takes 16
 # prompts, not 96. The code path is the same; the demo's settings would cost about 10 minutes more in the
 # shared pipeline and in every test that reruns train_rl (docs/testing.md). The demo's own result is
 # metrics/rl/train_rl.json.

@@ -2,12 +2,12 @@
 
     python tests/prefetch.py      # `make test` runs it (the work/.test-envs target); safe to run twice
 
-* xpk's side environment, ``work/xpk_env`` (tests/xpk_parser.py; tests/test_xpk.py);
-* the TRL side environment, ``work/trl_env`` (benchmarks/grpo_trl.py; tests/test_grpo_trl.py);
-* the uv that tests/test_vm_lock.py runs, ``work/uv-<version>`` (mtpipe.pipeline.requirement_locks.uv);
-* requirements-vm.lock in uv's cache: tests/test_vm_lock.py installs the whole lock into a fresh
+* xpk's side environment, ``work/xpk_env`` (tests/xpk_parser.py; tests/training/test_xpk.py);
+* the TRL side environment, ``work/trl_env`` (benchmarks/grpo_trl.py; tests/maxtext/test_grpo_trl.py);
+* the uv that tests/cloud/on_vm/test_vm_lock.py runs, ``work/uv-<version>`` (mtpipe.pipeline.requirement_locks.uv);
+* requirements-vm.lock in uv's cache: tests/cloud/on_vm/test_vm_lock.py installs the whole lock into a fresh
   venv with ``UV_OFFLINE=1``, so uv takes every file from its cache (about 3.5 GB the first time);
-* requirements-control.lock in uv's cache, for tests/test_control_plane.py's fresh venv.
+* requirements-control.lock in uv's cache, for tests/project/test_control_plane.py's fresh venv.
 
 Each one is made only when its marker does not name what it holds (the side environments' own
 markers; for the cache, the lock's sha256). The suite then runs with the network cut (tests/offline.py).
@@ -34,7 +34,7 @@ from mtpipe.pipeline import requirement_locks  # noqa: E402
 
 
 def uv_cache_dir() -> str:
-    """The cache tests/test_vm_lock.py installs from (its run_setup passes the same one)."""
+    """The cache tests/cloud/on_vm/test_vm_lock.py installs from (its run_setup passes the same one)."""
     return os.environ.get("UV_CACHE_DIR", str(Path.home() / ".cache" / "uv"))
 
 

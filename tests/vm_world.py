@@ -1,5 +1,5 @@
 """The loopback world of the VM tests: the fake Compute API, an SSH server as the VM, the GCS
-emulator as the DVC remote, and doit's environment around a repo (tests/test_vm_cycle.py's docstring
+emulator as the DVC remote, and doit's environment around a repo (tests/cloud/lifecycle/test_vm_cycle.py's docstring
 describes the stand-ins).
 
 A fixture module (`pytest_plugins` in tests/conftest.py): the fixtures `local_env`, `world` (a

@@ -2,7 +2,7 @@
 environment for it, a gcsfs client, and the complete checkpoints it holds.
 
 Plain functions, no fixtures: this module imports gcsfs, so a test file that needs it only in a
-slow test (tests/test_vm_recovery.py) imports it there, not at collection.
+slow test (tests/cloud/lifecycle/test_vm_recovery.py) imports it there, not at collection.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ fit on the OTHER records (leave-one-out).
 The model (mtpipe/planning/step_model.py): step = FLOPs at a compute efficiency + a number of HBM
 bytes per parameter at the bandwidth; the SFT trainer's HBM is the compile's plus bytes per parameter
 (preflight.SFT_TRAINER_EXTRA_BYTES_PER_PARAM); GRPO adds a memory-bound decode per sampled token and
-what train_rl holds beside the compiled step. tests/test_on_tpu.py holds every record's leave-one-out
+what train_rl holds beside the compiled step. tests/planning/test_on_tpu.py holds every record's leave-one-out
 forecast within preflight's HBM_TOLERANCE and STEP_TOLERANCE, and the committed constants to this fit.
 
 The compile results (XLA's memory analysis, MaxText's FLOP count) are stored in records/compiled.json
@@ -40,7 +40,7 @@ CHIP = generations.load()["v5e"].chip
 
 
 # Records the step-time fit and its interval leave out, with what the chip showed. Each stays in the table
-# beside its forecast, and tests/test_on_tpu.py checks it still misses (else it belongs in the fit again).
+# beside its forecast, and tests/planning/test_on_tpu.py checks it still misses (else it belongs in the fit again).
 OUTSIDE_THE_STEP_FIT = {
     name: "a two-layer Llama: its steady step is 1.5x what one and three layers say (llama_d1_v16k_b1 0.062 s, "
           "llama_d3_v4k_b1 0.125 s), at 16k and 8k vocabularies alike; a shape this compile handles badly, "

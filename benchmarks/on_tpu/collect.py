@@ -7,7 +7,7 @@ sft and rl: loss curves beside the committed CPU run's (plots/), repeatability (
 HBM and step times; the TPU-trained SFT and GRPO params exported by MaxText's to_huggingface as the
 stage does and scored by the evaluate stage's own scorer (held-out loss, GSM8K) beside the committed
 base and CPU-trained scores. slices: peak HBM and step time of each slice beside preflight's forecast
-for topology v5e-1 (the same compile `doit preflight` runs; tests/test_on_tpu.py recomputes it).
+for topology v5e-1 (the same compile `doit preflight` runs; tests/planning/test_on_tpu.py recomputes it).
 """
 
 from __future__ import annotations

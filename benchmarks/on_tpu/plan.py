@@ -16,7 +16,7 @@ Groups (each fits one call of the chip, 10 minutes):
   tutorial families at real width (Gemma 3 4B, Llama 3.1 8B), the decoder depth and the vocabulary cut
   to fit one v5e chip, at batch 1-4 (:data:`SLICE_GROUPS`), and MaxText's pre-training trainer once;
 * ``grpo*``: the GRPO tutorial's train_rl with the JAX rollout, Llama 3.1 8B at real width cut likewise
-  (:data:`GRPO_GROUPS`). tests/test_on_tpu.py compares each record with preflight's forecast for
+  (:data:`GRPO_GROUPS`). tests/planning/test_on_tpu.py compares each record with preflight's forecast for
   topology v5e-1 (:func:`slice_forecast`), fit on the other records.
 
 ``--smoke``: the same commands with a few steps each, for a rehearsal on the CPU (docs/tpu-chip.md);

@@ -15,7 +15,7 @@ softcapping, tied output table). :func:`unsupported` says why a config cannot be
 
 The tests use it as the ground truth; the evaluate stage serves exported models with it on the CPU
 (mtpipe/evaluation/server.py). The KV cache changes no number: a cached step computes exactly what the
-full forward computes for that position (tests/test_evaluate.py compares them:
+full forward computes for that position (tests/evaluation/test_evaluate.py compares them:
 test_cached_decoding_is_greedy_decoding_of_the_full_forward).
 
 `match_maxtext=True` adds the one deliberate rounding MaxText applies and transformers does not (see

@@ -7,7 +7,7 @@ that patches MaxText for it. The converters' builders are in :mod:`mtpipe.maxtex
 the trainers' in :mod:`mtpipe.maxtext.training_commands`: a stage's code holds only the builders and
 patches of the commands it runs. A stage's own keys that MaxText reads under their own names are the
 schema's fields marked ``MAXTEXT`` (:func:`mtpipe.pipeline.schema.maxtext_args`): a new one needs no
-change to the builders. ``tests/test_tutorial_commands.py`` compares the commands with the tutorials'
+change to the builders. ``tests/maxtext/test_tutorial_commands.py`` compares the commands with the tutorials'
 argument by argument; docs/decisions/maxtext.md explains each difference.
 """
 

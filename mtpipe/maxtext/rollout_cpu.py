@@ -31,7 +31,7 @@ samples, and the difference between the two evals measures the policy rather tha
 depend on nothing before it: a resumed run draws what the uninterrupted one drew, though it never
 saw the steps before its checkpoint (a prompt that recurs in training, an eval prompt trained on).
 
-Two decoders give the same tokens (tests/test_rollout_cpu.py): MaxText's own KV cache (prefill,
+Two decoders give the same tokens (tests/maxtext/test_rollout_cpu.py): MaxText's own KV cache (prefill,
 then one autoregressive step per token; the default), and a full forward over a fixed
 [B, prompt + new] buffer per token (used when the cache does not fit; tests ask for it with
 `kv_cache=False`). No environment variable picks one: what a stage runs is in its address.

@@ -9,7 +9,7 @@ clone in seconds.
 
     python -m mtpipe.pipeline.lock_check      # exit 1, naming each stale entry and the fix
 
-The test suite runs it on the files about to be committed (tests/test_toolchain.py), so CI fails on a
+The test suite runs it on the files about to be committed (tests/pipeline/test_toolchain.py), so CI fails on a
 commit whose dvc.lock does not come from its own code.
 """
 

@@ -15,7 +15,7 @@ from mtpipe.pipeline.schema import (BRANCHES, GROUPS, Fix, Params, RlBranch, Sft
                                     validate)
 
 # MaxText's defaults (post_train/rl.yml) for the keys a combination rule needs when a preset says null.
-# tests/test_schema.py checks them against the installed MaxText.
+# tests/pipeline/test_schema.py checks them against the installed MaxText.
 MAXTEXT_RL_DEFAULTS = {"max_prefill_predict_length": 256, "max_target_length": 1024}
 MAXTEXT_SCAN_LAYERS_DEFAULT = True  # base.yml: what the trainers use unless told otherwise
 

@@ -6,7 +6,7 @@ constraints in ``Annotated[...]`` (``Ge(1)``, ``Gt(0), Le(1)``) give its range, 
 error describes it, and ``Optional`` means ``null`` is allowed (null: the key is not passed, MaxText uses
 its own default). A field without a default must be present; one with a default may be left out of
 a preset. A stage key that MaxText reads under its own name is marked :data:`MAXTEXT`; its default is
-null (MaxText's own) or MaxText's value (tests/test_maxtext_keys.py checks them). A key that only some of
+null (MaxText's own) or MaxText's value (tests/pipeline/test_maxtext_keys.py checks them). A key that only some of
 the stages reading its section compute with is marked :class:`ReadBy`: the others get it as a run key.
 
 Every model is strict (a string is never taken for a number, a bool never for an int) and forbids

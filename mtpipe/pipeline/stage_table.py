@@ -1,5 +1,5 @@
 """The pipeline's stages, each declared once: what it reads, what it writes, and what the tools around
-it need to know. dvc.yaml says the same for DVC; tests/test_stage_table.py fails when the two disagree.
+it need to know. dvc.yaml says the same for DVC; tests/pipeline/test_stage_table.py fails when the two disagree.
 
 Every other table of stages is derived from :data:`STAGES`: the stages of a branch (configure writes a
 view for each), the sections of the composed config a stage's view holds, the free-form MaxText mappings

@@ -4,7 +4,7 @@ Answered before any VM exists, from numbers that need no accelerator and no netw
 
 * **Model sizes**: the source's safetensors headers on disk (a local source, the embedded twins), or
   :data:`HUB_MODELS` (the Hub index's ``total_size`` and the language model's parameter count of
-  each tutorial model, pinned by tests/test_budget.py against tests/fixtures/). With a cached
+  each tutorial model, pinned by tests/planning/test_budget.py against tests/fixtures/). With a cached
   preflight compile, its train state's parameter count and weight dtype are used instead.
 * **Dtypes**: the stage's own MaxText command line (:func:`mtpipe.maxtext.training_commands.placeholder_command`)
   over MaxText's config files (the trainer's, :attr:`mtpipe.maxtext.trainers.Trainer.config_file`, and

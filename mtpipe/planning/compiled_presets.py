@@ -12,7 +12,7 @@ it says what moved (:func:`mismatch`). To record them again, in the full environ
 
 about 10-15 minutes of compile per preset on 2 cores (none for one compiled before in work/preflight/).
 Rerun it when requirements-vm.lock moves MaxText, JAX or libtpu, or a preset changes its shapes:
-tests/test_compiled_presets.py fails then and names this command.
+tests/planning/test_compiled_presets.py fails then and names this command.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ Chip = generations.Chip   # one TPU generation's per-chip numbers (conf/generati
 # Measured on one TPU v5e chip: the SFT tutorial's model (Gemma 3 4B at full width, batch 1 x 2048) cut
 # in depth and vocabulary to fit it, through the SFT stage's trainer and MaxText's pre-training trainer
 # (benchmarks/on_tpu/records/slices*.json, docs/step-time.md;
-# benchmarks/on_tpu/calibrate.py prints forecast vs measurement, tests/test_on_tpu.py holds them together).
+# benchmarks/on_tpu/calibrate.py prints forecast vs measurement, tests/planning/test_on_tpu.py holds them together).
 # The step time: mtpipe.planning.step_model (arithmetic + parameter traffic, fit on the same records).
 SFT_TRAINER_EXTRA_BYTES_PER_PARAM = 3.5  # tunix's SFT trainer holds ~4 B/parameter beyond MaxText's compiled
                                # step (least squares over the SFT slices); one fp32 copy is its

@@ -20,7 +20,7 @@ GRPO_TRAIN_FACTOR for the old-policy and reference log-prob passes around it.
 
 The interval preflight prints is the largest leave-one-out miss on each side (:data:`STEP_ERROR`),
 widened on another chip generation by :data:`GENERATION_ERROR` (docs/step-time.md).
-``benchmarks/on_tpu/calibrate.py`` refits all of these; tests/test_on_tpu.py holds the constants to
+``benchmarks/on_tpu/calibrate.py`` refits all of these; tests/planning/test_on_tpu.py holds the constants to
 that fit and every record to its leave-one-out forecast.
 """
 

@@ -2,7 +2,7 @@
 
 The image is the TPU VM's environment (``requirements-vm.lock``, installed as ``vm_setup`` installs
 it) plus the ``mtpipe`` package, which the pod runs: MaxText through ``mtpipe.maxtext.adapter.training`` (the
-same patches as on a VM) under ``mtpipe.training.xpk``'s pod side. Its content is exactly
+same patches as on a VM) under the pod side, ``mtpipe.training.xpk_pod``. Its content is exactly
 :data:`FILES` and the package's ``.py`` files; stages, configs, tests and docs are not in it, so
 editing them (or a ``dvc exp run -S`` value) builds nothing. The tag is ``sha-`` and 12 hex digits of
 a sha256 over those files' paths and bytes: the same code and lock give the same tag on every

@@ -16,29 +16,22 @@ On this machine, :func:`run` (called by mtpipe.training.backend for train_sft an
    workload, its state and the log) when it fails. On success the stage reads its checkpoints from
    the bucket as after a local run (mtpipe.maxtext.run_dir).
 
-In the pod, the workload's command starts with ``python3 -m mtpipe.training.xpk pod`` (:func:`pod_main`):
-it copies the tokenizer into the container (Hugging Face's loaders and vLLM read local directories
-only), runs the MaxText command, and on the first host mirrors its output and MaxText's metrics file
-into the run directory (``RunDir.mirrored``), where :func:`run` reads them. No secret reaches the
-workload: its inputs are the pinned files hf_download fetched, so it never calls the Hub.
+In the pod, the workload's command starts with ``python3 -m mtpipe.training.xpk_pod`` (the pod's
+side, mtpipe/training/xpk_pod.py), which mirrors its log and MaxText's metrics file into the run
+directory, where :func:`run` reads them. No secret reaches the workload: its inputs are the pinned
+files hf_download fetched, so it never calls the Hub.
 docs/multihost.md has the setup, the costs and what is tested where.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import hashlib
 import os
 import re
 import shlex
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,10 +39,11 @@ from pathlib import Path
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import runner
 from mtpipe.maxtext.commands import TRAIN_RL, MaxTextCommand
-from mtpipe.maxtext.run_dir import WORK_BUCKET_ENV, RunDir, gcs, work_bucket
+from mtpipe.maxtext.run_dir import WORK_BUCKET_ENV, gcs, work_bucket
 from mtpipe.pipeline.view import View
 from mtpipe.pipeline.schema import Xpk
 from mtpipe.training import image
+from mtpipe.training.xpk_pod import LOG_DIR, POD_DIR
 
 XPK_ENV = "MTPIPE_XPK"
 INSTALL_FIX = ("install xpk in its own virtual environment (`python3 -m venv ~/xpk && ~/xpk/bin/pip install xpk`; "
@@ -59,8 +53,6 @@ POLL_S = 30.0              # between two `xpk workload list`
 MISSING_POLLS = 5          # a workload not listed this many polls in a row is gone
 NO_LOG_HINT_S = 600.0      # running this long without a log: say where to look
 NAME_LIMIT = 22            # Pathways: "<name>-pathways-head-0-0.<name>" must fit a 63-byte label
-POD_DIR = "/tmp/mtpipe"    # in the container
-LOG_DIR = "xpk-logs"       # in the run directory: one log per attempt of the first host
 PATHWAYS_ENV = ("JAX_PLATFORMS=proxy", "JAX_BACKEND_TARGET=grpc://127.0.0.1:29000", "ENABLE_PATHWAYS_PERSISTENCE=1")
 # What MaxText's Pathways tutorials add: checkpoints without OCDBT/zarr3, and one controller for all hosts.
 PATHWAYS_ARGS = {"checkpoint_storage_use_zarr3": "false", "checkpoint_storage_use_ocdbt": "false",
@@ -237,8 +229,8 @@ def plan(cmd: MaxTextCommand, bucket: str, pathways: bool) -> Plan:
 
 
 def workload_command(cmd: MaxTextCommand, p: Plan, run_url: str, pathways: bool) -> str:
-    """``[Pathways env] python3 -m mtpipe.training.xpk pod ... -- python3 -m <launcher> <module> <args>``."""
-    pod = ["python3", "-m", "mtpipe.training.xpk", "pod", "--run-dir", run_url]
+    """``[Pathways env] python3 -m mtpipe.training.xpk_pod ... -- python3 -m <launcher> <module> <args>``."""
+    pod = ["python3", "-m", "mtpipe.training.xpk_pod", "--run-dir", run_url]
     for url, directory in p.fetches:
         pod += ["--fetch", f"{url}={directory}"]
     if p.metrics:
@@ -467,81 +459,3 @@ def run(cfg: View, cmd: MaxTextCommand, log_path: Path, total_steps: int | None)
             gcs().get(f"{run_url}/{p.metrics[0].name}", str(p.metrics[0]))
     workload.delete()
     print(f"  done in {time.monotonic() - start:.1f}s (workload {name}, log: {log_path})", flush=True)
-
-
-# ---- in the pod ---------------------------------------------------------------------------------------
-
-def is_first_host() -> bool:
-    """Worker 0 of slice 0 (GKE sets TPU_WORKER_ID and, for several slices, MEGASCALE_SLICE_ID; a
-    Pathways head pod has neither)."""
-    return os.environ.get("TPU_WORKER_ID", "0") == "0" and os.environ.get("MEGASCALE_SLICE_ID", "0") == "0"
-
-
-def pod_main(argv: list[str]) -> int:
-    """``pod --run-dir URL [--fetch URL=DIR]... [--metrics FILE] -- COMMAND...``: fetch, run, mirror.
-
-    On the first host the log (this process's output, its own errors included) and the metrics
-    file are mirrored into the run directory; every host prints the command's output as it comes."""
-    split = argv.index("--") if "--" in argv else len(argv)
-    parser = argparse.ArgumentParser(prog="python3 -m mtpipe.training.xpk pod")
-    parser.add_argument("--run-dir", required=True)
-    parser.add_argument("--fetch", action="append", default=[], metavar="URL=DIR")
-    parser.add_argument("--metrics", type=Path)
-    opts, command = parser.parse_args(argv[:split]), argv[split + 1:]
-    if not command:
-        parser.error("no command after --")
-    base, _, run_name = opts.run_dir.rpartition("/")
-    scratch = Path(POD_DIR)
-    log_file = scratch / LOG_DIR / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{socket.gethostname()}.log"
-    log_file.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.ExitStack() as mirrors, open(log_file, "a", encoding="utf8") as log:
-        def emit(text: str) -> None:
-            sys.stdout.write(text)
-            sys.stdout.flush()
-            log.write(text)
-            log.flush()
-
-        if is_first_host():
-            mirrors.enter_context(RunDir(opts.run_dir, LOG_DIR, scratch).mirrored(log_file))
-            if opts.metrics:
-                mirrors.enter_context(RunDir(base, run_name, scratch).mirrored(opts.metrics))
-        try:
-            fetch(opts.fetch)
-        except Exception:  # a missing object or a permission error: into the log the laptop reads
-            emit(traceback.format_exc() + "# exit 1\n")
-            return 1
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                errors="replace", bufsize=1)
-        signal.signal(signal.SIGTERM, lambda *_: proc.terminate())  # preemption: MaxText gets the notice
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            emit(line)
-        code = proc.wait()
-        emit(f"# exit {code}\n")
-    return code
-
-
-def fetch(specs: list[str]) -> None:
-    """Copy each ``URL=DIR`` from the bucket unless the directory exists (a restarted container may keep it)."""
-    fs = gcs()
-    for spec in specs:
-        url, _, directory = spec.partition("=")
-        if Path(directory).is_dir():
-            continue
-        partial = Path(f"{directory}.partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.parent.mkdir(parents=True, exist_ok=True)
-        fs.get(url, str(partial), recursive=True)
-        os.replace(partial, directory)
-
-
-def main(argv: list[str]) -> int:
-    if argv[:1] != ["pod"]:
-        print("usage: python3 -m mtpipe.training.xpk pod --run-dir URL [--fetch URL=DIR]... [--metrics FILE] -- "
-              "COMMAND...  (the start of an xpk workload's command; see mtpipe/training/xpk.py)", file=sys.stderr)
-        return 2
-    return pod_main(argv[1:])
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

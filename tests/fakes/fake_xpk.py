@@ -1,6 +1,6 @@
-"""Stand-ins for the `xpk` and `docker` executables, for tests/test_xpk.py.
+"""Stand-ins for the `xpk` and `docker` executables, for tests/training/test_xpk.py.
 
-`tests/test_xpk.py` puts two wrappers on PATH (`xpk`, `docker`) that run this file with the tool's
+`tests/training/test_xpk.py` puts two wrappers on PATH (`xpk`, `docker`) that run this file with the tool's
 name first. State lives in $FAKE_XPK_DIR: `calls.jsonl` gets one record per call (tool, argv, and
 whether a Hugging Face token was in its environment), `scenario.json` says what the workload does,
 `workload.json` is the submitted workload.
@@ -8,8 +8,8 @@ whether a Hugging Face token was in its environment), `scenario.json` says what 
 xpk (the subcommands mtpipe.training.xpk uses, with the output format of xpk v1.13's
 `workload list`: "[XPK]" lines around a fixed-width table, commands/workload.py, core/workload.py):
 * `workload create` / `create-pathways`: records the workload; `--command` is not run. Instead each
-  later `workload list` advances one step of the scenario and writes what the pod side of
-  mtpipe.training.xpk would have written into the bucket (STORAGE_EMULATOR_HOST): the first host's log
+  later `workload list` advances one step of the scenario and writes what the pod side
+  (mtpipe.training.xpk_pod) would have written into the bucket (STORAGE_EMULATOR_HOST): the first host's log
   of each attempt under `<run dir>/xpk-logs/`, and MaxText's metrics file.
 * `workload list --filter-by-job NAME`: the table, with Kueue's state for the current step.
 * `workload delete --workload NAME`: forgets it.
