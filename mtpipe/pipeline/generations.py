@@ -78,6 +78,7 @@ class Generation(Section):
     cores_per_chip: Annotated[int, Ge(1)]
     devices_per_chip: Annotated[int, Ge(1)]
     device_kinds: list[str]
+    chips_per_host: Annotated[int, Ge(1)]
     chip: Chip
     host_ram_gb: dict[int, Positive]
     compute: ComputeRoute
@@ -133,7 +134,7 @@ def of_machine_type(machine_type: str) -> tuple[Generation, int]:
     found = MACHINE_TYPE.fullmatch(machine_type)
     gen = next((g for g in load().values() if found and g.machine.family == found["family"]), None)
     if gen is None or int(found["chips"]) < 1:
-        families = ", ".join(f"{g.machine_type(8 // g.cores_per_chip)} ({g.title})" for g in load().values())
+        families = ", ".join(f"{g.machine_type(g.chips_per_host)} ({g.title})" for g in load().values())
         raise ConfigError("vm.machine_type", f"{machine_type!r} is not a TPU machine type of {TABLE_NAME} "
                           "(<family>-<kind>-<N>t, N chips)", f"use one of {families}, as the tutorials use "
                           f"ct6e-standard-8t, or add the generation to {TABLE_NAME}")

@@ -145,6 +145,7 @@ v9z:
   cores_per_chip: 1
   devices_per_chip: 1
   device_kinds: [TPU v9 lite]
+  chips_per_host: 4
   chip: {hbm_gib: 64, peak_tflops: 2000, hbm_gbps: 4000, ici_gbits: 6400, source: made up}
   host_ram_gb: {4: 720}
   compute:

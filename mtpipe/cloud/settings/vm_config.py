@@ -372,7 +372,7 @@ def check_route(cfg: DictConfig) -> str:
     accelerator = gen.accelerator_type(chips)
     by_hand = (f"; by hand: `gcloud compute tpus tpu-vm create NAME --zone ZONE --accelerator-type={accelerator} "
                f"--version {gen.tpu_api.runtime_version}`") if gen.tpu_api else ""
-    others = ", ".join(g.machine_type(8 // g.cores_per_chip) for g in generations.load().values()
+    others = ", ".join(g.machine_type(g.chips_per_host) for g in generations.load().values()
                        if not g.compute.refused)
     raise ConfigError(
         "vm.machine_type", f"{cfg.machine_type} ({tpu}) cannot be created on Compute Engine, the route vm_up "
