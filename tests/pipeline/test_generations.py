@@ -215,7 +215,7 @@ def test_a_made_up_generation_is_a_row_a_hardware_preset_and_a_price(world: Env)
     stored = json.loads(compiled_presets.path("sft", "gemma3-4b-ultrachat-v5p8").read_text())["result"]
     (w.repo / "work" / "preflight").mkdir(parents=True)
     (w.repo / "work" / "preflight" / f"{digest.strip()}.json").write_text(json.dumps(stored))
-    out = doit_in(w, "preflight", *(f"--set={s}" for s in sets), "--target=train_sft@sft")
+    out = doit_in(w, "preflight", *(f"--set={s}" for s in sets))
     assert "sft     gemma3-4b-ultrachat-v5p8  v9z-4" in out and "/ 64.00" in out, out
     assert "5.00 USD per chip-hour (v9z on-demand price as of made up" in out and "20.00 USD/h" in out
 
