@@ -11,6 +11,7 @@ own arguments (model, batch, sequence, MoE settings) at the TPU it ran on, and f
   FLOP change; compare ``logged.tflops_per_device x step_time_s``);
 * the per-device batch the log line's ``total_weights`` shows where it differs from the configuration
   printed beside it (one run: its tokens per second agree with the log's batch);
+* ``overlapped``: whether its XLA flags overlap FSDP's collectives with the arithmetic;
 * ``param_count``: the decoder's weights from the config's dimensions (embedding, attention, MLP or
   experts and router, norms, unembedding unless tied), ``param_bytes`` at its ``weight_dtype``.
 """
@@ -30,6 +31,8 @@ SOURCE = HERE / "v6e_maxtext.yaml"
 OUT = HERE.parent / "on_tpu" / "records" / "public_v6e.json"
 # The run arguments that change MaxText's FLOP count or the weights; the rest (remat, offload, kernels'
 # block sizes, data, profiler) change how fast the step runs, which is what the record measured.
+# XLA flag groups that overlap FSDP's collectives with the arithmetic (maxtext benchmarks/xla_flags_library.py)
+OVERLAP_FLAG_GROUPS = ("DATA_PARALLEL_OVERLAP", "CF_FOR_ALL_GATHER")
 COUNTED_KEYS = ("model_name", "per_device_batch_size", "max_target_length", "weight_dtype", "megablox",
                 "sparse_matmul", "capacity_factor")
 
@@ -68,7 +71,8 @@ def point(run: dict[str, Any]) -> dict[str, Any]:
         "tflops_per_device": float(maxtext_utils.calculate_tflops_training_per_device(c, log=False)[0]),
         "param_count": params, "param_bytes": params * itemsize, "weight_dtype": str(c.weight_dtype),
         "counted_args": args, "source": run["source"]["url"], "quoted": run["quoted"],
-        "maxtext_tag": run["source"].get("maxtext_tag"),
+        "maxtext_tag": run["source"].get("maxtext_tag"), "xla_flag_groups": run["xla_flag_groups"],
+        "overlapped": any(g in OVERLAP_FLAG_GROUPS for g in run["xla_flag_groups"]),
     }
 
 

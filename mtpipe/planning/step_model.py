@@ -4,7 +4,7 @@ A step costs its arithmetic, the HBM traffic that grows with the parameters, and
 move the parameters between chips under FSDP (MaxText's ``ici_fsdp_parallelism=-1``)::
 
     step_s = flops / (peak x efficiency[generation])
-           + (params x GATHERED_BYTES_PER_PARAM + params / chips x (bytes_per_param - GATHERED_BYTES_PER_PARAM))
+           + (params x gathered + params / chips x (bytes_per_param - gathered))
              / hbm_bandwidth
            + (chips - 1) / chips x params x (2 x weight_bytes + GRADIENT_BYTES) / ici_bandwidth
 
@@ -13,9 +13,10 @@ move the parameters between chips under FSDP (MaxText's ``ici_fsdp_parallelism=-
 (the optimizer's traffic divides by the chips), but FSDP gathers each layer's full weights onto every
 chip for the forward and again for the rematerialised forward and backward, and each chip writes the
 layer's full gradient before the reduce-scatter: that part of the traffic does not divide
-(:data:`GATHERED_BYTES_PER_PARAM`). The collectives are counted at the generation's ICI bandwidth and
-not overlapped with the arithmetic: the tutorials' commands pass none of the collective-overlap XLA
-flags MaxText's tuned recipes set (docs/step-time.md), so this is the side the user pays on.
+(``gathered``: :func:`gathered_bytes_per_param`). The collectives are counted at the generation's ICI
+bandwidth and not overlapped with the arithmetic: the tutorials' commands pass none of the
+collective-overlap XLA flags MaxText's tuned recipes set, whose public runs are fit with them
+overlapped (``overlapped``; docs/step-time.md).
 
 The efficiency is each generation's own (conf/generations.yaml ``step``): on v5e the fit on the lent
 chip's records (benchmarks/on_tpu/records/slices*.json), on v6e the fit on public MaxText v6e runs
@@ -36,14 +37,25 @@ from typing import Protocol, Sequence
 
 # Fit on the lent v5e chip's SFT slices (least squares on relative error, benchmarks/on_tpu/calibrate.py --fit).
 STEP_BYTES_PER_PARAM = 83.5    # HBM bytes moved per parameter per step, whatever the batch
-# Of those, what FSDP moves on every chip whatever the chip count (assumed from the step's structure):
-# the gathered bf16 weights written and read three times (forward, rematerialised forward, backward:
-# 3 x (2 + 2) B) and the full f32 gradient of a layer written and read before its reduce-scatter (2 x 4 B)
-GATHERED_BYTES_PER_PARAM = 20.0
 GRADIENT_BYTES = 4             # a gradient's bytes in the reduce-scatter (f32)
+GATHER_PASSES = 3              # the weights gathered for the forward, the rematerialised forward and the backward
+
+
+def gathered_bytes_per_param(weight_bytes: float) -> float:
+    """Of :data:`STEP_BYTES_PER_PARAM`, what FSDP moves through every chip's HBM whatever the chip count
+    (assumed from the step's structure): per gather, the full weights written by the all-gather and read
+    by the cast to bf16, the bf16 copy written and read by the matmuls; then the full f32 gradient of a
+    layer written and read before its reduce-scatter. f32 weights: 3 x (4 + 4 + 2 + 2) + 2 x 4 = 44 B;
+    the rest (the optimizer's update of each chip's shard: AdamW's weights, moments and gradient, ~36 B)
+    divides by the chips."""
+    return GATHER_PASSES * (2 * weight_bytes + 4) + 2 * GRADIENT_BYTES
 # GRPO with the JAX rollout (records/grpo*.json)
 DECODE_EFFICIENCY = 0.204      # of the HBM bandwidth, reading the rollout's weights once per token
 GRPO_TRAIN_FACTOR = 0.771      # the GRPO train step with its log-prob passes, over the SFT-step model
+# The wall-clock step over the device-bound one (the lower quartile the fit uses), low, mid, high:
+# measured on the chip, each record's mean step after the first over its lower quartile, leaving out
+# the steps over 10x the median (a checkpoint save: counted on its own); calibrate.wall_clock_factors
+WALL_CLOCK_FACTOR = (1.174, 1.597, 2.482)
 # vLLM's decode on v6e, of the HBM bandwidth per token (low, mid, high): derived from the one absolute
 # vLLM-on-TPU figure found, Llama 3.3 70B on a v6e-8 (tensor parallel 8, vllm-tpu v0.12.0): mean time per
 # output token 35.12 ms at 128 concurrent requests, 25.35 ms at 64 (AI-Hypercomputer/tpu-recipes
@@ -73,16 +85,21 @@ def parts_s(flops: float, params: float, chips: int, chip: Slice, efficiency: fl
             weight_bytes: float = 4.0, bytes_per_param: float = STEP_BYTES_PER_PARAM) -> dict[str, float]:
     """Seconds of one training step of ``flops`` per chip over a model of ``params`` parameters sharded
     over ``chips`` (``weight_bytes``: a weight's bytes, 4 for f32): its arithmetic, HBM traffic and collectives."""
-    gathered = min(GATHERED_BYTES_PER_PARAM, bytes_per_param)
+    gathered = min(gathered_bytes_per_param(weight_bytes), bytes_per_param)
     traffic = params * gathered + params / chips * (bytes_per_param - gathered)
     return {"compute_s": flops / (chip.peak_tflops * 1e12 * efficiency), "hbm_s": traffic / (chip.hbm_gbps * 1e9),
             "ici_s": collective_bytes(params, chips, weight_bytes) / (chip.ici_gbits / 8 * 1e9)}
 
 
 def train_step_s(flops: float, params: float, chips: int, chip: Slice, efficiency: float,
-                 weight_bytes: float = 4.0, bytes_per_param: float = STEP_BYTES_PER_PARAM) -> float:
-    """Seconds of one training step: the sum of :func:`parts_s` (the collectives not overlapped)."""
-    return sum(parts_s(flops, params, chips, chip, efficiency, weight_bytes, bytes_per_param).values())
+                 weight_bytes: float = 4.0, bytes_per_param: float = STEP_BYTES_PER_PARAM,
+                 overlapped: bool = False) -> float:
+    """Seconds of one training step: the sum of :func:`parts_s`; ``overlapped`` (a run with XLA's
+    collective-overlap flags, as MaxText's tuned recipes set them): the collectives hidden behind the
+    arithmetic, only what outlasts it counted."""
+    p = parts_s(flops, params, chips, chip, efficiency, weight_bytes, bytes_per_param)
+    ici = max(0.0, p["ici_s"] - p["compute_s"]) if overlapped else p["ici_s"]
+    return p["compute_s"] + p["hbm_s"] + ici
 
 
 def implied_mfu(flops: float, step_s: float, peak_tflops: float) -> float:
