@@ -297,7 +297,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append((r["branch"], r["preset"], r["topology"], f"{hbm} / {r['hbm_gib_available']:.2f}",
                       "yes" if r["fits"] else "NO", f"{r['flops_per_step'] / 1e12:.1f}",
                       f"{r['est_step_s']:.3f} ({low:.3f}-{high:.3f})",
-                      f"{r['implied_mfu']:.0%}" + (" (above the best public)" if r["mfu_above_best_public"] else ""),
+                      f"{r['implied_mfu']:.1%}" + (" (above the best public)" if r["mfu_above_best_public"] else ""),
                       f"{r['est_train_s'] / 60:.1f}"))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(line, widths)).rstrip() for line in lines)
@@ -387,7 +387,7 @@ def assumptions_line(row: dict[str, Any]) -> str:
     return (f"{row['branch']}: step = FLOPs at {gen.step.compute_efficiency:.0%} of the peak ({gen.step.evidence}: "
             f"{gen.step.source}) + {step_model.STEP_BYTES_PER_PARAM:.0f} B per parameter at the HBM bandwidth, FSDP's "
             f"weight gathers and gradient reduce-scatter at the ICI bandwidth, not overlapped; implied MFU "
-            f"{row['implied_mfu']:.0%} ({best}); wall clock x{wall[1]:.2f} ({wall[0]:.2f}-{wall[2]:.2f}: the chip's "
+            f"{row['implied_mfu']:.1%} ({best}); wall clock x{wall[1]:.2f} ({wall[0]:.2f}-{wall[2]:.2f}: the chip's "
             f"stalls, measured); start-up {start[1] / 60:.0f} min ({start[0] / 60:.1f}-{start[2] / 60:.0f}, assumed); "
             f"{row['checkpoint_saves']} checkpoint saves {ckpt[1] / 60:.1f} min ({ckpt[0] / 60:.1f}-{ckpt[2] / 60:.1f}: "
             f"the train state at {CHECKPOINT_MIB_S[2]:.0f}-{CHECKPOINT_MIB_S[0]:.0f} MiB/s, cited)")
