@@ -202,3 +202,25 @@ def test_preflight_forecasts_with_the_committed_constants(run: dict):
     else:
         preflight_hbm, preflight_step = preflight.step_forecast(compiled, chip, 1, run["module"], efficiency)
     assert (preflight_hbm, preflight_step) == (pytest.approx(hbm, rel=1e-9), pytest.approx(step_s, rel=1e-9))
+
+
+def _tutorial_step(name: str) -> tuple[float, float]:
+    """(step s, implied MFU) of a shipped preset's committed compile, through preflight's own step."""
+    result = json.loads((ROOT / "mtpipe" / "planning" / "compiled" / f"{name}.json").read_text())["result"]
+    gen, chips = generations.of_accelerator(result["config"]["compile_topology"])
+    step_s = preflight.train_step_s(result, gen.device(), chips, gen.step.compute_efficiency)
+    return step_s, step_model.implied_mfu(result["tflops_per_device"] * 1e12, step_s, gen.chip.peak_tflops)
+
+
+@pytest.mark.price
+@pytest.mark.parametrize("name", ["sft-gemma3-4b-ultrachat-v6e8", "rl-llama3.1-8b-gsm8k-v6e8"])
+def test_the_tutorials_implied_mfu_is_at_most_the_best_public(name: str):
+    """A tutorial step's implied MFU stays at or below the best public MaxText MFU on v6e."""
+    _, mfu = _tutorial_step(name)
+    assert mfu <= generations.load()["v6e"].best_mfu.pct / 100, mfu
+
+
+@pytest.mark.price
+def test_a_v6e_32_is_not_faster_per_chip_than_a_v6e_8():
+    """The SFT tutorial at the same per-chip batch: FSDP's collectives grow with the chips."""
+    assert _tutorial_step("sft-gemma3-4b-ultrachat-v6e32")[0] >= _tutorial_step("sft-gemma3-4b-ultrachat-v6e8")[0]
