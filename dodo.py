@@ -279,6 +279,7 @@ def preflight(set: list[str], target: str | None) -> None:
     rate = prices.vm_rate(cfg)
     preflight_checks.run(set, rate.price.usd, vm_config.budget_machine(cfg), dvc_experiments.repo_root(),
                          price_basis=rate.per_chip(), target=target)
+    print(prices.by_region(rate))
 
 
 def task_preflight() -> dict:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
-from annotated_types import Ge, Gt
+from annotated_types import Ge, Gt, Le, Len
 from omegaconf import OmegaConf
 
 from mtpipe.errors import ConfigError
@@ -42,6 +42,23 @@ class Chip(Section):
     peak_tflops: Positive                 # bf16 dense peak
     hbm_gbps: Positive                    # HBM bandwidth, GB/s
     ici_gbits: Positive                   # inter-chip interconnect bandwidth, Gbit/s, as the page gives it
+    source: str
+
+
+class Step(Section):
+    """The step model's efficiency on a generation and the interval its forecasts carry."""
+
+    compute_efficiency: Annotated[float, Gt(0), Le(1)]   # of the bf16 peak, for MaxText's FLOP count
+    step_error: Annotated[list[Positive], Len(2, 2)]     # measured / forecast: lowest, highest
+    evidence: Literal["measured", "public", "assumed"]
+    source: str
+
+
+class BestMfu(Section):
+    """The best public MaxText MFU on a generation."""
+
+    pct: Positive
+    run: str
     source: str
 
 
@@ -80,6 +97,8 @@ class Generation(Section):
     device_kinds: list[str]
     chips_per_host: Annotated[int, Ge(1)]
     chip: Chip
+    step: Step
+    best_mfu: BestMfu
     host_ram_gb: dict[int, Positive]
     compute: ComputeRoute
     tpu_api: Optional[TpuApiRoute]
@@ -96,7 +115,8 @@ class Generation(Section):
         """One JAX device's share of a chip (a TPU7x chip is two devices, each with half of it)."""
         n = self.devices_per_chip
         return self.chip.model_copy(update={"hbm_gib": self.chip.hbm_gib / n, "peak_tflops": self.chip.peak_tflops / n,
-                                            "hbm_gbps": self.chip.hbm_gbps / n})
+                                            "hbm_gbps": self.chip.hbm_gbps / n,
+                                            "ici_gbits": self.chip.ici_gbits / n})
 
     def machine_type(self, chips: int) -> str:
         """Compute Engine's machine type of a VM of ``chips`` chips: ct6e-standard-8t."""

@@ -48,15 +48,23 @@ SFT_TRAINER_EXTRA_BYTES_PER_PARAM = 3.5  # tunix's SFT trainer holds ~4 B/parame
                                # step (least squares over the SFT slices); one fp32 copy is its
                                # gradient-accumulation buffer (sft.yml: use_tunix_gradient_accumulation)
 GRPO_EXTRA_BYTES_PER_PARAM = 1.9  # train_rl with the JAX rollout, beyond the compiled step, reference and KV cache
-HBM_ERROR = 0.10               # the HBM forecast's largest leave-one-out miss on the chip's records but two
-                               # over-forecasts (20%, 22%: docs/step-time.md), rounded up
+HBM_ERROR = 0.11               # the HBM forecast's largest leave-one-out under-forecast on the chip's records
+                               # (measured 10.3% above it), rounded up: the printed high end holds on every
+                               # record; two over-forecasts miss by 20-22% (docs/step-time.md)
 HBM_TOLERANCE = 0.10           # a forecast further than this from the chip's peak HBM is a finding
 STEP_TOLERANCE = 0.25          # likewise for the step time
 
 # Assumptions of the time and cost estimates; each lands in the JSON report.
 CONVERT_S_PER_BPARAM = 70.0    # to_maxtext: the tutorials' ~5 min for Gemma 3 4B (4.3 B params)
 EXPORT_S_PER_BPARAM = 70.0     # to_huggingface: assumed like the conversion
-TRAIN_STARTUP_S = 180.0        # loading the checkpoint + compiling the step on the TPU VM
+# Loading the checkpoint and compiling the step on the TPU VM (low, mid, high): assumed, not measured
+# on a v6e VM; the lent chip compiled the tutorials' cut steps in under a minute (docs/step-time.md)
+TRAIN_STARTUP_S = (90.0, 180.0, 600.0)
+# Writing one checkpoint (the f32 train state: weights and AdamW's two moments), MiB/s (fast, mid, slow):
+# Hyperdisk Balanced's 2,400 MiB/s per volume at most and its 140 MiB/s free baseline (cited:
+# cloud.google.com/compute/docs/disks/hd-types/hyperdisk-balanced, benchmarks/public/checkpoint_write.yaml);
+# the mid is Balanced PD's 1,200 MiB/s write cap per instance (cited there too), no save was measured
+CHECKPOINT_MIB_S = (2400.0, 1200.0, 140.0)
 VM_SETUP_S = 900.0             # VM creation, boot and `doit vm_setup` (apt, uv, MaxText install)
 GIB = 2**30
 
@@ -100,13 +108,37 @@ def hbm_parts(compiled: dict[str, Any], chips: int, module: str) -> dict[str, fl
     return parts
 
 
-def step_forecast(compiled: dict[str, Any], chip: Chip, chips: int, module: str) -> tuple[float, float]:
+def generation_of(topo: str) -> generations.Generation:
+    """The row of conf/generations.yaml of an accelerator type (v6e-8: v6e)."""
+    return generations.of_accelerator(topo)[0]
+
+
+def train_step_s(compiled: dict[str, Any], chip: Chip, chips: int, efficiency: float, flops: float | None = None) -> float:
+    """:func:`step_model.train_step_s` of a compile: its FLOPs per chip (MaxText's count, or ``flops``),
+    parameters and weight bytes, sharded over ``chips`` at the generation's ``efficiency``."""
+    return step_model.train_step_s(compiled["tflops_per_device"] * 1e12 if flops is None else flops,
+                                   compiled["param_count"], chips, chip, efficiency,
+                                   compiled["param_bytes"] / compiled["param_count"])
+
+
+def step_forecast(compiled: dict[str, Any], chip: Chip, chips: int, module: str,
+                  efficiency: float) -> tuple[float, float]:
     """(HBM GiB per chip, seconds per step) of one training step of ``module`` (not GRPO's rollout): the
-    parts of :func:`hbm_parts`, and :func:`step_model.train_step_s` of the step's FLOPs (MaxText's count)
-    and parameters."""
-    step_s = step_model.train_step_s(compiled["tflops_per_device"] * 1e12, compiled["param_count"] / chips,
-                                     chip.peak_tflops, chip.hbm_gbps)
-    return sum(hbm_parts(compiled, chips, module).values()), step_s
+    parts of :func:`hbm_parts`, and :func:`train_step_s`."""
+    return sum(hbm_parts(compiled, chips, module).values()), train_step_s(compiled, chip, chips, efficiency)
+
+
+def checkpoint_s(compiled: dict[str, Any], chips: int, saves: int) -> tuple[float, float, float]:
+    """(low, mid, high) seconds of ``saves`` checkpoints of the compiled train state (all ``chips``'
+    shards) at :data:`CHECKPOINT_MIB_S`."""
+    state = compiled["memory"]["argument_size_in_bytes"] * chips
+    return tuple(saves * state / (rate * 2**20) for rate in CHECKPOINT_MIB_S)  # type: ignore[return-value]
+
+
+def checkpoint_saves(args: list[str], steps: int) -> int:
+    """How many checkpoints a run of ``steps`` steps writes: one each ``checkpoint_period`` (none without one)."""
+    period = next((int(a.split("=", 1)[1]) for a in args if a.startswith("checkpoint_period=")), 0)
+    return steps // period if period > 0 else 0
 
 
 def report(cfg: View, preset: str, compiled: dict[str, Any], chip: Chip, chips: int,
@@ -119,17 +151,34 @@ def report(cfg: View, preset: str, compiled: dict[str, Any], chip: Chip, chips: 
     # GRPO: the compiled batch is rounded up to a multiple of the chips; FLOPs count the real one
     real_batch = c["grpo_sequences"] / c["global_batch_size_to_train_on"] if trainer.rollout else 1.0
     flops_per_chip = compiled["tflops_per_device"] * 1e12 * real_batch
-    step_s = step_model.train_step_s(flops_per_chip, compiled["param_count"] / chips, chip.peak_tflops, chip.hbm_gbps)
+    gen = generation_of(topology(cfg) or "")
+    step_s = train_step_s(compiled, chip, chips, gen.step.compute_efficiency, flops_per_chip)
+    step_low, step_high = step_model.interval(step_s, gen.step.step_error)
     steps = run_steps(compiled, args)
     notes = ["compiled: the train step (params, optimizer state, temporaries) for the topology"]
+    startup = TRAIN_STARTUP_S
     if trainer.rollout:
         rollout_backend = getattr(cfg, trainer.stage).rollout_backend
-        extra, needed, step_s = _grpo_estimate(rollout_backend, compiled, chip, chips, hbm, step_s)
+        extra, needed, rollout = _grpo_estimate(rollout_backend, compiled, chip, chips, hbm)
         notes.append(extra)
+        # the rollout's own range (its decode efficiency), around the train step's interval
+        step_low, step_s, step_high = (step_model.GRPO_TRAIN_FACTOR * t + r
+                                       for t, r in zip((step_low, step_s, step_high), rollout))
+        if rollout_backend == "vllm":   # vLLM starts inside train_rl
+            startup = tuple(a + b for a, b in zip(startup, run_forecast.VLLM_START_S))
     else:
         needed = sum(hbm.values())
+    mfu = step_model.implied_mfu(flops_per_chip, step_s, chip.peak_tflops)
+    if mfu > gen.best_mfu.pct / 100:
+        notes.append(f"the step implies {mfu:.0%} MFU, above the best public {gen.best_mfu.pct:.1f}% on {gen.name} "
+                     f"({gen.best_mfu.run}): the forecast is likely too fast")
+    wall = step_model.WALL_CLOCK_FACTOR
+    saves = checkpoint_saves(args, steps)
+    ckpt = checkpoint_s(compiled, chips, saves)
+    train_range = tuple(start + steps * step * w + c for start, step, w, c
+                        in zip(startup, (step_low, step_s, step_high), wall, ckpt))
+    train_s = train_range[1]
     params_b = compiled["param_count"] / 1e9
-    train_s = steps * step_s + TRAIN_STARTUP_S
     convert_s, export_s = CONVERT_S_PER_BPARAM * params_b, EXPORT_S_PER_BPARAM * params_b
     total_s = VM_SETUP_S + convert_s + train_s + export_s
     fits = not compiled.get("oom") and needed <= chip.hbm_gib
@@ -142,19 +191,27 @@ def report(cfg: View, preset: str, compiled: dict[str, Any], chip: Chip, chips: 
         "flops_per_step": flops_per_chip * chips, "flops_per_step_per_chip": flops_per_chip,
         "xla_cost_analysis_flops_per_chip": compiled.get("xla_flops"),
         "steps": steps, "est_step_s": step_s, "est_train_s": round(train_s, 1),
+        "est_train_s_range": [round(t, 1) for t in train_range], "implied_mfu": round(mfu, 4),
+        "best_public_mfu": gen.best_mfu.pct / 100, "mfu_above_best_public": mfu > gen.best_mfu.pct / 100,
+        "step_evidence": gen.step.evidence, "compute_efficiency": gen.step.compute_efficiency,
+        "est_startup_s": list(startup), "wall_clock_factor": list(wall), "checkpoint_saves": saves,
+        "est_checkpoint_s": [round(c, 1) for c in ckpt],
         "est_convert_s": round(convert_s, 1), "est_export_s": round(export_s, 1), "est_vm_setup_s": VM_SETUP_S,
         "est_total_s": round(total_s, 1), "usd_per_hour": usd_per_hour,
         "est_total_usd": round(total_s / 3600 * usd_per_hour, 2),
         "param_count": compiled["param_count"], "maxtext_config": c,
-        "est_step_s_range": step_range(step_s, topology(cfg) or ""), "hbm_error": HBM_ERROR,
-        "assumptions": {"compute_efficiency": step_model.COMPUTE_EFFICIENCY,
-                        "step_bytes_per_param": step_model.STEP_BYTES_PER_PARAM, "step_error": step_model.STEP_ERROR,
-                        "generation_error": step_model.GENERATION_ERROR, "sft_trainer_extra_bytes_per_param":
+        "est_step_s_range": (step_low, step_high), "hbm_error": HBM_ERROR,
+        "assumptions": {"compute_efficiency": gen.step.compute_efficiency, "efficiency_source": gen.step.source,
+                        "step_bytes_per_param": step_model.STEP_BYTES_PER_PARAM, "step_error": gen.step.step_error,
+                        "gathered_bytes_per_param": step_model.gathered_bytes_per_param(
+                            compiled["param_bytes"] / compiled["param_count"]),
+                        "sft_trainer_extra_bytes_per_param":
                         SFT_TRAINER_EXTRA_BYTES_PER_PARAM, "decode_efficiency": step_model.DECODE_EFFICIENCY,
                         "vllm_decode_efficiency_assumed": step_model.VLLM_DECODE_EFFICIENCY,
                         "grpo_train_factor": step_model.GRPO_TRAIN_FACTOR, "peak_tflops_per_chip": chip.peak_tflops,
                         "convert_s_per_bparam": CONVERT_S_PER_BPARAM, "export_s_per_bparam": EXPORT_S_PER_BPARAM,
-                        "train_startup_s": TRAIN_STARTUP_S, "vm_setup_s": VM_SETUP_S},
+                        "train_startup_s": TRAIN_STARTUP_S, "checkpoint_mib_s": CHECKPOINT_MIB_S,
+                        "vm_setup_s": VM_SETUP_S},
         "notes": notes, "versions": versions(), "compile_cached": compiled.get("cached", False),
     }
 
@@ -171,9 +228,10 @@ def stored_report(cfg: View, preset: str, usd_per_chip_hour: float, work: Path) 
     return report(cfg, preset, compiled, chip, chips, usd_per_hour(chips_of(topo), usd_per_chip_hour), args)
 
 
-def _grpo_estimate(rollout_backend: str, compiled: dict[str, Any], chip: Chip, chips: int, hbm: dict[str, float],
-                   train_step_s: float) -> tuple[str, float, float]:
-    """Add GRPO's estimated parts to ``hbm``; return (note, HBM needed per chip, seconds per GRPO step).
+def _grpo_estimate(rollout_backend: str, compiled: dict[str, Any], chip: Chip, chips: int,
+                   hbm: dict[str, float]) -> tuple[str, float, tuple[float, float, float]]:
+    """Add GRPO's estimated parts to ``hbm``; return (note, HBM needed per chip, (low, mid, high) seconds
+    a GRPO step spends beside its train step: sampling, and for vLLM syncing the trained weights to it).
 
     One VM: trainer and rollout share every chip (MaxText splits devices only across VMs). The
     reference model is a second copy of the weights on the trainer mesh. vLLM (tpu-inference) sizes
@@ -204,9 +262,14 @@ def _grpo_estimate(rollout_backend: str, compiled: dict[str, Any], chip: Chip, c
         note = ("calibrated on a TPU chip: reference weights, the JAX rollout's KV cache and what train_rl holds "
                 "beside them, rollout and log-prob passes")
     new_tokens = c["max_target_length"] - c["max_prefill_predict_length"]
-    efficiency = step_model.VLLM_DECODE_EFFICIENCY if rollout_backend == "vllm" else step_model.DECODE_EFFICIENCY
-    decode_s = step_model.decode_s(new_tokens, rollout_weight_bytes, chip.hbm_gbps, efficiency)
-    return note, needed, step_model.GRPO_TRAIN_FACTOR * train_step_s + decode_s
+    if rollout_backend == "vllm":   # cited (step_model.VLLM_DECODE_EFFICIENCY); each step copies the weights to vLLM
+        sync_s = 2 * rollout_weight_bytes / (chip.hbm_gbps * 1e9)   # read the trained bf16 copy, write vLLM's
+        rollout = tuple(step_model.decode_s(new_tokens, rollout_weight_bytes, chip.hbm_gbps, e) + sync_s
+                        for e in reversed(step_model.VLLM_DECODE_EFFICIENCY))
+        note += f"; vLLM decoding at {'-'.join(f'{e:.0%}' for e in step_model.VLLM_DECODE_EFFICIENCY)} of the HBM bandwidth (cited, docs/grpo-step.md) and the weight sync"
+    else:
+        rollout = (step_model.decode_s(new_tokens, rollout_weight_bytes, chip.hbm_gbps),) * 3
+    return note, needed, rollout  # type: ignore[return-value]
 
 
 def check_fits(row: dict[str, Any]) -> None:
@@ -224,15 +287,9 @@ def check_fits(row: dict[str, Any]) -> None:
         f"or use a larger TPU; `doit preflight --set ...` checks a change in seconds once compiled")
 
 
-def step_range(step_s: float, topo: str) -> tuple[float, float]:
-    """The step time's interval on the TPU ``topo`` (e.g. v6e-8): step_model's leave-one-out misses on
-    the chip, widened on another generation than the one measured."""
-    return step_model.interval(step_s, generations.of_accelerator(topo)[0].name)
-
-
 def table(rows: list[dict[str, Any]]) -> str:
     """The rows as a fixed-width table, with the calibration's error bars."""
-    head = ("branch", "preset", "TPU", "HBM GiB/chip", "fits", "TFLOP/step", "step s", "train min")
+    head = ("branch", "preset", "TPU", "HBM GiB/chip", "fits", "TFLOP/step", "step s", "MFU", "train min")
     lines = [head]
     for r in rows:
         low, high = r["est_step_s_range"]
@@ -240,7 +297,9 @@ def table(rows: list[dict[str, Any]]) -> str:
         hbm = "compile OOM" if r["compile_oom"] else f"{r['hbm_gib_per_chip']:.1f}{bar}"
         lines.append((r["branch"], r["preset"], r["topology"], f"{hbm} / {r['hbm_gib_available']:.2f}",
                       "yes" if r["fits"] else "NO", f"{r['flops_per_step'] / 1e12:.1f}",
-                      f"{r['est_step_s']:.3f} ({low:.3f}-{high:.3f})", f"{r['est_train_s'] / 60:.1f}"))
+                      f"{r['est_step_s']:.3f} ({low:.3f}-{high:.3f})",
+                      f"{r['implied_mfu']:.1%}" + (" (above the best public)" if r["mfu_above_best_public"] else ""),
+                      f"{r['est_train_s'] / 60:.1f}"))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(line, widths)).rstrip() for line in lines)
 
@@ -313,13 +372,26 @@ def check(sets: list[str], usd_per_chip_hour: float, machine: budget.Machine, ro
         print(f"the whole run (target {target or 'the whole pipeline'}), by phase:")
         print(run_forecast.forecast(rows).table())
         basis = f" ({price_basis})" if price_basis else ""
-        print(f"assumptions: step = FLOPs at {step_model.COMPUTE_EFFICIENCY:.0%} of the peak + "
-              f"{step_model.STEP_BYTES_PER_PARAM:.0f} B per parameter at the HBM bandwidth (fit on a TPU v5e chip; the "
-              f"interval: its leave-one-out misses, ±{step_model.GENERATION_ERROR:.0%} more on other generations), HBM "
-              f"±{HBM_ERROR:.0%} (docs/preflight.md), {usd_per_chip_hour:.2f} USD per chip-hour{basis}; "
+        for r in rows:
+            print(assumptions_line(r))
+        print(f"HBM ±{HBM_ERROR:.0%} (docs/preflight.md), {usd_per_chip_hour:.2f} USD per chip-hour{basis}; "
               f"reports in {work}/<branch>-<preset>.json")
         print(versions_line())
     return rows
+
+
+def assumptions_line(row: dict[str, Any]) -> str:
+    """What the row's step, start-up and checkpoints rest on, each with its source."""
+    gen = generation_of(row["topology"])
+    best = f"best public {gen.best_mfu.pct:.1f}%: {gen.best_mfu.run}"
+    start, ckpt, wall = row["est_startup_s"], row["est_checkpoint_s"], row["wall_clock_factor"]
+    return (f"{row['branch']}: step = FLOPs at {gen.step.compute_efficiency:.0%} of the peak ({gen.step.evidence}: "
+            f"{gen.step.source}) + {step_model.STEP_BYTES_PER_PARAM:.0f} B per parameter at the HBM bandwidth, FSDP's "
+            f"weight gathers and gradient reduce-scatter at the ICI bandwidth, not overlapped; implied MFU "
+            f"{row['implied_mfu']:.1%} ({best}); wall clock x{wall[1]:.2f} ({wall[0]:.2f}-{wall[2]:.2f}: the chip's "
+            f"stalls, measured); start-up {start[1] / 60:.0f} min ({start[0] / 60:.1f}-{start[2] / 60:.0f}, assumed); "
+            f"{row['checkpoint_saves']} checkpoint saves {ckpt[1] / 60:.1f} min ({ckpt[0] / 60:.1f}-{ckpt[2] / 60:.1f}: "
+            f"the train state at {CHECKPOINT_MIB_S[2]:.0f}-{CHECKPOINT_MIB_S[0]:.0f} MiB/s, cited)")
 
 
 def budget_on_vm(sets: list[str], machine: budget.Machine, root: Path = ROOT) -> dict[str, Any] | None:

@@ -14,8 +14,8 @@ pipeline), from:
 * **evaluation**: per evaluation stage, vLLM's start (:data:`VLLM_START_S`) and the scorer's requests
   one at a time (``num_concurrent=1``): the problem count, the prompt tokens (prefill at a stated
   fraction of the chips' peak FLOP/s, :data:`PREFILL_EFFICIENCY`) and the generated tokens (each a
-  read of the weights each chip holds, at :data:`DECODE_EFFICIENCY` of its HBM bandwidth: the JAX
-  rollout's decode measured on the TPU chip at real width, the one decode measured there).
+  read of the weights each chip holds, at :data:`DECODE_EFFICIENCY` of its HBM bandwidth: vLLM's on
+  v6e, derived from a cited vLLM-on-TPU run, the figures GRPO's rollout takes too).
 
 Every estimate is a (low, mid, high) triple. The total's interval is the sum of the phases' lows and
 the sum of their highs: it holds whenever each phase falls in its own range, with no assumption that
@@ -42,9 +42,8 @@ SETUP_SCALE: Range = (0.67, 1.0, 2.0)        # the VM setup's range around prefl
 CONVERSION_SCALE: Range = (0.5, 1.0, 2.0)    # to_maxtext's / to_huggingface's range around preflight's
 VLLM_START_S: Range = (120.0, 300.0, 900.0)  # vLLM loading the model and compiling its TPU graphs, per stage
 PREFILL_EFFICIENCY: Range = (0.15, 0.3, 0.5)  # of the chips' peak FLOP/s, a prompt at batch 1 (assumed)
-# of the HBM bandwidth per new token: the JAX rollout's measured on the chip (step_model, records/grpo*.json);
-# from 15% (vLLM at batch 1 over 8 chips may do worse: not measured) to vLLM's assumed 50%
-DECODE_EFFICIENCY: Range = (0.15, step_model.DECODE_EFFICIENCY, step_model.VLLM_DECODE_EFFICIENCY)
+# of the HBM bandwidth per new token: vLLM's on v6e, the figures GRPO's rollout takes (step_model: cited)
+DECODE_EFFICIENCY: Range = step_model.VLLM_DECODE_EFFICIENCY
 REQUEST_OVERHEAD_S: Range = (0.02, 0.05, 0.2)  # per request: HTTP, tokenizing, the scorer's bookkeeping
 # GSM8K under lm-eval's gsm8k-cot-llama.yaml: each few-shot example is a user turn (the instruction
 # template, 230 characters, around a question of 127 on average) and an answer (137 on average), the
@@ -177,10 +176,13 @@ def branch_phases(cfg: Any, row: dict[str, Any], chip: Chip, stages: set[str], r
         if trainer.stage != row["stage"] and steps:
             add(trainer.stage, "training", (0.0, 0.0, 0.0),
                 f"NOT counted: the warm-up's {steps} steps (preflight compiles {row['stage']} only)")
-    add(row["stage"], "training", _training(row),
+    start, ckpt, wall = row["est_startup_s"], row["est_checkpoint_s"], row["wall_clock_factor"]
+    add(row["stage"], "training", tuple(row["est_train_s_range"]),
         f"preflight: {row['steps']} steps x {row['est_step_s']:.3f} s "
-        f"({row['est_step_s_range'][0]:.3f}-{row['est_step_s_range'][1]:.3f}) + "
-        f"{_startup_s(row):.0f} s checkpoint load and compile")
+        f"({row['est_step_s_range'][0]:.3f}-{row['est_step_s_range'][1]:.3f}) x{wall[1]:.2f} wall clock "
+        f"({wall[0]:.2f}-{wall[2]:.2f}, the chip's stalls) + {start[1]:.0f} s ({start[0]:.0f}-{start[2]:.0f}) start-up"
+        f"{' with vLLM' if row['stage'] == 'train_rl' else ''} + {row['checkpoint_saves']} checkpoint saves "
+        f"{ckpt[1]:.0f} s ({ckpt[0]:.0f}-{ckpt[2]:.0f})")
     export = scaled(row["est_export_s"], CONVERSION_SCALE)
     add("to_huggingface", "export", export, f"like the conversion (x{CONVERSION_SCALE[0]:g}-{CONVERSION_SCALE[2]:g})")
     score, how = _evaluation(cfg, row["param_count"], chip)
@@ -232,17 +234,6 @@ def _dataset_name(cfg: Any) -> str:
     return source.repo_id if source.kind == "hub" else "the dataset"
 
 
-def _startup_s(row: dict[str, Any]) -> float:
-    return row["est_train_s"] - row["steps"] * row["est_step_s"]
-
-
-def _training(row: dict[str, Any]) -> Range:
-    """preflight's training time, its range from the step time's."""
-    low, high = row["est_step_s_range"]
-    startup = _startup_s(row)
-    return startup + row["steps"] * low, row["est_train_s"], startup + row["steps"] * high
-
-
 def _problems(cfg: Any) -> int:
     """How many test problems (conversations) an evaluation stage scores."""
     count = cfg.evaluate.num_problems
@@ -285,7 +276,7 @@ def _evaluation(cfg: Any, lm_params: int, chip: Chip) -> tuple[Range, str]:
         seconds.append(VLLM_START_S[i] + problems * request_s)
     if cfg.dataset.row_schema == "gsm8k":
         rate = (f"decoding {token_s(DECODE_EFFICIENCY[1]) * 1e3:.1f} ms/token: {_share(DECODE_EFFICIENCY)} of the "
-                "HBM bandwidth (the JAX rollout's, measured on the chip)")
+                "HBM bandwidth (vLLM on v6e, cited)")
     else:
         rate = f"prefill at {_share(PREFILL_EFFICIENCY)} of the peak FLOP/s (assumed)"
     how = (f"vLLM start {VLLM_START_S[1] / 60:.0f} min ({VLLM_START_S[0] / 60:.0f}-{VLLM_START_S[2] / 60:.0f}) + "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +33,8 @@ import calibrate  # noqa: E402  (benchmarks/on_tpu/calibrate.py)
 import plan  # noqa: E402  (benchmarks/on_tpu/plan.py)
 
 pytestmark = pytest.mark.on_tpu
-RECORDS = sorted(p for p in (ON_TPU / "records").glob("*.json") if p.name != calibrate.COMPILED.name)
+RECORDS = sorted(p for p in (ON_TPU / "records").glob("*.json") if p.name not in (calibrate.COMPILED.name,
+                                                                                    calibrate.PUBLIC.name))
 
 
 def test_the_chip_pins_name_every_difference_from_the_vm_lock():
@@ -118,33 +120,63 @@ def test_the_records_span_both_families_batches_1_to_4_and_grpo_at_real_width():
 
 
 @pytest.mark.forecast
-@pytest.mark.parametrize("row", LEAVE_ONE_OUT, ids=[r["name"] for r in LEAVE_ONE_OUT])
-def test_each_record_is_forecast_by_a_fit_on_the_others(row: dict):
-    """Leave-one-out: the model fit on every other record forecasts this one's step time within
-    STEP_TOLERANCE (a record left out of the step fit, calibrate.OUTSIDE_THE_STEP_FIT, still misses it)
-    and its peak HBM within HBM_TOLERANCE (or its documented miss)."""
-    if row["outside_the_step_fit"]:  # still the shape it was left out for, else it belongs in the fit again
-        assert row["step_ratio"] < 1 - preflight.STEP_TOLERANCE, row
-    else:
-        assert abs(row["step_ratio"] - 1) <= preflight.STEP_TOLERANCE, row
-    assert abs(row["hbm_ratio"] - 1) <= KNOWN_HBM_MISSES.get(row["name"], preflight.HBM_TOLERANCE), row
-    assert row["name"] not in KNOWN_HBM_MISSES or row["hbm_ratio"] > 1  # over, the safe side of a fit check
+@pytest.mark.price
+def test_the_public_v6e_records_span_two_families_at_8_chips_or_more():
+    """The public MaxText v6e runs in the fit: at least 4 at 8 chips or more, from at least 2 model families."""
+    public = [p for p in POINTS if p.generation == "v6e" and p.name not in calibrate.OUTSIDE_THE_STEP_FIT]
+    assert len([p for p in public if p.chips >= 8]) >= 4
+    families = {json.loads(calibrate.PUBLIC.read_text())["runs"][p.name]["family"] for p in public}
+    assert len(families) >= 2, families
 
 
 @pytest.mark.forecast
+@pytest.mark.price
+@pytest.mark.parametrize("row", LEAVE_ONE_OUT, ids=[r["name"] for r in LEAVE_ONE_OUT])
+def test_each_record_is_forecast_by_a_fit_on_the_others(row: dict):
+    """Leave-one-out, the chip's records and the public v6e runs alike: the model fit on every other
+    record forecasts this one's step time within STEP_TOLERANCE (a record left out of the step fit,
+    calibrate.OUTSIDE_THE_STEP_FIT, still misses it); where the record measured HBM, its peak within
+    HBM_TOLERANCE (or its documented over-forecast), and never above the printed high end."""
+    if row["outside_the_step_fit"]:  # still the shape it was left out for, else it belongs in the fit again
+        assert row["step_ratio"] < 0.85, row   # each still runs well slower than the model says
+    else:
+        assert abs(row["step_ratio"] - 1) <= preflight.STEP_TOLERANCE, row
+    if row["hbm_ratio"] is None:
+        return
+    assert abs(row["hbm_ratio"] - 1) <= KNOWN_HBM_MISSES.get(row["name"], preflight.HBM_TOLERANCE), row
+    assert row["name"] not in KNOWN_HBM_MISSES or row["hbm_ratio"] > 1  # over, the safe side of a fit check
+    assert row["hbm_measured_gib"] <= row["hbm_forecast_gib"] * (1 + preflight.HBM_ERROR), row   # the printed high end
+
+
+@pytest.mark.forecast
+@pytest.mark.price
 def test_the_committed_constants_are_the_fit_on_every_record():
-    """step_model's and preflight's constants are what calibrate.py fits on the committed records, and the
-    printed interval (STEP_ERROR) holds every leave-one-out step time."""
+    """step_model's, preflight's and conf/generations.yaml's constants are what calibrate.py fits on the
+    committed records, and each generation's printed interval holds its leave-one-out step times."""
     k = calibrate.fit(POINTS)
-    assert step_model.COMPUTE_EFFICIENCY == pytest.approx(k.compute_efficiency, abs=0.0005)
+    table = generations.load()
+    for gen, efficiency in k.compute_efficiency.items():
+        assert table[gen].step.compute_efficiency == pytest.approx(efficiency, abs=0.0005), gen
+        low, high = calibrate.step_error(LEAVE_ONE_OUT, gen)
+        assert table[gen].step.step_error[0] <= low and high <= table[gen].step.step_error[1], gen
+    assert {table[gen].step.evidence for gen in k.compute_efficiency} == {"measured", "public"}
     assert step_model.STEP_BYTES_PER_PARAM == pytest.approx(k.step_bytes_per_param, abs=0.05)
     assert preflight.SFT_TRAINER_EXTRA_BYTES_PER_PARAM == pytest.approx(k.sft_extra_bytes_per_param, abs=0.05)
     assert step_model.DECODE_EFFICIENCY == pytest.approx(k.decode_efficiency, abs=0.0005)
     assert step_model.GRPO_TRAIN_FACTOR == pytest.approx(k.grpo_train_factor, abs=0.0005)
     assert preflight.GRPO_EXTRA_BYTES_PER_PARAM == pytest.approx(k.grpo_extra_bytes_per_param, abs=0.05)
-    low, high = calibrate.step_error(LEAVE_ONE_OUT)
-    assert step_model.STEP_ERROR[0] <= low and high <= step_model.STEP_ERROR[1]
-    assert max(abs(r["hbm_ratio"] - 1) for r in LEAVE_ONE_OUT if r["name"] not in KNOWN_HBM_MISSES) <= preflight.HBM_ERROR
+    wall = calibrate.wall_clock_factors()
+    assert step_model.WALL_CLOCK_FACTOR == pytest.approx((min(wall), statistics.median(wall), max(wall)), abs=0.0005)
+    measured = [r for r in LEAVE_ONE_OUT if r["hbm_ratio"] is not None and r["name"] not in KNOWN_HBM_MISSES]
+    assert max(abs(r["hbm_ratio"] - 1) for r in measured) <= preflight.HBM_ERROR
+
+
+@pytest.mark.forecast
+@pytest.mark.price
+def test_the_chips_fit_does_not_carry_to_v6e():
+    """The v5e fit alone forecasts the public v6e runs 1.4-2.1x too fast: why v6e takes its own efficiency."""
+    moved = calibrate.transfer(POINTS)
+    assert min(moved) > 1.3 and max(moved) < 2.2
 
 
 @pytest.mark.forecast
@@ -154,27 +186,41 @@ def test_preflight_forecasts_with_the_committed_constants(run: dict):
     """preflight's own functions (step_forecast, _grpo_estimate) give what calibrate's model gives with
     the committed constants, so the records check the code `doit preflight` runs."""
     compiled = calibrate.compiled_for(run)
-    chip = generations.load()["v5e"].chip
-    committed = calibrate.Constants(step_model.COMPUTE_EFFICIENCY, step_model.STEP_BYTES_PER_PARAM,
+    gen = generations.load()["v5e"]
+    chip, efficiency = gen.chip, gen.step.compute_efficiency
+    committed = calibrate.Constants({"v5e": efficiency}, step_model.STEP_BYTES_PER_PARAM,
                                     preflight.SFT_TRAINER_EXTRA_BYTES_PER_PARAM, step_model.DECODE_EFFICIENCY,
                                     step_model.GRPO_TRAIN_FACTOR, preflight.GRPO_EXTRA_BYTES_PER_PARAM)
     hbm, step_s = calibrate.forecast(calibrate.point(run, compiled), committed)
     parts = preflight.hbm_parts(compiled, 1, run["module"])
     if run["module"] == commands.TRAIN_RL:
         c = compiled["config"]
-        train_s = step_model.train_step_s(compiled["tflops_per_device"] * 1e12 * c["grpo_sequences"]
-                                          / c["global_batch_size_to_train_on"], compiled["param_count"],
-                                          chip.peak_tflops, chip.hbm_gbps)
-        _, preflight_hbm, preflight_step = preflight._grpo_estimate("cpu_jax", compiled, chip, 1, parts, train_s)
+        train_s = preflight.train_step_s(compiled, chip, 1, efficiency, compiled["tflops_per_device"] * 1e12
+                                         * c["grpo_sequences"] / c["global_batch_size_to_train_on"])
+        _, preflight_hbm, rollout = preflight._grpo_estimate("cpu_jax", compiled, chip, 1, parts)
+        preflight_step = step_model.GRPO_TRAIN_FACTOR * train_s + rollout[1]
     else:
-        preflight_hbm, preflight_step = preflight.step_forecast(compiled, chip, 1, run["module"])
+        preflight_hbm, preflight_step = preflight.step_forecast(compiled, chip, 1, run["module"], efficiency)
     assert (preflight_hbm, preflight_step) == (pytest.approx(hbm, rel=1e-9), pytest.approx(step_s, rel=1e-9))
 
 
-@pytest.mark.forecast
-def test_the_interval_widens_on_a_generation_not_measured():
-    """On v5e the interval is the chip's leave-one-out misses; on v6e GENERATION_ERROR more on each side."""
-    v5e = step_model.interval(1.0, "v5e")
-    v6e = preflight.step_range(1.0, "v6e-8")
-    assert v5e == step_model.STEP_ERROR
-    assert v6e == pytest.approx((v5e[0] * (1 - step_model.GENERATION_ERROR), v5e[1] * (1 + step_model.GENERATION_ERROR)))
+def _tutorial_step(name: str) -> tuple[float, float]:
+    """(step s, implied MFU) of a shipped preset's committed compile, through preflight's own step."""
+    result = json.loads((ROOT / "mtpipe" / "planning" / "compiled" / f"{name}.json").read_text())["result"]
+    gen, chips = generations.of_accelerator(result["config"]["compile_topology"])
+    step_s = preflight.train_step_s(result, gen.device(), chips, gen.step.compute_efficiency)
+    return step_s, step_model.implied_mfu(result["tflops_per_device"] * 1e12, step_s, gen.chip.peak_tflops)
+
+
+@pytest.mark.price
+@pytest.mark.parametrize("name", ["sft-gemma3-4b-ultrachat-v6e8", "rl-llama3.1-8b-gsm8k-v6e8"])
+def test_the_tutorials_implied_mfu_is_at_most_the_best_public(name: str):
+    """A tutorial step's implied MFU stays at or below the best public MaxText MFU on v6e."""
+    _, mfu = _tutorial_step(name)
+    assert mfu <= generations.load()["v6e"].best_mfu.pct / 100, mfu
+
+
+@pytest.mark.price
+def test_a_v6e_32_is_not_faster_per_chip_than_a_v6e_8():
+    """The SFT tutorial at the same per-chip batch: FSDP's collectives grow with the chips."""
+    assert _tutorial_step("sft-gemma3-4b-ultrachat-v6e32")[0] >= _tutorial_step("sft-gemma3-4b-ultrachat-v6e8")[0]

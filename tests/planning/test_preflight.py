@@ -14,6 +14,7 @@ import pytest
 
 from mtpipe.cloud.settings import vm_config
 from mtpipe.maxtext import commands, training_commands
+from mtpipe.pipeline import generations
 from mtpipe.planning import aot, preflight, step_model
 
 from mtpipe.errors import ConfigError
@@ -111,10 +112,15 @@ def test_a_step_too_large_for_hbm_names_the_keys_to_change() -> None:
     extra = preflight.SFT_TRAINER_EXTRA_BYTES_PER_PARAM * 4_300_000_000 / 8 / 2**30
     assert extra == pytest.approx(1.75, abs=0.01) and fits["hbm_parts_gib"]["sft_trainer_extra"] == round(extra, 3)
     assert fits["fits"] and fits["hbm_gib_per_chip"] == pytest.approx(9.9 + extra, abs=0.01)
-    # 1000 steps of 100 TFLOP per chip at the fitted share of 918 TFLOP/s, plus 4.3 B / 8 parameters' traffic
-    # at 1640 GB/s (mtpipe.planning.step_model), plus the stated fixed times, at 21.6 USD/h
-    step_s = 100 / (918 * step_model.COMPUTE_EFFICIENCY) + 4.3e9 / 8 * step_model.STEP_BYTES_PER_PARAM / 1640e9
-    train_s = 1000 * step_s + preflight.TRAIN_STARTUP_S
+    # 1000 steps of 100 TFLOP per chip at v6e's fitted share of 918 TFLOP/s, plus the parameters' traffic at
+    # 1640 GB/s (bf16 weights: 32 B gathered on every chip, the rest of the 83.5 B sharded over 8) and FSDP's
+    # collectives at 400 GB/s (7/8 x (2 x 2 + 4) B), at the chip's wall-clock factor, plus start-up
+    efficiency = generations.load()["v6e"].step.compute_efficiency
+    step_s = (100 / (918 * efficiency) + (4.3e9 * 32 + 4.3e9 / 8 * (step_model.STEP_BYTES_PER_PARAM - 32)) / 1640e9
+              + 7 / 8 * 4.3e9 * 8 / 400e9)
+    assert fits["est_step_s"] == pytest.approx(step_s, rel=1e-9)
+    assert fits["implied_mfu"] == pytest.approx(100 / (918 * step_s), abs=1e-4) and not fits["mfu_above_best_public"]
+    train_s = 1000 * step_s * step_model.WALL_CLOCK_FACTOR[1] + preflight.TRAIN_STARTUP_S[1]
     assert fits["est_train_s"] == pytest.approx(train_s, abs=0.1)
     total_s = train_s + preflight.VM_SETUP_S + 2 * 70 * 4.3
     assert fits["est_total_usd"] == pytest.approx(total_s / 3600 * 21.6, abs=0.01)

@@ -15,7 +15,6 @@ from mtpipe.maxtext.run_dir import WORK_BUCKET_ENV, WORK_DIR_ENV
 from mtpipe.pipeline import config
 from mtpipe.planning import preflight
 from mtpipe.planning.aot import composed_views, topology
-from mtpipe.planning.preflight import TRAIN_STARTUP_S
 
 
 def check_spot_resume(cfg: DictConfig, forecasts: list[dict[str, Any]]) -> None:
@@ -27,7 +26,7 @@ def check_spot_resume(cfg: DictConfig, forecasts: list[dict[str, Any]]) -> None:
             or str(cfg.run.env.get(WORK_BUCKET_ENV) or "").strip()):
         return
     costs = [f"{r['stage']} of the {r['branch']} branch up to {r['est_train_s'] / 60:.1f} min ({r['steps']} steps x "
-             f"{r['est_step_s']:.3f} s + {TRAIN_STARTUP_S:.0f} s start-up), about "
+             f"{r['est_step_s']:.3f} s + start-up and checkpoints), about "
              f"{r['est_train_s'] / 3600 * r['usd_per_hour']:.2f} USD at {r['usd_per_hour']:.2f} USD/h"
              for r in forecasts]
     lost = "; ".join(costs) or ("the training done so far (no forecast: preflight has compiled no TPU branch's step "

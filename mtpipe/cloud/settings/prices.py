@@ -1,8 +1,9 @@
 """conf/prices.yaml: the one table of prices that every cost line reads.
 
-Prices are per chip-hour of a TPU generation (conf/generations.yaml's names), one per provisioning mode that has a price (on-demand,
-spot, flex-start), each with the date its source gives and the page to check it on. A VM's rate is
-its machine type's chips (``ct6e-standard-8t``: 8) times its mode's price. A reservation's VMs cost
+Prices are per chip-hour of a TPU generation (conf/generations.yaml's names), per provisioning mode that
+has a price (on-demand, spot, flex-start) and per region, each mode with the date its source gives and
+the page to check it on. A VM's rate is its machine type's chips (``ct6e-standard-8t``: 8) times its
+mode's price in its zone's region (no zone: the generation's ``default_region``, said in every line). A reservation's VMs cost
 nothing on top of the reservation: its commitment pays for the reserved capacity, used or not, so
 their rate is the on-demand equivalent and every line that shows it names the reservation that pays
 (:func:`paid_by`).
@@ -27,22 +28,36 @@ from mtpipe.pipeline.view import load_yaml
 PRICES = Path(__file__).resolve().parents[3] / "conf" / "prices.yaml"
 
 
-class ChipPrice(Section):
-    usd: Annotated[float, Ge(0), KEEP_INT]   # per chip-hour
+class ModePrices(Section):
+    """One provisioning mode's prices, by region."""
+
     as_of: str                               # the date the source gives
     source: str                              # the page to check it on
+    usd: dict[str, Annotated[float, Ge(0), KEEP_INT]]   # per chip-hour, by region
 
 
 class PerChipHour(Section):
-    """One price per provisioning mode that has one (a reservation's commitment pays its VMs)."""
+    """The prices of each provisioning mode that has one (a reservation's commitment pays its VMs)."""
 
-    on_demand: ChipPrice = Field(alias="on-demand")
-    spot: ChipPrice | None                   # null: no price known, Spot VMs of this TPU are refused
-    flex_start: ChipPrice | None = Field(alias="flex-start")   # null: Flex-start VMs of this TPU are refused
+    on_demand: ModePrices = Field(alias="on-demand")
+    spot: ModePrices | None                  # null: no price known, Spot VMs of this TPU are refused
+    flex_start: ModePrices | None = Field(alias="flex-start")   # null: Flex-start VMs of this TPU are refused
 
 
 class Tpu(Section):
+    default_region: str                      # prices a VM whose zone is not set yet
     per_chip_hour: PerChipHour
+
+
+@dataclass(frozen=True)
+class ChipPrice:
+    """One chip-hour's price in one region and mode, with its source."""
+
+    usd: float
+    region: str
+    as_of: str
+    source: str
+    default_region: bool = False             # no zone set: the generation's default region
 
 
 @dataclass(frozen=True)
@@ -82,24 +97,29 @@ class Rate:
     def usd_per_hour(self) -> float:
         return self.chips * self.price.usd
 
+    def where(self) -> str:
+        """The price's region and provisioning model, as every cost line names them."""
+        return f"{self.tpu} {self.mode} in {self.price.region}{' (no zone set)' if self.price.default_region else ''}"
+
     def describe(self) -> str:
         """The rate as the cost lines print it."""
         if self.reservation:
             return paid_by(self.reservation, f"{self.usd_per_hour:.2f} USD/h")
         return (f"about {self.usd_per_hour:.2f} USD per hour ({self.chips} chips x {self.price.usd:.2f} "
-                f"USD, {self.tpu} {self.mode} price as of {self.price.as_of}: conf/prices.yaml)")
+                f"USD, {self.where()}, price as of {self.price.as_of}: conf/prices.yaml)")
 
     def per_chip(self) -> str:
         """Where the chip price comes from, as `doit preflight` prints it next to the price."""
-        basis = f"{self.tpu} {self.mode} price as of {self.price.as_of}, conf/prices.yaml"
+        basis = f"{self.where()}, price as of {self.price.as_of}, conf/prices.yaml"
         if self.reservation:
             return f"{basis}: the on-demand equivalent, reservation {self.reservation}'s commitment pays the VM"
         return basis
 
 
 def vm_rate(cfg: DictConfig) -> Rate:
-    """The rate of the VM ``cfg`` describes: its machine type's chips at its provisioning mode's price
-    (a reservation: the on-demand price, as the equivalent of what the commitment pays)."""
+    """The rate of the VM ``cfg`` describes: its machine type's chips at its provisioning mode's price in
+    its zone's region (a reservation: the on-demand price, as the equivalent of what the commitment pays).
+    ``cfg`` is read by attribute: machine_type, provisioning, zone, reservation."""
     gen, chips = generations.of_machine_type(cfg.machine_type)
     tpu = gen.name
     if tpu not in load().tpu:
@@ -108,8 +128,33 @@ def vm_rate(cfg: DictConfig) -> Rate:
     reserved = cfg.provisioning == "reservation"
     reservation = (cfg.reservation or "(RESERVATION not set)") if reserved else None
     mode = "on-demand" if reserved else cfg.provisioning
-    price = getattr(load().tpu[tpu].per_chip_hour, mode.replace("-", "_"))
-    if price is None:
+    prices = getattr(load().tpu[tpu].per_chip_hour, mode.replace("-", "_"))
+    if prices is None:
         raise ConfigError(f"prices.tpu.{tpu}.per_chip_hour.{mode}", f"is null: no {mode} price of TPU {tpu} is known",
-                          f"set its usd, as_of and source in {PRICES} (the region's price), or use another provisioning")
+                          f"set its usd (by region), as_of and source in {PRICES}, or use another provisioning")
+    zone = getattr(cfg, "zone", None)
+    region = zone.rsplit("-", 1)[0] if zone else load().tpu[tpu].default_region
+    if region not in prices.usd:
+        raise ConfigError(f"prices.tpu.{tpu}.per_chip_hour.{mode}.usd.{region}",
+                          f"is missing: conf/prices.yaml has no {mode} price of TPU {tpu} in {region} (zone {zone})",
+                          f"add the region's price to {PRICES}, or use a zone of {', '.join(sorted(prices.usd))}")
+    price = ChipPrice(prices.usd[region], region, prices.as_of, prices.source, default_region=not zone)
     return Rate(chips, tpu, mode, price, reservation)
+
+
+def by_region(rate: Rate) -> str:
+    """The chip-hour prices of ``rate``'s generation in its region for each provisioning model, and the
+    range over the other regions: what `doit preflight` prints below the run's total."""
+    modes = load().tpu[rate.tpu].per_chip_hour
+    here, elsewhere = [], []
+    for mode in ("on-demand", "spot", "flex-start"):
+        prices = getattr(modes, mode.replace("-", "_"))
+        if prices is None:
+            here.append(f"{mode} none known")
+            continue
+        assumed = " (assumed)" if prices.as_of.startswith("assumed") else ""
+        here.append(f"{mode} {prices.usd[rate.price.region]:.2f}{assumed}" if rate.price.region in prices.usd
+                    else f"{mode} not listed")
+        elsewhere.append(f"{mode} {min(prices.usd.values()):.2f}-{max(prices.usd.values()):.2f}")
+    return (f"{rate.tpu} USD per chip-hour in {rate.price.region}: {', '.join(here)}; over the regions listed: "
+            f"{', '.join(elsewhere)} (conf/prices.yaml: the Cloud Billing Catalog via SkyPilot's catalog)")

@@ -355,34 +355,45 @@ def test_bad_provisioning_settings_fail_before_any_request(
 
 @pytest.mark.cloud_contract
 def test_the_price_table_is_checked_and_dated(tmp_path: Path) -> None:
-    """conf/prices.yaml: per-chip prices with their date and source; a bad value names its key."""
+    """conf/prices.yaml: per-chip prices by region with their date and source; a bad value names its key."""
     v6e = prices.load().tpu["v6e"]
     on_demand, spot, flex = v6e.per_chip_hour.on_demand, v6e.per_chip_hour.spot, v6e.per_chip_hour.flex_start
-    assert (on_demand.usd, spot.usd, flex.usd) == (2.70, 0.54, 1.27)
-    assert all(p.as_of and p.source.startswith("https://cloud.google.com/") for p in (on_demand, spot, flex))
-    assert "53%" in flex.as_of   # a relative figure (the largest DWS discount), said so
+    assert (on_demand.usd["us-east1"], on_demand.usd["europe-west4"], on_demand.usd["asia-northeast1"]) == (2.70, 2.97, 3.24)
+    assert (spot.usd["us-central1"], flex.usd["us-central1"]) == (0.544, 1.27)
+    assert all(p.as_of and "https://cloud.google.com/" in p.source for p in (on_demand, spot, flex))
+    assert flex.as_of.startswith("assumed") and "53%" in flex.as_of   # no Flex-start price found: a judgement, said so
     assert set(prices.load().tpu) == set(generations.load())   # every generation priced
     bad = tmp_path / "prices.yaml"
-    bad.write_text(prices.PRICES.read_text().replace("usd: 0.54", "usd: cheap"))
-    with pytest.raises(ConfigError, match=r"^prices.tpu.v6e.per_chip_hour.spot.usd: "):
+    bad.write_text(prices.PRICES.read_text().replace("us-central1: 0.544", "us-central1: cheap"))
+    with pytest.raises(ConfigError, match=r"^prices.tpu.v6e.per_chip_hour.spot.usd: .*cheap"):
         prices.load(bad)
     bad.write_text(prices.PRICES.read_text().replace("      spot:", "      reservation:"))
     with pytest.raises(ConfigError, match=r"^prices.tpu.v6e.per_chip_hour.reservation: is not a key"):
         prices.load(bad)
 
 
+@pytest.mark.price
 @pytest.mark.cloud_contract
-def test_a_v5e_vm_is_priced_on_demand_and_refused_as_spot_without_a_price() -> None:
-    """ct5lp-hightpu-8t holds 8 v5e chips at v5e's on-demand price; conf/prices.yaml knows no v5e Spot
-    price, so a Spot v5e VM is refused naming the key to set, before any request."""
+def test_a_vm_is_priced_in_its_zones_region_and_spot_v5e_is_priced() -> None:
+    """The zone picks the region (no zone: the generation's default region, said so); the line names
+    region and provisioning model; Spot v5e has a price; a region the table lacks is refused naming its key."""
     cfg = vm_config.load_config({"machine_type": "ct5lp-hightpu-8t", "boot_disk_type": "pd-balanced",
                                  "provisioning": "on-demand"})
+    cfg.zone = None
     rate = prices.vm_rate(cfg)
     assert (rate.tpu, rate.chips, rate.usd_per_hour) == ("v5e", 8, pytest.approx(9.60))
-    cfg.provisioning = "spot"
+    assert "v5e on-demand in us-central1 (no zone set)" in rate.describe()
+    cfg.provisioning, cfg.zone = "spot", "europe-west4-b"
+    rate = prices.vm_rate(cfg)
+    assert rate.price.usd == 0.445 and "v5e spot in europe-west4," in rate.describe()
+    cfg.zone = "mars-central1-a"
     with pytest.raises(ConfigError) as err:
         prices.vm_rate(cfg)
-    assert err.value.key == "prices.tpu.v5e.per_chip_hour.spot" and "conf/prices.yaml" in err.value.fix
+    assert err.value.key == "prices.tpu.v5e.per_chip_hour.spot.usd.mars-central1" and "conf/prices.yaml" in err.value.fix
+    cfg.provisioning = "flex-start"
+    with pytest.raises(ConfigError) as err:
+        prices.vm_rate(cfg)
+    assert err.value.key == "prices.tpu.v5e.per_chip_hour.flex-start"
 
 
 @pytest.mark.preemption
