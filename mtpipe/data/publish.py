@@ -34,6 +34,8 @@ from typing import Any
 import yaml
 
 from mtpipe.errors import ConfigError
+from mtpipe.pipeline.stage_table import BRANCH_STAGES, BRANCHES, BY_NAME, address
+from mtpipe.pipeline.trainers import in_branch, of_branch
 from mtpipe.pipeline.view import RUN_FILE, with_run_keys
 
 CARD = "README.md"
@@ -102,22 +104,23 @@ def fetch_export(root: Path, commit: str, branch: str, dest: Path) -> list[str]:
 
 
 def curves_png(root: Path, commit: str, branch: str) -> bytes:
-    """The loss (and for rl the reward) curves of ``commit`` as one PNG (fixed metadata: same bytes)."""
+    """The curves of each training stage of ``branch`` in ``commit`` (its record's ``curves``, those its
+    plots file holds), one panel per stage, as one PNG (fixed metadata: same bytes)."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    plots = {"sft": [("train_sft", ["loss", "eval_loss"])],
-             "rl": [("train_sft", ["loss"]), ("train_rl", ["reward_mean", "kl"])]}[branch]
-    fig, axes = plt.subplots(1, len(plots), figsize=(5 * len(plots), 3.2), squeeze=False)
-    for ax, (stage, columns) in zip(axes[0], plots):
-        rows = list(csv.DictReader(io.StringIO(at(root, commit, f"plots/{branch}/{stage}.csv"))))
-        for column in columns:
+    trainers = in_branch(BRANCH_STAGES[branch])
+    fig, axes = plt.subplots(1, len(trainers), figsize=(5 * len(trainers), 3.2), squeeze=False)
+    for ax, trainer in zip(axes[0], trainers):
+        stage = BY_NAME[trainer.stage]
+        rows = list(csv.DictReader(io.StringIO(at(root, commit, stage.path(stage.plots, branch)))))
+        for column in trainer.curves:
             points = [(int(r["step"]), float(r[column])) for r in rows if r.get(column)]
             if points:
                 ax.plot(*zip(*points), label=column)
-        ax.set_title(f"{stage}@{branch}" if stage != "train_rl" else "train_rl (GRPO)")
+        ax.set_title(f"{stage.address(branch)} ({trainer.method})")
         ax.set_xlabel("step")
         ax.legend()
     fig.tight_layout()
@@ -130,7 +133,7 @@ def curves_png(root: Path, commit: str, branch: str) -> bytes:
 def _view(root: Path, commit: str, branch: str, stage: str) -> dict:
     """What ``stage`` read in ``commit``: its address view with its run keys (views/run.yaml)."""
     run = yaml.safe_load(at(root, commit, RUN_FILE)) or {}
-    return with_run_keys(yaml.safe_load(at(root, commit, f"views/{branch}/{stage}.yaml")),
+    return with_run_keys(yaml.safe_load(at(root, commit, BY_NAME[stage].view(branch))),
                          (run.get(branch) or {}).get(stage) or {})
 
 
@@ -177,13 +180,16 @@ def model_card(root: Path, commit: str, branch: str, repo_id: str, exp: str, bas
         library_name="transformers", pipeline_tag="text-generation", tags=["mtpipe", "maxtext", branch],
         model_name=repo_id.split("/")[-1], eval_results=results)
     lock = yaml.safe_load(at(root, commit, "dvc.lock"))
-    hardware = next((_view(root, commit, branch, s)["hardware"]["name"] for s in ("train_rl", "train_sft")
-                     if f"views/{branch}/{s}.yaml" in git(root, "ls-tree", "-r", "--name-only", commit)), "?")
+    files = git(root, "ls-tree", "-r", "--name-only", commit).split("\n")
+    hardware = next((_view(root, commit, branch, t.stage)["hardware"]["name"]   # the branch's last training stage
+                     for t in reversed(in_branch(BRANCH_STAGES[branch]))
+                     if BY_NAME[t.stage].view(branch) in files), "?")
+    addresses = {address(stage, branch) for stage in BRANCH_STAGES[branch]}
     lines = [
         "---", data.to_yaml(), "---", "",
         f"# {repo_id.split('/')[-1]}", "",
         f"Fine-tuned from [{base}](https://huggingface.co/{base}) (revision `{source.get('revision', 'local')}`) "
-        f"by the {'GRPO' if branch == 'rl' else 'SFT'} branch of an mtpipe pipeline (MaxText on Cloud TPU), "
+        f"by the {of_branch(BRANCH_STAGES[branch]).method} branch of an mtpipe pipeline (MaxText on Cloud TPU), "
         f"experiment `{exp}`.", "",
         "## Evaluation", "", "| score | base | trained | gain (95% interval) |", "| --- | --- | --- | --- |",
         *[f"| {name} | {scores['base'][v]} +/- {scores['base'][ci]} | {scores['trained'][v]} +/- "
@@ -193,8 +199,7 @@ def model_card(root: Path, commit: str, branch: str, repo_id: str, exp: str, bas
         f"- params that differ from the preset: `{json.dumps(changed_params(root, commit, branch), sort_keys=True)}`",
         "- outputs (dvc.lock md5):", "",
         *[f"  - `{name}`: " + ", ".join(f"`{o['path']}` {o.get('md5', '?')}" for o in stage.get("outs", []))
-          for name, stage in sorted(lock["stages"].items()) if name.endswith(f"@{branch}") or name == "train_rl"
-          and branch == "rl"],
+          for name, stage in sorted(lock["stages"].items()) if name in addresses],
         "", f"![training curves]({CURVES})", "",
     ]
     return "\n".join(lines)
@@ -235,8 +240,9 @@ def publish(root: Path, exp: str, repo_id: str, branch: str = "rl", private: boo
     token = os.environ.get("HF_TOKEN")
     if not token:
         raise ConfigError("HF_TOKEN", "is not set", "export HF_TOKEN=<a write token> (https://huggingface.co/settings/tokens)")
-    if branch not in ("sft", "rl"):
-        raise ConfigError("--branch", f"{branch!r} is not sft or rl", "pass --branch=rl or --branch=sft")
+    if branch not in BRANCHES:
+        raise ConfigError("--branch", f"{branch!r} is not {' or '.join(BRANCHES)}",
+                          "pass " + " or ".join(f"--branch={b}" for b in BRANCHES))
     commit = experiment_commit(root, exp)
     from huggingface_hub import CommitOperationAdd, HfApi, constants
 

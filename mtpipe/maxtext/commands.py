@@ -19,11 +19,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mtpipe.maxtext.trainers import GRPO, SFT
+from mtpipe.pipeline.trainers import GRPO, SFT
 
 TO_MAXTEXT = "maxtext.checkpoint_conversion.to_maxtext"
 TO_HUGGINGFACE = "maxtext.checkpoint_conversion.to_huggingface"
-TRAIN_SFT = SFT.module   # the trainers' modules are named in their records (mtpipe.maxtext.trainers)
+TRAIN_SFT = SFT.module   # the trainers' modules are named in their records (mtpipe.pipeline.trainers)
 TRAIN_RL = GRPO.module
 
 

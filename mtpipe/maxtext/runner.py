@@ -26,13 +26,14 @@ from pathlib import Path
 
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import progress
-from mtpipe.maxtext.commands import TRAIN_RL, MaxTextCommand
+from mtpipe.maxtext.commands import MaxTextCommand
 from mtpipe.pipeline.stage import HUB_TOKEN_ENV
+from mtpipe.pipeline.trainers import BY_MODULE
 
 STEP_LINE = re.compile(r"completed step: (?P<step>\d+), seconds: (?P<sec>[\d.]+)"
                        r"(?:.*?Tokens/s/device: (?P<tps>[\d.]+))?.*?loss: (?P<loss>[\d.naif-]+)")
-# train_rl logs no "completed step": its steps are tunix's trainer lines (GRPO's loss stays near 0 by
-# construction; the rewards go to tensorboard), so its progress is the step and the ETA.
+# A rollout method (train_rl) logs no "completed step": its steps are tunix's trainer lines (GRPO's loss
+# stays near 0 by construction; the rewards go to tensorboard), so its progress is the step and the ETA.
 GRPO_STEP_LINE = re.compile(r"Train step (?P<step>\d+) training loss: (?P<loss>[\d.naif-]+)")
 REDACTED_ENV = (*HUB_TOKEN_ENV, "GOOGLE_APPLICATION_CREDENTIALS")
 COORDINATOR_PORT = 1234  # fixed in MaxText's initialize_jax_for_cpu
@@ -183,7 +184,8 @@ def _follow(child: _Child, cmd: MaxTextCommand, processes: int, total_steps: int
     """Copy one process's output into its log (redacted); process 0's steps become console progress
     and the stage's progress file (mtpipe.maxtext.progress)."""
     first_step = None
-    step_line = GRPO_STEP_LINE if cmd.module == TRAIN_RL else STEP_LINE  # SFT logs both kinds
+    trainer = BY_MODULE.get(cmd.module)   # none for the converters
+    step_line = GRPO_STEP_LINE if trainer and trainer.rollout else STEP_LINE  # SFT logs both kinds
     with open(child.log_path, "a", encoding="utf8", buffering=1) as log:
         log.write(f"$ {redact(cmd.as_tutorial())}\n# launched as: python -m {cmd.launcher} {cmd.module} ..."
                   + (f" (process {child.index} of {processes})" if processes > 1 else "") + "\n")

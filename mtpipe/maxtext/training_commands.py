@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mtpipe.maxtext.commands import MaxTextCommand, fmt, kv, storage_flags, take
-from mtpipe.maxtext.trainers import GRPO, SFT, Trainer
+from mtpipe.pipeline.trainers import GRPO, SFT, Trainer
 from mtpipe.pipeline.view import View
 from mtpipe.pipeline.schema import maxtext_args
 

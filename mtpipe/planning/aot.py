@@ -30,7 +30,7 @@ from typing import Any
 
 from mtpipe.maxtext import commands, training_commands
 from mtpipe.maxtext.runner import child_env
-from mtpipe.maxtext.trainers import BY_MODULE, Trainer, of_branch
+from mtpipe.pipeline.trainers import BY_MODULE, Trainer, of_branch
 from mtpipe.pipeline import generations, maxtext_check, overrides, toolchain
 from mtpipe.pipeline.config import ROOT, stage_view
 from mtpipe.pipeline.maxtext_check import compose_checked

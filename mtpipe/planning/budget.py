@@ -7,7 +7,7 @@ Answered before any VM exists, from numbers that need no accelerator and no netw
   each tutorial model, pinned by tests/planning/test_budget.py against tests/fixtures/). With a cached
   preflight compile, its train state's parameter count and weight dtype are used instead.
 * **Dtypes**: the stage's own MaxText command line (:func:`mtpipe.maxtext.training_commands.placeholder_command`)
-  over MaxText's config files (the trainer's, :attr:`mtpipe.maxtext.trainers.Trainer.config_file`, and
+  over MaxText's config files (the trainer's, :attr:`mtpipe.pipeline.trainers.Trainer.config_file`, and
   ``base.yml``): ``weight_dtype`` for params, ``mu_dtype`` (empty: the weights') for Adam's first
   moment, the weights' dtype for the second.
 * **Checkpoints**: one every ``checkpoint_period`` steps plus the last (the command line's, else the
@@ -41,7 +41,7 @@ import yaml
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import commands, training_commands
 from mtpipe.maxtext.run_dir import WORK_BUCKET_ENV, WORK_DIR_ENV
-from mtpipe.maxtext.trainers import BY_MODULE, in_branch
+from mtpipe.pipeline.trainers import BY_MODULE, in_branch
 from mtpipe.pipeline import generations
 from mtpipe.pipeline.stage_table import BRANCH_STAGES, address
 from mtpipe.pipeline.view import ROOT, View

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpipe.errors import ConfigError
-from mtpipe.maxtext.trainers import BY_STAGE, SFT
+from mtpipe.pipeline.trainers import BY_STAGE, SFT
 from mtpipe.pipeline import generations, toolchain
 from mtpipe.pipeline.config import ROOT, stage_view
 from mtpipe.pipeline.stage_table import BRANCH_STAGES, BUDGET_STAGES

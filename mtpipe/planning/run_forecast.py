@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from mtpipe.errors import ConfigError
-from mtpipe.maxtext.trainers import in_branch
+from mtpipe.pipeline.trainers import in_branch
 from mtpipe.pipeline.config import ROOT
 from mtpipe.pipeline.stage_table import BRANCH_STAGES, address
 from mtpipe.planning import budget, step_model

@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from mtpipe.cloud.settings import vm_state
-from mtpipe.maxtext.trainers import TRAINERS
+from mtpipe.pipeline.trainers import TRAINERS
 from mtpipe.pipeline.stage_table import BY_NAME, address
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -162,3 +162,23 @@ def test_the_card_needs_no_network(project: Path, monkeypatch: pytest.MonkeyPatc
     commit = publish.experiment_commit(project, "exp-pub")
     text = publish.model_card(project, commit, "rl", "org/tiny-grpo", "exp-pub", "llama3.1")
     assert text.startswith("---\n") and "license: llama3.1" in text and "| GSM8K flexible (%) | 76.0" in text
+    # the branch is named by its last training method; the hardware is that stage's (views/rl/train_rl.yaml)
+    assert "by the GRPO branch" in text and "- hardware: `v6e-8`" in text
+    assert "  - `to_huggingface@rl`: `artifacts/rl/hf`" in text   # the lineage: the branch's stages in dvc.lock
+
+
+def test_the_curves_are_the_training_methods_records(project: Path, monkeypatch: pytest.MonkeyPatch):
+    """One panel per training stage of the branch, titled with its stage and method, drawing the curves
+    its record names that its plots file holds (the warm-up's file has no eval_loss); same bytes twice."""
+    from matplotlib.axes import Axes
+
+    from mtpipe.data import publish
+
+    drawn: list[str] = []
+    plot, set_title = Axes.plot, Axes.set_title
+    monkeypatch.setattr(Axes, "plot", lambda ax, *a, **kw: drawn.append(kw["label"]) or plot(ax, *a, **kw))
+    monkeypatch.setattr(Axes, "set_title", lambda ax, title, *a, **kw: drawn.append(title) or set_title(ax, title, *a, **kw))
+    commit = publish.experiment_commit(project, "exp-pub")
+    png = publish.curves_png(project, commit, "rl")
+    assert png.startswith(b"\x89PNG") and png == publish.curves_png(project, commit, "rl")
+    assert drawn == ["loss", "train_sft@rl (SFT)", "reward_mean", "kl", "train_rl (GRPO)"] * 2

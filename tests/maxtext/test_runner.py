@@ -1,5 +1,6 @@
 """The runner: progress lines from MaxText's log, secrets redacted, failures loud."""
 
+import dataclasses
 import json
 import os
 import socket
@@ -13,6 +14,7 @@ import pytest
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext import commands, runner
 from mtpipe.maxtext.commands import MaxTextCommand
+from mtpipe.pipeline import trainers
 
 LINE = ("I1129 completed step: 40, seconds: 0.131, TFLOP/s/device: 0.012, Tokens/s/device: 3907.5, "
         "total_weights: 512, loss: 2.103, lm_loss: 2.103, perplexity: 8.19")
@@ -53,6 +55,24 @@ def test_grpo_shows_its_steps_and_sft_each_step_once(tmp_path, monkeypatch, caps
                total_steps=150)
     out = capsys.readouterr().out
     assert out.count("  step ") == 1 and "step 40/150  loss 2.103" in out
+
+
+def test_a_method_s_progress_lines_follow_its_record(tmp_path, monkeypatch, capsys):
+    """The runner asks the method's record, not its module's name: a new rollout method's steps are
+    tunix's lines, as GRPO's are."""
+    tunix = "I1205 peft_trainer.py:488] Train step 7 training loss: 0.004167  - training perplexity: 1.0042"
+    script = tmp_path / "fake_maxtext.py"
+    script.write_text(f"print({tunix!r}); print({LINE!r})")
+    monkeypatch.setattr(MaxTextCommand, "argv", lambda self: [sys.executable, str(script)])
+    method = dataclasses.replace(trainers.GRPO, stage="train_x", module="maxtext.trainers.post_train.x")
+    monkeypatch.setitem(runner.BY_MODULE, method.module, method)
+    runner.run(MaxTextCommand(method.module, [], launcher="fake"), tmp_path / "x.log", total_steps=10)
+    out = capsys.readouterr().out
+    assert out.count("  step ") == 1 and "step 7/10" in out
+    monkeypatch.setitem(runner.BY_MODULE, method.module, dataclasses.replace(method, rollout=False))
+    runner.run(MaxTextCommand(method.module, [], launcher="fake"), tmp_path / "y.log", total_steps=50)
+    out = capsys.readouterr().out
+    assert out.count("  step ") == 1 and "step 40/50  loss 2.103" in out
 
 
 def test_a_failing_tool_fails_the_stage(tmp_path, monkeypatch):

@@ -145,9 +145,9 @@ def test_the_path_check_sees_a_built_path(tmp_path: Path):
 
 def test_every_training_stage_has_one_trainer_record_whose_keys_its_section_has():
     """A stage that trains is run, budgeted, forecast and reported through its record
-    (mtpipe/maxtext/trainers.py); a key the record names that its section lacks would fail preflight's
+    (mtpipe/pipeline/trainers.py); a key the record names that its section lacks would fail preflight's
     or the budget's message, so each is checked here."""
-    from mtpipe.maxtext import trainers
+    from mtpipe.pipeline import trainers
     from mtpipe.pipeline import schema
 
     assert [t.stage for t in trainers.TRAINERS] == list(stage_table.TRAINING)

@@ -118,7 +118,7 @@ For both trainers, after a successful run (training.py):
 from __future__ import annotations
 
 from mtpipe.maxtext.commands import TO_HUGGINGFACE, TO_MAXTEXT
-from mtpipe.maxtext.trainers import MODULES as TRAINERS
+from mtpipe.pipeline.trainers import MODULES as TRAINERS
 
 CONVERTERS = (TO_MAXTEXT, TO_HUGGINGFACE)
 _SECRET_KEYS = ("hf_access_token",)

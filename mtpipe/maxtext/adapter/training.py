@@ -24,7 +24,7 @@ from mtpipe.maxtext import launch
 from mtpipe.maxtext.log_protocol import EVAL_SAMPLES_LINE  # patch 12's log line
 from mtpipe.maxtext.adapter import (CONVERTERS, TRAINERS, AdapterError, _arg_value, defer_vertex_ai_import,
                                     reject_secrets)
-from mtpipe.maxtext.trainers import SFT
+from mtpipe.pipeline.trainers import SFT
 
 HOLD_ENV = "MTPIPE_HOLD_AFTER_STEP"
 STOPPED_STATUS = 128 + signal.SIGTERM  # the exit status of a run that SIGTERM stopped after its save

@@ -7,7 +7,8 @@ checkpoints and decide the HBM a step needs, the curves its model card draws, an
 samples completions before it trains (GRPO's rollout: the compile shapes its batch for it, the forecast
 adds it, the runner reads its step lines). Its command builder is in :mod:`mtpipe.maxtext.training_commands`,
 with :func:`~mtpipe.maxtext.training_commands.placeholder_command`, the command preflight compiles and the
-machine budget reads. This module imports nothing: the adapter's child processes read it.
+machine budget reads. This module imports nothing (the adapter's child processes read it), and it sits
+in ``pipeline``, beside the stage table, so that every package can read it (``data``'s model card too).
 docs/extending.md, "A training stage", lists what a new method takes.
 """
 
