@@ -335,6 +335,7 @@ def check(sets: list[str], usd_per_chip_hour: float, machine: budget.Machine, ro
     stages = run_forecast.stages_of(target, root)
     params, composed, views = composed_views(sets, root, branches, committed)
     work = root / "work" / "preflight"
+    work.mkdir(parents=True, exist_ok=True)
     machine_budget(composed, views, machine, root, work, refuse)
     rows = []
     for branch, cfg in views.items():
