@@ -1,4 +1,4 @@
-"""Identity before spending (mtpipe/cloud/checks/identity.py): the VM runs as its service account and
+"""Identity before spending (mtpipe/cloud/checks/gcp/identity.py): the VM runs as its service account and
 from the DVC config of the commit vm_run ships, so both are checked before anything is created.
 
 `doit vm_up` / `doit vm_run` run in process against the loopback world (tests/vm_world.py: the fake
@@ -22,7 +22,7 @@ from fakes.gcs_emulator import GCS_TEST_ENV, GcsEmulator, create_bucket, set_buc
 from omegaconf import OmegaConf
 from vm_world import Env, assert_deleted, sh
 
-from mtpipe.cloud.checks import identity
+from mtpipe.cloud.checks.gcp import identity
 from mtpipe.cloud.settings import vm_config, vm_state
 from mtpipe.errors import ConfigError
 

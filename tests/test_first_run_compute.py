@@ -24,7 +24,7 @@ from mtpipe.cloud.lifecycle.run import VmLifecycle
 from mtpipe.cloud.on_vm import ssh
 from mtpipe.cloud.providers.gcp.bodies import instance_body
 from mtpipe.cloud.providers.gcp.compute import Compute
-from mtpipe.cloud.providers.interface import CapacityError, GcpError
+from mtpipe.cloud.providers.interface import CapacityError, ProviderError
 from mtpipe.cloud.settings import prices, vm_config, vm_state
 from mtpipe.errors import ConfigError
 
@@ -152,7 +152,7 @@ def test_a_flex_start_run(world: Env) -> None:
         assert prices.vm_rate(cfg).per_chip().startswith("v6e flex-start price as of on-demand less 53%")  # preflight's
         body = instance_body(cfg, cfg.name, "ssh-ed25519 AAAA", {}, "FLEX_START")
         del body["scheduling"]["max_run_duration"]
-        with pytest.raises(GcpError, match="Flex-start VMs need a maxRunDuration of at most 7 days"):
+        with pytest.raises(ProviderError, match="Flex-start VMs need a maxRunDuration of at most 7 days"):
             Compute(cfg.project, cfg.zone).create_instance(body)
     assert not w.fake.instances
 

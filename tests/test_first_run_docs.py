@@ -13,7 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 import dodo
-from mtpipe.cloud.checks import caller, identity
+from mtpipe.cloud.checks.gcp import caller, identity
 from mtpipe.cloud.lifecycle.lines import creation_line
 from mtpipe.cloud.settings import vm_config
 from mtpipe.errors import ConfigError
@@ -50,7 +50,7 @@ def test_the_roles_page_lists_the_roles_vm_run_checks_and_the_grant_it_names() -
     assert sorted(checked) == sorted(asked_for), f"docs/roles.md's first table: {checked}; checks.caller: {asked_for}"
     grant = identity.grant_command(SimpleNamespace(bucket="b"), "sa@p.iam.gserviceaccount.com")
     assert re.search(r"--role=(\S+)", grant)[1] in setup and "roles/storage.admin" in setup
-    named_by_the_checks = set(re.findall(r"roles/[\w.]*\w", (ROOT / "mtpipe/cloud/checks/caller.py").read_text()))
+    named_by_the_checks = set(re.findall(r"roles/[\w.]*\w", (ROOT / "mtpipe/cloud/checks/gcp/caller.py").read_text()))
     assert named_by_the_checks <= set(ROLE.findall(ROLES.read_text())), named_by_the_checks
 
 

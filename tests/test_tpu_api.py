@@ -1,4 +1,4 @@
-"""The Cloud TPU API route (mtpipe/cloud/providers/tpu_api/): a v5e VM (machine type ct5lp-hightpu-8t,
+"""The Cloud TPU API route (mtpipe/cloud/providers/gcp/tpu_api/): a v5e VM (machine type ct5lp-hightpu-8t,
 what conf/hardware/v5e-8.yaml asks of it), which Compute Engine refuses, created as a queued resource.
 
 Against the fake TPU API (tests/fakes/fake_tpu.py: every request and answer judged by Google's tpu.v2
@@ -26,11 +26,11 @@ from fakes.fake_tpu import FakeTpu, Outcome
 from fakes.gcs_emulator import SA_TOKEN_PREFIX
 from vm_world import Env, experiments, idle_limit, sh
 
-from mtpipe.cloud.checks import caller
+from mtpipe.cloud.checks.gcp import caller
 from mtpipe.cloud.providers.gcp import idle_watch
 from mtpipe.cloud.lifecycle.run import VmLifecycle
-from mtpipe.cloud.providers.tpu_api import provider
-from mtpipe.cloud.providers.tpu_api.client import TPU_ENDPOINT_ENV
+from mtpipe.cloud.providers.gcp.tpu_api import provider
+from mtpipe.cloud.providers.gcp.tpu_api.client import TPU_ENDPOINT_ENV
 from mtpipe.cloud.settings import vm_config, vm_state
 from mtpipe.errors import ConfigError
 

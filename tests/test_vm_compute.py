@@ -27,7 +27,7 @@ from google.cloud import compute_v1
 from mtpipe.cloud.providers.gcp import bodies
 from mtpipe.cloud.providers.gcp.bodies import firewall_body, instance_body
 from mtpipe.cloud.providers.gcp.compute import Compute, external_ip
-from mtpipe.cloud.providers.interface import CapacityError, GcpError
+from mtpipe.cloud.providers.interface import CapacityError, ProviderError
 from mtpipe.cloud.settings import prices, vm_config
 from mtpipe.errors import ConfigError
 from vm_world import as_script
@@ -153,7 +153,7 @@ def test_an_8_chip_v6e_vm_is_single_threaded(fake: FakeCompute) -> None:
     compute.delete_instance(cfg.name)
 
     del body["advanced_machine_features"]
-    with pytest.raises(GcpError, match=r"creating VM mt-test: 400 .*'resource.advancedMachineFeatures"
+    with pytest.raises(ProviderError, match=r"creating VM mt-test: 400 .*'resource.advancedMachineFeatures"
                                            r".threadsPerCore': ''. Machine type ct6e-standard-8t requires 1 "
                                            r"thread per core"):
         compute.create_instance(body)
@@ -408,12 +408,12 @@ def test_quota_is_told_apart_from_permission(fake: FakeCompute, failure: tuple) 
     cfg = vm_config.load_config()
     compute = Compute(cfg.project, cfg.zone)
     fake.insert_failures.append(failure)
-    with pytest.raises(GcpError) as err:
+    with pytest.raises(ProviderError) as err:
         compute.create_instance(instance_body(cfg, cfg.name, KEY, {}, "STANDARD"))
     assert "quota exceeded" in str(err.value) and "TPUS_PER_TPU_FAMILY" in str(err.value)
     assert "iam-admin/quotas?project=proj-1" in str(err.value) and "roles/" not in str(err.value)
     fake.insert_failures.append(("http", 403, "forbidden", "Required 'compute.instances.create' permission"))
-    with pytest.raises(GcpError, match="permission denied.*roles/compute.instanceAdmin.v1"):
+    with pytest.raises(ProviderError, match="permission denied.*roles/compute.instanceAdmin.v1"):
         compute.create_instance(instance_body(cfg, cfg.name, KEY, {}, "STANDARD"))
 
 

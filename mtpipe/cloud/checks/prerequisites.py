@@ -2,7 +2,7 @@
 of `doit vm_up` / `doit vm_run`.
 
 Each prerequisite is a named check that says ok (with what it found), fails (the ConfigError or
-GcpError text: what is wrong and the fix), unknown (what cannot be read here: an organisation policy
+ProviderError text: what is wrong and the fix), unknown (what cannot be read here: an organisation policy
 without the Org Policy API, a permission test refused; never passed as fine) or not checked (a check
 it needs failed: nothing about Compute is asked without credentials). All of them run, so one run
 lists every failure; :class:`ChecksFailed` is the one error that names them all. `doit check` asks
@@ -19,14 +19,14 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from mtpipe.cloud.checks import access, caller, identity, org_policies
-from mtpipe.cloud.checks.capacity import check_machine_type, check_reservation, check_zones
+from mtpipe.cloud.checks.gcp import access, caller, identity, org_policies
+from mtpipe.cloud.checks.gcp.capacity import check_machine_type, check_reservation, check_zones
 from mtpipe.cloud.checks.forecast import cached_forecasts, check_spot_resume
 from mtpipe.cloud.checks.project import check_hub_repo, check_remote_writable, composed_branches, hub_repos
 from mtpipe.cloud.providers.gcp.compute import Compute
 from mtpipe.cloud.providers.gcp.google_apis import GoogleApis, Unknown
-from mtpipe.cloud.providers.interface import GcpError
-from mtpipe.cloud.providers.tpu_api.client import TpuClient
+from mtpipe.cloud.providers.interface import ProviderError
+from mtpipe.cloud.providers.gcp.tpu_api.client import TpuClient
 from mtpipe.cloud.settings import vm_config
 from mtpipe.cloud.settings.vm_config import VmError
 from mtpipe.errors import ConfigError
@@ -82,7 +82,7 @@ class Runner:
             result = body()
         except Unknown as err:
             return self._record(name, UNKNOWN, str(err))
-        except (ConfigError, GcpError, VmError) as err:
+        except (ConfigError, ProviderError, VmError) as err:
             self.errors.append(err)
             return self._record(name, FAILS, str(err))
         detail, value = result if isinstance(result, tuple) else (result, None)

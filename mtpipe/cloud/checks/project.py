@@ -16,7 +16,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from mtpipe.cloud.checks import identity
+from mtpipe.cloud.checks.gcp import identity
 from mtpipe.data import hub, hub_access
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline import config, maxtext_check, overrides

@@ -16,7 +16,6 @@ from omegaconf import DictConfig, OmegaConf
 from mtpipe.cloud.lifecycle.lines import _say, spend_line
 from mtpipe.cloud.on_vm import run_status, ssh
 from mtpipe.cloud.providers import interrupts
-from mtpipe.cloud.providers.gcp import ssh_route
 from mtpipe.cloud.providers.choice import provider_for
 from mtpipe.cloud.providers.interface import Provider
 from mtpipe.cloud.settings import prices, vm_config, vm_state
@@ -54,12 +53,12 @@ class VmBase:
         if instance is None:
             raise vm_config.VmError(f"VM {cfg.name} does not exist in {cfg.project}/{cfg.zone} (deleted, or "
                              "max_run_duration_s ran out): create it with `doit vm_up`")
-        ip = cloud.address(instance)
-        if not ip and not ssh_route.proxy_command(cfg):
+        ip, proxy = cloud.address(instance), cloud.proxy_command(cfg)
+        if not ip and not proxy:
             raise vm_config.VmError(f"VM {cfg.name} has no external IP: set external_ip: false (SSH "
                                     "through IAP) or ssh.proxy_command in conf/vm.yaml")
         host_key = state.get("host_key") if state.get("name") == cfg.name else None
-        return ssh.Remote.from_config(cfg, ip or cfg.name, host_key)
+        return ssh.Remote.from_config(cfg, ip or cfg.name, host_key, proxy)
 
     def _move_to(self, zone: str) -> None:
         """Make ``zone`` the VM's zone, and the cloud's client that zone's."""

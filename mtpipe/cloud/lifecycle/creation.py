@@ -18,7 +18,7 @@ from mtpipe.cloud.lifecycle.base import FIREWALL_LABEL, PROVISIONING_LABEL, RUN_
 from mtpipe.cloud.lifecycle.lines import _say, creation_line
 from mtpipe.cloud.on_vm import ssh
 from mtpipe.cloud.providers import interrupts
-from mtpipe.cloud.providers.interface import (SETTLING, WAITING_FOR_CAPACITY, CapacityError, GcpError,
+from mtpipe.cloud.providers.interface import (SETTLING, WAITING_FOR_CAPACITY, CapacityError, ProviderError,
                                               MaxRunDurationRefused, QuotaExceeded, TryAgain, region)
 from mtpipe.cloud.settings import vm_config, vm_state
 
@@ -74,7 +74,7 @@ class VmCreation(VmBase):
             try:
                 self._clear_zone()
                 self._delete_vm(None, cfg.firewall.name)
-            except GcpError as e:
+            except ProviderError as e:
                 _say(f"could not delete VM {cfg.name} ({e}); {vm_state.STATE_FILE} still records it: "
                      "`doit vm_down` deletes it")
                 return
@@ -196,7 +196,7 @@ class VmCreation(VmBase):
         try:
             if cloud.delete_orphan_disk(cfg.name):
                 _say(f"disk {cfg.name} in {cfg.zone}, left by the failed insert: deleted")
-        except GcpError as err:   # a disk costs little: said, not a reason to stop here
+        except ProviderError as err:   # a disk costs little: said, not a reason to stop here
             _say(f"could not look for a disk {cfg.name} left in {cfg.zone} ({err}): `gcloud compute disks list "
                  f"--filter=name={cfg.name} --project {cfg.project}` shows one, `gcloud compute disks delete` deletes it")
 

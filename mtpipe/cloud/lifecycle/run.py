@@ -19,7 +19,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from mtpipe.cloud.checks import host, identity, prerequisites, tpu
+from mtpipe.cloud.checks.gcp import identity
+from mtpipe.cloud.checks import host, prerequisites, tpu
 from mtpipe.cloud.checks.forecast import cached_forecasts, check_spot_resume
 from mtpipe.cloud.checks.project import check_project
 from mtpipe.cloud.lifecycle import notify

@@ -7,7 +7,7 @@ from omegaconf import DictConfig
 
 from mtpipe.cloud.providers.gcp.compute import compute_engine
 from mtpipe.cloud.providers.interface import Provider
-from mtpipe.cloud.providers.tpu_api.provider import tpu_api
+from mtpipe.cloud.providers.gcp.tpu_api.provider import tpu_api
 from mtpipe.cloud.settings import vm_config
 
 

@@ -42,7 +42,7 @@ from omegaconf import DictConfig
 from mtpipe.cloud.on_vm.ssh import Remote, run
 from mtpipe.cloud.providers.gcp.api_errors import client_kwargs, explained
 from mtpipe.cloud.providers.gcp.idle_watch import METADATA_HOST
-from mtpipe.cloud.providers.interface import GcpError
+from mtpipe.cloud.providers.interface import ProviderError
 from mtpipe.cloud.settings.vm_config import VmError
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext.run_dir import WORK_BUCKET_ENV
@@ -282,7 +282,7 @@ def check_identity(cfg: DictConfig, root: Path) -> list[Target]:
         return []
     try:
         email = service_account(cfg)
-    except GcpError as err:   # e.g. no compute.projects.get: the VM's metadata server knows it
+    except ProviderError as err:   # e.g. no compute.projects.get: the VM's metadata server knows it
         print(f"mtpipe: cannot tell from here which service account the VM will run as ({err}): the VM will "
               "try the buckets right after SSH is ready, before the setup", flush=True)
         return wanted

@@ -5,7 +5,7 @@ exists (another project's: shared with this one), is READY, reserves that machin
 chips) and has room for one VM, and how its VMs are provisioned is decided (RESERVATION_BOUND or
 STANDARD); every other zone of ``zones`` as the first (it offers the machine type; its region has the
 subnetwork and, without an external IP, a Cloud NAT), and the TPU quota of each zone's region
-(mtpipe.cloud.checks.quota: a region without room is left out, none with room stops the run). Each
+(mtpipe.cloud.checks.gcp.quota: a region without room is left out, none with room stops the run). Each
 failure is a ConfigError naming the key and the fix.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from google.cloud import compute_v1
 from omegaconf import DictConfig, OmegaConf
 
-from mtpipe.cloud.checks import access, quota
+from mtpipe.cloud.checks.gcp import access, quota
 from mtpipe.cloud.providers.gcp.bodies import reservation_path
 from mtpipe.cloud.providers.gcp.compute import Compute
 from mtpipe.cloud.providers.gcp.google_apis import GoogleApis

@@ -14,11 +14,11 @@ from collections import defaultdict
 
 from omegaconf import DictConfig
 
-from mtpipe.cloud.checks import identity
+from mtpipe.cloud.checks.gcp import identity
 from mtpipe.cloud.providers.gcp import ssh_route
 from mtpipe.cloud.providers.gcp.api_errors import SERVICE_TITLES
 from mtpipe.cloud.providers.gcp.google_apis import GoogleApis, Unknown, member
-from mtpipe.cloud.providers.interface import GcpError
+from mtpipe.cloud.providers.interface import ProviderError
 from mtpipe.cloud.settings import vm_config
 from mtpipe.errors import ConfigError
 
@@ -80,7 +80,7 @@ def check_apis(cfg: DictConfig, apis: GoogleApis, wanted: dict[str, str], enable
     are enabled now (``enable``; free of charge), else the run stops naming them. Returns what it found."""
     try:
         enabled = apis.enabled_services(cfg.project, list(wanted))
-    except GcpError as err:
+    except ProviderError as err:
         raise Unknown(f"could not read which APIs project {cfg.project} has enabled ({err}); a disabled one "
                       "fails its first call, naming `gcloud services enable`") from err
     disabled = [s for s in wanted if s not in enabled]
@@ -97,7 +97,7 @@ def check_apis(cfg: DictConfig, apis: GoogleApis, wanted: dict[str, str], enable
     _say(f"enabling in project {cfg.project} (enable_apis: true; free of charge, can take a minute): {named}")
     try:
         apis.enable_services(cfg.project, disabled)
-    except GcpError as err:
+    except ProviderError as err:
         raise ConfigError("vm.enable_apis", f"enabling {', '.join(disabled)} failed ({err})",
                           f"ask for roles/serviceusage.serviceUsageAdmin on {cfg.project}, or have someone who "
                           f"holds it run: gcloud services enable {' '.join(disabled)} --project {cfg.project}") from err
@@ -129,14 +129,14 @@ def check_permissions(cfg: DictConfig, apis: GoogleApis, wanted: dict[str, str])
     permission is named, grouped by the role that holds it."""
     try:
         granted = apis.granted(cfg.project, sorted(wanted))
-    except GcpError as err:
+    except ProviderError as err:
         raise Unknown(f"could not test your permissions on project {cfg.project} ({err})") from err
     email = ""
     if ACT_AS in wanted and ACT_AS not in granted:
         try:
             email = identity.service_account(cfg)
             granted |= apis.granted_on_service_account(email, [ACT_AS])
-        except GcpError as err:
+        except ProviderError as err:
             _say(f"could not test {ACT_AS} on the VM's service account ({err}); going on")
             granted.add(ACT_AS)
     missing = defaultdict(list)

@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 
 from mtpipe.cloud.providers.gcp.api_errors import quota_page
 from mtpipe.cloud.providers.gcp.google_apis import GoogleApis
-from mtpipe.cloud.providers.interface import GcpError, region
+from mtpipe.cloud.providers.interface import ProviderError, region
 from mtpipe.cloud.settings import prices
 from mtpipe.errors import ConfigError
 
@@ -69,7 +69,7 @@ def usable_zones(cfg: DictConfig, apis: GoogleApis, zones: list[str]) -> list[st
         return zones
     try:
         buckets = apis.quota_buckets(cfg.project, "compute.googleapis.com", quota.metric)
-    except GcpError as err:
+    except ProviderError as err:
         _say(f"could not read the quota {quota.name} ({err}); going on (a short quota fails the insert, "
              "which then moves to a zone of another region)")
         return zones

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from mtpipe.cloud.providers import interface
 from mtpipe.cloud.providers.gcp.bodies import instance_body
 from mtpipe.cloud.providers.gcp.google_apis import GoogleApis, Unknown, denies, enforced
-from mtpipe.cloud.providers.interface import GcpError
+from mtpipe.cloud.providers.interface import ProviderError
 from mtpipe.errors import ConfigError
 
 SHIELDED = ("enable_secure_boot", "enable_vtpm", "enable_integrity_monitoring")
@@ -45,7 +45,7 @@ def read(cfg: DictConfig, apis: GoogleApis, constraint: str) -> dict:
     """The effective policy of ``constraint`` for the project; :class:`Unknown` when it cannot be read."""
     try:
         return apis.effective_policy(cfg.project, constraint)
-    except GcpError as err:
+    except ProviderError as err:
         raise Unknown(f"could not read constraints/{constraint} ({err}): if it is enforced, Compute refuses "
                       "the insert; ask your organisation's policy administrator, or enable the Organization "
                       f"Policy API (gcloud services enable orgpolicy.googleapis.com --project {cfg.project}) "

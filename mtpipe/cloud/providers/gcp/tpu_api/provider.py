@@ -23,10 +23,11 @@ from typing import Any
 from omegaconf import DictConfig
 
 from mtpipe.cloud.providers.gcp.compute import Compute
-from mtpipe.cloud.providers.interface import SETTLING, CapacityError, GcpError, Provider
-from mtpipe.cloud.providers.tpu_api.bodies import (CAPACITY_CODES, QUEUED, TIERS, TpuVm, as_vm, queued_resource_body,
+from mtpipe.cloud.providers.gcp.api_errors import GcpError
+from mtpipe.cloud.providers.interface import SETTLING, CapacityError, Provider
+from mtpipe.cloud.providers.gcp.tpu_api.bodies import (CAPACITY_CODES, QUEUED, TIERS, TpuVm, as_vm, queued_resource_body,
                                                    queued_state, tier)
-from mtpipe.cloud.providers.tpu_api.client import TpuClient
+from mtpipe.cloud.providers.gcp.tpu_api.client import TpuClient
 from mtpipe.cloud.settings import vm_config
 
 
@@ -124,6 +125,10 @@ class TpuApi:
     def open_ssh(self, cfg: DictConfig, labels: dict[str, str]) -> bool:
         """The network's SSH rule, as on the Compute route (Compute.open_ssh: none when one admits SSH)."""
         return self.compute.open_ssh(cfg, labels)
+
+    def proxy_command(self, cfg: DictConfig) -> str | None:
+        """SSH's way to the node, as on the Compute route (Compute.proxy_command)."""
+        return self.compute.proxy_command(cfg)
 
     def get_firewall(self, name: str) -> Any | None:
         return self.compute.get_firewall(name)

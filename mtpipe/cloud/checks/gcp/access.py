@@ -21,7 +21,7 @@ from mtpipe.cloud.providers import interface
 from mtpipe.cloud.providers.gcp import ssh_route
 from mtpipe.cloud.providers.gcp.compute import Compute
 from mtpipe.cloud.providers.gcp.google_apis import GoogleApis, denies, enforced, member
-from mtpipe.cloud.providers.interface import GcpError
+from mtpipe.cloud.providers.interface import ProviderError
 from mtpipe.errors import ConfigError
 
 # The permission to log in with administrator rights (the setup runs sudo apt-get): in
@@ -86,7 +86,7 @@ def check_external_ip(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> No
         instance = f"projects/{cfg.project}/zones/{cfg.zone}/instances/{cfg.name}"
         try:
             policy = apis.effective_policy(cfg.project, "compute.vmExternalIpAccess")
-        except GcpError as err:
+        except ProviderError as err:
             _say(f"could not read the organisation policy compute.vmExternalIpAccess ({err}); going on as if "
                  "it allowed an external IP (if it does not, Compute refuses the insert: set external_ip: false)")
             return
@@ -153,7 +153,7 @@ def check_gcloud(cfg: DictConfig, apis: GoogleApis) -> str:
 
 def check_iap_account(program: str, apis: GoogleApis) -> None:
     """SSH through IAP runs `gcloud compute start-iap-tunnel` as gcloud's active account, while these
-    checks (the tunnel permission among them: mtpipe.cloud.checks.caller) and the insert use the
+    checks (the tunnel permission among them: mtpipe.cloud.checks.gcp.caller) and the insert use the
     Application Default Credentials: both must be one account. Credentials whose account is not
     known here (anonymous ones) are said and passed over."""
     account, adc = gcloud_account(program), apis.account()
@@ -182,7 +182,7 @@ def check_nat(cfg: DictConfig, compute: Compute) -> None:
     region, subnetwork = interface.region(cfg.zone), cfg.subnetwork or cfg.network   # auto mode: named as the network
     try:
         routers = compute.list_routers()
-    except GcpError as err:
+    except ProviderError as err:
         _say(f"could not list the Cloud Routers of {region} ({err}); going on as if a Cloud NAT served the VM")
         return
     for router in routers:
@@ -231,7 +231,7 @@ def os_login_source(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> str 
         return f"project metadata enable-oslogin={value}"
     try:
         policy = apis.effective_policy(cfg.project, "compute.requireOsLogin")
-    except GcpError as err:
+    except ProviderError as err:
         _say(f"could not read the organisation policy compute.requireOsLogin ({err}); going by the project "
              "metadata, which does not enable OS Login (set ssh.os_login: true in conf/vm.yaml if your "
              "organisation enforces it)")
@@ -259,7 +259,7 @@ def check_os_login(cfg: DictConfig, compute: Compute, apis: GoogleApis, import_k
     check_two_step(cfg, compute, account)
     try:
         granted = LOGIN_PERMISSION in apis.granted(cfg.project, [LOGIN_PERMISSION])
-    except GcpError as err:
+    except ProviderError as err:
         _say(f"could not test {LOGIN_PERMISSION} ({err}); going on")
         granted = True
     if not granted:
@@ -273,7 +273,7 @@ def check_os_login(cfg: DictConfig, compute: Compute, apis: GoogleApis, import_k
         return f"on ({why}): vm_up imports the SSH key into the OS Login profile of {account}"
     try:
         profile = apis.import_ssh_key(account, cfg.project, ssh.ssh_public_key(cfg))
-    except GcpError as err:
+    except ProviderError as err:
         raise ConfigError("vm.ssh.os_login", f"OS Login is on ({why}) and Google refused to import the SSH key "
                           f"into the OS Login profile of {account} ({err})",
                           f"check that ssh.os_login_account is the account of your credentials and that it may "
