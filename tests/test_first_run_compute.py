@@ -16,6 +16,7 @@ from unittest import mock
 
 import pytest
 from fakes.fake_compute import FakeCompute
+from pydantic import ValidationError
 from vm_world import Env
 
 from mtpipe.cloud.lifecycle import creation
@@ -75,6 +76,17 @@ def test_a_v5e_vm_is_refused_before_any_request(world: Env) -> None:
         vm_config.check_route(cfg)
 
 
+def test_the_loaded_config_is_frozen_and_a_zone_change_is_a_new_config() -> None:
+    """load_config's VmConfig cannot be changed in place; vm_config.in_zone, the one place a zone
+    changes, gives a new config and leaves the loaded one as it was."""
+    cfg = vm_config.load_config({"provisioning": "on-demand", "zones": [EAST_B, WEST]})
+    with pytest.raises(ValidationError, match="frozen"):
+        cfg.zone = WEST
+    moved = vm_config.in_zone(cfg, WEST)
+    assert (moved.zone, moved.zones, cfg.zone) == (WEST, [EAST_B, WEST], EAST_B)
+    assert vm_config.candidate_zones(moved) == [WEST, EAST_B]
+
+
 def test_flex_start_window_and_zones_are_checked_before_any_request(fake: FakeCompute) -> None:
     """requestValidForDuration outside 90-7200 s (at config load), and a Flex-start v6e VM in no zone
     known to grant one (vm_up's first check), are refused naming the key and what is allowed; zones
@@ -89,12 +101,14 @@ def test_flex_start_window_and_zones_are_checked_before_any_request(fake: FakeCo
     assert err.value.key == "vm.zones" and err.value.problem.startswith(f"{EAST_B}, {WEST} grant no Flex-start")
     assert "asia-northeast1-b, us-east5-a, us-south1-ai1b" in err.value.problem
     cfg = vm_config.load_config({"provisioning": "flex-start", "zones": [EAST_B, EAST_A, WEST]})
-    assert vm_config.check_create(cfg) == [
+    zoned, dropped = vm_config.check_create(cfg)
+    assert dropped == [
         f"zone {z} dropped: it grants no Flex-start {V6E} VMs (those that do: asia-northeast1-b, us-east5-a, "
         "us-south1-ai1b)" for z in (EAST_B, WEST)]
-    assert (cfg.zone, list(cfg.zones)) == (EAST_A, [EAST_A])
+    assert (zoned.zone, list(zoned.zones)) == (EAST_A, [EAST_A])
+    assert (cfg.zone, list(cfg.zones)) == (EAST_B, [EAST_B, EAST_A, WEST])   # frozen: the loaded config stays
     on_demand = vm_config.load_config({"provisioning": "on-demand", "zones": [EAST_B, WEST]})
-    assert vm_config.check_create(on_demand) == [] and list(on_demand.zones) == [EAST_B, WEST]
+    assert vm_config.check_create(on_demand) == (on_demand, [])
     assert fake.requests == []
 
 

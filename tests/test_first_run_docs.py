@@ -10,7 +10,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from omegaconf import OmegaConf
 
 import dodo
 from mtpipe.cloud.checks.gcp import caller, identity
@@ -41,10 +40,9 @@ def tables(page: Path) -> list[list[str]]:
 
 
 def test_the_roles_page_lists_the_roles_vm_run_checks_and_the_grant_it_names() -> None:
-    everything_on = OmegaConf.create({"external_ip": False, "name": "n", "zone": "z", "project": "p",
-                                      "ssh": {"proxy_command": None, "port": 22}})
+    everything_on = vm_config.load_config({"external_ip": False, "name": "n", "zone": "us-east5-b", "project": "p"})
     checked, setup, _ = tables(ROLES)
-    tpu_route = OmegaConf.merge(everything_on, {"machine_type": "ct5lp-hightpu-8t", "route": "tpu_api"})
+    tpu_route = everything_on.model_copy(update={"machine_type": "ct5lp-hightpu-8t", "route": "tpu_api"})
     asked_for = set(caller.permissions(everything_on, creates_rule=True).values()) | set(
         caller.permissions(tpu_route, creates_rule=True).values())   # both routes' (vm_config.route)
     assert sorted(checked) == sorted(asked_for), f"docs/roles.md's first table: {checked}; checks.caller: {asked_for}"

@@ -158,7 +158,7 @@ def test_an_8_chip_v6e_vm_is_single_threaded(fake: FakeCompute) -> None:
                                            r"thread per core"):
         compute.create_instance(body)
     assert len(fake.inserts()) == 2 and not fake.instances
-    cfg.machine_type = "ct6e-standard-4t"
+    cfg = cfg.model_copy(update={"machine_type": "ct6e-standard-4t"})
     assert "advanced_machine_features" not in instance_body(cfg, cfg.name, KEY, {}, "STANDARD")
 
 
@@ -377,9 +377,8 @@ def test_a_v5e_vm_is_priced_on_demand_and_refused_as_spot_without_a_price() -> N
                                  "provisioning": "on-demand"})
     rate = prices.vm_rate(cfg)
     assert (rate.tpu, rate.chips, rate.usd_per_hour) == ("v5e", 8, pytest.approx(9.60))
-    cfg.provisioning = "spot"
     with pytest.raises(ConfigError) as err:
-        prices.vm_rate(cfg)
+        prices.vm_rate(cfg.model_copy(update={"provisioning": "spot"}))
     assert err.value.key == "prices.tpu.v5e.per_chip_hour.spot" and "conf/prices.yaml" in err.value.fix
 
 
@@ -426,8 +425,7 @@ STOCKOUT = ("operation", "ZONE_RESOURCE_POOL_EXHAUSTED",
 def test_a_stockout_is_retried_then_the_vm_is_created(fake: FakeCompute, capsys: pytest.CaptureFixture) -> None:
     from mtpipe.cloud.lifecycle.run import VmLifecycle
 
-    cfg = vm_config.load_config()
-    cfg.stockout.first_wait_s = 0.05
+    cfg = vm_config.load_config({"stockout.first_wait_s": 0.05})
     fake.insert_failures += [STOCKOUT, STOCKOUT]
     instance = VmLifecycle(cfg, Path(".")).create_vm(KEY, {})
     assert instance.status == "RUNNING" and len(fake.inserts()) == 3
@@ -440,8 +438,7 @@ def test_a_stockout_that_lasts_names_the_other_zones(fake: FakeCompute) -> None:
     machineTypes.aggregatedList), and no VM exists."""
     from mtpipe.cloud.lifecycle.run import VmLifecycle
 
-    cfg = vm_config.load_config()
-    cfg.stockout.retry_for_s, cfg.stockout.first_wait_s = 0.2, 0.05
+    cfg = vm_config.load_config({"stockout.retry_for_s": 0.2, "stockout.first_wait_s": 0.05})
     fake.insert_failures += [STOCKOUT] * 20
     with pytest.raises(CapacityError, match=r"no capacity in us-east5-b.*zones tried: us-east5-b, for 0.2 s. "
                                                  r"Other zones that offer ct6e-standard-8t: europe-west4-a \(add "

@@ -11,7 +11,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
 
 from mtpipe.cloud.lifecycle.lines import _say, spend_line
 from mtpipe.cloud.on_vm import run_status, ssh
@@ -19,6 +18,7 @@ from mtpipe.cloud.providers import interrupts
 from mtpipe.cloud.providers.choice import provider_for
 from mtpipe.cloud.providers.interface import Provider
 from mtpipe.cloud.settings import prices, vm_config, vm_state
+from mtpipe.cloud.settings.vm_config import VmConfig
 
 # Labels every VM gets besides conf/vm.yaml's `labels` (app: mtpipe); firewall rules, which have no
 # labels, carry them in their description.
@@ -36,8 +36,8 @@ class VmBase:
     terminal, and without one nothing is created. ``provider`` makes the cloud for a config: by default
     the one of its route (vm_config.route: Compute Engine, or the Cloud TPU API's queued resources)."""
 
-    def __init__(self, cfg: DictConfig, root: Path, keep: bool = False, yes: bool = False,
-                 provider: Callable[[DictConfig], Provider] = provider_for) -> None:
+    def __init__(self, cfg: VmConfig, root: Path, keep: bool = False, yes: bool = False,
+                 provider: Callable[[VmConfig], Provider] = provider_for) -> None:
         self.cfg, self.root, self.keep, self.yes, self._provider = cfg, root, keep, yes, provider
 
     @functools.cached_property
@@ -61,8 +61,8 @@ class VmBase:
         return ssh.Remote.from_config(cfg, ip or cfg.name, host_key, proxy)
 
     def _move_to(self, zone: str) -> None:
-        """Make ``zone`` the VM's zone, and the cloud's client that zone's."""
-        self.cfg.zone = zone
+        """Make ``zone`` the VM's zone (vm_config.in_zone), and the cloud's client that zone's."""
+        self.cfg = vm_config.in_zone(self.cfg, zone)
         if self.cloud.zone != zone:
             del self.__dict__["cloud"]   # functools.cached_property: made again for cfg.zone
 
@@ -192,11 +192,11 @@ def _since(created: str, usd_per_hour: float, reservation: str | None = None) ->
         prices.paid_by(reservation, so_far) if reservation else f"about {so_far}")
 
 
-def _labels(cfg: DictConfig) -> str:
+def _labels(cfg: VmConfig) -> str:
     return ", ".join(f"{key}={value}" for key, value in cfg.labels.items())
 
 
-def _rate(cfg: DictConfig, instance: Any) -> prices.Rate:
+def _rate(cfg: VmConfig, instance: Any) -> prices.Rate:
     """The rate of a VM: the provisioning mode it was created with (its label), else ``cfg``'s."""
     mode = dict(instance.labels).get(PROVISIONING_LABEL)
-    return prices.vm_rate(OmegaConf.merge(cfg, {"provisioning": mode}) if mode in vm_config.PROVISIONING else cfg)
+    return prices.vm_rate(cfg.model_copy(update={"provisioning": mode}) if mode in vm_config.PROVISIONING else cfg)

@@ -12,7 +12,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
 
 from mtpipe.cloud.lifecycle.base import FIREWALL_LABEL, PROVISIONING_LABEL, RUN_LABEL, USER_LABEL, VmBase
 from mtpipe.cloud.lifecycle.lines import _say, creation_line
@@ -21,6 +20,7 @@ from mtpipe.cloud.providers import interrupts
 from mtpipe.cloud.providers.interface import (SETTLING, WAITING_FOR_CAPACITY, CapacityError, ProviderError,
                                               MaxRunDurationRefused, QuotaExceeded, TryAgain, region)
 from mtpipe.cloud.settings import vm_config, vm_state
+from mtpipe.cloud.settings.vm_config import VmConfig
 
 STOCKOUT_MAX_WAIT_S = 300  # the longest wait between two rounds of the zones during a stockout
 # A transient refusal of an insert (Compute's RETRY_CODES: RESOURCE_NOT_READY, RESOURCE_OPERATION_RATE_EXCEEDED) is
@@ -58,7 +58,7 @@ class VmCreation(VmBase):
         except BaseException as e:
             self._abandon(e, before)
             raise
-        vm_state.vm_started(state, cfg, instance.creation_timestamp)
+        vm_state.vm_started(state, self.cfg, instance.creation_timestamp)
         return instance
 
     def _abandon(self, error: BaseException, before: dict) -> None:
@@ -147,7 +147,7 @@ class VmCreation(VmBase):
                      "once more without it. This VM is then not deleted automatically after max_run_duration_s: "
                      "vm_run still deletes it when the run ends, unless --keep; Compute when the reservation ends; "
                      "otherwise `doit vm_down`")
-                cfg.max_run_duration_s = 0
+                self.cfg = cfg = cfg.model_copy(update={"max_run_duration_s": 0})
             except TryAgain as err:
                 if retries == INSERT_RETRIES:
                     raise CapacityError(f"{err}; the same after {INSERT_RETRIES} retries") from err
@@ -219,13 +219,13 @@ class VmCreation(VmBase):
         return remote
 
 
-def _record_insert(root: Path, cfg: DictConfig, state: dict) -> None:
+def _record_insert(root: Path, cfg: VmConfig, state: dict) -> None:
     """Record in the state file the VM an insert in ``cfg.zone`` is about to create."""
     state.update(_recorded(cfg), created=None, insert_sent=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     vm_state.write_state(root, state)
 
 
-def _recorded(cfg: DictConfig) -> dict[str, Any]:
+def _recorded(cfg: VmConfig) -> dict[str, Any]:
     """What the state file records of the VM ``cfg`` describes."""
     return {"project": cfg.project, "zone": cfg.zone, "name": cfg.name, "firewall": cfg.firewall.name,
             "provisioning": cfg.provisioning, "max_run_duration_s": int(cfg.max_run_duration_s),

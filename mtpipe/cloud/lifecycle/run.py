@@ -17,8 +17,6 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from mtpipe.cloud.checks.gcp import identity
 from mtpipe.cloud.checks import host, prerequisites, tpu
 from mtpipe.cloud.checks.forecast import cached_forecasts, check_spot_resume
@@ -59,15 +57,15 @@ class VmLifecycle(VmRecovery):
         False refuses to replace a VM that .vm_state.json records but the cloud no longer has (vm_run
         without --recreate).
         """
-        cfg, root = self.cfg, self.root
-        state = vm_state.read_state(root)
-        prerequisites.check_settings(cfg)   # before any request
-        for line in vm_config.check_create(cfg):
+        root, state = self.root, vm_state.read_state(self.root)
+        prerequisites.check_settings(self.cfg)   # before any request
+        self.cfg, dropped = vm_config.check_create(self.cfg)
+        for line in dropped:
             _say(line)
-        cloud = self.cloud
+        cfg, cloud = self.cfg, self.cloud
         recorded = (state.get("project"), state.get("zone"), state.get("name"))
         if state and recorded != (cfg.project, cfg.zone, cfg.name):
-            other = self._provider(OmegaConf.merge(cfg, {"project": state["project"], "zone": state["zone"]}))
+            other = self._provider(vm_config.in_zone(cfg.model_copy(update={"project": state["project"]}), state["zone"]))
             if other.get_instance(state["name"]) is not None:
                 raise ConfigError("vm.name", f"{vm_state.STATE_FILE} tracks another VM, {state['name']} in "
                                   f"{state['project']}/{state['zone']}",
@@ -83,7 +81,7 @@ class VmLifecycle(VmRecovery):
         created, unproven = instance is None, []
         if instance is not None:
             _say(f"reusing VM {cfg.name} ({instance.status}) in {cfg.zone}")
-            vm_config.use_recorded_login(cfg, state)
+            self.cfg = cfg = vm_config.use_recorded_login(cfg, state)
             check_project(cfg, root, experiments)
             check_spot_resume(cfg, cached_forecasts(cfg, root, experiments)[0])
             if not state.get("vms"):   # created elsewhere: its cost counts from its creation
@@ -98,7 +96,8 @@ class VmLifecycle(VmRecovery):
                     f"a new one ({prices.vm_rate(cfg).describe()}), or `doit vm_down` to forget it")
             _say("checks before spending: Compute, the network and SSH, the presets with the --set values, "
                  "HF_TOKEN, the DVC remote, your APIs and permissions, the VM's service account")
-            unproven = prerequisites.before_spending(cfg, cloud, root, experiments)
+            self.cfg, unproven = prerequisites.before_spending(cfg, cloud, root, experiments)
+            cfg = self.cfg
         forecasts = []
         if preflight:
             rate = prices.vm_rate(cfg)
@@ -111,7 +110,7 @@ class VmLifecycle(VmRecovery):
             instance = self._create(state)
         remote = self._connect(state, instance, created)
         if created and unproven:   # before any setup minute; the VM is deleted unless --keep
-            self.guarded(lambda: identity.probe_from_vm(remote, cfg, unproven))
+            self.guarded(lambda: identity.probe_from_vm(remote, self.cfg, unproven))
         return remote
 
     def _confirm(self, forecasts: list[dict[str, Any]]) -> None:
@@ -186,6 +185,7 @@ class VmLifecycle(VmRecovery):
         tpus: list[tpu.Target] = []   # the TPUs the branches that run on the VM target
 
         def attempt(remote: ssh.Remote) -> None:
+            cfg = self.cfg   # as the checks and the creation left it (zone, OS Login user)
             _say(f"setting up VM {cfg.name} (once per VM)")
             setup.setup(remote, cfg, root)
             _say(host.check(remote, cfg, root, experiments))   # before anything is shipped or downloaded

@@ -20,12 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import asyncssh
-from omegaconf import DictConfig
 
-from mtpipe.cloud.settings.vm_config import SessionLost, VmError
+from mtpipe.cloud.settings.vm_config import SessionLost, VmConfig, VmError
 
 
-def ssh_public_key(cfg: DictConfig) -> str:
+def ssh_public_key(cfg: VmConfig) -> str:
     """The public half of `ssh.key_file`, generating an ed25519 pair on first use."""
     key_file = Path(os.path.expanduser(cfg.ssh.key_file))
     if not key_file.exists():
@@ -52,7 +51,7 @@ class Remote:
     busy_lock: str | None = None     # the idle watch's lock file (conf/vm.yaml idle.lock_file)
 
     @classmethod
-    def from_config(cls, cfg: DictConfig, host: str, host_key: str | None, proxy_command: str | None) -> Remote:
+    def from_config(cls, cfg: VmConfig, host: str, host_key: str | None, proxy_command: str | None) -> Remote:
         """The VM at ``host`` as ``cfg``'s `ssh` reaches it, through ``proxy_command`` (None: straight)."""
         return cls(host, int(cfg.ssh.port), cfg.ssh.user, os.path.expanduser(cfg.ssh.key_file),
                    proxy_command, host_key, float(cfg.ssh.connect_timeout_s),

@@ -14,15 +14,18 @@ import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from annotated_types import Ge
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from pydantic import Field
 
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline.schema import KEEP_INT, Section, validate
 from mtpipe.pipeline.view import load_yaml
+
+if TYPE_CHECKING:   # vm_config imports this module
+    from mtpipe.cloud.settings.vm_config import VmConfig
 
 PRICES = Path(__file__).resolve().parents[3] / "conf" / "prices.yaml"
 # Compute's TPU machine types: <family>-<kind>-<N>t holds N chips of <family> (ct6e-standard-8t).
@@ -122,7 +125,7 @@ def machine_tpu(machine_type: str) -> tuple[str, int]:
     return tpu, chips
 
 
-def vm_rate(cfg: DictConfig) -> Rate:
+def vm_rate(cfg: VmConfig) -> Rate:
     """The rate of the VM ``cfg`` describes: its machine type's chips at its provisioning mode's price
     (a reservation: the on-demand price, as the equivalent of what the commitment pays)."""
     tpu, chips = machine_tpu(cfg.machine_type)

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omegaconf import DictConfig
 
 from mtpipe.cloud.providers.gcp.api_errors import quota_page
 from mtpipe.cloud.providers.gcp.google_apis import GoogleApis
 from mtpipe.cloud.providers.interface import ProviderError, region
 from mtpipe.cloud.settings import prices
+from mtpipe.cloud.settings.vm_config import VmConfig
 from mtpipe.errors import ConfigError
 
 
@@ -59,7 +59,7 @@ def limit(buckets: list[dict], dimensions: dict[str, str]) -> int | None:
     return None if value < 0 else value
 
 
-def usable_zones(cfg: DictConfig, apis: GoogleApis, zones: list[str]) -> list[str]:
+def usable_zones(cfg: VmConfig, apis: GoogleApis, zones: list[str]) -> list[str]:
     """``zones`` without those whose region's quota is below the VM's chips (each region left out is
     said); all of them when no quota applies or it cannot be read. None left: a ConfigError naming the
     quota, where to raise it and the other ways out."""

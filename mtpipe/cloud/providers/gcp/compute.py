@@ -14,7 +14,6 @@ from typing import Any
 
 from google.api_core import exceptions as gexc
 from google.cloud import compute_v1
-from omegaconf import DictConfig
 
 from mtpipe.cloud.providers import interrupts
 from mtpipe.cloud.providers.gcp import ssh_route
@@ -25,6 +24,7 @@ from mtpipe.cloud.providers.gcp.bodies import (PROVISIONING_MODELS, firewall_bod
 from mtpipe.cloud.providers.interface import (SETTLING, CapacityError, MaxRunDurationRefused, Provider, ProviderError,
                                               TryAgain, region)
 from mtpipe.cloud.settings import vm_config
+from mtpipe.cloud.settings.vm_config import VmConfig
 
 # Operation error codes that mean "no such machine free in this zone now: try another zone, or this one
 # later": those for which SkyPilot's failover (FailoverCloudErrorHandlerV2._gcp_handler in
@@ -369,7 +369,7 @@ def external_ip(instance: compute_v1.Instance) -> str | None:
     return None
 
 
-def compute_engine(cfg: DictConfig) -> Provider:
+def compute_engine(cfg: VmConfig) -> Provider:
     """The Compute Engine zone ``cfg`` names."""
     vm_config.require(cfg, "project", "zone")
     return Compute(cfg.project, cfg.zone, float(cfg.operation_timeout_s))
