@@ -205,7 +205,7 @@ def test_ctrl_c_while_pending_deletes_the_vm(fake: FakeCompute, tmp_path: Path) 
             raise KeyboardInterrupt
 
     with mock.patch.object(creation, "_say", say), pytest.raises(KeyboardInterrupt):
-        VmLifecycle(cfg, tmp_path, yes=True)._create({})
+        VmLifecycle(cfg, tmp_path, yes=True).creation.create({})
     assert "VM mt-test: deleted" in said and len(fake.inserts()) == 1
     assert not fake.instances and not fake.disks and not (tmp_path / vm_state.STATE_FILE).exists()
 
@@ -214,10 +214,10 @@ def test_a_new_vm_without_an_address_is_deleted(fake: FakeCompute, tmp_path: Pat
     """A new VM that comes up without the external IP SSH needs is deleted, not left billing."""
     fake.nat_ip = ""
     life = VmLifecycle(vm_config.load_config({"provisioning": "on-demand"}), tmp_path, yes=True)
-    instance = life.create_vm(KEY, {})
+    instance = life.creation.create_vm(KEY, {})
     assert list(fake.instances) == [("proj-1", EAST_B, "mt-test")]
     with pytest.raises(vm_config.VmError, match="VM mt-test has no external IP"):
-        life._connect({}, instance, created=True)
+        life.creation.connect({}, instance, created=True)
     assert not fake.instances and not (tmp_path / vm_state.STATE_FILE).exists()
 
 
@@ -248,7 +248,7 @@ def test_capacity_codes(fake: FakeCompute, tmp_path: Path, monkeypatch: pytest.M
                                  "stockout.retry_for_s": 0})
     fake.insert_failures += [("operation", code, f"{code} in projects/proj-1/zones/{EAST_B}")] * failures
     fake.failed_insert_leaves_disk = True
-    instance = VmLifecycle(cfg, tmp_path, yes=True).create_vm(KEY, {})
+    instance = VmLifecycle(cfg, tmp_path, yes=True).creation.create_vm(KEY, {})
     assert insert_zones(fake) == zones and instance.status == "RUNNING"
     assert list(fake.instances) == [("proj-1", zones[-1], "mt-test")] and list(fake.disks) == list(fake.instances)
     out = capsys.readouterr().out
@@ -269,5 +269,5 @@ def test_every_zone_out_of_stock_names_the_zones(fake: FakeCompute, tmp_path: Pa
     cfg = vm_config.load_config({"provisioning": "spot", "zones": [EAST_B, EAST_A], "stockout.retry_for_s": 0})
     fake.insert_failures.append(("operation", "REGION_RESOURCE_POOL_EXHAUSTED", "no ct6e in us-east5"))
     with pytest.raises(CapacityError, match=f"zones tried: {EAST_B}, for 0 s"):
-        VmLifecycle(cfg, tmp_path, yes=True).create_vm(KEY, {})
+        VmLifecycle(cfg, tmp_path, yes=True).creation.create_vm(KEY, {})
     assert insert_zones(fake) == [EAST_B] and not fake.instances and not fake.disks

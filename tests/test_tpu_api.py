@@ -145,7 +145,7 @@ def test_ctrl_c_while_waiting_leaves_nothing(fake: FakeCompute, tmp_path: Path,
                 raise KeyboardInterrupt
 
         with mock.patch.object(provider, "_say", say), pytest.raises(KeyboardInterrupt):
-            VmLifecycle(cfg, tmp_path, yes=True)._create({})
+            VmLifecycle(cfg, tmp_path, yes=True).creation.create({})
         assert len(tpu.calls("POST", "/queuedResources")) == 1 and tpu.calls("DELETE", "/queuedResources/mt-test")
         assert not tpu.queued and not tpu.nodes and not fake.firewalls
         assert not (tmp_path / vm_state.STATE_FILE).exists()

@@ -427,7 +427,7 @@ def test_a_stockout_is_retried_then_the_vm_is_created(fake: FakeCompute, capsys:
 
     cfg = vm_config.load_config({"stockout.first_wait_s": 0.05})
     fake.insert_failures += [STOCKOUT, STOCKOUT]
-    instance = VmLifecycle(cfg, Path(".")).create_vm(KEY, {})
+    instance = VmLifecycle(cfg, Path(".")).creation.create_vm(KEY, {})
     assert instance.status == "RUNNING" and len(fake.inserts()) == 3
     assert capsys.readouterr().out.count("(stockout); trying again in") == 2
 
@@ -443,7 +443,7 @@ def test_a_stockout_that_lasts_names_the_other_zones(fake: FakeCompute) -> None:
     with pytest.raises(CapacityError, match=r"no capacity in us-east5-b.*zones tried: us-east5-b, for 0.2 s. "
                                                  r"Other zones that offer ct6e-standard-8t: europe-west4-a \(add "
                                                  r"them to zones: in conf/vm.yaml"):
-        VmLifecycle(cfg, Path(".")).create_vm(KEY, {})
+        VmLifecycle(cfg, Path(".")).creation.create_vm(KEY, {})
     assert len(fake.inserts()) >= 2 and not fake.instances
     (listing,) = fake.calls("GET", "/projects/proj-1/aggregated/machineTypes")
     assert "name+%3D+ct6e-standard-8t" in listing.path or "name%20%3D%20ct6e-standard-8t" in listing.path

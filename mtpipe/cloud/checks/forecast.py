@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-
 from mtpipe.cloud.settings import prices
 from mtpipe.cloud.settings.vm_config import VmConfig
 from mtpipe.errors import ConfigError

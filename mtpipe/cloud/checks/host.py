@@ -15,7 +15,6 @@ import dataclasses
 import shlex
 from pathlib import Path
 
-
 from mtpipe.cloud.on_vm.ssh import Remote, run
 from mtpipe.cloud.settings import vm_config
 from mtpipe.cloud.settings.vm_config import VmConfig

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
 from mtpipe.cloud.checks.gcp import access, caller, identity, org_policies
 from mtpipe.cloud.checks.gcp.capacity import check_machine_type, check_reservation, check_zones
 from mtpipe.cloud.checks.forecast import cached_forecasts, check_spot_resume

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
 from mtpipe.cloud.checks.gcp import identity
 from mtpipe.cloud.settings.vm_config import VmConfig
 from mtpipe.data import hub, hub_access

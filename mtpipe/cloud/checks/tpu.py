@@ -16,7 +16,6 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 from mtpipe.cloud.checks.project import composed_branches
 from mtpipe.cloud.on_vm import dvc_experiments
 from mtpipe.cloud.on_vm.ssh import Remote, run

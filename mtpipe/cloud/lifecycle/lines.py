@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 from mtpipe.cloud.settings import prices, vm_config, vm_state
 from mtpipe.cloud.settings.vm_config import VmConfig
 from mtpipe.planning import run_forecast

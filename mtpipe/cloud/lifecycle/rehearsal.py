@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
 
 from mtpipe.cloud.checks import tpu
 from mtpipe.cloud.on_vm import dvc_experiments, ssh
@@ -28,7 +26,7 @@ from mtpipe.cloud.settings.vm_config import VmConfig
 from mtpipe.errors import ConfigError
 
 if TYPE_CHECKING:
-    from mtpipe.cloud.lifecycle.run import VmLifecycle
+    from mtpipe.cloud.lifecycle.run import Check, VmLifecycle
 
 PROVISIONING = "spot"          # unless --provisioning: about a fifth of the on-demand price
 MAX_RUN_DURATION_S = 3600      # Compute deletes the VM after this at the latest (or conf/vm.yaml's, if shorter)
@@ -36,8 +34,6 @@ EMBEDDED = ["sft.preset=embedded-sft", "rl.preset=embedded-rl"]   # what `make d
 # The Hub step: one small file of the SFT tutorial's dataset (an open repo) at its pinned revision
 HUB_DATASET, HUB_FILENAME = "ultrachat-200k", "README.md"
 WHO = "the rehearsal"          # how the TPU check's failure names what runs on the chip
-
-Check = tuple[str, Callable[[ssh.Remote], str]]   # what is checked, and the check (its success line)
 
 
 def one_chip(machine_type: str) -> tuple[str, str]:

@@ -9,7 +9,6 @@ import shlex
 import tarfile
 from pathlib import Path
 
-
 from mtpipe.cloud.on_vm.ssh import Remote, failed, run
 from mtpipe.cloud.settings.vm_config import VmConfig, VmError
 from mtpipe.errors import ConfigError

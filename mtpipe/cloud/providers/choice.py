@@ -3,7 +3,6 @@ Cloud TPU API's queued resources), as a factory the lifecycle calls with the VM'
 
 from __future__ import annotations
 
-
 from mtpipe.cloud.providers.gcp.compute import compute_engine
 from mtpipe.cloud.providers.interface import Provider
 from mtpipe.cloud.providers.gcp.tpu_api.provider import tpu_api

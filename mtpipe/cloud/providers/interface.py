@@ -59,7 +59,7 @@ class Provider(Protocol):
     ``create_vm`` raises :class:`CapacityError` when the zone has no such machine
     free now, :class:`QuotaExceeded` when the project's quota is spent, and may
     return a VM whose status is ``PENDING`` (a Flex-start VM waiting for capacity:
-    :meth:`mtpipe.cloud.lifecycle.creation.VmCreation._await_capacity`); after it failed or was
+    :meth:`mtpipe.cloud.lifecycle.creation.Creation.await_capacity`); after it failed or was
     interrupted, ``settle`` waits until the cloud says whether the VM exists, and
     ``delete_orphan_disk`` deletes a boot disk the VM left; ``proxy_command`` is the command SSH runs to
     reach the VM (None: straight to its address). ``zone``: the zone it works in."""

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-
 from mtpipe.cloud.settings import prices
 from mtpipe.cloud.settings.vm_config import VmConfig
 

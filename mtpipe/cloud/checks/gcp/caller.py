@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-
 from mtpipe.cloud.checks.gcp import identity
 from mtpipe.cloud.providers.gcp import ssh_route
 from mtpipe.cloud.providers.gcp.api_errors import SERVICE_TITLES

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import re
 
-
 from mtpipe.cloud.providers import interface
 from mtpipe.cloud.providers.gcp.bodies import instance_body
 from mtpipe.cloud.providers.gcp.google_apis import GoogleApis, Unknown, denies, enforced

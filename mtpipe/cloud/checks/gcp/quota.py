@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 from mtpipe.cloud.providers.gcp.api_errors import quota_page
 from mtpipe.cloud.providers.gcp.google_apis import GoogleApis
 from mtpipe.cloud.providers.interface import ProviderError, region

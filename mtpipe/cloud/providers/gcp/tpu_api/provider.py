@@ -20,7 +20,6 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-
 from mtpipe.cloud.providers.gcp.compute import Compute
 from mtpipe.cloud.providers.gcp.api_errors import GcpError
 from mtpipe.cloud.providers.interface import SETTLING, CapacityError, Provider
