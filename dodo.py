@@ -90,13 +90,13 @@ def _task_action(fn: Callable[..., None]) -> Callable[..., TaskFailed | None]:
 
     @functools.wraps(fn)
     def wrapper(**kwargs: Any) -> TaskFailed | None:
-        from mtpipe.cloud.providers.interface import GcpError
+        from mtpipe.cloud.providers.interface import ProviderError
         from mtpipe.cloud.settings.vm_config import VmError
         from mtpipe.errors import ConfigError
 
         try:
             fn(**kwargs)
-        except (ConfigError, GcpError, VmError) as e:
+        except (ConfigError, ProviderError, VmError) as e:
             return TaskFailed(f"{type(e).__name__}: {e}")
         return None
 

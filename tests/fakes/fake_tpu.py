@@ -1,6 +1,6 @@
 """A fake Cloud TPU API v2 (tpu.googleapis.com/v2) on 127.0.0.1 for the TPU API route's tests (stdlib
 http.server): queued resources, their nodes, accelerator types and operations, as the provider
-(mtpipe/cloud/providers/tpu_api/) calls them over REST.
+(mtpipe/cloud/providers/gcp/tpu_api/) calls them over REST.
 
 Every request is first checked against Google's tpu.v2 discovery document
 (tests/fixtures/gcp/tpu.v2.json, revision 20260127, copied from google-api-python-client 2.200.0's

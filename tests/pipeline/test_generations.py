@@ -24,7 +24,7 @@ from fakes import fake_tpu
 from fakes.fake_tpu import FakeTpu, Outcome
 from vm_world import ROOT, Env, add_count_stage, admitted_by_nodes, as_script, experiments, sh
 
-from mtpipe.cloud.providers.tpu_api.client import TPU_ENDPOINT_ENV
+from mtpipe.cloud.providers.gcp.tpu_api.client import TPU_ENDPOINT_ENV
 from mtpipe.cloud.settings import prices, vm_config
 from mtpipe.pipeline import generations
 from mtpipe.planning import aot, compiled_presets, preflight

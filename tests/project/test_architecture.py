@@ -182,6 +182,34 @@ def test_no_cloud_import_runs_against_the_order():
     assert not against, "imports against docs/architecture.md's cloud order:\n" + "\n".join(against)
 
 
+def provider_folders_imported(path: Path) -> list[str]:
+    """The provider folders (mtpipe.cloud.providers.<folder>) a file imports, those inside functions included."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        modules = ([alias.name for alias in node.names] if isinstance(node, ast.Import) else
+                   [f"{node.module}.{alias.name}" for alias in node.names] if isinstance(node, ast.ImportFrom)
+                   and node.module and node.level == 0 else [])
+        found += [m.split(".")[3] for m in modules if m.startswith("mtpipe.cloud.providers.")
+                  and len(m.split(".")) >= 4 and (CLOUD / "providers" / m.split(".")[3]).is_dir()]
+    return found
+
+
+def test_the_lifecycle_and_the_vm_speak_to_providers_through_the_interface():
+    """on_vm and lifecycle are provider-neutral: they reach a cloud through providers/interface.py and
+    choice.py, never a provider's own folder (gcp/)."""
+    neutral = [p for room in ("on_vm", "lifecycle") for p in sorted((CLOUD / room).rglob("*.py"))]
+    bound = [f"{p.relative_to(ROOT)} imports mtpipe.cloud.providers.{folder}"
+             for p in neutral for folder in provider_folders_imported(p)]
+    assert not bound, "\n".join(bound)
+
+
+def test_the_provider_check_sees_a_provider_folder(tmp_path: Path):
+    module = tmp_path / "m.py"
+    module.write_text("from mtpipe.cloud.providers.interface import Provider\n\n\ndef f():\n"
+                      "    from mtpipe.cloud.providers.gcp import ssh_route\n")
+    assert provider_folders_imported(module) == ["gcp"]
+
+
 def test_the_check_sees_an_import_of_a_later_room(tmp_path: Path):
     module = tmp_path / "m.py"
     module.write_text("from mtpipe.cloud import lifecycle\n\n\ndef f():\n    from mtpipe.cloud.on_vm.ssh import run\n")

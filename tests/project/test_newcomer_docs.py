@@ -10,10 +10,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from omegaconf import OmegaConf
 
 import dodo
-from mtpipe.cloud.checks import caller, identity
+from mtpipe.cloud.checks.gcp import caller, identity
 from mtpipe.cloud.lifecycle.lines import creation_line
 from mtpipe.cloud.settings import vm_config
 from mtpipe.errors import ConfigError
@@ -41,16 +40,15 @@ def tables(page: Path) -> list[list[str]]:
 
 
 def test_the_roles_page_lists_the_roles_vm_run_checks_and_the_grant_it_names() -> None:
-    everything_on = OmegaConf.create({"external_ip": False, "name": "n", "zone": "z", "project": "p",
-                                      "ssh": {"proxy_command": None, "port": 22}})
+    everything_on = vm_config.load_config({"external_ip": False, "name": "n", "zone": "us-east5-b", "project": "p"})
     checked, setup, _ = tables(ROLES)
-    tpu_route = OmegaConf.merge(everything_on, {"machine_type": "ct5lp-hightpu-8t", "route": "tpu_api"})
+    tpu_route = everything_on.model_copy(update={"machine_type": "ct5lp-hightpu-8t", "route": "tpu_api"})
     asked_for = set(caller.permissions(everything_on, creates_rule=True).values()) | set(
         caller.permissions(tpu_route, creates_rule=True).values())   # both routes' (vm_config.route)
     assert sorted(checked) == sorted(asked_for), f"docs/roles.md's first table: {checked}; checks.caller: {asked_for}"
     grant = identity.grant_command(SimpleNamespace(bucket="b"), "sa@p.iam.gserviceaccount.com")
     assert re.search(r"--role=(\S+)", grant)[1] in setup and "roles/storage.admin" in setup
-    named_by_the_checks = set(re.findall(r"roles/[\w.]*\w", (ROOT / "mtpipe/cloud/checks/caller.py").read_text()))
+    named_by_the_checks = set(re.findall(r"roles/[\w.]*\w", (ROOT / "mtpipe/cloud/checks/gcp/caller.py").read_text()))
     assert named_by_the_checks <= set(ROLE.findall(ROLES.read_text())), named_by_the_checks
 
 

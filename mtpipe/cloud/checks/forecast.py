@@ -7,9 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
 from mtpipe.cloud.settings import prices
+from mtpipe.cloud.settings.vm_config import VmConfig
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext.run_dir import WORK_BUCKET_ENV, WORK_DIR_ENV
 from mtpipe.pipeline import config
@@ -17,7 +16,7 @@ from mtpipe.planning import preflight
 from mtpipe.planning.aot import composed_views, topology
 
 
-def check_spot_resume(cfg: DictConfig, forecasts: list[dict[str, Any]]) -> None:
+def check_spot_resume(cfg: VmConfig, forecasts: list[dict[str, Any]]) -> None:
     """A Spot run keeps its training state in run.env's MTPIPE_WORK_BUCKET, where the VM that replaces
     a preempted one resumes it, unless `spot_without_work_bucket` accepts that each preemption restarts
     training from step 0 (conf/vm.yaml alone decides it). ``forecasts``: preflight's rows for the run
@@ -41,7 +40,7 @@ def check_spot_resume(cfg: DictConfig, forecasts: list[dict[str, Any]]) -> None:
         "--provisioning=on-demand or reservation")
 
 
-def cached_forecasts(cfg: DictConfig, root: Path, experiments: list[list[str]]) -> tuple[list[dict[str, Any]], list[str]]:
+def cached_forecasts(cfg: VmConfig, root: Path, experiments: list[list[str]]) -> tuple[list[dict[str, Any]], list[str]]:
     """preflight's rows (mtpipe.planning.preflight.stored_report) of the TPU branches of every experiment
     whose training step preflight has a compile result of (its cache in work/preflight/, or a shipped
     preset's committed one), and the branches it has not compiled yet; nothing compiles here."""

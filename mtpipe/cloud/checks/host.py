@@ -15,10 +15,9 @@ import dataclasses
 import shlex
 from pathlib import Path
 
-from omegaconf import DictConfig
-
 from mtpipe.cloud.on_vm.ssh import Remote, run
 from mtpipe.cloud.settings import vm_config
+from mtpipe.cloud.settings.vm_config import VmConfig
 from mtpipe.maxtext.run_dir import WORK_DIR_ENV
 from mtpipe.pipeline.stage_table import TRAINING
 from mtpipe.planning import budget, preflight
@@ -31,7 +30,7 @@ sed -n 's/^MemTotal: *\([0-9]*\) kB$/\1/p' /proc/meminfo
 DU = "{ du -sbc %s 2>/dev/null || true; } | tail -n 1 | cut -f 1\n"  # 0 where none exists
 
 
-def run_dir_places(cfg: DictConfig) -> dict[str, list[str]]:
+def run_dir_places(cfg: VmConfig) -> dict[str, list[str]]:
     """Where run directories live on the VM, by the budget's place: the checkout's work/<stage>/ (boot
     disk) and run.env's MTPIPE_WORK_DIR/<stage>/ (/dev/shm or the boot disk), as shell words."""
     bases = [f'"$HOME"/{shlex.quote(cfg.run.remote_dir)}/work']
@@ -45,7 +44,7 @@ def run_dir_places(cfg: DictConfig) -> dict[str, list[str]]:
     return {place: paths for place, paths in places.items() if paths}
 
 
-def read_host(remote: Remote, cfg: DictConfig) -> budget.Host:
+def read_host(remote: Remote, cfg: VmConfig) -> budget.Host:
     """What VM ``cfg.name`` has: its RAM (MemTotal), the size of its /dev/shm and the run directories
     earlier runs left there and on the boot disk."""
     places = run_dir_places(cfg)
@@ -59,7 +58,7 @@ def read_host(remote: Remote, cfg: DictConfig) -> budget.Host:
                        source=f"read on VM {cfg.name} after the setup", left=dict(zip(places, left)))
 
 
-def check(remote: Remote, cfg: DictConfig, root: Path, experiments: list[list[str]]) -> str:
+def check(remote: Remote, cfg: VmConfig, root: Path, experiments: list[list[str]]) -> str:
     """Read the VM's RAM and /dev/shm and check every experiment's machine budget against them (a
     ConfigError naming the key to change when one does not fit); the line vm_run prints."""
     host = read_host(remote, cfg)

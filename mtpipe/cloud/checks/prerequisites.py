@@ -2,7 +2,7 @@
 of `doit vm_up` / `doit vm_run`.
 
 Each prerequisite is a named check that says ok (with what it found), fails (the ConfigError or
-GcpError text: what is wrong and the fix), unknown (what cannot be read here: an organisation policy
+ProviderError text: what is wrong and the fix), unknown (what cannot be read here: an organisation policy
 without the Org Policy API, a permission test refused; never passed as fine) or not checked (a check
 it needs failed: nothing about Compute is asked without credentials). All of them run, so one run
 lists every failure; :class:`ChecksFailed` is the one error that names them all. `doit check` asks
@@ -17,18 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
-from mtpipe.cloud.checks import access, caller, identity, org_policies
-from mtpipe.cloud.checks.capacity import check_machine_type, check_reservation, check_zones
+from mtpipe.cloud.checks.gcp import access, caller, identity, org_policies
+from mtpipe.cloud.checks.gcp.capacity import check_machine_type, check_reservation, check_zones
 from mtpipe.cloud.checks.forecast import cached_forecasts, check_spot_resume
 from mtpipe.cloud.checks.project import check_hub_repo, check_remote_writable, composed_branches, hub_repos
 from mtpipe.cloud.providers.gcp.compute import Compute
 from mtpipe.cloud.providers.gcp.google_apis import GoogleApis, Unknown
-from mtpipe.cloud.providers.interface import GcpError
-from mtpipe.cloud.providers.tpu_api.client import TpuClient
+from mtpipe.cloud.providers.interface import ProviderError
+from mtpipe.cloud.providers.gcp.tpu_api.client import TpuClient
 from mtpipe.cloud.settings import vm_config
-from mtpipe.cloud.settings.vm_config import VmError
+from mtpipe.cloud.settings.vm_config import VmConfig, VmError
 from mtpipe.errors import ConfigError
 from mtpipe.planning import preflight
 
@@ -82,7 +80,7 @@ class Runner:
             result = body()
         except Unknown as err:
             return self._record(name, UNKNOWN, str(err))
-        except (ConfigError, GcpError, VmError) as err:
+        except (ConfigError, ProviderError, VmError) as err:
             self.errors.append(err)
             return self._record(name, FAILS, str(err))
         detail, value = result if isinstance(result, tuple) else (result, None)
@@ -109,11 +107,11 @@ def _say(line: str) -> None:
     print(f"mtpipe check: {line}", flush=True)
 
 
-def settings(run: Runner, cfg: DictConfig) -> GoogleApis | None:
+def settings(run: Runner, cfg: VmConfig) -> GoogleApis | None:
     """PROJECT, ZONE, RESERVATION (with provisioning: reservation) and the Google credentials, each
     its own check so that every missing one is named in one run; the Google APIs' client."""
     for key in ("project", "zone", *(["reservation"] if cfg.provisioning == "reservation" else [])):
-        run.check(vm_config.ENV_KEYS[key], lambda key=key: vm_config.require(cfg, key) or str(cfg[key]))
+        run.check(vm_config.ENV_KEYS[key], lambda key=key: vm_config.require(cfg, key) or str(getattr(cfg, key)))
     return run.check("credentials", _credentials)
 
 
@@ -133,25 +131,25 @@ def _credentials() -> tuple[str, GoogleApis]:
     return (CREDENTIAL_KINDS.get(module, module) + (f": {email}" if email and email != "default" else "")), apis
 
 
-def check_settings(cfg: DictConfig) -> None:
+def check_settings(cfg: VmConfig) -> None:
     """:func:`settings` alone, before any request: one error naming every missing one."""
     run = Runner()
     settings(run, cfg)
     run.raise_failures()
 
 
-def check_all(run: Runner, cfg: DictConfig, root: Path, experiments: list[list[str]],
-              client: Compute | None = None, act: bool = False) -> list[identity.Target]:
-    """Every check, in the order the run would meet them; returns the buckets only the VM can tell it
-    may use (identity.probe_from_vm). ``client``: the zone's Compute client (made here when None).
-    ``act``: vm_up's mode, which enables disabled APIs (enable_apis: true) and imports the SSH key
-    into the OS Login profile; without it nothing is changed anywhere."""
+def check_all(run: Runner, cfg: VmConfig, root: Path, experiments: list[list[str]],
+              client: Compute | None = None, act: bool = False) -> tuple[VmConfig, list[identity.Target]]:
+    """Every check, in the order the run would meet them. Returns ``cfg`` as the checks decided it (the
+    Flex-start zones, OS Login and its user, the zones with quota) and the buckets only the VM can
+    tell it may use (identity.probe_from_vm). ``client``: the zone's Compute client (made here when
+    None). ``act``: vm_up's mode, which enables disabled APIs (enable_apis: true) and imports the SSH
+    key into the OS Login profile; without it nothing is changed anywhere."""
     apis = settings(run, cfg)
     run.check("route", lambda: vm_config.check_route(cfg))
     tpu_route = vm_config.route(cfg) == "tpu_api"
     if cfg.provisioning == "flex-start":
-        run.check("Flex-start zones", lambda: "; ".join(vm_config.flex_start_zones(cfg))
-                  or f"{', '.join(vm_config.candidate_zones(cfg))} grant Flex-start {cfg.machine_type} VMs")
+        cfg = run.check("Flex-start zones", lambda: _flex_start_zones(cfg)) or cfg
     run.check("gcloud", lambda: access.check_gcloud(cfg, apis), needs=("credentials",))
     compute = run.check("Compute", lambda: _compute(cfg, client), needs=("PROJECT", "ZONE", "credentials"))
     compute_needs = ("Compute",)
@@ -166,7 +164,8 @@ def check_all(run: Runner, cfg: DictConfig, root: Path, experiments: list[list[s
     run.check("network", lambda: access.check_network(cfg, compute) or f"{cfg.network}"
               + (f", subnetwork {cfg.subnetwork}" if cfg.subnetwork else ""), needs=compute_needs)
     creates_rule = run.check("SSH route", lambda: _ssh_route(cfg, compute, apis), needs=("network",))
-    run.check("OS Login", lambda: access.check_os_login(cfg, compute, apis, import_key=act), needs=compute_needs)
+    cfg = run.check("OS Login", lambda: access.check_os_login(cfg, compute, apis, import_key=act),
+                    needs=compute_needs) or cfg
     branches = run.check("presets", lambda: _presets(root, experiments), needs=("--set",))
     run.check("DVC remote", lambda: _dvc_remote(cfg, root))
     uses_gcs = run.outcomes["DVC remote"].status == OK and bool(identity.targets(cfg, root))
@@ -179,8 +178,7 @@ def check_all(run: Runner, cfg: DictConfig, root: Path, experiments: list[list[s
                     "Service Usage metrics per generation are not mapped); a short quota fails the queued resource, "
                     "which vm_up deletes, naming the reason")
     else:
-        run.check("zones and quota", lambda: check_zones(cfg, compute, apis)
-                  or f"trying {', '.join(cfg.zones)}", needs=("machine type",))
+        cfg = run.check("zones and quota", lambda: _zones(cfg, compute, apis), needs=("machine type",)) or cfg
     for constraint, check in (("compute.requireShieldedVm", org_policies.check_shielded_vm),
                               ("compute.trustedImageProjects", org_policies.check_trusted_images),
                               ("gcp.resourceLocations", org_policies.check_locations),
@@ -191,10 +189,23 @@ def check_all(run: Runner, cfg: DictConfig, root: Path, experiments: list[list[s
         run.check(f"Hub {repo.repo_type} {repo.repo_id}", lambda repo=repo: check_hub_repo(repo))
     forecasts = run.check("preflight", lambda: _preflight(cfg, root, experiments), needs=("presets",))
     run.check("Spot run", lambda: _spot(cfg, forecasts or []))
-    return unproven or []
+    return cfg, unproven or []
 
 
-def _compute(cfg: DictConfig, client: Any) -> tuple[str, Compute]:
+def _flex_start_zones(cfg: VmConfig) -> tuple[str, VmConfig]:
+    """A Flex-start VM's zones that grant it (vm_config.flex_start_zones): the config in them."""
+    zoned, dropped = vm_config.flex_start_zones(cfg)
+    return ("; ".join(dropped) or f"{', '.join(vm_config.candidate_zones(zoned))} grant Flex-start "
+            f"{cfg.machine_type} VMs"), zoned
+
+
+def _zones(cfg: VmConfig, compute: Compute, apis: GoogleApis) -> tuple[str, VmConfig]:
+    """The zones to try, each offering the machine type with quota in its region (check_zones)."""
+    zoned = check_zones(cfg, compute, apis)
+    return f"trying {', '.join(zoned.zones or [])}", zoned
+
+
+def _compute(cfg: VmConfig, client: Any) -> tuple[str, Compute]:
     """The first authenticated Compute call (projects.get): the credentials and the project work. ``client``:
     the lifecycle's provider, used when it is Compute Engine's (the TPU API route's reads the network here)."""
     compute = client if isinstance(client, Compute) else Compute(cfg.project, cfg.zone, float(cfg.operation_timeout_s))
@@ -202,7 +213,7 @@ def _compute(cfg: DictConfig, client: Any) -> tuple[str, Compute]:
     return f"project {cfg.project} answers", compute
 
 
-def _accelerator_type(cfg: DictConfig) -> str:
+def _accelerator_type(cfg: VmConfig) -> str:
     """The Cloud TPU API offers the VM's accelerator type in its zone (acceleratorTypes.get)."""
     name = vm_config.accelerator_type(cfg)
     if TpuClient(cfg.project, cfg.zone, float(cfg.operation_timeout_s)).accelerator_type(name) is None:
@@ -212,7 +223,7 @@ def _accelerator_type(cfg: DictConfig) -> str:
     return f"the Cloud TPU API offers {name} in {cfg.zone}"
 
 
-def _ssh_route(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> tuple[str, bool]:
+def _ssh_route(cfg: VmConfig, compute: Compute, apis: GoogleApis) -> tuple[str, bool]:
     """An external IP (allowed by the organisation) or IAP (gcloud as the credentials' account, a
     Cloud NAT), then a firewall rule for SSH; whether vm_up creates its own rule."""
     access.check_external_ip(cfg, compute, apis)
@@ -229,20 +240,20 @@ def _presets(root: Path, experiments: list[list[str]]) -> tuple[str, list]:
     return f"{len(experiments)} experiment(s) compose: {', '.join(presets)}", branches
 
 
-def _dvc_remote(cfg: DictConfig, root: Path) -> str:
+def _dvc_remote(cfg: VmConfig, root: Path) -> str:
     name, remote = identity.shipped_remote(root)
     check_remote_writable(root, float(cfg.remote_probe_timeout_s))
     return f"{name} ({remote['url']}) is HEAD's and accepts a write"
 
 
-def _identity(cfg: DictConfig, root: Path) -> tuple[str, list[identity.Target]]:
+def _identity(cfg: VmConfig, root: Path) -> tuple[str, list[identity.Target]]:
     unproven = identity.check_identity(cfg, root)
     if unproven:
         return f"the VM tries {', '.join(t.url for t in unproven)} itself, right after SSH", unproven
     return "may use every bucket the run needs (as the allow policies readable here show)", unproven
 
 
-def _preflight(cfg: DictConfig, root: Path, experiments: list[list[str]]) -> tuple[str, list[dict[str, Any]]]:
+def _preflight(cfg: VmConfig, root: Path, experiments: list[list[str]]) -> tuple[str, list[dict[str, Any]]]:
     """Whether preflight has a cached compile of each TPU branch, and whether it fits (nothing compiles)."""
     rows, not_compiled = cached_forecasts(cfg, root, experiments)
     for row in rows:
@@ -255,7 +266,7 @@ def _preflight(cfg: DictConfig, root: Path, experiments: list[list[str]]) -> tup
     return "; ".join(said) or "no branch trains on a TPU", rows
 
 
-def _spot(cfg: DictConfig, forecasts: list[dict[str, Any]]) -> str:
+def _spot(cfg: VmConfig, forecasts: list[dict[str, Any]]) -> str:
     """A Spot run can resume after a preemption (check_spot_resume): conf/vm.yaml decides."""
     check_spot_resume(cfg, forecasts)
     if cfg.provisioning != "spot":
@@ -264,14 +275,15 @@ def _spot(cfg: DictConfig, forecasts: list[dict[str, Any]]) -> str:
         "spot_without_work_bucket: true: each preemption restarts training"
 
 
-def before_spending(cfg: DictConfig, compute: Compute, root: Path,
-                    experiments: list[list[str]]) -> list[identity.Target]:
+def before_spending(cfg: VmConfig, compute: Compute, root: Path,
+                    experiments: list[list[str]]) -> tuple[VmConfig, list[identity.Target]]:
     """vm_up's and vm_run's checks before the first insert: every check, each line printed, then one
-    error listing every failure; returns the buckets only the VM can tell it may use."""
+    error listing every failure; returns ``cfg`` as the checks decided it and the buckets only the VM
+    can tell it may use."""
     run = Runner(_say)
-    unproven = check_all(run, cfg, root, experiments, compute, act=True)
+    checked = check_all(run, cfg, root, experiments, compute, act=True)
     run.raise_failures()
-    return unproven
+    return checked
 
 
 def check_everything(params: dict[str, Any], sets: list[str], queue: bool) -> None:

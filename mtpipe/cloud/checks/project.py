@@ -14,16 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
-from mtpipe.cloud.checks import identity
+from mtpipe.cloud.checks.gcp import identity
+from mtpipe.cloud.settings.vm_config import VmConfig
 from mtpipe.data import hub, hub_access
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline import config, maxtext_check, overrides
 from mtpipe.pipeline.schema import SftBranch
 
 
-def check_project(cfg: DictConfig, root: Path, experiments: list[list[str]]) -> None:
+def check_project(cfg: VmConfig, root: Path, experiments: list[list[str]]) -> None:
     """For each experiment's `--set` values the branches compose and gated Hub repos have
     HF_TOKEN; the DVC remote is writable."""
     check_hub_tokens([branch for sets in experiments

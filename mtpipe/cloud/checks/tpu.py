@@ -16,12 +16,10 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import DictConfig
-
 from mtpipe.cloud.checks.project import composed_branches
 from mtpipe.cloud.on_vm import dvc_experiments
 from mtpipe.cloud.on_vm.ssh import Remote, run
-from mtpipe.cloud.settings.vm_config import VmError
+from mtpipe.cloud.settings.vm_config import VmConfig, VmError
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline import generations
 from mtpipe.planning import preflight
@@ -65,7 +63,7 @@ def targets(root: Path, experiments: list[list[str]]) -> list[Target]:
     return list(found.values())
 
 
-def script(cfg: DictConfig, root: Path, target: Target) -> str:
+def script(cfg: VmConfig, root: Path, target: Target) -> str:
     """The check on the VM: the run's environment and the hardware preset's (what a stage's MaxText
     sees), in the shipped repo, `run.tpu_check` with {check} filled in; its output all on stdout."""
     return "\n".join([
@@ -77,7 +75,7 @@ def script(cfg: DictConfig, root: Path, target: Target) -> str:
     ])
 
 
-def check(remote: Remote, cfg: DictConfig, root: Path, target: Target) -> str:
+def check(remote: Remote, cfg: VmConfig, root: Path, target: Target) -> str:
     """Run the check for ``target`` on the VM; return its success line, or raise VmError with what it
     found and the fix."""
     rc, out = run(remote, script(cfg, root, target), stream=False)

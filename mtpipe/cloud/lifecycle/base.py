@@ -1,5 +1,6 @@
-"""The VM a lifecycle holds (:class:`VmBase`): its cloud, the way in over SSH, what it is and costs
-(status), and deleting it (on failure or Ctrl-C unless kept, or every VM labelled as this user's)."""
+"""The VM a lifecycle holds (:class:`Vm`): its config and cloud, the way in over SSH, what it is and
+costs (status), and deleting it (on failure or Ctrl-C unless kept, or every VM labelled as this
+user's). The lifecycle's other parts (creation.py, recovery.py) share one :class:`Vm`."""
 
 from __future__ import annotations
 
@@ -11,15 +12,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
 from mtpipe.cloud.lifecycle.lines import _say, spend_line
 from mtpipe.cloud.on_vm import run_status, ssh
 from mtpipe.cloud.providers import interrupts
-from mtpipe.cloud.providers.gcp import ssh_route
 from mtpipe.cloud.providers.choice import provider_for
 from mtpipe.cloud.providers.interface import Provider
 from mtpipe.cloud.settings import prices, vm_config, vm_state
+from mtpipe.cloud.settings.vm_config import VmConfig
 
 # Labels every VM gets besides conf/vm.yaml's `labels` (app: mtpipe); firewall rules, which have no
 # labels, carry them in their description.
@@ -29,22 +28,34 @@ PROVISIONING_LABEL = "mtpipe-provisioning"  # reservation / spot / on-demand: it
 FIREWALL_LABEL = "mtpipe-firewall"          # the SSH rule made for it
 
 
-class VmBase:
+class Vm:
     """The VM ``cfg`` names, recorded in ``root``'s state file (.vm_state.json).
-    
-    ``keep``: a VM survives a failure or an interrupt of the task (never a loss: a lost VM cannot
-    be restarted). ``yes``: create without asking (--yes); else the price is confirmed on the
-    terminal, and without one nothing is created. ``provider`` makes the cloud for a config: by default
-    the one of its route (vm_config.route: Compute Engine, or the Cloud TPU API's queued resources)."""
 
-    def __init__(self, cfg: DictConfig, root: Path, keep: bool = False, yes: bool = False,
-                 provider: Callable[[DictConfig], Provider] = provider_for) -> None:
-        self.cfg, self.root, self.keep, self.yes, self._provider = cfg, root, keep, yes, provider
+    ``cfg`` is frozen: what the checks and the creation decide (a zone, OS Login's user) replaces it
+    with a new config, and a new zone makes a new cloud client. ``keep``: a VM survives a failure or
+    an interrupt of the task (never a loss: a lost VM cannot be restarted). ``provider`` makes the
+    cloud for a config: by default the one of its route (vm_config.route: Compute Engine, or the
+    Cloud TPU API's queued resources)."""
+
+    def __init__(self, cfg: VmConfig, root: Path, keep: bool = False,
+                 provider: Callable[[VmConfig], Provider] = provider_for) -> None:
+        self._cfg, self.root, self.keep, self.provider = cfg, root, keep, provider
+
+    @property
+    def cfg(self) -> VmConfig:
+        return self._cfg
+
+    @cfg.setter
+    def cfg(self, cfg: VmConfig) -> None:
+        """A new config; in another zone (vm_config.in_zone), the cloud's client is made again for it."""
+        if cfg.zone != self._cfg.zone:
+            self.__dict__.pop("cloud", None)   # functools.cached_property
+        self._cfg = cfg
 
     @functools.cached_property
     def cloud(self) -> Provider:
-        """The provider's client for ``cfg``'s zone, made once per lifecycle."""
-        return self._provider(self.cfg)
+        """The provider's client for ``cfg``'s zone, made once per zone."""
+        return self.provider(self.cfg)
 
     def remote(self, state: dict | None = None) -> ssh.Remote:
         """How to reach the VM, after checking with the cloud that it still exists."""
@@ -54,18 +65,16 @@ class VmBase:
         if instance is None:
             raise vm_config.VmError(f"VM {cfg.name} does not exist in {cfg.project}/{cfg.zone} (deleted, or "
                              "max_run_duration_s ran out): create it with `doit vm_up`")
-        ip = cloud.address(instance)
-        if not ip and not ssh_route.proxy_command(cfg):
+        ip, proxy = cloud.address(instance), cloud.proxy_command(cfg)
+        if not ip and not proxy:
             raise vm_config.VmError(f"VM {cfg.name} has no external IP: set external_ip: false (SSH "
                                     "through IAP) or ssh.proxy_command in conf/vm.yaml")
         host_key = state.get("host_key") if state.get("name") == cfg.name else None
-        return ssh.Remote.from_config(cfg, ip or cfg.name, host_key)
+        return ssh.Remote.from_config(cfg, ip or cfg.name, host_key, proxy)
 
-    def _move_to(self, zone: str) -> None:
-        """Make ``zone`` the VM's zone, and the cloud's client that zone's."""
-        self.cfg.zone = zone
-        if self.cloud.zone != zone:
-            del self.__dict__["cloud"]   # functools.cached_property: made again for cfg.zone
+    def move_to(self, zone: str) -> None:
+        """Make ``zone`` the VM's zone (vm_config.in_zone), and the cloud's client that zone's."""
+        self.cfg = vm_config.in_zone(self.cfg, zone)
 
     def delete(self) -> None:
         """Delete the VM and its firewall rule (each may already be gone); forget the state. A VM the
@@ -76,16 +85,16 @@ class VmBase:
             state = vm_state.read_state(self.root)
             if state.get("name") != cfg.name:
                 for zone in vm_config.candidate_zones(cfg):
-                    self._move_to(zone)
+                    self.move_to(zone)
                     if self.cloud.get_instance(cfg.name) is not None:
                         break
-            self._delete_vm(cfg.name, cfg.firewall.name)
+            self.delete_vm(cfg.name, cfg.firewall.name)
             if state.get("vms") and state.get("name") == cfg.name:
                 vm_state.vm_ended(state, "deleted")
                 _say(spend_line(state))
             vm_state.clear_state(self.root)
 
-    def _delete_vm(self, name: str | None, firewall: str) -> None:
+    def delete_vm(self, name: str | None, firewall: str) -> None:
         """Delete VM ``name`` (None: there is none) and firewall rule ``firewall``, saying for each
         whether it was deleted or already gone."""
         if name is not None:
@@ -103,7 +112,7 @@ class VmBase:
         rule; other users' VMs are named, not deleted. Finds what a fresh clone or another laptop has
         no state file for."""
         for zone in vm_config.candidate_zones(self.cfg):
-            self._move_to(zone)
+            self.move_to(zone)
             self._delete_labelled_here()
 
     def _delete_labelled_here(self) -> None:
@@ -119,7 +128,7 @@ class VmBase:
             labels = dict(found[name].labels) if name in found else {}
             firewall = labels.get(FIREWALL_LABEL) or (cfg.firewall.name if name == cfg.name else f"{name}-ssh")
             with interrupts.ignored():
-                self._delete_vm(name, firewall)
+                self.delete_vm(name, firewall)
         for name in sorted(set(found) - set(mine)):
             who = dict(found[name].labels).get(USER_LABEL, "someone else")
             _say(f"VM {name}, created by {who}, left alone: `doit vm_down --name {name}` deletes it")
@@ -193,11 +202,11 @@ def _since(created: str, usd_per_hour: float, reservation: str | None = None) ->
         prices.paid_by(reservation, so_far) if reservation else f"about {so_far}")
 
 
-def _labels(cfg: DictConfig) -> str:
+def _labels(cfg: VmConfig) -> str:
     return ", ".join(f"{key}={value}" for key, value in cfg.labels.items())
 
 
-def _rate(cfg: DictConfig, instance: Any) -> prices.Rate:
+def _rate(cfg: VmConfig, instance: Any) -> prices.Rate:
     """The rate of a VM: the provisioning mode it was created with (its label), else ``cfg``'s."""
     mode = dict(instance.labels).get(PROVISIONING_LABEL)
-    return prices.vm_rate(OmegaConf.merge(cfg, {"provisioning": mode}) if mode in vm_config.PROVISIONING else cfg)
+    return prices.vm_rate(cfg.model_copy(update={"provisioning": mode}) if mode in vm_config.PROVISIONING else cfg)

@@ -1,4 +1,4 @@
-"""Creating the VM (:class:`VmCreation`): in the first of its zones with room (after a stockout the
+"""Creating the VM (:class:`Creation`, a part of the lifecycle that works on its :class:`~.base.Vm`): in the first of its zones with room (after a stockout the
 next zone, after a regional quota error the next region, rounds of the zones while a stockout lasts),
 a transient refusal retried, a Flex-start VM waited on while PENDING, every zone left holding nothing of
 it; recorded in the state file before each insert, and reached over SSH once it runs."""
@@ -12,15 +12,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
-from mtpipe.cloud.lifecycle.base import FIREWALL_LABEL, PROVISIONING_LABEL, RUN_LABEL, USER_LABEL, VmBase
+from mtpipe.cloud.lifecycle.base import FIREWALL_LABEL, PROVISIONING_LABEL, RUN_LABEL, USER_LABEL, Vm
 from mtpipe.cloud.lifecycle.lines import _say, creation_line
 from mtpipe.cloud.on_vm import ssh
 from mtpipe.cloud.providers import interrupts
-from mtpipe.cloud.providers.interface import (SETTLING, WAITING_FOR_CAPACITY, CapacityError, GcpError,
+from mtpipe.cloud.providers.interface import (SETTLING, WAITING_FOR_CAPACITY, CapacityError, ProviderError,
                                               MaxRunDurationRefused, QuotaExceeded, TryAgain, region)
 from mtpipe.cloud.settings import vm_config, vm_state
+from mtpipe.cloud.settings.vm_config import VmConfig
 
 STOCKOUT_MAX_WAIT_S = 300  # the longest wait between two rounds of the zones during a stockout
 # A transient refusal of an insert (Compute's RETRY_CODES: RESOURCE_NOT_READY, RESOURCE_OPERATION_RATE_EXCEEDED) is
@@ -30,11 +29,14 @@ INSERT_RETRIES = 3
 INSERT_RETRY_FIRST_WAIT_S = 10.0
 
 
-class VmCreation(VmBase):
-    """:class:`VmBase` that creates its VM: :meth:`create_vm` and the insert's failover, and
-    :meth:`_connect` to the new VM."""
+class Creation:
+    """Creates ``vm``'s VM: :meth:`create` (the firewall rule, :meth:`create_vm` with the insert's
+    failover, the ledger), and :meth:`connect` to it over SSH."""
 
-    def _create(self, state: dict) -> Any:
+    def __init__(self, vm: Vm) -> None:
+        self.vm = vm
+
+    def create(self, state: dict) -> Any:
         """Create the firewall rule (it may exist) and the VM (:meth:`create_vm`: in the first zone
         with room), print the price, add it to the ledger.
 
@@ -43,7 +45,7 @@ class VmCreation(VmBase):
         during the insert. An insert that fails, times out or is interrupted is followed until
         Compute says whether the VM exists (:meth:`_abandon`): the run is abandoned, so a VM that
         exists is deleted."""
-        cfg = self.cfg
+        cfg = self.vm.cfg
         public_key = ssh.ssh_public_key(cfg)
         run_id = secrets.token_hex(4)
         labels = {**cfg.labels, RUN_LABEL: run_id, USER_LABEL: vm_config.label_value(getpass.getuser()),
@@ -51,14 +53,14 @@ class VmCreation(VmBase):
         before = dict(state)
         state.pop("host_key", None)   # a new VM, a new host key
         state["run_id"] = run_id
-        _record_insert(self.root, cfg, state)
+        _record_insert(self.vm.root, cfg, state)
         try:
-            self.cloud.open_ssh(cfg, labels)   # a global rule: it admits SSH to the VM in any zone
+            self.vm.cloud.open_ssh(cfg, labels)   # a global rule: it admits SSH to the VM in any zone
             instance = self.create_vm(public_key, labels, state)
         except BaseException as e:
             self._abandon(e, before)
             raise
-        vm_state.vm_started(state, cfg, instance.creation_timestamp)
+        vm_state.vm_started(state, self.vm.cfg, instance.creation_timestamp)
         return instance
 
     def _abandon(self, error: BaseException, before: dict) -> None:
@@ -66,22 +68,22 @@ class VmCreation(VmBase):
         (:meth:`_clear_zone`), delete the firewall rule, and put the state file back as it was before
         the insert. A VM that
         cannot be deleted stays recorded, for `doit vm_down`. Signals are ignored meanwhile."""
-        cfg, timeout_s = self.cfg, float(self.cfg.operation_timeout_s)
+        cfg, timeout_s = self.vm.cfg, float(self.vm.cfg.operation_timeout_s)
         with interrupts.ignored():
             if isinstance(error, KeyboardInterrupt):
                 _say(f"interrupted while creating VM {cfg.name}: waiting (at most {timeout_s:g} s) until "
                      "Compute has finished the insert, then deleting the VM")
             try:
                 self._clear_zone()
-                self._delete_vm(None, cfg.firewall.name)
-            except GcpError as e:
+                self.vm.delete_vm(None, cfg.firewall.name)
+            except ProviderError as e:
                 _say(f"could not delete VM {cfg.name} ({e}); {vm_state.STATE_FILE} still records it: "
                      "`doit vm_down` deletes it")
                 return
             if before:
-                vm_state.write_state(self.root, before)
+                vm_state.write_state(self.vm.root, before)
             else:
-                vm_state.clear_state(self.root)
+                vm_state.clear_state(self.vm.root)
 
     def create_vm(self, public_key: str, labels: dict[str, str], state: dict | None = None) -> Any:
         """Create the VM in the first of its zones (vm_config.candidate_zones) that has room, as
@@ -92,7 +94,7 @@ class VmCreation(VmBase):
         ``stockout.retry_for_s``, then the error names the zones tried and the other zones that offer
         the machine type. ``state`` (the state file's record) gets each insert's zone before the insert.
         A reservation-bound VM whose maxRunDuration Compute refuses is created once more without it."""
-        cfg = self.cfg
+        cfg = self.vm.cfg
         zones, spent = vm_config.candidate_zones(cfg), set()   # spent: regions whose quota is spent
         deadline, wait = time.monotonic() + cfg.stockout.retry_for_s, cfg.stockout.first_wait_s
         quota: QuotaExceeded | None = None
@@ -101,7 +103,7 @@ class VmCreation(VmBase):
             for zone in zones:
                 if region(zone) in spent | full:
                     continue
-                self._move_to(zone)
+                self.vm.move_to(zone)
                 try:
                     return self._insert(public_key, labels, state)
                 except CapacityError as err:
@@ -120,7 +122,7 @@ class VmCreation(VmBase):
                 raise QuotaExceeded(f"{quota}; zones tried: {', '.join(tried)} (zones in conf/vm.yaml)", False)
             left = deadline - time.monotonic()
             if left <= 0:
-                others = [z for z in self.cloud.zones_offering(cfg.machine_type) if z not in zones]
+                others = [z for z in self.vm.cloud.zones_offering(cfg.machine_type) if z not in zones]
                 raise CapacityError(
                     f"{stockout}; zones tried: {', '.join(tried)}, for {cfg.stockout.retry_for_s:g} s. Other zones "
                     f"that offer {cfg.machine_type}: {', '.join(others) or 'none'} (add them to zones: in "
@@ -133,21 +135,21 @@ class VmCreation(VmBase):
     def _insert(self, public_key: str, labels: dict[str, str], state: dict | None) -> Any:
         """One insert in ``cfg.zone``, its price printed and (with ``state``) recorded first; a transient
         refusal (TryAgain) retried INSERT_RETRIES times after doubling waits, then a CapacityError; a
-        Flex-start VM waited on until it has capacity (:meth:`_await_capacity`)."""
-        cfg = self.cfg
-        _say(creation_line(cfg, self.cloud.provisioning_model(cfg)))
+        Flex-start VM waited on until it has capacity (:meth:`await_capacity`)."""
+        cfg = self.vm.cfg
+        _say(creation_line(cfg, self.vm.cloud.provisioning_model(cfg)))
         if state is not None:
-            _record_insert(self.root, cfg, state)
+            _record_insert(self.vm.root, cfg, state)
         retries, wait = 0, INSERT_RETRY_FIRST_WAIT_S
         while True:
             try:
-                return self._await_capacity(self.cloud.create_vm(cfg, public_key, labels))
+                return self.await_capacity(self.vm.cloud.create_vm(cfg, public_key, labels))
             except MaxRunDurationRefused as err:
                 _say(f"Compute refused maxRunDuration for reservation-bound VM {cfg.name} ({err}); creating it "
                      "once more without it. This VM is then not deleted automatically after max_run_duration_s: "
                      "vm_run still deletes it when the run ends, unless --keep; Compute when the reservation ends; "
                      "otherwise `doit vm_down`")
-                cfg.max_run_duration_s = 0
+                self.vm.cfg = cfg = cfg.model_copy(update={"max_run_duration_s": 0})
             except TryAgain as err:
                 if retries == INSERT_RETRIES:
                     raise CapacityError(f"{err}; the same after {INSERT_RETRIES} retries") from err
@@ -157,12 +159,12 @@ class VmCreation(VmBase):
                 time.sleep(wait)
                 wait *= 2
 
-    def _await_capacity(self, instance: Any) -> Any:
+    def await_capacity(self, instance: Any) -> Any:
         """``instance`` once it has capacity. A Flex-start VM is PENDING while Compute looks for its
         capacity: it is waited on, said every flex_start.poll_s, until it is RUNNING (returned); one
         that disappears (its request window, flex_start.request_valid_for_s, expired) or is still
         PENDING a poll after that window is a stockout (CapacityError), whose zone the caller clears."""
-        cfg = self.cfg
+        cfg = self.vm.cfg
         if instance.status != WAITING_FOR_CAPACITY:
             return instance
         window, poll = float(cfg.flex_start.request_valid_for_s), float(cfg.flex_start.poll_s)
@@ -175,7 +177,7 @@ class VmCreation(VmBase):
             _say(f"VM {cfg.name} is {instance.status} in {cfg.zone}: Compute is looking for its capacity ({waited:.0f} "
                  f"s so far, at most {window:g} s: flex_start.request_valid_for_s); Ctrl-C deletes it")
             time.sleep(poll)
-            instance = self.cloud.get_instance(cfg.name)
+            instance = self.vm.cloud.get_instance(cfg.name)
         if instance is None:
             raise CapacityError(f"Flex-start VM {cfg.name} got no capacity in {cfg.zone} within its request window "
                                 f"({window:g} s, flex_start.request_valid_for_s): Compute removed it")
@@ -185,47 +187,47 @@ class VmCreation(VmBase):
         """After a failed insert in ``cfg.zone``: clear the zone (:meth:`_clear_zone`), say why the run
         moves on."""
         self._clear_zone()
-        _say(f"leaving zone {self.cfg.zone}: {why}; nothing of VM {self.cfg.name} is left there")
+        _say(f"leaving zone {self.vm.cfg.zone}: {why}; nothing of VM {self.vm.cfg.name} is left there")
 
     def _clear_zone(self) -> None:
         """After a failed or interrupted insert in ``cfg.zone``: wait (at most operation_timeout_s) until
         Compute has settled whether the VM exists there, delete it if it does, and a boot disk it left."""
-        cfg, cloud = self.cfg, self.cloud
+        cfg, cloud = self.vm.cfg, self.vm.cloud
         if cloud.settle(cfg.name, float(cfg.operation_timeout_s)) is not None:
             _say(f"VM {cfg.name}: {'deleted' if cloud.delete_instance(cfg.name) else 'already gone'}")
         try:
             if cloud.delete_orphan_disk(cfg.name):
                 _say(f"disk {cfg.name} in {cfg.zone}, left by the failed insert: deleted")
-        except GcpError as err:   # a disk costs little: said, not a reason to stop here
+        except ProviderError as err:   # a disk costs little: said, not a reason to stop here
             _say(f"could not look for a disk {cfg.name} left in {cfg.zone} ({err}): `gcloud compute disks list "
                  f"--filter=name={cfg.name} --project {cfg.project}` shows one, `gcloud compute disks delete` deletes it")
 
-    def _connect(self, state: dict, instance: Any, created: bool) -> ssh.Remote:
+    def connect(self, state: dict, instance: Any, created: bool) -> ssh.Remote:
         """Record the VM in the state file, wait until its sshd takes our key (pinning its host key)."""
-        cfg = self.cfg
+        cfg = self.vm.cfg
         state.update(_recorded(cfg), created=instance.creation_timestamp)
-        vm_state.write_state(self.root, state)
+        vm_state.write_state(self.vm.root, state)
         try:
-            remote = self.remote(state)   # inside: a new VM without an address is deleted too
+            remote = self.vm.remote(state)   # inside: a new VM without an address is deleted too
             state["host_key"] = ssh.wait_ready(remote, float(cfg.ssh.ready_timeout_s))
         except BaseException:
-            if created and not self.keep:
+            if created and not self.vm.keep:
                 _say(f"VM {cfg.name} is unreachable; deleting it (use --keep to keep it)")
-                self.delete()
+                self.vm.delete()
             raise
-        vm_state.write_state(self.root, state)
+        vm_state.write_state(self.vm.root, state)
         remote.host_key = state["host_key"]
         _say(f"VM {cfg.name} ready at {remote.host}:{remote.port}")
         return remote
 
 
-def _record_insert(root: Path, cfg: DictConfig, state: dict) -> None:
+def _record_insert(root: Path, cfg: VmConfig, state: dict) -> None:
     """Record in the state file the VM an insert in ``cfg.zone`` is about to create."""
     state.update(_recorded(cfg), created=None, insert_sent=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     vm_state.write_state(root, state)
 
 
-def _recorded(cfg: DictConfig) -> dict[str, Any]:
+def _recorded(cfg: VmConfig) -> dict[str, Any]:
     """What the state file records of the VM ``cfg`` describes."""
     return {"project": cfg.project, "zone": cfg.zone, "name": cfg.name, "firewall": cfg.firewall.name,
             "provisioning": cfg.provisioning, "max_run_duration_s": int(cfg.max_run_duration_s),

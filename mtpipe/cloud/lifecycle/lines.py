@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from omegaconf import DictConfig
-
 from mtpipe.cloud.settings import prices, vm_config, vm_state
+from mtpipe.cloud.settings.vm_config import VmConfig
 from mtpipe.planning import run_forecast
 
 
@@ -24,7 +23,7 @@ def spend_line(state: dict) -> str:
     return f"{line}: about {spent.usd:.2f} USD, and {spent.reserved_hours:.2f} h {paid}"
 
 
-def creation_line(cfg: DictConfig, model: str) -> str:
+def creation_line(cfg: VmConfig, model: str) -> str:
     """What vm_up says before creating the VM: its kind, what it costs, when Compute deletes it."""
     rate, hours = prices.vm_rate(cfg), int(cfg.max_run_duration_s) / 3600
     kind = f"reservation {cfg.reservation}, {model}" if rate.reservation else cfg.provisioning
@@ -47,7 +46,7 @@ def creation_line(cfg: DictConfig, model: str) -> str:
     return f"creating {cfg.machine_type} VM {cfg.name} ({kind}) in {cfg.zone}: {rate.describe()}{billed}; {limit}"
 
 
-def forecast_line(cfg: DictConfig, forecasts: list[dict[str, Any]]) -> str:
+def forecast_line(cfg: VmConfig, forecasts: list[dict[str, Any]]) -> str:
     """What the whole run takes and costs by preflight's forecast (its rows: the total `doit preflight`
     prints, mtpipe.planning.run_forecast) and what that counts, or why there is none."""
     if not forecasts:

@@ -1,6 +1,6 @@
-"""Recovering a lost VM (:class:`VmRecovery`): a preempted, stopped or vanished VM is replaced and
-the attempt run again, at most ``max_recoveries`` times; never one that `doit vm_down` deleted or that
-ran out of time (max_run_duration_s)."""
+"""Recovering a lost VM (:class:`Recovery`, a part of the lifecycle): a preempted, stopped or vanished
+VM is replaced and the attempt run again, at most ``max_recoveries`` times; never one that `doit
+vm_down` deleted or that ran out of time (max_run_duration_s)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,18 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 
 from mtpipe.cloud.lifecycle import notify
-from mtpipe.cloud.lifecycle.creation import VmCreation
+from mtpipe.cloud.lifecycle.base import Vm
+from mtpipe.cloud.lifecycle.creation import Creation
 from mtpipe.cloud.lifecycle.lines import _say
 from mtpipe.cloud.on_vm import ssh
 from mtpipe.cloud.settings import vm_config, vm_state
 
 
-class VmRecovery(VmCreation):
-    """:class:`VmCreation` that replaces its VM when it is lost."""
+class Recovery:
+    """Replaces ``vm``'s VM through ``creation`` when it is lost: :meth:`run`."""
+
+    def __init__(self, vm: Vm, creation: Creation) -> None:
+        self.vm, self.creation = vm, creation
 
     def lost(self) -> str | None:
         """Why the VM can no longer run the pipeline (preempted, stopped, gone), or None while it
@@ -25,11 +29,11 @@ class VmRecovery(VmCreation):
         Raises VmError when the VM must not be replaced: `doit vm_down` deleted it (the state file
         no longer records it), or it reached max_run_duration_s (the spending limit).
         """
-        cfg = self.cfg
-        instance = self.cloud.get_instance(cfg.name)
+        cfg, root = self.vm.cfg, self.vm.root
+        instance = self.vm.cloud.get_instance(cfg.name)
         if instance is not None and instance.status == "RUNNING":
             return None
-        state = vm_state.read_state(self.root)
+        state = vm_state.read_state(root)
         if state.get("name") != cfg.name:
             raise vm_config.VmError(f"VM {cfg.name} was deleted during the run (`doit vm_down`?): not replaced")
         limit = int(cfg.max_run_duration_s)
@@ -44,20 +48,21 @@ class VmRecovery(VmCreation):
         else:
             why = f"was {'preempted' if spot else 'stopped by Compute'} (status {instance.status})"
         vm_state.vm_ended(state, why)
-        vm_state.write_state(self.root, state)
+        vm_state.write_state(root, state)
         return why
 
     def replace(self) -> ssh.Remote:
         """Delete the lost VM (a preempted Spot VM cannot be restarted) and create a new one."""
-        self.cloud.delete_instance(self.cfg.name)
-        state = vm_state.read_state(self.root)
-        return self._connect(state, self._create(state), created=True)
+        self.vm.cloud.delete_instance(self.vm.cfg.name)
+        state = vm_state.read_state(self.vm.root)
+        return self.creation.connect(state, self.creation.create(state), created=True)
 
-    def with_recovery(self, remote: ssh.Remote, attempt: Callable[[ssh.Remote], None]) -> None:
+    def run(self, remote: ssh.Remote, attempt: Callable[[ssh.Remote], None]) -> None:
         """Run `attempt` on the VM; when it fails because the VM was lost, replace the VM and run
         it again, at most `max_recoveries` times (a managed job: the pipeline resumes from the
         bucket)."""
-        cfg, limit = self.cfg, int(self.cfg.max_recoveries)
+        cfg = self.vm.cfg
+        limit = int(cfg.max_recoveries)
         for recovery in itertools.count(1):
             try:
                 attempt(remote)

@@ -15,20 +15,18 @@ back; then the VM is deleted (unless --keep) and the spend line says what it cos
 from __future__ import annotations
 
 import shlex
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-from omegaconf import DictConfig
 
 from mtpipe.cloud.checks import tpu
 from mtpipe.cloud.on_vm import dvc_experiments, ssh
 from mtpipe.cloud.settings import vm_config, vm_state
+from mtpipe.cloud.settings.vm_config import VmConfig
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline import generations
 
 if TYPE_CHECKING:
-    from mtpipe.cloud.lifecycle.run import VmLifecycle
+    from mtpipe.cloud.lifecycle.run import Check, VmLifecycle
 
 PROVISIONING = "spot"          # unless --provisioning: about a fifth of the on-demand price
 MAX_RUN_DURATION_S = 3600      # Compute deletes the VM after this at the latest (or conf/vm.yaml's, if shorter)
@@ -36,8 +34,6 @@ EMBEDDED = ["sft.preset=embedded-sft", "rl.preset=embedded-rl"]   # what `make d
 # The Hub step: one small file of the SFT tutorial's dataset (an open repo) at its pinned revision
 HUB_DATASET, HUB_FILENAME = "ultrachat-200k", "README.md"
 WHO = "the rehearsal"          # how the TPU check's failure names what runs on the chip
-
-Check = tuple[str, Callable[[ssh.Remote], str]]   # what is checked, and the check (its success line)
 
 
 def one_chip(machine_type: str) -> tuple[str, str]:
@@ -55,7 +51,7 @@ def check_options(sets: list[str], queue: bool, target: str | None) -> None:
                               f"({', '.join(EMBEDDED)}) end to end", f"drop {flag}, or run without --rehearse")
 
 
-def load_config(params: dict[str, Any], root: Path) -> DictConfig:
+def load_config(params: dict[str, Any], root: Path) -> VmConfig:
     """The real run's VM config (conf/vm.yaml < $MTPIPE_VM_CONFIG < env < options) with the rehearsal's
     changes: one chip, Spot unless --provisioning, run.hardware the one-chip preset, at most
     MAX_RUN_DURATION_S, and Spot without a work bucket accepted (a preemption costs the embedded
@@ -77,7 +73,7 @@ def load_config(params: dict[str, Any], root: Path) -> DictConfig:
                                   "spot_without_work_bucket": True})
 
 
-def tpu_target(cfg: DictConfig, root: Path) -> tpu.Target:
+def tpu_target(cfg: VmConfig, root: Path) -> tpu.Target:
     """The VM's one chip as run.hardware's preset (e.g. conf/hardware/v6e-1.yaml) describes it."""
     env = dvc_experiments.hardware_env(root, cfg.run.hardware)
     return tpu.Target(env["TPU_ACCELERATOR_TYPE"], cfg.run.hardware, env, [WHO])
@@ -88,7 +84,7 @@ def hub_command() -> str:
     return shlex.join(["python", "-m", "mtpipe.data.hub_file", "--dataset", HUB_DATASET, "--filename", HUB_FILENAME])
 
 
-def hub_download(remote: ssh.Remote, cfg: DictConfig, root: Path) -> str:
+def hub_download(remote: ssh.Remote, cfg: VmConfig, root: Path) -> str:
     """Download the Hub step's file on the VM (HF_TOKEN over stdin, the run's environment, the VM's
     venv as `run.tpu_check` enters it); its success line, or VmError with the Hub's answer."""
     lines, secrets = dvc_experiments.secrets_stdin(list(cfg.run.secrets))
@@ -104,7 +100,7 @@ def hub_download(remote: ssh.Remote, cfg: DictConfig, root: Path) -> str:
     return text.splitlines()[-1] if text else f"{hub_command()}: exit 0"
 
 
-def checks(cfg: DictConfig, root: Path) -> list[Check]:
+def checks(cfg: VmConfig, root: Path) -> list[Check]:
     """What the rehearsal runs on the VM after shipping HEAD, before the pipeline: the TPU runtime
     check on its one chip, then the Hub download."""
     target = tpu_target(cfg, root)

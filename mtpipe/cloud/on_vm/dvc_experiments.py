@@ -10,10 +10,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from mtpipe.cloud.on_vm.ssh import Remote, check
-from mtpipe.cloud.settings.vm_config import VmError
+from mtpipe.cloud.settings.vm_config import VmConfig, VmError
 from mtpipe.errors import ConfigError
 
 
@@ -36,7 +36,7 @@ def hardware_env(root: Path, hardware: str | None) -> dict[str, str]:
     return {k: str(v) for k, v in (OmegaConf.load(path).get("env") or {}).items()}
 
 
-def run_env(cfg: DictConfig, root: Path) -> dict[str, str]:
+def run_env(cfg: VmConfig, root: Path) -> dict[str, str]:
     """What vm_run exports on the VM: `env:` of `run.hardware`'s preset, then `run.env`."""
     return {**hardware_env(root, cfg.run.hardware), **{k: str(v) for k, v in cfg.run.env.items()}}
 
@@ -128,7 +128,7 @@ def _forget_on_vm(exp_name: str | None) -> list[str]:
             f'git update-ref -d "refs/exps/${{b:0:2}}/${{b:2}}/"{shlex.quote(exp_name)} || true']
 
 
-def run_script(cfg: DictConfig, root: Path, dvc: str, secret_lines: list[str],
+def run_script(cfg: VmConfig, root: Path, dvc: str, secret_lines: list[str],
                exp_name: str | None = None) -> str:
     """One experiment on the VM: secrets from stdin, env, cd into the repo, the command.
 

@@ -9,22 +9,20 @@ import shlex
 import tarfile
 from pathlib import Path
 
-from omegaconf import DictConfig
-
 from mtpipe.cloud.on_vm.ssh import Remote, failed, run
-from mtpipe.cloud.settings.vm_config import VmError
+from mtpipe.cloud.settings.vm_config import VmConfig, VmError
 from mtpipe.errors import ConfigError
 
 
 SETUP_FILES_DIR = ".mtpipe/setup"   # in the remote home: where `setup.files` land before the commands
 
 
-def setup_files(cfg: DictConfig, root: Path) -> bytes:
+def setup_files(cfg: VmConfig, root: Path) -> bytes:
     """`setup.files` (paths in the repo, e.g. requirements-vm.lock) as a tar stream, for the setup's stdin.
 
     Deterministic (fixed owner, mode and mtime), so the bytes can go into the setup marker's hash.
     """
-    names = list(cfg.setup.get("files") or [])
+    names = list(cfg.setup.files)
     if not names:
         return b""
     buf = io.BytesIO()
@@ -79,7 +77,7 @@ STOP_AUTO_UPGRADES = """stop_auto_upgrades() {
 }"""
 
 
-def setup_script(cfg: DictConfig, files: bytes = b"") -> str:
+def setup_script(cfg: VmConfig, files: bytes = b"") -> str:
     """The setup commands, skipped when the marker holds their hash and the files' (rerun = no-op).
 
     `files` (from :func:`setup_files`) arrive on stdin and are unpacked into ~/.mtpipe/setup first.
@@ -107,7 +105,7 @@ def setup_script(cfg: DictConfig, files: bytes = b"") -> str:
     ])
 
 
-def setup(remote: Remote, cfg: DictConfig, root: Path) -> None:
+def setup(remote: Remote, cfg: VmConfig, root: Path) -> None:
     """Run `setup.commands` on the VM with `setup.files` (a no-op when both are unchanged)."""
     files = setup_files(cfg, root)
     rc, _ = run(remote, setup_script(cfg, files), stdin=files)

@@ -2,7 +2,7 @@
 
 SSH goes through asyncssh with a key of our own (`ssh.key_file`, generated on first use); its public
 half reaches the VM in the `ssh-keys` metadata, or with OS Login in the caller's OS Login profile
-(mtpipe.cloud.checks.access); a VM without an external IP is reached through IAP (ssh_route). The VM's host key is trusted on first use and kept in
+(mtpipe.cloud.checks.gcp.access); a VM without an external IP is reached through the provider's proxy command (Google's: an IAP tunnel). The VM's host key is trusted on first use and kept in
 the state file. Secrets (HF_TOKEN) are written to the remote command's stdin and read there by the
 shell builtin `read`, so they never appear in argv, metadata, logs or files.
 """
@@ -20,13 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import asyncssh
-from omegaconf import DictConfig
 
-from mtpipe.cloud.providers.gcp import ssh_route
-from mtpipe.cloud.settings.vm_config import SessionLost, VmError
+from mtpipe.cloud.settings.vm_config import SessionLost, VmConfig, VmError
 
 
-def ssh_public_key(cfg: DictConfig) -> str:
+def ssh_public_key(cfg: VmConfig) -> str:
     """The public half of `ssh.key_file`, generating an ed25519 pair on first use."""
     key_file = Path(os.path.expanduser(cfg.ssh.key_file))
     if not key_file.exists():
@@ -53,9 +51,10 @@ class Remote:
     busy_lock: str | None = None     # the idle watch's lock file (conf/vm.yaml idle.lock_file)
 
     @classmethod
-    def from_config(cls, cfg: DictConfig, host: str, host_key: str | None) -> Remote:
+    def from_config(cls, cfg: VmConfig, host: str, host_key: str | None, proxy_command: str | None) -> Remote:
+        """The VM at ``host`` as ``cfg``'s `ssh` reaches it, through ``proxy_command`` (None: straight)."""
         return cls(host, int(cfg.ssh.port), cfg.ssh.user, os.path.expanduser(cfg.ssh.key_file),
-                   ssh_route.proxy_command(cfg), host_key, float(cfg.ssh.connect_timeout_s),
+                   proxy_command, host_key, float(cfg.ssh.connect_timeout_s),
                    float(cfg.ssh.keepalive_s), cfg.idle.lock_file if cfg.idle.delete_after_s else None)
 
     async def connect(self) -> asyncssh.SSHClientConnection:

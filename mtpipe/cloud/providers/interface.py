@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from omegaconf import DictConfig
+from mtpipe.cloud.settings.vm_config import VmConfig
 
 
-class GcpError(RuntimeError):
-    """A Google Cloud failure, worded for the user (what failed and how to fix it): Compute Engine's, or
-    another provider's; the errors below are its kinds."""
+class ProviderError(RuntimeError):
+    """A cloud's failure, worded for the user (what failed and how to fix it); the errors below are its
+    kinds, and a provider words its own detail as a subclass (Google's: gcp.api_errors.GcpError)."""
 
 
-class MaxRunDurationRefused(GcpError):
+class MaxRunDurationRefused(ProviderError):
     """Compute refused ``scheduling.maxRunDuration`` for a reservation-bound VM."""
 
 
@@ -26,7 +26,7 @@ SETTLING = ("PROVISIONING", "STAGING")   # a VM's status while Compute still cre
 WAITING_FOR_CAPACITY = "PENDING"
 
 
-class CapacityError(GcpError):
+class CapacityError(ProviderError):
     """The zone has no free machine of this type now (a stockout): the same request may work later.
     ``region_wide``: the whole region has none (Compute's REGION_STOCKOUT_CODES)."""
 
@@ -39,7 +39,7 @@ class TryAgain(CapacityError):
     """A transient refusal (Compute's RETRY_CODES): the same insert in the same zone may work after a short wait."""
 
 
-class QuotaExceeded(GcpError):
+class QuotaExceeded(ProviderError):
     """A quota of the project is spent (Compute's TPU quotas are regional: another region may have
     room); ``global_quota``: one of the ..._ALL_REGIONS quotas, which no other zone escapes."""
 
@@ -59,20 +59,22 @@ class Provider(Protocol):
     ``create_vm`` raises :class:`CapacityError` when the zone has no such machine
     free now, :class:`QuotaExceeded` when the project's quota is spent, and may
     return a VM whose status is ``PENDING`` (a Flex-start VM waiting for capacity:
-    :meth:`mtpipe.cloud.lifecycle.creation.VmCreation._await_capacity`); after it failed or was
+    :meth:`mtpipe.cloud.lifecycle.creation.Creation.await_capacity`); after it failed or was
     interrupted, ``settle`` waits until the cloud says whether the VM exists, and
-    ``delete_orphan_disk`` deletes a boot disk the VM left. ``zone``: the zone it works in."""
+    ``delete_orphan_disk`` deletes a boot disk the VM left; ``proxy_command`` is the command SSH runs to
+    reach the VM (None: straight to its address). ``zone``: the zone it works in."""
 
     zone: str
 
     def get_instance(self, name: str) -> Any | None: ...
     def list_instances(self, labels: dict[str, str]) -> list[Any]: ...
-    def create_vm(self, cfg: DictConfig, public_key: str, labels: dict[str, str]) -> Any: ...
-    def provisioning_model(self, cfg: DictConfig) -> str: ...
+    def create_vm(self, cfg: VmConfig, public_key: str, labels: dict[str, str]) -> Any: ...
+    def provisioning_model(self, cfg: VmConfig) -> str: ...
     def settle(self, name: str, timeout_s: float) -> Any | None: ...
     def delete_instance(self, name: str) -> bool: ...
     def delete_orphan_disk(self, name: str) -> bool: ...
-    def open_ssh(self, cfg: DictConfig, labels: dict[str, str]) -> bool: ...
+    def open_ssh(self, cfg: VmConfig, labels: dict[str, str]) -> bool: ...
+    def proxy_command(self, cfg: VmConfig) -> str | None: ...
     def get_firewall(self, name: str) -> Any | None: ...
     def delete_firewall(self, name: str) -> bool: ...
     def address(self, instance: Any) -> str | None: ...

@@ -1,5 +1,6 @@
 """conf/vm.yaml: its schema (`VmConfig`), how it is assembled from the file, the environment and
-doit's parameters, and the VM's errors."""
+doit's parameters into a frozen `VmConfig`, the one place its zone changes (:func:`in_zone`), and the
+VM's errors."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
 from annotated_types import Ge, Gt, Le
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from pydantic import model_validator
 
 from mtpipe.cloud.settings import prices
@@ -234,62 +235,84 @@ class VmConfig(Section):
                               "--provisioning=spot, on-demand or flex-start to fail over across zones")
 
 
-def load_config(params: dict[str, Any] | None = None, state: dict | None = None) -> DictConfig:
-    """conf/vm.yaml < $MTPIPE_VM_CONFIG < env PROJECT/ZONE/RESERVATION/NAME < doit params.
+def load_config(params: dict[str, Any] | None = None, state: dict | None = None) -> VmConfig:
+    """conf/vm.yaml < $MTPIPE_VM_CONFIG < env PROJECT/ZONE/RESERVATION/NAME < doit params, checked
+    against :class:`VmConfig` and frozen: a later change is a new config (``model_copy``).
 
-    Keys still unset after that are filled from the state file (the VM vm_up created), then
-    `name` defaults to mtpipe-<user> and `zone` to the first of `zones` (a `zone` given alongside
-    `zones` must be one of them); with `zones`, a recorded VM's zone is `zone`. `provisioning` is
-    the recorded VM's unless a doit param sets it, so that reusing or replacing that VM keeps its
-    kind (and its price), and so is its OS Login user (:func:`use_recorded_login`). The result is
-    checked against :class:`VmConfig`.
+    `project` and `name`, still unset after that, are filled from the state file (the VM vm_up
+    created), then `name` defaults to mtpipe-<user>; the zone is :func:`first_zone`'s (a `zone` given
+    alongside `zones` must be one of them). `provisioning` is the recorded VM's unless a doit param
+    sets it, so that reusing or replacing that VM keeps its kind (and its price), and so is its OS
+    Login user (:func:`use_recorded_login`).
     """
-    cfg = OmegaConf.load(ROOT / "conf" / "vm.yaml")
+    raw = OmegaConf.load(ROOT / "conf" / "vm.yaml")
     if os.environ.get(CONFIG_ENV):
-        cfg = OmegaConf.merge(cfg, OmegaConf.load(os.environ[CONFIG_ENV]))
+        raw = OmegaConf.merge(raw, OmegaConf.load(os.environ[CONFIG_ENV]))
     for key, var in ENV_KEYS.items():
         if os.environ.get(var):
-            cfg[key] = os.environ[var]
+            raw[key] = os.environ[var]
     for key, value in (params or {}).items():
         if value not in (None, ""):
-            OmegaConf.update(cfg, key, value)
-    given_zone = cfg.zone
-    for key in ("project", "zone", "name"):
-        if not cfg[key] and state and state.get(key):
-            cfg[key] = state[key]
-    if not cfg.name:
-        cfg.name = "mtpipe-" + label_value(getpass.getuser()).replace("_", "-")[:40]
-    recorded = bool(state) and (state.get("project"), state.get("name")) == (cfg.project, cfg.name)
-    if recorded and cfg.zones and state.get("zone") in cfg.zones:
-        cfg.zone = state["zone"]   # the zone the recorded VM went to, whichever ZONE / --zone says to try first
-    if not (params or {}).get("provisioning") and state and state.get("name") == cfg.name:
-        cfg.provisioning = state.get("provisioning", cfg.provisioning)   # the recorded VM's kind
-    if not cfg.firewall.name:
-        cfg.firewall.name = f"{cfg.name}-ssh"
-    if state and state.get("name") == cfg.name:
-        use_recorded_login(cfg, state)
-    validate(VmConfig, OmegaConf.to_container(cfg), "vm",
-             lambda key, requirement: f"set {key.removeprefix('vm.')} {requirement} in conf/vm.yaml")
-    if cfg.zones and given_zone and given_zone not in cfg.zones:
-        raise ConfigError("vm.zone", f"{given_zone!r} (ZONE / --zone) is not one of zones: {list(cfg.zones)}",
+            OmegaConf.update(raw, key, value)
+    for key in ("project", "name"):
+        if not raw[key] and state and state.get(key):
+            raw[key] = state[key]
+    if not raw.name:
+        raw.name = "mtpipe-" + label_value(getpass.getuser()).replace("_", "-")[:40]
+    recorded = bool(state) and state.get("name") == raw.name
+    if not (params or {}).get("provisioning") and recorded:
+        raw.provisioning = state.get("provisioning", raw.provisioning)   # the recorded VM's kind
+    if not raw.firewall.name:
+        raw.firewall.name = f"{raw.name}-ssh"
+    cfg = validate(VmConfig, OmegaConf.to_container(raw), "vm",
+                   lambda key, requirement: f"set {key.removeprefix('vm.')} {requirement} in conf/vm.yaml")
+    if cfg.zones and cfg.zone and cfg.zone not in cfg.zones:
+        raise ConfigError("vm.zone", f"{cfg.zone!r} (ZONE / --zone) is not one of zones: {list(cfg.zones)}",
                           "unset ZONE / --zone to try zones in order, or add it to zones: in conf/vm.yaml")
-    if cfg.zones and not cfg.zone:
-        cfg.zone = cfg.zones[0]
+    zone = first_zone(cfg, state or {})
+    if zone:
+        cfg = in_zone(cfg, zone)
+    if recorded:
+        cfg = use_recorded_login(cfg, state or {})
     prices.vm_rate(cfg)   # conf/prices.yaml prices this machine type in this mode
     return cfg
 
 
-def candidate_zones(cfg: DictConfig) -> list[str]:
+def first_zone(cfg: VmConfig, state: dict) -> str | None:
+    """The zone a loaded config starts in: the recorded VM's when it is one of ``zones`` (whichever
+    ZONE / --zone says to try first), else ZONE / --zone / conf/vm.yaml's ``zone``, else the zone the
+    state file records, else the first of ``zones``."""
+    recorded = state.get("zone")
+    if (recorded and recorded in (cfg.zones or [])
+            and (state.get("project"), state.get("name")) == (cfg.project, cfg.name)):
+        return recorded
+    return cfg.zone or recorded or (cfg.zones[0] if cfg.zones else None)
+
+
+def in_zone(cfg: VmConfig, zone: str, zones: list[str] | None = None) -> VmConfig:
+    """``cfg`` in ``zone`` (and, given ``zones``, trying those): the one place a config's zone changes,
+    as a new config (loading, Flex-start's zones, the quota check's usable zones, the failover)."""
+    return cfg.model_copy(update={"zone": zone, **({"zones": list(zones)} if zones is not None else {})})
+
+
+def candidate_zones(cfg: VmConfig) -> list[str]:
     """The zones a VM may be created in, in the order they are tried: ``zone`` (the first of ``zones``,
     the one a VM was last in, or ZONE / --zone) first, then the rest of ``zones``."""
     return [cfg.zone, *(z for z in cfg.zones or [] if z != cfg.zone)] if cfg.zone else list(cfg.zones or [])
 
 
-def use_recorded_login(cfg: DictConfig, state: dict) -> None:
-    """Log in as the VM ``state`` records was created for: its OS Login POSIX user, if it has one
-    (the checks that found it run only before a VM is created)."""
+def use_recorded_login(cfg: VmConfig, state: dict) -> VmConfig:
+    """``cfg`` logging in as the VM ``state`` records was created for: its OS Login POSIX user, if it
+    has one (the checks that found it run only before a VM is created)."""
     if state.get("os_login") and cfg.ssh.os_login is not False:
-        cfg.ssh.os_login, cfg.ssh.user = True, state["ssh_user"]
+        return with_login(cfg, True, state["ssh_user"])
+    return cfg
+
+
+def with_login(cfg: VmConfig, os_login: bool, user: str | None = None) -> VmConfig:
+    """``cfg`` with OS Login decided (``ssh.os_login``) and, given one, the POSIX user SSH logs in as."""
+    ssh = cfg.ssh.model_copy(update={"os_login": os_login, **({"user": user} if user else {})})
+    return cfg.model_copy(update={"ssh": ssh})
 
 
 def name_problem(name: str) -> str | None:
@@ -307,48 +330,49 @@ def label_value(text: str) -> str:
     return re.sub(r"[^a-z0-9_-]", "-", text.lower())[:63]
 
 
-def require(cfg: DictConfig, *keys: str) -> None:
+def require(cfg: VmConfig, *keys: str) -> None:
     """Fail early, naming the key and the fix, when a value needed to reach Compute is missing."""
     for key in keys:
-        if not cfg[key]:
+        if not getattr(cfg, key):
             var = ENV_KEYS[key]
             raise ConfigError(f"vm.{key}", "is not set",
                               f"export {var}=... or pass `--{key} ...` (or set {key}: in conf/vm.yaml)")
 
 
-def check_create(cfg: DictConfig) -> list[str]:
+def check_create(cfg: VmConfig) -> tuple[VmConfig, list[str]]:
     """The settings vm_up needs, before any request (mtpipe.cloud.checks asks Compute about the rest): the
     machine type on a route that creates it (:func:`check_route`), the required keys, a Flex-start
-    VM's zones (:func:`flex_start_zones`). Returns what to say about the zones dropped."""
+    VM's zones (:func:`flex_start_zones`). Returns the config in those zones and what to say about the
+    zones dropped."""
     check_route(cfg)
     reservation = ["reservation"] if cfg.provisioning == "reservation" else []
     require(cfg, "project", "zone", *reservation, "name")
     return flex_start_zones(cfg)
 
 
-def route(cfg: DictConfig) -> str:
+def route(cfg: VmConfig) -> str:
     """How the VM is created, decided here only: conf/vm.yaml's ``route`` when set, else by machine type:
     a generation Compute Engine refuses (its ``compute.refused`` in conf/generations.yaml) takes the Cloud
     TPU API (``tpu_api``), every other Compute Engine (``compute``; one the TPU API offers may take either)."""
-    if cfg.get("route"):
+    if cfg.route:
         return str(cfg.route)
     return "tpu_api" if generations.of_machine_type(cfg.machine_type)[0].compute.refused else "compute"
 
 
-def accelerator_type(cfg: DictConfig) -> str:
+def accelerator_type(cfg: VmConfig) -> str:
     """The Cloud TPU API's acceleratorType of ``machine_type`` (the generation's accelerator type of
     its chips, conf/generations.yaml)."""
     gen, chips = generations.of_machine_type(cfg.machine_type)
     return gen.accelerator_type(chips)
 
 
-def runtime_version(cfg: DictConfig) -> str:
+def runtime_version(cfg: VmConfig) -> str:
     """The TPU VM image of a node: ``tpu_api.runtime_version``, else the generation's (conf/generations.yaml)."""
     gen, _ = generations.of_machine_type(cfg.machine_type)
     return cfg.tpu_api.runtime_version or (gen.tpu_api.runtime_version if gen.tpu_api else "")
 
 
-def check_route(cfg: DictConfig) -> str:
+def check_route(cfg: VmConfig) -> str:
     """The route of the VM (:func:`route`) checked before any request, said in a line: a machine type
     Compute Engine lists but does not create (``compute.refused`` in conf/generations.yaml) is refused on
     the Compute route, naming ``route: tpu_api``; the TPU API route takes the generations it offers
@@ -366,7 +390,7 @@ def check_route(cfg: DictConfig) -> str:
                               "use --provisioning=spot, on-demand or reservation (or route: compute, where the "
                               "generation offers Flex-start)")
         return (f"the Cloud TPU API creates {accelerator_type(cfg)} ({cfg.machine_type}) as a queued resource "
-                f"(route: tpu_api{'' if cfg.get('route') else ', by machine type'}), runtime {runtime_version(cfg)}")
+                f"(route: tpu_api{'' if cfg.route else ', by machine type'}), runtime {runtime_version(cfg)}")
     if not gen.compute.refused:
         return f"Compute Engine creates {cfg.machine_type}"
     accelerator = gen.accelerator_type(chips)
@@ -385,13 +409,14 @@ def check_route(cfg: DictConfig) -> str:
         f"(conf/hardware/{gen.maxtext_topology(chips)}.yaml)")
 
 
-def flex_start_zones(cfg: DictConfig) -> list[str]:
+def flex_start_zones(cfg: VmConfig) -> tuple[VmConfig, list[str]]:
     """Keep, of a Flex-start VM's zones, those known to grant its TPU family Flex-start VMs
-    (conf/generations.yaml ``compute.flex_start_zones``); refuse the config when none is left. Returns a
-    line for each zone dropped (nothing for other modes, and for a generation with no zones listed)."""
+    (conf/generations.yaml ``compute.flex_start_zones``); refuse the config when none is left. Returns the
+    config in the zones kept and a line for each zone dropped (``cfg`` and nothing for other modes, and
+    for a generation with no zones listed)."""
     known = generations.of_machine_type(cfg.machine_type)[0].compute.flex_start_zones
     if cfg.provisioning != "flex-start" or not known:
-        return []
+        return cfg, []
     zones = candidate_zones(cfg)
     kept = [z for z in zones if z in known]
     if not kept:
@@ -399,12 +424,11 @@ def flex_start_zones(cfg: DictConfig) -> list[str]:
                           f"known to are {', '.join(known)} ({generations.TABLE_NAME})",
                           "list one of those in zones: (or ZONE / --zone), or use --provisioning=spot, on-demand "
                           "or reservation")
-    cfg.zone, cfg.zones = kept[0], kept
-    return [f"zone {z} dropped: it grants no Flex-start {cfg.machine_type} VMs (those that do: {', '.join(known)})"
+    return in_zone(cfg, kept[0], kept), [f"zone {z} dropped: it grants no Flex-start {cfg.machine_type} VMs (those that do: {', '.join(known)})"
             for z in zones if z not in known]
 
 
-def budget_machine(cfg: DictConfig) -> Machine:
+def budget_machine(cfg: VmConfig) -> Machine:
     """What the machine budget (mtpipe.planning.budget) reads of a loaded VM config: the boot disk's size,
     the run's environment and the TPU its machine type holds."""
     gen, chips = generations.of_machine_type(cfg.machine_type)

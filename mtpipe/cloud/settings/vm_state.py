@@ -8,9 +8,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from omegaconf import DictConfig
-
 from mtpipe.cloud.settings import prices
+from mtpipe.cloud.settings.vm_config import VmConfig
 
 STATE_FILE = ".vm_state.json"
 
@@ -31,7 +30,7 @@ def clear_state(root: Path) -> None:
     (root / STATE_FILE).unlink(missing_ok=True)
 
 
-def vm_started(state: dict, cfg: DictConfig, created: str) -> None:
+def vm_started(state: dict, cfg: VmConfig, created: str) -> None:
     """Add a VM of this run to the state's ledger (`vms`): name, mode, rate (a reservation's VM: the
     on-demand equivalent, and the reservation that pays it), creation time."""
     rate = prices.vm_rate(cfg)

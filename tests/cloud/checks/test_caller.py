@@ -1,4 +1,4 @@
-"""The caller's side of the first paid request (mtpipe/cloud/checks/caller.py, access.py): what would
+"""The caller's side of the first paid request (mtpipe/cloud/checks/gcp/caller.py, access.py): what would
 let vm_up create a VM that can never be reached, or have Compute refuse the insert, is found before
 the insert, with a message naming the fix and nothing left behind: OS Login 2-step verification, no
 IAP role, gcloud's account other than the credentials', a missing permission, a disabled API, and
@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from fakes import fake_gcloud
 from vm_world import Env
 
-from mtpipe.cloud.checks import caller
+from mtpipe.cloud.checks.gcp import caller
 from mtpipe.cloud.settings import vm_state
 
 pytestmark = [pytest.mark.checks, pytest.mark.first_request]

@@ -19,7 +19,7 @@ from fakes.hf_server import HubServer
 from omegaconf import OmegaConf
 from vm_world import Env, hub_with_tutorial_repos
 
-from mtpipe.cloud.checks import access, caller, org_policies
+from mtpipe.cloud.checks.gcp import access, caller, org_policies
 from mtpipe.cloud.providers.gcp.google_apis import GoogleApis, Unknown
 from mtpipe.cloud.settings import vm_state
 from mtpipe.errors import ConfigError

@@ -1,4 +1,4 @@
-"""Identity before spending (mtpipe/cloud/checks/identity.py): the VM runs as its service account and
+"""Identity before spending (mtpipe/cloud/checks/gcp/identity.py): the VM runs as its service account and
 from the DVC config of the commit vm_run ships, so both are checked before anything is created.
 
 `doit vm_up` / `doit vm_run` run in process against the loopback world (tests/vm_world.py: the fake
@@ -19,10 +19,9 @@ import pytest
 from fakes.fake_iam import FakeIam, running_fake_iam
 from fakes.fake_metadata import FakeMetadata, running_metadata
 from fakes.gcs_emulator import GCS_TEST_ENV, GcsEmulator, create_bucket, set_bucket_policy
-from omegaconf import OmegaConf
 from vm_world import Env, assert_deleted, sh
 
-from mtpipe.cloud.checks import identity
+from mtpipe.cloud.checks.gcp import identity
 from mtpipe.cloud.settings import vm_config, vm_state
 from mtpipe.errors import ConfigError
 
@@ -145,10 +144,7 @@ def _check(w: Env, **values: object) -> list[identity.Target]:
     with pytest.MonkeyPatch.context() as mp:
         for key, value in w.env.items():
             mp.setenv(key, value)
-        cfg = vm_config.load_config()
-        for key, value in values.items():
-            OmegaConf.update(cfg, key, value)
-        return identity.check_identity(cfg, w.repo)
+        return identity.check_identity(vm_config.load_config(values), w.repo)
 
 
 def test_grants_the_laptop_can_prove(iw, gcs_emulator: GcsEmulator) -> None:

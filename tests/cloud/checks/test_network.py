@@ -1,4 +1,4 @@
-"""First contact with networks and SSH as organisations have them (mtpipe/cloud/checks/access.py,
+"""First contact with networks and SSH as organisations have them (mtpipe/cloud/checks/gcp/access.py,
 ssh_route.py): every way the first paid run could die of the network, OS Login or a refused request
 is met before the insert, with a message that names the fix and nothing left behind; where the
 fix is to go on differently (OS Login, IAP, an existing firewall rule, a refused maxRunDuration),

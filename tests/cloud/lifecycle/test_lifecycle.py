@@ -102,7 +102,7 @@ def test_a_lost_vm_is_replaced_and_only_the_attempt_repeats(here: Env) -> None:
             w.fake.preempt(*KEY)
             raise vm_config.SessionLost("lost the SSH session")
 
-    life.with_recovery(life.ensure([[]], may_create=True), attempt)
+    life.recovery.run(life.ensure([[]], may_create=True), attempt)
     assert len(hosts) == 2 and len(w.fake.inserts()) == 2
     ledger = vm_state.read_state(w.repo)["vms"]
     assert [entry.get("why") for entry in ledger] == ["was preempted (status TERMINATED)", None]
@@ -118,7 +118,7 @@ def test_a_failure_on_a_running_vm_is_the_attempts_and_the_guard_deletes_the_vm(
         raise vm_config.VmError("the pipeline failed on the VM (exit 3)")
 
     with pytest.raises(vm_config.VmError, match="exit 3"):
-        life.guarded(lambda: life.with_recovery(remote, attempt))
+        life.guarded(lambda: life.recovery.run(remote, attempt))
     assert len(w.fake.inserts()) == 1, "a running VM was replaced"
     assert w.instance() is None and not w.fake.firewalls
 

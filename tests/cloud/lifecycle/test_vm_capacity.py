@@ -1,4 +1,4 @@
-"""Capacity: where and how the VM gets its TPU (mtpipe/cloud/lifecycle/creation.py's failover, checks/quota.py,
+"""Capacity: where and how the VM gets its TPU (mtpipe/cloud/lifecycle/creation.py's failover, checks/gcp/quota.py,
 the flex-start provisioning). A stockout in the first of `zones` moves the insert to the next one,
 leaving nothing in the zone it left; a quota short in a region skips that region's zones before the
 insert, or stops the run naming the quota when no zone is left; a Flex-start VM is created as Compute
@@ -19,7 +19,7 @@ import pytest
 from fakes.fake_org import bucket
 from vm_world import Env
 
-from mtpipe.cloud.checks import quota
+from mtpipe.cloud.checks.gcp import quota
 from mtpipe.cloud.settings import vm_state
 from mtpipe.pipeline import generations
 

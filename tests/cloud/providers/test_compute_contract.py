@@ -17,7 +17,7 @@ from fakes.fake_compute import FakeCompute, running_fake
 
 from mtpipe.cloud.providers.gcp.bodies import firewall_body, instance_body
 from mtpipe.cloud.providers.gcp.compute import Compute
-from mtpipe.cloud.providers.interface import GcpError
+from mtpipe.cloud.providers.interface import ProviderError
 from mtpipe.cloud.settings import vm_config
 
 pytestmark = pytest.mark.cloud_contract
@@ -97,7 +97,7 @@ def test_a_wrong_enum_value_is_refused_through_the_real_client(fake: FakeCompute
     cfg = vm_config.load_config()
     body = instance_body(cfg, cfg.name, KEY, {}, "STANDARD")
     body["scheduling"]["provisioning_model"] = "CHEAP"
-    with pytest.raises(GcpError, match=r"creating VM mt-test: 400 POST \S+/instances: Invalid value for field "
+    with pytest.raises(ProviderError, match=r"creating VM mt-test: 400 POST \S+/instances: Invalid value for field "
                                            r"'resource.scheduling.provisioningModel': 'CHEAP'. Must be one of "
                                            r"\['FLEX_START', 'RESERVATION_BOUND', 'SPOT', 'STANDARD'\]"):
         Compute(cfg.project, cfg.zone).create_instance(body)
@@ -175,7 +175,7 @@ def test_an_answer_compute_never_gives_fails_loudly(fake: FakeCompute) -> None:
     compute_api = Compute(cfg.project, cfg.zone)
     compute_api.create_instance(instance_body(cfg, cfg.name, KEY, {}, "STANDARD"))
     fake.instances["proj-1", "us-east5-b", "mt-test"]["status"] = "SLEEPING"   # no such instance status
-    with pytest.raises(GcpError, match=r"reading VM mt-test: 500 GET \S+: the fake answered what Compute "
+    with pytest.raises(ProviderError, match=r"reading VM mt-test: 500 GET \S+: the fake answered what Compute "
                                            r"never would \(compute.instances.get\): Invalid value for field "
                                            r"'Instance.status': 'SLEEPING'"):
         compute_api.get_instance(cfg.name)

@@ -16,6 +16,7 @@ from unittest import mock
 
 import pytest
 from fakes.fake_compute import FakeCompute
+from pydantic import ValidationError
 from vm_world import Env
 
 from mtpipe.cloud.lifecycle import creation
@@ -24,7 +25,7 @@ from mtpipe.cloud.lifecycle.run import VmLifecycle
 from mtpipe.cloud.on_vm import ssh
 from mtpipe.cloud.providers.gcp.bodies import instance_body
 from mtpipe.cloud.providers.gcp.compute import Compute
-from mtpipe.cloud.providers.interface import CapacityError, GcpError
+from mtpipe.cloud.providers.interface import CapacityError, ProviderError
 from mtpipe.cloud.settings import prices, vm_config, vm_state
 from mtpipe.errors import ConfigError
 
@@ -75,6 +76,17 @@ def test_a_v5e_vm_is_refused_before_any_request(world: Env) -> None:
         vm_config.check_route(cfg)
 
 
+def test_the_loaded_config_is_frozen_and_a_zone_change_is_a_new_config() -> None:
+    """load_config's VmConfig cannot be changed in place; vm_config.in_zone, the one place a zone
+    changes, gives a new config and leaves the loaded one as it was."""
+    cfg = vm_config.load_config({"provisioning": "on-demand", "zones": [EAST_B, WEST]})
+    with pytest.raises(ValidationError, match="frozen"):
+        cfg.zone = WEST
+    moved = vm_config.in_zone(cfg, WEST)
+    assert (moved.zone, moved.zones, cfg.zone) == (WEST, [EAST_B, WEST], EAST_B)
+    assert vm_config.candidate_zones(moved) == [WEST, EAST_B]
+
+
 def test_flex_start_window_and_zones_are_checked_before_any_request(fake: FakeCompute) -> None:
     """requestValidForDuration outside 90-7200 s (at config load), and a Flex-start v6e VM in no zone
     known to grant one (vm_up's first check), are refused naming the key and what is allowed; zones
@@ -89,12 +101,14 @@ def test_flex_start_window_and_zones_are_checked_before_any_request(fake: FakeCo
     assert err.value.key == "vm.zones" and err.value.problem.startswith(f"{EAST_B}, {WEST} grant no Flex-start")
     assert "asia-northeast1-b, us-east5-a, us-south1-ai1b" in err.value.problem
     cfg = vm_config.load_config({"provisioning": "flex-start", "zones": [EAST_B, EAST_A, WEST]})
-    assert vm_config.check_create(cfg) == [
+    zoned, dropped = vm_config.check_create(cfg)
+    assert dropped == [
         f"zone {z} dropped: it grants no Flex-start {V6E} VMs (those that do: asia-northeast1-b, us-east5-a, "
         "us-south1-ai1b)" for z in (EAST_B, WEST)]
-    assert (cfg.zone, list(cfg.zones)) == (EAST_A, [EAST_A])
+    assert (zoned.zone, list(zoned.zones)) == (EAST_A, [EAST_A])
+    assert (cfg.zone, list(cfg.zones)) == (EAST_B, [EAST_B, EAST_A, WEST])   # frozen: the loaded config stays
     on_demand = vm_config.load_config({"provisioning": "on-demand", "zones": [EAST_B, WEST]})
-    assert vm_config.check_create(on_demand) == [] and list(on_demand.zones) == [EAST_B, WEST]
+    assert vm_config.check_create(on_demand) == (on_demand, [])
     assert fake.requests == []
 
 
@@ -152,7 +166,7 @@ def test_a_flex_start_run(world: Env) -> None:
         assert prices.vm_rate(cfg).per_chip().startswith("v6e flex-start price as of on-demand less 53%")  # preflight's
         body = instance_body(cfg, cfg.name, "ssh-ed25519 AAAA", {}, "FLEX_START")
         del body["scheduling"]["max_run_duration"]
-        with pytest.raises(GcpError, match="Flex-start VMs need a maxRunDuration of at most 7 days"):
+        with pytest.raises(ProviderError, match="Flex-start VMs need a maxRunDuration of at most 7 days"):
             Compute(cfg.project, cfg.zone).create_instance(body)
     assert not w.fake.instances
 
@@ -191,7 +205,7 @@ def test_ctrl_c_while_pending_deletes_the_vm(fake: FakeCompute, tmp_path: Path) 
             raise KeyboardInterrupt
 
     with mock.patch.object(creation, "_say", say), pytest.raises(KeyboardInterrupt):
-        VmLifecycle(cfg, tmp_path, yes=True)._create({})
+        VmLifecycle(cfg, tmp_path, yes=True).creation.create({})
     assert "VM mt-test: deleted" in said and len(fake.inserts()) == 1
     assert not fake.instances and not fake.disks and not (tmp_path / vm_state.STATE_FILE).exists()
 
@@ -200,10 +214,10 @@ def test_a_new_vm_without_an_address_is_deleted(fake: FakeCompute, tmp_path: Pat
     """A new VM that comes up without the external IP SSH needs is deleted, not left billing."""
     fake.nat_ip = ""
     life = VmLifecycle(vm_config.load_config({"provisioning": "on-demand"}), tmp_path, yes=True)
-    instance = life.create_vm(KEY, {})
+    instance = life.creation.create_vm(KEY, {})
     assert list(fake.instances) == [("proj-1", EAST_B, "mt-test")]
     with pytest.raises(vm_config.VmError, match="VM mt-test has no external IP"):
-        life._connect({}, instance, created=True)
+        life.creation.connect({}, instance, created=True)
     assert not fake.instances and not (tmp_path / vm_state.STATE_FILE).exists()
 
 
@@ -234,7 +248,7 @@ def test_capacity_codes(fake: FakeCompute, tmp_path: Path, monkeypatch: pytest.M
                                  "stockout.retry_for_s": 0})
     fake.insert_failures += [("operation", code, f"{code} in projects/proj-1/zones/{EAST_B}")] * failures
     fake.failed_insert_leaves_disk = True
-    instance = VmLifecycle(cfg, tmp_path, yes=True).create_vm(KEY, {})
+    instance = VmLifecycle(cfg, tmp_path, yes=True).creation.create_vm(KEY, {})
     assert insert_zones(fake) == zones and instance.status == "RUNNING"
     assert list(fake.instances) == [("proj-1", zones[-1], "mt-test")] and list(fake.disks) == list(fake.instances)
     out = capsys.readouterr().out
@@ -255,5 +269,5 @@ def test_every_zone_out_of_stock_names_the_zones(fake: FakeCompute, tmp_path: Pa
     cfg = vm_config.load_config({"provisioning": "spot", "zones": [EAST_B, EAST_A], "stockout.retry_for_s": 0})
     fake.insert_failures.append(("operation", "REGION_RESOURCE_POOL_EXHAUSTED", "no ct6e in us-east5"))
     with pytest.raises(CapacityError, match=f"zones tried: {EAST_B}, for 0 s"):
-        VmLifecycle(cfg, tmp_path, yes=True).create_vm(KEY, {})
+        VmLifecycle(cfg, tmp_path, yes=True).creation.create_vm(KEY, {})
     assert insert_zones(fake) == [EAST_B] and not fake.instances and not fake.disks

@@ -1,4 +1,4 @@
-"""The Cloud TPU API route (mtpipe/cloud/providers/tpu_api/): a v5e VM (machine type ct5lp-hightpu-8t,
+"""The Cloud TPU API route (mtpipe/cloud/providers/gcp/tpu_api/): a v5e VM (machine type ct5lp-hightpu-8t,
 what conf/hardware/v5e-8.yaml asks of it), which Compute Engine refuses, created as a queued resource.
 
 Against the fake TPU API (tests/fakes/fake_tpu.py: every request and answer judged by Google's tpu.v2
@@ -25,11 +25,11 @@ from fakes.fake_tpu import FakeTpu, Outcome
 from fakes.gcs_emulator import SA_TOKEN_PREFIX
 from vm_world import Env, add_count_stage, admitted_by_nodes, experiments, idle_limit
 
-from mtpipe.cloud.checks import caller
+from mtpipe.cloud.checks.gcp import caller
 from mtpipe.cloud.providers.gcp import idle_watch
 from mtpipe.cloud.lifecycle.run import VmLifecycle
-from mtpipe.cloud.providers.tpu_api import provider
-from mtpipe.cloud.providers.tpu_api.client import TPU_ENDPOINT_ENV
+from mtpipe.cloud.providers.gcp.tpu_api import provider
+from mtpipe.cloud.providers.gcp.tpu_api.client import TPU_ENDPOINT_ENV
 from mtpipe.cloud.settings import vm_config, vm_state
 from mtpipe.errors import ConfigError
 
@@ -133,7 +133,7 @@ def test_ctrl_c_while_waiting_leaves_nothing(fake: FakeCompute, tmp_path: Path,
                 raise KeyboardInterrupt
 
         with mock.patch.object(provider, "_say", say), pytest.raises(KeyboardInterrupt):
-            VmLifecycle(cfg, tmp_path, yes=True)._create({})
+            VmLifecycle(cfg, tmp_path, yes=True).creation.create({})
         assert len(tpu.calls("POST", "/queuedResources")) == 1 and tpu.calls("DELETE", "/queuedResources/mt-test")
         assert not tpu.queued and not tpu.nodes and not fake.firewalls
         assert not (tmp_path / vm_state.STATE_FILE).exists()

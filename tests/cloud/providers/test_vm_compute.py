@@ -27,7 +27,7 @@ from google.cloud import compute_v1
 from mtpipe.cloud.providers.gcp import bodies
 from mtpipe.cloud.providers.gcp.bodies import firewall_body, instance_body
 from mtpipe.cloud.providers.gcp.compute import Compute, external_ip
-from mtpipe.cloud.providers.interface import CapacityError, GcpError
+from mtpipe.cloud.providers.interface import CapacityError, ProviderError
 from mtpipe.cloud.settings import prices, vm_config
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline import generations
@@ -155,12 +155,12 @@ def test_an_8_chip_v6e_vm_is_single_threaded(fake: FakeCompute) -> None:
     compute.delete_instance(cfg.name)
 
     del body["advanced_machine_features"]
-    with pytest.raises(GcpError, match=r"creating VM mt-test: 400 .*'resource.advancedMachineFeatures"
+    with pytest.raises(ProviderError, match=r"creating VM mt-test: 400 .*'resource.advancedMachineFeatures"
                                            r".threadsPerCore': ''. Machine type ct6e-standard-8t requires 1 "
                                            r"thread per core"):
         compute.create_instance(body)
     assert len(fake.inserts()) == 2 and not fake.instances
-    cfg.machine_type = "ct6e-standard-4t"
+    cfg = cfg.model_copy(update={"machine_type": "ct6e-standard-4t"})
     assert "advanced_machine_features" not in instance_body(cfg, cfg.name, KEY, {}, "STANDARD")
 
 
@@ -379,20 +379,18 @@ def test_a_vm_is_priced_in_its_zones_region_and_spot_v5e_is_priced() -> None:
     region and provisioning model; Spot v5e has a price; a region the table lacks is refused naming its key."""
     cfg = vm_config.load_config({"machine_type": "ct5lp-hightpu-8t", "boot_disk_type": "pd-balanced",
                                  "provisioning": "on-demand"})
-    cfg.zone = None
+    cfg = cfg.model_copy(update={"zone": None})
     rate = prices.vm_rate(cfg)
     assert (rate.tpu, rate.chips, rate.usd_per_hour) == ("v5e", 8, pytest.approx(9.60))
     assert "v5e on-demand in us-central1 (no zone set)" in rate.describe()
-    cfg.provisioning, cfg.zone = "spot", "europe-west4-b"
+    cfg = cfg.model_copy(update={"provisioning": "spot", "zone": "europe-west4-b"})
     rate = prices.vm_rate(cfg)
     assert rate.price.usd == 0.445 and "v5e spot in europe-west4," in rate.describe()
-    cfg.zone = "mars-central1-a"
     with pytest.raises(ConfigError) as err:
-        prices.vm_rate(cfg)
+        prices.vm_rate(cfg.model_copy(update={"zone": "mars-central1-a"}))
     assert err.value.key == "prices.tpu.v5e.per_chip_hour.spot.usd.mars-central1" and "conf/prices.yaml" in err.value.fix
-    cfg.provisioning = "flex-start"
     with pytest.raises(ConfigError) as err:
-        prices.vm_rate(cfg)
+        prices.vm_rate(cfg.model_copy(update={"provisioning": "flex-start"}))
     assert err.value.key == "prices.tpu.v5e.per_chip_hour.flex-start"
 
 
@@ -421,12 +419,12 @@ def test_quota_is_told_apart_from_permission(fake: FakeCompute, failure: tuple) 
     cfg = vm_config.load_config()
     compute = Compute(cfg.project, cfg.zone)
     fake.insert_failures.append(failure)
-    with pytest.raises(GcpError) as err:
+    with pytest.raises(ProviderError) as err:
         compute.create_instance(instance_body(cfg, cfg.name, KEY, {}, "STANDARD"))
     assert "quota exceeded" in str(err.value) and "TPUS_PER_TPU_FAMILY" in str(err.value)
     assert "iam-admin/quotas?project=proj-1" in str(err.value) and "roles/" not in str(err.value)
     fake.insert_failures.append(("http", 403, "forbidden", "Required 'compute.instances.create' permission"))
-    with pytest.raises(GcpError, match="permission denied.*roles/compute.instanceAdmin.v1"):
+    with pytest.raises(ProviderError, match="permission denied.*roles/compute.instanceAdmin.v1"):
         compute.create_instance(instance_body(cfg, cfg.name, KEY, {}, "STANDARD"))
 
 
@@ -439,10 +437,9 @@ STOCKOUT = ("operation", "ZONE_RESOURCE_POOL_EXHAUSTED",
 def test_a_stockout_is_retried_then_the_vm_is_created(fake: FakeCompute, capsys: pytest.CaptureFixture) -> None:
     from mtpipe.cloud.lifecycle.run import VmLifecycle
 
-    cfg = vm_config.load_config()
-    cfg.stockout.first_wait_s = 0.05
+    cfg = vm_config.load_config({"stockout.first_wait_s": 0.05})
     fake.insert_failures += [STOCKOUT, STOCKOUT]
-    instance = VmLifecycle(cfg, Path(".")).create_vm(KEY, {})
+    instance = VmLifecycle(cfg, Path(".")).creation.create_vm(KEY, {})
     assert instance.status == "RUNNING" and len(fake.inserts()) == 3
     assert capsys.readouterr().out.count("(stockout); trying again in") == 2
 
@@ -453,13 +450,12 @@ def test_a_stockout_that_lasts_names_the_other_zones(fake: FakeCompute) -> None:
     machineTypes.aggregatedList), and no VM exists."""
     from mtpipe.cloud.lifecycle.run import VmLifecycle
 
-    cfg = vm_config.load_config()
-    cfg.stockout.retry_for_s, cfg.stockout.first_wait_s = 0.2, 0.05
+    cfg = vm_config.load_config({"stockout.retry_for_s": 0.2, "stockout.first_wait_s": 0.05})
     fake.insert_failures += [STOCKOUT] * 20
     with pytest.raises(CapacityError, match=r"no capacity in us-east5-b.*zones tried: us-east5-b, for 0.2 s. "
                                                  r"Other zones that offer ct6e-standard-8t: europe-west4-a \(add "
                                                  r"them to zones: in conf/vm.yaml"):
-        VmLifecycle(cfg, Path(".")).create_vm(KEY, {})
+        VmLifecycle(cfg, Path(".")).creation.create_vm(KEY, {})
     assert len(fake.inserts()) >= 2 and not fake.instances
     (listing,) = fake.calls("GET", "/projects/proj-1/aggregated/machineTypes")
     assert "name+%3D+ct6e-standard-8t" in listing.path or "name%20%3D%20ct6e-standard-8t" in listing.path

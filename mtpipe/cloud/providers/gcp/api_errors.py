@@ -18,7 +18,7 @@ from google.api_core import exceptions as gexc
 from google.auth import exceptions as auth_exc
 from google.auth.credentials import AnonymousCredentials
 
-from mtpipe.cloud.providers.interface import GcpError, QuotaExceeded
+from mtpipe.cloud.providers.interface import ProviderError, QuotaExceeded
 
 ENDPOINT_ENV = "MTPIPE_COMPUTE_ENDPOINT"
 SCOPE = "https://www.googleapis.com/auth/cloud-platform"
@@ -26,6 +26,10 @@ CREDENTIALS_FIX = (
     "run `gcloud auth application-default login` (as a service account: add "
     "--impersonate-service-account=SA, which needs no key file) and retry"
 )
+
+
+class GcpError(ProviderError):
+    """A Google Cloud failure, worded for the user: what Google answered and how to fix it."""
 
 
 class PermissionDenied(GcpError):

@@ -14,17 +14,17 @@ from typing import Any
 
 from google.api_core import exceptions as gexc
 from google.cloud import compute_v1
-from omegaconf import DictConfig
 
 from mtpipe.cloud.providers import interrupts
 from mtpipe.cloud.providers.gcp import ssh_route
-from mtpipe.cloud.providers.gcp.api_errors import (QUOTA_REASONS, PermissionDenied, client_kwargs, explained,
+from mtpipe.cloud.providers.gcp.api_errors import (QUOTA_REASONS, GcpError, PermissionDenied, client_kwargs, explained,
                                                    quota_problem)
 from mtpipe.cloud.providers.gcp.bodies import (PROVISIONING_MODELS, firewall_body, instance_body, label_filter,
                                                reservation_path)
-from mtpipe.cloud.providers.interface import (SETTLING, CapacityError, GcpError, MaxRunDurationRefused, Provider,
+from mtpipe.cloud.providers.interface import (SETTLING, CapacityError, MaxRunDurationRefused, Provider, ProviderError,
                                               TryAgain, region)
 from mtpipe.cloud.settings import vm_config
+from mtpipe.cloud.settings.vm_config import VmConfig
 
 # Operation error codes that mean "no such machine free in this zone now: try another zone, or this one
 # later": those for which SkyPilot's failover (FailoverCloudErrorHandlerV2._gcp_handler in
@@ -101,7 +101,7 @@ class ComputeZone:
                 with explained(f"listing the future reservations of {project} in {self.zone} (to tell "
                                f"whether reservation {name} is in calendar mode)", project):
                     listed = list(self.future_reservations.list(project=project, zone=self.zone))
-            except GcpError as err:
+            except ProviderError as err:
                 raise GcpError(f"{err}; or set reservation_model in conf/vm.yaml (bound: the reservation "
                                "came from a future reservation in calendar mode; standard: any other), "
                                "which needs no lookup") from err
@@ -211,7 +211,7 @@ class Compute(ComputeZone):
         deadline = time.monotonic() + timeout_s
         operation = self.inserting.pop(name, None)
         if operation:
-            with contextlib.suppress(GcpError):   # a failed insert: what it left is looked at below
+            with contextlib.suppress(ProviderError):   # a failed insert: what it left is looked at below
                 self._wait(operation, f"creating VM {name}", zonal=True, timeout_s=timeout_s)
         while True:
             instance = self.get_instance(name)
@@ -289,7 +289,7 @@ class Compute(ComputeZone):
         wait = float(cfg.flex_start.request_valid_for_s) if model == "FLEX_START" else 0
         try:
             return self.create_instance(body, self.timeout_s + wait)
-        except GcpError as err:
+        except ProviderError as err:
             if model == "RESERVATION_BOUND" and "max_run_duration" in body["scheduling"] \
                     and "maxRunDuration" in str(err):
                 self.inserting.pop(cfg.name, None)
@@ -314,6 +314,11 @@ class Compute(ComputeZone):
                 f"role, or for a rule: gcloud compute firewall-rules create ALLOW-SSH --project {self.project} "
                 f"--network {cfg.network} --direction INGRESS --allow tcp:22 --source-ranges "
                 f"{','.join(sources)} (all VMs, or --target-tags {cfg.name})") from err
+
+    @staticmethod
+    def proxy_command(cfg: Any) -> str | None:
+        """SSH's way to the VM: ssh_route.proxy_command (an IAP tunnel without an external IP)."""
+        return ssh_route.proxy_command(cfg)
 
     @staticmethod
     def address(instance: compute_v1.Instance) -> str | None:
@@ -364,7 +369,7 @@ def external_ip(instance: compute_v1.Instance) -> str | None:
     return None
 
 
-def compute_engine(cfg: DictConfig) -> Provider:
+def compute_engine(cfg: VmConfig) -> Provider:
     """The Compute Engine zone ``cfg`` names."""
     vm_config.require(cfg, "project", "zone")
     return Compute(cfg.project, cfg.zone, float(cfg.operation_timeout_s))

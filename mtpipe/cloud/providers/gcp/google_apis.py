@@ -23,8 +23,7 @@ from google.api_core import exceptions as gexc
 from google.auth.credentials import AnonymousCredentials
 from google.auth.transport.requests import AuthorizedSession
 
-from mtpipe.cloud.providers.gcp.api_errors import ENDPOINT_ENV, client_kwargs, explained
-from mtpipe.cloud.providers.interface import GcpError
+from mtpipe.cloud.providers.gcp.api_errors import ENDPOINT_ENV, GcpError, client_kwargs, explained
 
 
 

@@ -10,7 +10,7 @@ that account may not delete it (401/403), it runs ``idle.poweroff_command``: a s
 disk only. It stops once the metadata server no longer answers (not a VM any more).
 
 On the Cloud TPU API route (``--tpu URL --tpu-name NAME``: the node's ``startup-script`` metadata,
-mtpipe.cloud.providers.tpu_api.bodies) the VM is a node of a queued resource, both named NAME: idle,
+mtpipe.cloud.providers.gcp.tpu_api.bodies) the VM is a node of a queued resource, both named NAME: idle,
 it sends ``queuedResources.delete`` with ``force=true`` for NAME (its node goes with it) in the zone
 the metadata server names, or, when there is no such queued resource (404), ``nodes.delete`` for NAME.
 

@@ -14,14 +14,14 @@ import shutil
 import subprocess
 
 from google.oauth2.credentials import Credentials as UserCredentials
-from omegaconf import DictConfig
 
 from mtpipe.cloud.on_vm import ssh
 from mtpipe.cloud.providers import interface
 from mtpipe.cloud.providers.gcp import ssh_route
 from mtpipe.cloud.providers.gcp.compute import Compute
 from mtpipe.cloud.providers.gcp.google_apis import GoogleApis, denies, enforced, member
-from mtpipe.cloud.providers.interface import GcpError
+from mtpipe.cloud.providers.interface import ProviderError
+from mtpipe.cloud.settings.vm_config import VmConfig, with_login
 from mtpipe.errors import ConfigError
 
 # The permission to log in with administrator rights (the setup runs sudo apt-get): in
@@ -35,7 +35,7 @@ def _say(line: str) -> None:
     print(f"mtpipe: {line}", flush=True)
 
 
-def check_region(cfg: DictConfig, compute: Compute) -> None:
+def check_region(cfg: VmConfig, compute: Compute) -> None:
     """What the checks of the first zone check of its region, for another zone the VM may be created
     in: the subnetwork there and, without an external IP, a Cloud NAT."""
     check_network(cfg, compute)
@@ -47,7 +47,7 @@ def _name(url: str) -> str:
     return url.rsplit("/", 1)[-1]
 
 
-def check_network(cfg: DictConfig, compute: Compute) -> None:
+def check_network(cfg: VmConfig, compute: Compute) -> None:
     """``network`` exists; ``subnetwork`` (when set) exists in the zone's region and belongs to it;
     a custom-mode network (autoCreateSubnetworks false) has ``subnetwork`` set."""
     region = interface.region(cfg.zone)
@@ -77,7 +77,7 @@ def check_network(cfg: DictConfig, compute: Compute) -> None:
                           f"subnetwork of region {region}, and subnetwork is null", fix)
 
 
-def check_external_ip(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> None:
+def check_external_ip(cfg: VmConfig, compute: Compute, apis: GoogleApis) -> None:
     """With ``external_ip: true`` the organisation policy compute.vmExternalIpAccess allows the VM
     one (a policy that cannot be read is said and passed over); without, SSH goes through a proxy
     command that is on PATH (gcloud for IAP, as the credentials' account: :func:`check_iap_account`)
@@ -86,7 +86,7 @@ def check_external_ip(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> No
         instance = f"projects/{cfg.project}/zones/{cfg.zone}/instances/{cfg.name}"
         try:
             policy = apis.effective_policy(cfg.project, "compute.vmExternalIpAccess")
-        except GcpError as err:
+        except ProviderError as err:
             _say(f"could not read the organisation policy compute.vmExternalIpAccess ({err}); going on as if "
                  "it allowed an external IP (if it does not, Compute refuses the insert: set external_ip: false)")
             return
@@ -129,7 +129,7 @@ def gcloud_value(program: str, key: str) -> str:
     return done.stdout.strip()
 
 
-def check_gcloud(cfg: DictConfig, apis: GoogleApis) -> str:
+def check_gcloud(cfg: VmConfig, apis: GoogleApis) -> str:
     """The quota project of the Application Default Credentials and, where SSH goes through IAP (gcloud
     runs the tunnel), gcloud's account and project.
     User credentials without a quota project fail here: Service Usage and the Organization Policy API
@@ -153,7 +153,7 @@ def check_gcloud(cfg: DictConfig, apis: GoogleApis) -> str:
 
 def check_iap_account(program: str, apis: GoogleApis) -> None:
     """SSH through IAP runs `gcloud compute start-iap-tunnel` as gcloud's active account, while these
-    checks (the tunnel permission among them: mtpipe.cloud.checks.caller) and the insert use the
+    checks (the tunnel permission among them: mtpipe.cloud.checks.gcp.caller) and the insert use the
     Application Default Credentials: both must be one account. Credentials whose account is not
     known here (anonymous ones) are said and passed over."""
     account, adc = gcloud_account(program), apis.account()
@@ -176,13 +176,13 @@ def check_iap_account(program: str, apis: GoogleApis) -> None:
         _say(f"IAP tunnel as {account}, the account of the Application Default Credentials")
 
 
-def check_nat(cfg: DictConfig, compute: Compute) -> None:
+def check_nat(cfg: VmConfig, compute: Compute) -> None:
     """A VM without an external IP reaches apt, PyPI and the Hub only through a Cloud NAT: some
     Cloud Router of the region on ``network`` has a NAT for all its subnetworks or for the VM's."""
     region, subnetwork = interface.region(cfg.zone), cfg.subnetwork or cfg.network   # auto mode: named as the network
     try:
         routers = compute.list_routers()
-    except GcpError as err:
+    except ProviderError as err:
         _say(f"could not list the Cloud Routers of {region} ({err}); going on as if a Cloud NAT served the VM")
         return
     for router in routers:
@@ -201,7 +201,7 @@ def check_nat(cfg: DictConfig, compute: Compute) -> None:
                       f"--nat-all-subnet-ip-ranges --project {cfg.project}")
 
 
-def check_firewall(cfg: DictConfig, compute: Compute) -> bool:
+def check_firewall(cfg: VmConfig, compute: Compute) -> bool:
     """Some enabled ingress rule of ``network`` admits tcp:22 from where SSH comes (ssh_route.sources)
     to the VM; else vm_up will create ``firewall.name`` for those ranges (then True). When SSH goes
     straight from this machine (sources unknown) only a rule open to 0.0.0.0/0 is known to admit it."""
@@ -223,7 +223,7 @@ def check_firewall(cfg: DictConfig, compute: Compute) -> bool:
                       "firewall.source_ranges: [ADDRESS/32] (vm_up creates a rule for it)")
 
 
-def os_login_source(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> str | None:
+def os_login_source(cfg: VmConfig, compute: Compute, apis: GoogleApis) -> str | None:
     """What turns OS Login on for the VM: the project metadata enable-oslogin, or the organisation
     policy compute.requireOsLogin; None when neither does (a policy that cannot be read is said)."""
     value = compute.project_metadata().get("enable-oslogin", "")
@@ -231,7 +231,7 @@ def os_login_source(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> str 
         return f"project metadata enable-oslogin={value}"
     try:
         policy = apis.effective_policy(cfg.project, "compute.requireOsLogin")
-    except GcpError as err:
+    except ProviderError as err:
         _say(f"could not read the organisation policy compute.requireOsLogin ({err}); going by the project "
              "metadata, which does not enable OS Login (set ssh.os_login: true in conf/vm.yaml if your "
              "organisation enforces it)")
@@ -239,17 +239,17 @@ def os_login_source(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> str 
     return "organisation policy constraints/compute.requireOsLogin" if enforced(policy) else None
 
 
-def check_os_login(cfg: DictConfig, compute: Compute, apis: GoogleApis, import_key: bool = True) -> str:
+def check_os_login(cfg: VmConfig, compute: Compute, apis: GoogleApis,
+                   import_key: bool = True) -> tuple[str, VmConfig]:
     """Where OS Login is on: 2-step verification is off for the account (an unattended SSH cannot
     answer its challenge), the caller may log in as an administrator, and (``import_key``) our public
     key goes into their OS Login profile (oslogin users.importSshPublicKey); ``ssh.user`` becomes the
-    profile's primary POSIX user name. Sets ``ssh.os_login`` to what was decided; returns what it is."""
+    profile's primary POSIX user name. Returns what it is, and ``cfg`` with ``ssh.os_login`` decided."""
     if cfg.ssh.os_login is False:
-        return "off (ssh.os_login: false): SSH keys go into the VM's metadata"
+        return "off (ssh.os_login: false): SSH keys go into the VM's metadata", cfg
     why = "ssh.os_login: true" if cfg.ssh.os_login is True else os_login_source(cfg, compute, apis)
     if why is None:
-        cfg.ssh.os_login = False
-        return "off (neither the project metadata nor the organisation policy turns it on)"
+        return "off (neither the project metadata nor the organisation policy turns it on)", with_login(cfg, False)
     account = cfg.ssh.os_login_account or apis.account()
     if not account:
         raise ConfigError("vm.ssh.os_login_account", f"OS Login is on ({why}), and the Google credentials do "
@@ -259,7 +259,7 @@ def check_os_login(cfg: DictConfig, compute: Compute, apis: GoogleApis, import_k
     check_two_step(cfg, compute, account)
     try:
         granted = LOGIN_PERMISSION in apis.granted(cfg.project, [LOGIN_PERMISSION])
-    except GcpError as err:
+    except ProviderError as err:
         _say(f"could not test {LOGIN_PERMISSION} ({err}); going on")
         granted = True
     if not granted:
@@ -268,12 +268,11 @@ def check_os_login(cfg: DictConfig, compute: Compute, apis: GoogleApis, import_k
                           f"gcloud projects add-iam-policy-binding {cfg.project} --member {member(account)} --role "
                           "roles/compute.osAdminLogin (from outside the organisation also "
                           "roles/compute.osLoginExternalUser on the organisation)")
-    cfg.ssh.os_login = True
     if not import_key:
-        return f"on ({why}): vm_up imports the SSH key into the OS Login profile of {account}"
+        return f"on ({why}): vm_up imports the SSH key into the OS Login profile of {account}", with_login(cfg, True)
     try:
         profile = apis.import_ssh_key(account, cfg.project, ssh.ssh_public_key(cfg))
-    except GcpError as err:
+    except ProviderError as err:
         raise ConfigError("vm.ssh.os_login", f"OS Login is on ({why}) and Google refused to import the SSH key "
                           f"into the OS Login profile of {account} ({err})",
                           f"check that ssh.os_login_account is the account of your credentials and that it may "
@@ -283,12 +282,12 @@ def check_os_login(cfg: DictConfig, compute: Compute, apis: GoogleApis, import_k
     if not primary.get("username"):
         raise ConfigError("vm.ssh.os_login", f"the OS Login profile of {account} has no POSIX account",
                           f"log in once with `gcloud compute ssh` to a VM of {cfg.project}, or ask an admin")
-    cfg.ssh.user = primary["username"]
-    _say(f"OS Login ({why}): the SSH key is in the OS Login profile of {account}; SSH as {cfg.ssh.user}")
-    return f"on ({why}), SSH as {cfg.ssh.user}"
+    user = primary["username"]
+    _say(f"OS Login ({why}): the SSH key is in the OS Login profile of {account}; SSH as {user}")
+    return f"on ({why}), SSH as {user}", with_login(cfg, True, user)
 
 
-def check_two_step(cfg: DictConfig, compute: Compute, account: str) -> None:
+def check_two_step(cfg: VmConfig, compute: Compute, account: str) -> None:
     """OS Login 2-step verification (project metadata ``enable-oslogin-2fa``; the VM's own metadata
     does not set it) makes every SSH login of a user wait for a second factor, which vm_up's SSH
     cannot give: the VM would never become reachable. Google does not enforce it on service accounts

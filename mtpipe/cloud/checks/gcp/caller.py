@@ -12,14 +12,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from omegaconf import DictConfig
-
-from mtpipe.cloud.checks import identity
+from mtpipe.cloud.checks.gcp import identity
 from mtpipe.cloud.providers.gcp import ssh_route
 from mtpipe.cloud.providers.gcp.api_errors import SERVICE_TITLES
 from mtpipe.cloud.providers.gcp.google_apis import GoogleApis, Unknown, member
-from mtpipe.cloud.providers.interface import GcpError
+from mtpipe.cloud.providers.interface import ProviderError
 from mtpipe.cloud.settings import vm_config
+from mtpipe.cloud.settings.vm_config import VmConfig
 from mtpipe.errors import ConfigError
 
 INSTANCE_ADMIN = "roles/compute.instanceAdmin.v1"
@@ -49,16 +48,16 @@ FIREWALL_PERMISSIONS = ("compute.firewalls.create", "compute.firewalls.delete", 
                         "compute.globalOperations.get")
 
 
-def tpu_route(cfg: DictConfig) -> bool:
+def tpu_route(cfg: VmConfig) -> bool:
     """The VM is the Cloud TPU API's (vm_config.route), not Compute Engine's."""
-    return "machine_type" in cfg and vm_config.route(cfg) == "tpu_api"
+    return vm_config.route(cfg) == "tpu_api"
 
 
 def _say(line: str) -> None:
     print(f"mtpipe: {line}", flush=True)
 
 
-def services(cfg: DictConfig, uses_gcs: bool) -> dict[str, str]:
+def services(cfg: VmConfig, uses_gcs: bool) -> dict[str, str]:
     """The APIs the run calls in ``project``, each with what for: Compute, Resource Manager (these
     checks), OS Login where it is on, IAP for SSH through its tunnel, Cloud Storage for a gs:// DVC
     remote or work bucket (the VM's service account reads and writes it)."""
@@ -75,12 +74,12 @@ def services(cfg: DictConfig, uses_gcs: bool) -> dict[str, str]:
     return wanted
 
 
-def check_apis(cfg: DictConfig, apis: GoogleApis, wanted: dict[str, str], enable: bool = True) -> str:
+def check_apis(cfg: VmConfig, apis: GoogleApis, wanted: dict[str, str], enable: bool = True) -> str:
     """Every API in ``wanted`` is enabled in the project; with ``enable_apis: true`` the disabled ones
     are enabled now (``enable``; free of charge), else the run stops naming them. Returns what it found."""
     try:
         enabled = apis.enabled_services(cfg.project, list(wanted))
-    except GcpError as err:
+    except ProviderError as err:
         raise Unknown(f"could not read which APIs project {cfg.project} has enabled ({err}); a disabled one "
                       "fails its first call, naming `gcloud services enable`") from err
     disabled = [s for s in wanted if s not in enabled]
@@ -97,7 +96,7 @@ def check_apis(cfg: DictConfig, apis: GoogleApis, wanted: dict[str, str], enable
     _say(f"enabling in project {cfg.project} (enable_apis: true; free of charge, can take a minute): {named}")
     try:
         apis.enable_services(cfg.project, disabled)
-    except GcpError as err:
+    except ProviderError as err:
         raise ConfigError("vm.enable_apis", f"enabling {', '.join(disabled)} failed ({err})",
                           f"ask for roles/serviceusage.serviceUsageAdmin on {cfg.project}, or have someone who "
                           f"holds it run: gcloud services enable {' '.join(disabled)} --project {cfg.project}") from err
@@ -105,7 +104,7 @@ def check_apis(cfg: DictConfig, apis: GoogleApis, wanted: dict[str, str], enable
     return f"enabled {', '.join(disabled)} now (enable_apis: true)"
 
 
-def permissions(cfg: DictConfig, creates_rule: bool) -> dict[str, str]:
+def permissions(cfg: VmConfig, creates_rule: bool) -> dict[str, str]:
     """The permissions the run will use on the project, each with the predefined role the fix
     names: the VM's life, vm_up's firewall rule when it makes one, the IAP tunnel, and acting as
     the VM's service account."""
@@ -123,20 +122,20 @@ def permissions(cfg: DictConfig, creates_rule: bool) -> dict[str, str]:
     return wanted
 
 
-def check_permissions(cfg: DictConfig, apis: GoogleApis, wanted: dict[str, str]) -> str:
+def check_permissions(cfg: VmConfig, apis: GoogleApis, wanted: dict[str, str]) -> str:
     """projects.testIamPermissions for ``wanted``; iam.serviceAccounts.actAs, when the project does
     not grant it, once more on the VM's service account (where it is often granted). Every missing
     permission is named, grouped by the role that holds it."""
     try:
         granted = apis.granted(cfg.project, sorted(wanted))
-    except GcpError as err:
+    except ProviderError as err:
         raise Unknown(f"could not test your permissions on project {cfg.project} ({err})") from err
     email = ""
     if ACT_AS in wanted and ACT_AS not in granted:
         try:
             email = identity.service_account(cfg)
             granted |= apis.granted_on_service_account(email, [ACT_AS])
-        except GcpError as err:
+        except ProviderError as err:
             _say(f"could not test {ACT_AS} on the VM's service account ({err}); going on")
             granted.add(ACT_AS)
     missing = defaultdict(list)

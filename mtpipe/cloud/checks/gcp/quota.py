@@ -20,11 +20,10 @@ VMs consume what the reservation holds, no quota.
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
-
 from mtpipe.cloud.providers.gcp.api_errors import quota_page
 from mtpipe.cloud.providers.gcp.google_apis import GoogleApis
-from mtpipe.cloud.providers.interface import GcpError, region
+from mtpipe.cloud.providers.interface import ProviderError, region
+from mtpipe.cloud.settings.vm_config import VmConfig
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline import generations
 
@@ -44,7 +43,7 @@ def limit(buckets: list[dict], dimensions: dict[str, str]) -> int | None:
     return None if value < 0 else value
 
 
-def usable_zones(cfg: DictConfig, apis: GoogleApis, zones: list[str]) -> list[str]:
+def usable_zones(cfg: VmConfig, apis: GoogleApis, zones: list[str]) -> list[str]:
     """``zones`` without those whose region's quota is below the VM's chips (each region left out is
     said); all of them when no quota applies or it cannot be read. None left: a ConfigError naming the
     quota, where to raise it and the other ways out."""
@@ -54,7 +53,7 @@ def usable_zones(cfg: DictConfig, apis: GoogleApis, zones: list[str]) -> list[st
         return zones
     try:
         buckets = apis.quota_buckets(cfg.project, "compute.googleapis.com", quota.metric)
-    except GcpError as err:
+    except ProviderError as err:
         _say(f"could not read the quota {quota.name} ({err}); going on (a short quota fails the insert, "
              "which then moves to a zone of another region)")
         return zones

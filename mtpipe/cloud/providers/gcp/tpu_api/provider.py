@@ -20,14 +20,14 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from omegaconf import DictConfig
-
 from mtpipe.cloud.providers.gcp.compute import Compute
-from mtpipe.cloud.providers.interface import SETTLING, CapacityError, GcpError, Provider
-from mtpipe.cloud.providers.tpu_api.bodies import (CAPACITY_CODES, QUEUED, TIERS, TpuVm, as_vm, queued_resource_body,
+from mtpipe.cloud.providers.gcp.api_errors import GcpError
+from mtpipe.cloud.providers.interface import SETTLING, CapacityError, Provider
+from mtpipe.cloud.providers.gcp.tpu_api.bodies import (CAPACITY_CODES, QUEUED, TIERS, TpuVm, as_vm, queued_resource_body,
                                                    queued_state, tier)
-from mtpipe.cloud.providers.tpu_api.client import TpuClient
+from mtpipe.cloud.providers.gcp.tpu_api.client import TpuClient
 from mtpipe.cloud.settings import vm_config
+from mtpipe.cloud.settings.vm_config import VmConfig
 
 
 def _say(line: str) -> None:
@@ -58,15 +58,15 @@ class TpuApi:
                 found.append(as_vm(name, None, queued))
         return [vm for vm in found if vm is not None and all(vm.labels.get(k) == v for k, v in labels.items())]
 
-    def provisioning_model(self, cfg: DictConfig) -> str:
+    def provisioning_model(self, cfg: VmConfig) -> str:
         return TIERS.get(cfg.provisioning, cfg.provisioning.upper())
 
-    def create_vm(self, cfg: DictConfig, public_key: str, labels: dict[str, str]) -> TpuVm:
+    def create_vm(self, cfg: VmConfig, public_key: str, labels: dict[str, str]) -> TpuVm:
         """Queue the VM (queuedResources.create) and wait until its node runs (:meth:`_await_active`)."""
         self.tpu.create_queued_resource(cfg.name, queued_resource_body(cfg, public_key, labels))
         return self._await_active(cfg)
 
-    def _await_active(self, cfg: DictConfig) -> TpuVm:
+    def _await_active(self, cfg: VmConfig) -> TpuVm:
         """Poll the queued resource every ``poll_s`` while it queues or provisions, saying so; its node once
         ACTIVE and READY. FAILED or SUSPENDED: a CapacityError for no capacity (CAPACITY_CODES, or the queue's
         time ran out), a GcpError otherwise; still queued a poll after ``tpu_api.valid_for_s``: a CapacityError."""
@@ -121,9 +121,13 @@ class TpuApi:
         """A TPU node has no boot disk of its own in Compute: nothing is left behind a failed request."""
         return False
 
-    def open_ssh(self, cfg: DictConfig, labels: dict[str, str]) -> bool:
+    def open_ssh(self, cfg: VmConfig, labels: dict[str, str]) -> bool:
         """The network's SSH rule, as on the Compute route (Compute.open_ssh: none when one admits SSH)."""
         return self.compute.open_ssh(cfg, labels)
+
+    def proxy_command(self, cfg: VmConfig) -> str | None:
+        """SSH's way to the node, as on the Compute route (Compute.proxy_command)."""
+        return self.compute.proxy_command(cfg)
 
     def get_firewall(self, name: str) -> Any | None:
         return self.compute.get_firewall(name)
@@ -162,7 +166,7 @@ def failure(name: str, zone: str, state: str, queued: dict) -> GcpError:
     return GcpError(f"queued resource {name} FAILED in {zone}: {reason}")
 
 
-def tpu_api(cfg: DictConfig) -> Provider:
+def tpu_api(cfg: VmConfig) -> Provider:
     """The Cloud TPU API zone ``cfg`` names."""
     vm_config.require(cfg, "project", "zone")
     return TpuApi(cfg.project, cfg.zone, float(cfg.operation_timeout_s), float(cfg.tpu_api.poll_s))

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import re
 
-from omegaconf import DictConfig
-
 from mtpipe.cloud.providers import interface
 from mtpipe.cloud.providers.gcp.bodies import instance_body
 from mtpipe.cloud.providers.gcp.google_apis import GoogleApis, Unknown, denies, enforced
-from mtpipe.cloud.providers.interface import GcpError
+from mtpipe.cloud.providers.interface import ProviderError
+from mtpipe.cloud.settings.vm_config import VmConfig
 from mtpipe.errors import ConfigError
 
 SHIELDED = ("enable_secure_boot", "enable_vtpm", "enable_integrity_monitoring")
@@ -41,18 +40,18 @@ KNOWN_GROUP = re.compile("|".join(re.escape(g) for g in CONTINENT_GROUPS.values(
                          + r"|in:[a-z]+-[a-z]+[0-9]+(-[a-z0-9]+)?-locations")
 
 
-def read(cfg: DictConfig, apis: GoogleApis, constraint: str) -> dict:
+def read(cfg: VmConfig, apis: GoogleApis, constraint: str) -> dict:
     """The effective policy of ``constraint`` for the project; :class:`Unknown` when it cannot be read."""
     try:
         return apis.effective_policy(cfg.project, constraint)
-    except GcpError as err:
+    except ProviderError as err:
         raise Unknown(f"could not read constraints/{constraint} ({err}): if it is enforced, Compute refuses "
                       "the insert; ask your organisation's policy administrator, or enable the Organization "
                       f"Policy API (gcloud services enable orgpolicy.googleapis.com --project {cfg.project}) "
                       "and get roles/orgpolicy.policyViewer") from err
 
 
-def check_shielded_vm(cfg: DictConfig, apis: GoogleApis) -> str:
+def check_shielded_vm(cfg: VmConfig, apis: GoogleApis) -> str:
     """Where compute.requireShieldedVm is enforced, the insert body (instance_body) must turn on
     Secure Boot, vTPM and Integrity Monitoring."""
     if not enforced(read(cfg, apis, "compute.requireShieldedVm")):
@@ -70,7 +69,7 @@ def check_shielded_vm(cfg: DictConfig, apis: GoogleApis) -> str:
     return "enforced, and the insert turns all three on"
 
 
-def check_trusted_images(cfg: DictConfig, apis: GoogleApis) -> str:
+def check_trusted_images(cfg: VmConfig, apis: GoogleApis) -> str:
     """compute.trustedImageProjects allows the project of the boot image the insert names."""
     image = f"projects/{cfg.image_project}"
     if denies(read(cfg, apis, "compute.trustedImageProjects"), image):
@@ -91,7 +90,7 @@ def location_values(zone: str) -> set[str]:
     return names
 
 
-def check_locations(cfg: DictConfig, apis: GoogleApis) -> str:
+def check_locations(cfg: VmConfig, apis: GoogleApis) -> str:
     """gcp.resourceLocations allows the VM's zone (a zone, its region or a group of them listed);
     an allow-list of groups this check cannot expand is unknown."""
     policy = read(cfg, apis, "gcp.resourceLocations")
@@ -116,7 +115,7 @@ def check_locations(cfg: DictConfig, apis: GoogleApis) -> str:
                       f"{cfg.project} ({POLICY_ADMIN})")
 
 
-def check_os_login_policy(cfg: DictConfig, apis: GoogleApis) -> str:
+def check_os_login_policy(cfg: VmConfig, apis: GoogleApis) -> str:
     """compute.requireOsLogin, read and said: where it is enforced VMs take SSH keys from OS Login
     profiles only (access.check_os_login imports ours)."""
     if enforced(read(cfg, apis, "compute.requireOsLogin")):

@@ -37,13 +37,12 @@ from urllib.parse import quote
 import requests
 from configobj import ConfigObj
 from google.auth.transport.requests import AuthorizedSession
-from omegaconf import DictConfig
 
 from mtpipe.cloud.on_vm.ssh import Remote, run
 from mtpipe.cloud.providers.gcp.api_errors import client_kwargs, explained
 from mtpipe.cloud.providers.gcp.idle_watch import METADATA_HOST
-from mtpipe.cloud.providers.interface import GcpError
-from mtpipe.cloud.settings.vm_config import VmError
+from mtpipe.cloud.providers.interface import ProviderError
+from mtpipe.cloud.settings.vm_config import VmConfig, VmError
 from mtpipe.errors import ConfigError
 from mtpipe.maxtext.run_dir import WORK_BUCKET_ENV
 
@@ -136,7 +135,7 @@ def shipped_remote(root: Path) -> tuple[str, dict]:
     return name, dict(head[f'remote "{name}"'])
 
 
-def targets(cfg: DictConfig, root: Path) -> list[Target]:
+def targets(cfg: VmConfig, root: Path) -> list[Target]:
     """The gs:// paths the VM will use: the shipped DVC remote (pull, push) and the work bucket
     (run.env MTPIPE_WORK_BUCKET: checkpoints written, read, listed and deleted)."""
     name, remote = shipped_remote(root)
@@ -154,7 +153,7 @@ def targets(cfg: DictConfig, root: Path) -> list[Target]:
 # ------------------------------------------------------------ the VM's identity, from the laptop
 
 
-def service_account(cfg: DictConfig) -> str:
+def service_account(cfg: VmConfig) -> str:
     """The email the VM runs as: conf/vm.yaml's `service_account`, `default` being the project's
     Compute default service account (projects.get's defaultServiceAccount)."""
     if cfg.service_account != "default":
@@ -273,7 +272,7 @@ class PolicyReader:
         return found
 
 
-def check_identity(cfg: DictConfig, root: Path) -> list[Target]:
+def check_identity(cfg: VmConfig, root: Path) -> list[Target]:
     """Before the insert: the VM's service account may use every target, as far as the allow
     policies readable here show. Raises ConfigError when a needed permission is proven missing;
     returns the targets the laptop could not prove, for :func:`probe_from_vm`."""
@@ -282,7 +281,7 @@ def check_identity(cfg: DictConfig, root: Path) -> list[Target]:
         return []
     try:
         email = service_account(cfg)
-    except GcpError as err:   # e.g. no compute.projects.get: the VM's metadata server knows it
+    except ProviderError as err:   # e.g. no compute.projects.get: the VM's metadata server knows it
         print(f"mtpipe: cannot tell from here which service account the VM will run as ({err}): the VM will "
               "try the buckets right after SSH is ready, before the setup", flush=True)
         return wanted
@@ -341,7 +340,7 @@ def probe_script(wanted: list[Target], metadata_host: str, per_call_s: float) ->
     return "\n".join(lines)
 
 
-def probe_from_vm(remote: Remote, cfg: DictConfig, wanted: list[Target]) -> None:
+def probe_from_vm(remote: Remote, cfg: VmConfig, wanted: list[Target]) -> None:
     """Right after SSH is ready, before the setup: the VM's own identity uses each target. Raises
     ConfigError naming the `gcloud` grant when GCS refuses it, or VmError when the VM cannot ask."""
     timeout_s = float(cfg.remote_probe_timeout_s)

@@ -5,7 +5,7 @@ exists (another project's: shared with this one), is READY, reserves that machin
 chips) and has room for one VM, and how its VMs are provisioned is decided (RESERVATION_BOUND or
 STANDARD); every other zone of ``zones`` as the first (it offers the machine type; its region has the
 subnetwork and, without an external IP, a Cloud NAT), and the TPU quota of each zone's region
-(mtpipe.cloud.checks.quota: a region without room is left out, none with room stops the run). Each
+(mtpipe.cloud.checks.gcp.quota: a region without room is left out, none with room stops the run). Each
 failure is a ConfigError naming the key and the fix.
 """
 from __future__ import annotations
@@ -13,26 +13,26 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from google.cloud import compute_v1
-from omegaconf import DictConfig, OmegaConf
 
-from mtpipe.cloud.checks import access, quota
+from mtpipe.cloud.checks.gcp import access, quota
 from mtpipe.cloud.providers.gcp.bodies import reservation_path
 from mtpipe.cloud.providers.gcp.compute import Compute
 from mtpipe.cloud.providers.gcp.google_apis import GoogleApis
 from mtpipe.cloud.providers.interface import region
 from mtpipe.cloud.settings import vm_config
+from mtpipe.cloud.settings.vm_config import VmConfig
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline import generations
 
 
-def check_compute(cfg: DictConfig, compute: Compute) -> None:
+def check_compute(cfg: VmConfig, compute: Compute) -> None:
     """The zone offers the machine type, a reservation has room for one VM."""
     check_machine_type(cfg, compute)
     if cfg.provisioning == "reservation":
         check_reservation(cfg, compute)
 
 
-def check_machine_type(cfg: DictConfig, compute: Compute) -> None:
+def check_machine_type(cfg: VmConfig, compute: Compute) -> None:
     """The zone offers the machine type (an authenticated call: bad credentials fail here too)."""
     if compute.get_machine_type(cfg.machine_type) is None:
         tpu = generations.of_machine_type(cfg.machine_type)[0].title
@@ -42,27 +42,27 @@ def check_machine_type(cfg: DictConfig, compute: Compute) -> None:
                           "zones: in conf/vm.yaml, where your reservation is")
 
 
-def check_zones(cfg: DictConfig, compute: Compute, apis: GoogleApis) -> None:
+def check_zones(cfg: VmConfig, compute: Compute, apis: GoogleApis) -> VmConfig:
     """Every other zone the VM may be created in as :func:`check_compute` and access checked the
     first (the regional part: access.check_region), then the quota of their regions
-    (quota.usable_zones), which may leave fewer zones to try: ``zones`` and ``zone`` become them."""
+    (quota.usable_zones), which may leave fewer zones to try: returns ``cfg`` in those zones."""
     zones = vm_config.candidate_zones(cfg)
     regions = {region(cfg.zone)}
     for zone in zones[1:]:
-        here, there = OmegaConf.merge(cfg, {"zone": zone}), compute.in_zone(zone)
+        here, there = vm_config.in_zone(cfg, zone), compute.in_zone(zone)
         check_compute(here, there)
         if region(zone) not in regions:
             regions.add(region(zone))
             access.check_region(here, there)
     usable = quota.usable_zones(cfg, apis, zones)
-    cfg.zone, cfg.zones = usable[0], usable
+    return vm_config.in_zone(cfg, usable[0], usable)
 
 
 FULL_FIX = ("delete a VM that uses it (`gcloud compute instances list --filter=labels.app=mtpipe`), wait "
             "for one to end, or use another reservation")
 
 
-def check_reservation(cfg: DictConfig, compute: Compute) -> None:
+def check_reservation(cfg: VmConfig, compute: Compute) -> None:
     """The reservation exists (another project's: shared with this one), is READY, reserves the
     machine type and has room for one VM: a free VM of a specific reservation, the VM's chips of an
     aggregate (TPU) one. Then the provisioning model of its VMs is decided, so that a lookup Compute
@@ -97,13 +97,13 @@ def check_reservation(cfg: DictConfig, compute: Compute) -> None:
     compute.provisioning_model(cfg)   # decided (and kept for the insert) before anything exists
 
 
-def _chips_of(cfg: DictConfig) -> str:
+def _chips_of(cfg: VmConfig) -> str:
     """The chips an aggregate reservation must hold for the VM, as the fixes name them."""
     gen = generations.of_machine_type(cfg.machine_type)[0]
     return f"{gen.title} chips ({gen.compute.reservation_family})"
 
 
-def _check_vms(cfg: DictConfig, specific: compute_v1.AllocationSpecificSKUReservation) -> None:
+def _check_vms(cfg: VmConfig, specific: compute_v1.AllocationSpecificSKUReservation) -> None:
     """A specific reservation: VMs of one machine type, ``count`` of them, ``inUseCount`` taken."""
     reserved = specific.instance_properties.machine_type.rsplit("/", 1)[-1]
     if reserved and reserved != cfg.machine_type:
@@ -114,7 +114,7 @@ def _check_vms(cfg: DictConfig, specific: compute_v1.AllocationSpecificSKUReserv
                           f" of {specific.count} VMs in use)", FULL_FIX)
 
 
-def _check_chips(cfg: DictConfig, aggregate: compute_v1.AllocationAggregateReservation) -> None:
+def _check_chips(cfg: VmConfig, aggregate: compute_v1.AllocationAggregateReservation) -> None:
     """An aggregate (TPU) reservation: chips of one VM family (the generation's ``reservation_family``,
     conf/generations.yaml), counted in ``reservedResources`` and ``inUseResources``; a VM takes its machine
     type's chips (8 for a v6e-8)."""

@@ -11,7 +11,7 @@ from typing import Any
 from mtpipe.cloud.providers.gcp import idle_watch
 from mtpipe.cloud.providers.gcp.bodies import ssh_metadata
 from mtpipe.cloud.providers.interface import WAITING_FOR_CAPACITY, region
-from mtpipe.cloud.providers.tpu_api.client import endpoint
+from mtpipe.cloud.providers.gcp.tpu_api.client import endpoint
 from mtpipe.cloud.settings import vm_config
 
 # A node's state (tpu.v2 Node.state) as the status the lifecycle reads (Compute's Instance.status).

@@ -17,9 +17,8 @@ from google.api_core import exceptions as gexc
 from google.auth.transport.requests import AuthorizedSession
 
 from mtpipe.cloud.providers import interrupts
-from mtpipe.cloud.providers.gcp.api_errors import ENDPOINT_ENV, client_kwargs, explained
+from mtpipe.cloud.providers.gcp.api_errors import ENDPOINT_ENV, GcpError, client_kwargs, explained
 from mtpipe.cloud.providers.gcp.google_apis import rest_call
-from mtpipe.cloud.providers.interface import GcpError
 
 TPU_ENDPOINT_ENV = "MTPIPE_TPU_ENDPOINT"
 ROOT = "https://tpu.googleapis.com"
