@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated, Protocol
 
 from annotated_types import Ge
 from omegaconf import OmegaConf
@@ -25,10 +25,17 @@ from mtpipe.pipeline import generations
 from mtpipe.pipeline.schema import KEEP_INT, Section, validate
 from mtpipe.pipeline.view import load_yaml
 
-if TYPE_CHECKING:   # vm_config imports this module
-    from mtpipe.cloud.settings.vm_config import VmConfig
 
 PRICES = Path(__file__).resolve().parents[3] / "conf" / "prices.yaml"
+
+
+class PricedVm(Protocol):
+    """What a rate reads of a VM config (vm_config.VmConfig, which imports this module)."""
+
+    machine_type: str
+    provisioning: str
+    zone: str | None
+    reservation: str | None
 
 
 class ModePrices(Section):
@@ -119,7 +126,7 @@ class Rate:
         return basis
 
 
-def vm_rate(cfg: VmConfig) -> Rate:
+def vm_rate(cfg: PricedVm) -> Rate:
     """The rate of the VM ``cfg`` describes: its machine type's chips at its provisioning mode's price in
     its zone's region (a reservation: the on-demand price, as the equivalent of what the commitment pays).
     ``cfg`` is read by attribute: machine_type, provisioning, zone, reservation."""
