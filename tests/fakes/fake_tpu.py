@@ -18,6 +18,9 @@ States, scripted by tests through :attr:`FakeTpu.outcomes` (first queued resourc
   node goes too); a delete is an operation, done on its first read, whose node is DELETING until then;
   with :attr:`FakeTpu.delete_denied` every delete is refused (403, as to a caller without
   tpu.queuedResources.delete);
+- a create in a zone of :attr:`FakeTpu.quota_refused` is answered HTTP 429 RESOURCE_EXHAUSTED with a
+  google.rpc.QuotaFailure detail naming that zone's quota (as the API refuses a node beyond its
+  per-zone quota: "Quota 'TPUV5sLitepodServingPerProjectPerZoneForTPUAPI' exhausted. Limit 4 in zone ...");
 - locations.list names the zones of :attr:`FakeTpu.zones` (one a page: the caller must follow
   nextPageToken), acceleratorTypes.list and .get the accelerator types each offers.
 """
@@ -71,6 +74,7 @@ class FakeTpu:
     requests: list[tuple[str, str, str]] = field(default_factory=list)   # (method, path with query, body)
     tokens: list[str] = field(default_factory=list)   # the Authorization header of each request
     delete_denied: bool = False
+    quota_refused: dict[str, str] = field(default_factory=dict)   # zone -> the quota id its creates exceed
     contract: Contract = field(default_factory=lambda: Contract(tpu_v2()))
     lock: threading.Lock = field(default_factory=threading.Lock)
     on_poll: Callable[[str, str], None] | None = None   # sees (name, state) of each read of a queued resource
@@ -108,6 +112,8 @@ class FakeTpu:
                 return 200, {"acceleratorTypes": [
                     {"name": f"projects/{project}/locations/{zone}/acceleratorTypes/{name}", "type": name}
                     for name in sorted(self.zones.get(zone, set()))]}
+            case ["projects", project, "locations", zone, "queuedResources"] if method == "POST" and zone in self.quota_refused:
+                return _quota_error(project, zone, self.quota_refused[zone])
             case ["projects", project, "locations", zone, "queuedResources"] if method == "POST":
                 return self._create(project, zone, query["queuedResourceId"][0], body)
             case ["projects", project, "locations", zone, "queuedResources"]:
@@ -205,6 +211,19 @@ def _now() -> str:
 def _error(code: int, message: str, status: str = "") -> tuple[int, dict]:
     status = status or {404: "NOT_FOUND", 409: "ALREADY_EXISTS", 403: "PERMISSION_DENIED"}.get(code, "INVALID_ARGUMENT")
     return code, {"error": {"code": code, "message": message, "status": status}}
+
+
+def _quota_error(project: str, zone: str, quota: str) -> tuple[int, dict]:
+    """HTTP 429 RESOURCE_EXHAUSTED with the google.rpc.QuotaFailure and ErrorInfo details Google's quota
+    refusals carry (cloud.google.com/apis/design/errors; the public report's message)."""
+    message = f"Quota '{quota}' exhausted. Limit 4 in zone {zone}"
+    return 429, {"error": {"code": 429, "message": message, "status": "RESOURCE_EXHAUSTED", "details": [
+        {"@type": "type.googleapis.com/google.rpc.QuotaFailure", "violations": [
+            {"subject": f"project:{project}", "description": message, "quotaId": quota,
+             "quotaDimensions": {"zone": zone}}]},
+        {"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": "RATE_LIMIT_EXCEEDED",
+         "domain": "googleapis.com", "metadata": {"quota_limit": quota, "service": "tpu.googleapis.com",
+                                                  "consumer": f"projects/{project}"}}]}}
 
 
 def _handler(fake: FakeTpu) -> type[BaseHTTPRequestHandler]:

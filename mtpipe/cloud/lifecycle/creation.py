@@ -89,19 +89,19 @@ class Creation:
         """Create the VM in the first of its zones (vm_config.candidate_zones) that has room, as
         SkyPilot's failover does: after a stockout the next zone at once, after a quota error the next
         zone of another region (Compute's TPU quotas are regional; an ..._ALL_REGIONS one stops
-        here). Each zone left is left empty (:meth:`_leave`), and what was tried and why it moved on is
+        here), or the next zone after a per-zone one (the Cloud TPU API's). Each zone left is left empty (:meth:`_leave`), and what was tried and why it moved on is
         printed. When every zone is out of stock, the zones are tried again after doubling waits for
         ``stockout.retry_for_s``, then the error names the zones tried and the other zones that offer
         the machine type. ``state`` (the state file's record) gets each insert's zone before the insert.
         A reservation-bound VM whose maxRunDuration Compute refuses is created once more without it."""
         cfg = self.vm.cfg
-        zones, spent = vm_config.candidate_zones(cfg), set()   # spent: regions whose quota is spent
+        zones, spent = vm_config.candidate_zones(cfg), set()   # spent: regions (or zones) whose quota is spent
         deadline, wait = time.monotonic() + cfg.stockout.retry_for_s, cfg.stockout.first_wait_s
         quota: QuotaExceeded | None = None
         while True:
             tried, stockout, full = [], None, set()   # full: regions out of stock this round
             for zone in zones:
-                if region(zone) in spent | full:
+                if region(zone) in spent | full or zone in spent:
                     continue
                 self.vm.move_to(zone)
                 try:
@@ -114,8 +114,12 @@ class Creation:
                 except QuotaExceeded as err:
                     if err.global_quota:
                         raise
-                    quota, why = err, f"the quota of region {region(zone)} is spent ({err})"
-                    spent.add(region(zone))
+                    if err.per_zone:
+                        quota, why = err, f"the quota of zone {zone} is spent ({err})"
+                        spent.add(zone)
+                    else:
+                        quota, why = err, f"the quota of region {region(zone)} is spent ({err})"
+                        spent.add(region(zone))
                 self._leave(why)
                 tried.append(zone)
             if stockout is None:   # every zone's region is out of quota

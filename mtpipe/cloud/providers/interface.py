@@ -41,11 +41,13 @@ class TryAgain(CapacityError):
 
 class QuotaExceeded(ProviderError):
     """A quota of the project is spent (Compute's TPU quotas are regional: another region may have
-    room); ``global_quota``: one of the ..._ALL_REGIONS quotas, which no other zone escapes."""
+    room); ``global_quota``: one of the ..._ALL_REGIONS quotas, which no other zone escapes;
+    ``per_zone``: a quota of this zone only (the Cloud TPU API's), which the next zone of the same
+    region may still have."""
 
-    def __init__(self, message: str, global_quota: bool) -> None:
+    def __init__(self, message: str, global_quota: bool, per_zone: bool = False) -> None:
         super().__init__(message)
-        self.global_quota = global_quota
+        self.global_quota, self.per_zone = global_quota, per_zone
 
 
 def region(zone: str) -> str:

@@ -309,3 +309,22 @@ def test_a_stockout_moves_to_the_next_zone(tpu_world: tuple[Env, FakeTpu]) -> No
     assert set(tpu.queued) == {("proj-1", "us-west4-a", "mt-test")}
     w.doit("vm_down")
     assert_nothing_left(w, tpu)
+
+
+@pytest.mark.billing
+def test_a_quota_refusal_moves_to_the_next_zone(tpu_world: tuple[Env, FakeTpu]) -> None:
+    """The Cloud TPU API refuses the queued resource for quota (HTTP 429 RESOURCE_EXHAUSTED, a QuotaFailure
+    naming the zone's quota): the quota error names it and the VM is queued in the next zone, of the same
+    region too (the TPU API's quotas are per zone, not Compute's regional ones)."""
+    w, tpu = tpu_world
+    tpu.zones["us-east5-a"] = set(fake_tpu.ACCELERATORS)
+    tpu.quota_refused["us-east5-b"] = "TPUV5sLitepodServingPerProjectPerZoneForTPUAPI"
+    w.configure(zones=["us-east5-b", "us-east5-a"])
+    out = w.doit("vm_up", "--keep").stdout
+    assert "the quota of zone us-east5-b is spent" in out and "TPUV5sLitepodServingPerProjectPerZoneForTPUAPI" in out, out
+    assert set(tpu.nodes) == {("proj-1", "us-east5-a", "mt-test")}
+    tpu.quota_refused["us-east5-a"] = "TPUV5sLitepodServingPerProjectPerZoneForTPUAPI"
+    w.doit("vm_down")
+    out = w.doit("vm_up", ok=False).stdout
+    assert "QuotaExceeded" in out and "zones tried: us-east5-b, us-east5-a" in out, out
+    assert_nothing_left(w, tpu)

@@ -4,7 +4,9 @@ Compute client uses (api_errors.client_kwargs): google-cloud-tpu is not in the l
 (docs/decisions/cloud-vm.md, "The Cloud TPU API over REST"). ``MTPIPE_TPU_ENDPOINT``, else
 ``MTPIPE_COMPUTE_ENDPOINT``, takes every call to another endpoint (the loopback fakes in tests).
 Google's error answers become google.api_core exceptions, so api_errors.explained words them as it
-words Compute's; each long-running call is waited on through operations.get.
+words Compute's; each long-running call is waited on through operations.get. A create refused with
+HTTP 429 RESOURCE_EXHAUSTED and a google.rpc.QuotaFailure detail is the zone's quota
+(:func:`quota_refusal`): a per-zone QuotaExceeded, which moves the VM to the next zone.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from google.api_core import exceptions as gexc
 from google.auth.transport.requests import AuthorizedSession
 
 from mtpipe.cloud.providers import interrupts
-from mtpipe.cloud.providers.gcp.api_errors import ENDPOINT_ENV, GcpError, client_kwargs, explained
+from mtpipe.cloud.providers.gcp.api_errors import ENDPOINT_ENV, GcpError, client_kwargs, explained, quota_page
+from mtpipe.cloud.providers.interface import QuotaExceeded
 from mtpipe.cloud.providers.gcp.google_apis import rest_call
 
 TPU_ENDPOINT_ENV = "MTPIPE_TPU_ENDPOINT"
@@ -28,6 +31,17 @@ OPERATION_POLL_S = 2.0
 def endpoint() -> str:
     """Where the Cloud TPU API is: ``MTPIPE_TPU_ENDPOINT``, else ``MTPIPE_COMPUTE_ENDPOINT``, else Google's."""
     return os.environ.get(TPU_ENDPOINT_ENV) or os.environ.get(ENDPOINT_ENV) or ROOT
+
+
+def quota_refusal(error: gexc.GoogleAPICallError) -> str | None:
+    """The quota a refusal names in its google.rpc.QuotaFailure detail (a violation's quotaId, else its
+    quotaMetric, subject or description), or None when it has no such detail (a rate limit, say)."""
+    for detail in error.details or ():
+        if isinstance(detail, dict) and detail.get("@type", "").endswith("google.rpc.QuotaFailure"):
+            violation = (detail.get("violations") or [{}])[0]
+            return next((str(violation[k]) for k in ("quotaId", "quotaMetric", "subject", "description")
+                         if violation.get(k)), "a quota")
+    return None
 
 
 class TpuClient:
@@ -101,9 +115,18 @@ class TpuClient:
         """queuedResources.create, its operation waited on (the queued resource accepted, not its capacity).
         Ctrl-C does not tear the request: it is delivered once the API has answered, so the queued
         resource is known and deleted by the caller's cleanup."""
-        with explained(f"creating queued resource {name} in {self.zone}", self.project):
+        action = f"creating queued resource {name} in {self.zone}"
+        with explained(action, self.project):
             with interrupts.deferred():
-                op = self.call("POST", f"{self.parent}/queuedResources", body, {"queuedResourceId": name})
+                try:
+                    op = self.call("POST", f"{self.parent}/queuedResources", body, {"queuedResourceId": name})
+                except gexc.TooManyRequests as err:
+                    if (quota := quota_refusal(err)) is None:
+                        raise
+                    raise QuotaExceeded(
+                        f"{action}: the Cloud TPU API's quota {quota} has no room in {self.zone} ({err.message}); "
+                        f"request more at {quota_page(self.project)} (filter: {quota}, zone {self.zone}), or list "
+                        "another zone in zones: (conf/vm.yaml)", global_quota=False, per_zone=True) from err
             self.wait(op, f"creating queued resource {name}")
 
     def delete_queued_resource(self, name: str) -> bool:
