@@ -17,7 +17,7 @@ States, scripted by tests through :attr:`FakeTpu.outcomes` (first queued resourc
 - queuedResources.delete refuses a queued resource whose node exists unless ``force=true`` (then the
   node goes too); a delete is an operation, done on its first read, whose node is DELETING until then;
   with :attr:`FakeTpu.delete_denied` every delete is refused (403, as to a caller without
-  tpu.queuedResources.delete);
+  tpu.nodes.delete, the permission Google checks for a queued resource's node);
 - a create in a zone of :attr:`FakeTpu.quota_refused` is answered HTTP 429 RESOURCE_EXHAUSTED with a
   google.rpc.QuotaFailure detail naming that zone's quota (as the API refuses a node beyond its
   per-zone quota: "Quota 'TPUV5sLitepodServingPerProjectPerZoneForTPUAPI' exhausted. Limit 4 in zone ...");
@@ -98,7 +98,7 @@ class FakeTpu:
         split = urlsplit(url)
         query = parse_qs(split.query)
         if method == "DELETE" and self.delete_denied:
-            return _error(403, "Permission 'tpu.queuedResources.delete' denied on resource (or it may not exist).")
+            return _error(403, "Permission 'tpu.nodes.delete' denied on resource (or it may not exist).")
         match split.path.removeprefix("/v2/").split("/"):
             case ["projects", project, "locations"]:
                 zones = sorted(self.zones)

@@ -22,6 +22,7 @@ from fakes import fake_gcloud
 from vm_world import Env
 
 from mtpipe.cloud.checks.gcp import caller
+from mtpipe.cloud.settings import vm_config
 from mtpipe.cloud.settings import vm_state
 
 pytestmark = [pytest.mark.checks, pytest.mark.first_request]
@@ -196,3 +197,36 @@ def test_shielded_vm_required(world: Env) -> None:
            "does not turn on enable_secure_boot, enable_vtpm, enable_integrity_monitoring" in out, out
     assert "gcloud resource-manager org-policies disable-enforce compute.requireShieldedVm --project proj-1" in out
     nothing_created(w)
+
+
+ROLE_CONTENTS = Path(__file__).resolve().parents[2] / "fixtures" / "gcp" / "role-permissions.txt"
+
+
+def role_contents() -> dict[str, set[str]]:
+    """tests/fixtures/gcp/role-permissions.txt: each predefined role's permissions, as Google publishes them."""
+    roles: dict[str, set[str]] = {}
+    for line in ROLE_CONTENTS.read_text().splitlines():
+        if line.startswith("[roles/"):
+            current = roles.setdefault(line.strip("[]"), set())
+        elif line and not line.startswith("#"):
+            current.add(line)
+    return roles
+
+
+@pytest.mark.billing
+@pytest.mark.parametrize("route", ["compute", "tpu_api"])
+def test_every_permission_tested_is_in_the_role_the_fix_names(route: str) -> None:
+    """Each permission the caller check tests, on either route, is in the published contents of the
+    predefined role its fix grants (a permission no role holds, tpu.queuedResources.create say, would
+    make testIamPermissions fail and the fix grant nothing); the TPU API route's network reads are
+    Compute's, which roles/tpu.admin lacks."""
+    cfg = vm_config.load_config({"external_ip": False, "name": "n", "zone": "us-east5-b", "project": "p",
+                                 "route": route, "provisioning": "spot"})
+    wanted = caller.permissions(cfg, creates_rule=True)
+    contents = role_contents()
+    assert set(wanted.values()) <= set(contents), set(wanted.values()) - set(contents)
+    outside = {p: role for p, role in wanted.items() if p not in contents[role]}
+    assert not outside, f"permissions not in the role the fix names: {outside}"
+    if route == "tpu_api":
+        assert not {p for p in wanted if p.startswith("compute.")} & contents[caller.TPU_ADMIN]
+        assert {"tpu.nodes.create", "tpu.nodes.delete", "compute.firewalls.list"} <= set(wanted)

@@ -163,15 +163,17 @@ def test_vm_down_finds_what_the_state_file_lost(tpu_world: tuple[Env, FakeTpu]) 
 
 def test_doit_check_covers_the_tpu_api_route(tpu_world: tuple[Env, FakeTpu]) -> None:
     """doit check on v5e: the route, the accelerator type the TPU API offers, the Cloud TPU API among the
-    APIs and roles/tpu.admin's permissions among those tested; a missing one is named with its role."""
+    APIs and roles/tpu.admin's and roles/compute.networkViewer's permissions among those tested; a missing
+    one is named with its role."""
     w, tpu = tpu_world
-    w.fake.org.permissions = (set(caller.TPU_PERMISSIONS) | set(caller.FIREWALL_PERMISSIONS) | {caller.ACT_AS}) \
-        - {"tpu.queuedResources.create"}
+    w.fake.org.permissions = (set(caller.TPU_PERMISSIONS) | set(caller.NETWORK_PERMISSIONS)
+                              | set(caller.FIREWALL_PERMISSIONS) | {caller.ACT_AS}) - {"tpu.nodes.create", "compute.firewalls.list"}
     out = w.doit("check", ok=False).stdout
     assert "ok  route: the Cloud TPU API creates v5litepod-8 (ct5lp-hightpu-8t) as a queued resource" in out, out
     assert "ok  machine type: the Cloud TPU API offers v5litepod-8 in us-east5-b" in out
     assert "tpu.googleapis.com" in out.split("APIs: ")[1].splitlines()[0]
-    assert "FAILS  permissions:" in out and "tpu.queuedResources.create (in roles/tpu.admin)" in out
+    assert "FAILS  permissions:" in out and "tpu.nodes.create (in roles/tpu.admin)" in out
+    assert "compute.firewalls.list (in roles/compute.networkViewer)" in out
     assert "not checked  zones and quota: the Cloud TPU API route's TPU quota is not read here" in out
     assert not tpu.queued and not tpu.calls("POST", "/queuedResources")
     w.fake.org.permissions = None

@@ -37,13 +37,20 @@ VM_PERMISSIONS = ("compute.instances.create", "compute.instances.get", "compute.
                   "compute.instances.setTags", "compute.instances.setServiceAccount", "compute.disks.create",
                   "compute.disks.get", "compute.disks.delete", "compute.subnetworks.use",
                   "compute.zoneOperations.get", "compute.machineTypes.list")
-# vm_up's own SSH rule: firewalls.insert and delete, which also take networks.updatePolicy.
 # The Cloud TPU API route's VM (vm_config.route: tpu_api): its queued resource and node created, read,
-# listed and deleted, their operations waited on; each is in roles/tpu.admin.
+# listed and deleted, their operations waited on, the zones offering the accelerator listed; each is in
+# roles/tpu.admin. Google authorises the queued resource's calls with the node's permissions (its
+# reference names tpu.nodes.reset for queuedResources.reset; no predefined role, roles/owner included,
+# holds a tpu.queuedResources permission: docs/roles.md).
 TPU_ADMIN = "roles/tpu.admin"
-TPU_PERMISSIONS = ("tpu.nodes.create", "tpu.nodes.get", "tpu.nodes.list", "tpu.nodes.delete",
-                   "tpu.queuedResources.create", "tpu.queuedResources.get", "tpu.queuedResources.list",
-                   "tpu.queuedResources.delete", "tpu.operations.get")
+TPU_PERMISSIONS = ("tpu.nodes.create", "tpu.nodes.get", "tpu.nodes.list", "tpu.nodes.delete", "tpu.operations.get",
+                   "tpu.locations.list", "tpu.acceleratortypes.get", "tpu.acceleratortypes.list")
+# What the TPU API route reads of the node's network through Compute Engine (the checks before spending
+# and vm_up's look for a rule admitting SSH): roles/tpu.admin grants none of it.
+NETWORK_VIEWER = "roles/compute.networkViewer"
+NETWORK_PERMISSIONS = ("compute.networks.get", "compute.subnetworks.get", "compute.firewalls.list",
+                       "compute.firewalls.get")
+# vm_up's own SSH rule: firewalls.insert and delete, which also take networks.updatePolicy.
 FIREWALL_PERMISSIONS = ("compute.firewalls.create", "compute.firewalls.delete", "compute.networks.updatePolicy",
                         "compute.globalOperations.get")
 
@@ -106,10 +113,11 @@ def check_apis(cfg: VmConfig, apis: GoogleApis, wanted: dict[str, str], enable: 
 
 def permissions(cfg: VmConfig, creates_rule: bool) -> dict[str, str]:
     """The permissions the run will use on the project, each with the predefined role the fix
-    names: the VM's life, vm_up's firewall rule when it makes one, the IAP tunnel, and acting as
-    the VM's service account."""
+    names (each is in it: tests/fixtures/gcp/role-permissions.txt): the VM's life (and on the TPU API
+    route the reads of its network), vm_up's firewall rule when it makes one, the IAP tunnel, and acting
+    as the VM's service account."""
     if tpu_route(cfg):
-        wanted = dict.fromkeys(TPU_PERMISSIONS, TPU_ADMIN)
+        wanted = dict.fromkeys(TPU_PERMISSIONS, TPU_ADMIN) | dict.fromkeys(NETWORK_PERMISSIONS, NETWORK_VIEWER)
     else:
         wanted = dict.fromkeys(VM_PERMISSIONS, INSTANCE_ADMIN)
     if cfg.external_ip and not tpu_route(cfg):
