@@ -82,6 +82,7 @@ class ComputeRoute(Section):
 
 class TpuApiRoute(Section):
     runtime_version: str                  # the TPU VM image its nodes boot
+    flex_start_version: Optional[str]     # the API version whose queued resources take FLEX_START; null: none
 
 
 class Generation(Section):

@@ -193,9 +193,9 @@ def check_all(run: Runner, cfg: VmConfig, root: Path, experiments: list[list[str
 
 
 def _flex_start_zones(cfg: VmConfig) -> tuple[str, VmConfig]:
-    """A Flex-start VM's zones that grant it (vm_config.flex_start_zones): the config in them."""
-    zoned, dropped = vm_config.flex_start_zones(cfg)
-    return ("; ".join(dropped) or f"{', '.join(vm_config.candidate_zones(zoned))} grant Flex-start "
+    """A Flex-start VM's zones, each not known to grant it said (vm_config.flex_start_zones)."""
+    zoned, warned = vm_config.flex_start_zones(cfg)
+    return ("; ".join(warned) or f"{', '.join(vm_config.candidate_zones(zoned))} grant Flex-start "
             f"{cfg.machine_type} VMs"), zoned
 
 

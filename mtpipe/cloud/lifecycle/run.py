@@ -126,11 +126,11 @@ class VmLifecycle:
         return remote
 
     def _check_settings(self) -> None:
-        """The settings, before any request (prerequisites.check_settings, vm_config.check_create):
-        the config then in the zones a Flex-start VM may take."""
+        """The settings, before any request (prerequisites.check_settings, vm_config.check_create),
+        each Flex-start zone not known to grant the VM said."""
         prerequisites.check_settings(self.cfg)
-        self.vm.cfg, dropped = vm_config.check_create(self.cfg)
-        for line in dropped:
+        self.vm.cfg, warned = vm_config.check_create(self.cfg)
+        for line in warned:
             _say(line)
 
     def _recorded_here(self) -> dict:

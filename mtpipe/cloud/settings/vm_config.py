@@ -342,8 +342,8 @@ def require(cfg: VmConfig, *keys: str) -> None:
 def check_create(cfg: VmConfig) -> tuple[VmConfig, list[str]]:
     """The settings vm_up needs, before any request (mtpipe.cloud.checks asks Compute about the rest): the
     machine type on a route that creates it (:func:`check_route`), the required keys, a Flex-start
-    VM's zones (:func:`flex_start_zones`). Returns the config in those zones and what to say about the
-    zones dropped."""
+    VM's zones (:func:`flex_start_zones`). Returns the config and what to say about zones not known to
+    grant Flex-start."""
     check_route(cfg)
     reservation = ["reservation"] if cfg.provisioning == "reservation" else []
     require(cfg, "project", "zone", *reservation, "name")
@@ -385,10 +385,14 @@ def check_route(cfg: VmConfig) -> str:
             raise ConfigError("vm.route", f"tpu_api creates {offered} VMs, not {cfg.machine_type} ({tpu}: "
                               f"{generations.TABLE_NAME})", "set route: compute (or null) in conf/vm.yaml")
         if cfg.provisioning == "flex-start":
-            raise ConfigError("vm.provisioning", "flex-start is Compute Engine's (Dynamic Workload Scheduler), "
-                              "and route tpu_api asks for capacity with a queued resource, which waits by itself",
-                              "use --provisioning=spot, on-demand or reservation (or route: compute, where the "
-                              "generation offers Flex-start)")
+            version = gen.tpu_api.flex_start_version
+            offered = (f"the Cloud TPU API offers it in {version} only (a queued resource's provisioningModel "
+                       f"FLEX_START), and route tpu_api speaks v2") if version else \
+                f"the Cloud TPU API offers no Flex-start {tpu} node ({generations.TABLE_NAME})"
+            raise ConfigError("vm.provisioning", f"flex-start on route tpu_api: {offered}; nothing was requested",
+                              "use --provisioning=spot, on-demand or reservation (the queued resource waits for "
+                              "capacity by itself, tpu_api.valid_for_s), or route: compute where the generation "
+                              "offers Flex-start there")
         return (f"the Cloud TPU API creates {accelerator_type(cfg)} ({cfg.machine_type}) as a queued resource "
                 f"(route: tpu_api{'' if cfg.route else ', by machine type'}), runtime {runtime_version(cfg)}")
     if not gen.compute.refused:
@@ -410,22 +414,15 @@ def check_route(cfg: VmConfig) -> str:
 
 
 def flex_start_zones(cfg: VmConfig) -> tuple[VmConfig, list[str]]:
-    """Keep, of a Flex-start VM's zones, those known to grant its TPU family Flex-start VMs
-    (conf/generations.yaml ``compute.flex_start_zones``); refuse the config when none is left. Returns the
-    config in the zones kept and a line for each zone dropped (``cfg`` and nothing for other modes, and
-    for a generation with no zones listed)."""
+    """A line for each of a Flex-start VM's zones that is not among those known to grant its TPU family
+    Flex-start VMs (conf/generations.yaml ``compute.flex_start_zones``): the list is what public runs and
+    Google's page show, not all Google grants, so such a zone is tried all the same, in its turn. Returns
+    ``cfg`` unchanged and those lines (nothing for other modes, and for a generation with no zones listed)."""
     known = generations.of_machine_type(cfg.machine_type)[0].compute.flex_start_zones
     if cfg.provisioning != "flex-start" or not known:
         return cfg, []
-    zones = candidate_zones(cfg)
-    kept = [z for z in zones if z in known]
-    if not kept:
-        raise ConfigError("vm.zones", f"{', '.join(zones)} grant no Flex-start {cfg.machine_type} VMs: the zones "
-                          f"known to are {', '.join(known)} ({generations.TABLE_NAME})",
-                          "list one of those in zones: (or ZONE / --zone), or use --provisioning=spot, on-demand "
-                          "or reservation")
-    return in_zone(cfg, kept[0], kept), [f"zone {z} dropped: it grants no Flex-start {cfg.machine_type} VMs (those that do: {', '.join(known)})"
-            for z in zones if z not in known]
+    return cfg, [f"zone {z} is not among those known to grant Flex-start {cfg.machine_type} VMs ({', '.join(known)}: "
+                 f"{generations.TABLE_NAME}); trying it all the same" for z in candidate_zones(cfg) if z not in known]
 
 
 def budget_machine(cfg: VmConfig) -> Machine:

@@ -88,25 +88,19 @@ def test_the_loaded_config_is_frozen_and_a_zone_change_is_a_new_config() -> None
 
 
 def test_flex_start_window_and_zones_are_checked_before_any_request(fake: FakeCompute) -> None:
-    """requestValidForDuration outside 90-7200 s (at config load), and a Flex-start v6e VM in no zone
-    known to grant one (vm_up's first check), are refused naming the key and what is allowed; zones
-    outside the known list are dropped, each said; other modes keep their zones."""
+    """requestValidForDuration outside 90-7200 s is refused at config load, naming the key and what is
+    allowed; a Flex-start v6e VM's zones outside those known to grant one are each warned of and kept
+    (public runs got Flex-start VMs outside the list), in their order; other modes say nothing."""
     for seconds in (60, 7201):
         with pytest.raises(ConfigError) as err:
             vm_config.load_config({"flex_start.request_valid_for_s": seconds})
         assert err.value.key == "vm.flex_start.request_valid_for_s" and "90-7200 s" in err.value.problem
-    cfg = vm_config.load_config({"provisioning": "flex-start", "zones": [EAST_B, WEST]})
-    with pytest.raises(ConfigError) as err:
-        vm_config.check_create(cfg)
-    assert err.value.key == "vm.zones" and err.value.problem.startswith(f"{EAST_B}, {WEST} grant no Flex-start")
-    assert "asia-northeast1-b, us-east5-a, us-south1-ai1b" in err.value.problem
     cfg = vm_config.load_config({"provisioning": "flex-start", "zones": [EAST_B, EAST_A, WEST]})
-    zoned, dropped = vm_config.check_create(cfg)
-    assert dropped == [
-        f"zone {z} dropped: it grants no Flex-start {V6E} VMs (those that do: asia-northeast1-b, us-east5-a, "
-        "us-south1-ai1b)" for z in (EAST_B, WEST)]
-    assert (zoned.zone, list(zoned.zones)) == (EAST_A, [EAST_A])
-    assert (cfg.zone, list(cfg.zones)) == (EAST_B, [EAST_B, EAST_A, WEST])   # frozen: the loaded config stays
+    zoned, warned = vm_config.check_create(cfg)
+    assert warned == [
+        f"zone {z} is not among those known to grant Flex-start {V6E} VMs (asia-northeast1-b, us-east5-a, "
+        "us-south1-ai1b: conf/generations.yaml); trying it all the same" for z in (EAST_B, WEST)]
+    assert zoned is cfg and vm_config.candidate_zones(zoned) == [EAST_B, EAST_A, WEST]
     on_demand = vm_config.load_config({"provisioning": "on-demand", "zones": [EAST_B, WEST]})
     assert vm_config.check_create(on_demand) == (on_demand, [])
     assert fake.requests == []
@@ -117,8 +111,8 @@ def test_a_flex_start_run(world: Env) -> None:
     """--provisioning=flex-start: a FLEX_START VM that consumes no reservation, runs at most
     max_run_duration_s and is then deleted, and whose insert may wait flex_start.request_valid_for_s
     for capacity; priced from conf/prices.yaml's flex-start row (a relative figure, said so) in the
-    creation line and in what preflight's forecast reads. Its zones are cut to those known to grant
-    Flex-start v6e VMs. The insert leaves the VM PENDING: vm_up waits, saying so each poll, and
+    creation line and in what preflight's forecast reads. A zone not known to grant Flex-start v6e VMs
+    is said, and kept. The insert leaves the VM PENDING: vm_up waits, saying so each poll, and
     connects once it is RUNNING. A PENDING VM that disappears (its request window expired) is a
     stockout: vm_up leaves the zone with nothing there and creates the VM in the next Flex-start zone.
     The fake refuses a Flex-start body without maxRunDuration, as Compute does."""
@@ -128,7 +122,7 @@ def test_a_flex_start_run(world: Env) -> None:
     w.configure(zones=[EAST_B, EAST_A], flex_start={"request_valid_for_s": 1800, "poll_s": 0.2})
     w.fake.flex_start_capacity.append(("RUNNING", 1.0))
     out = w.doit("vm_up", "--provisioning=flex-start").stdout
-    assert f"zone {EAST_B} dropped: it grants no Flex-start {V6E} VMs" in out, out
+    assert f"zone {EAST_B} is not among those known to grant Flex-start {V6E} VMs" in out, out
     assert f"creating {V6E} VM mt-test (flex-start) in {EAST_A}: about 10.16 USD per hour (8 chips x " \
            "1.27 USD, v6e flex-start price as of on-demand less 53%, the largest DWS discount (no v6e figure): " \
            "conf/prices.yaml) while it exists; Compute looks for capacity for up to 1800 s " \

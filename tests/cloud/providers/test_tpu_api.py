@@ -18,7 +18,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-from fakes import fake_tpu
+from fakes import discovery, fake_tpu
 from fakes.fake_compute import FakeCompute
 from fakes.fake_metadata import FakeMetadata, running_metadata
 from fakes.fake_tpu import FakeTpu, Outcome
@@ -60,7 +60,8 @@ def assert_nothing_left(w: Env, tpu: FakeTpu) -> None:
 
 def test_the_route_is_chosen_in_one_place() -> None:
     """v5e takes the TPU API by machine type, v6e Compute Engine unless route: tpu_api; ct5lp on the Compute
-    route is refused naming route: tpu_api; Flex-start is Compute's only."""
+    route is refused naming route: tpu_api; Flex-start on the TPU API route is refused naming the API
+    version that has it (v2alpha1: FLEX_START is in its discovery document, not in v2's)."""
     v5e = vm_config.load_config(V5E)
     assert vm_config.route(v5e) == "tpu_api" and vm_config.accelerator_type(v5e) == "v5litepod-8"
     assert vm_config.runtime_version(v5e) == "v2-alpha-tpuv5-lite"
@@ -71,11 +72,13 @@ def test_the_route_is_chosen_in_one_place() -> None:
     assert vm_config.route(v6e_tpu) == "tpu_api" and vm_config.accelerator_type(v6e_tpu) == "v6e-8"
     with pytest.raises(ConfigError, match="route: tpu_api"):
         vm_config.check_route(vm_config.load_config({**V5E, "route": "compute"}))
-    with pytest.raises(ConfigError, match="flex-start is Compute Engine's"):
+    with pytest.raises(ConfigError, match="the Cloud TPU API offers it in v2alpha1 only"):
         vm_config.check_route(vm_config.load_config({"provisioning": "flex-start", "route": "tpu_api",
                                                      "zone": "us-east5-a"}))
     with pytest.raises(ConfigError, match="vm.route"):
         vm_config.load_config({"route": "gke"})
+    assert "FLEX_START" not in fake_tpu.DOCUMENT.read_text()
+    assert '"FLEX_START"' in (discovery.DOCUMENTS / "tpu.v2alpha1.json").read_text()
 
 
 @pytest.mark.slow
