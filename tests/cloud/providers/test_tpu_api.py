@@ -265,6 +265,7 @@ def test_an_idle_node_deletes_its_queued_resource(idle_node: tuple[Env, FakeTpu,
     finally:
         holder.wait(10)
     wait_for(lambda: tpu.calls("DELETE", "/queuedResources/mt-test?force=true"))
+    assert Path(f"{lock}{idle_watch.MAY_DELETE}").read_text() == "granted\n"   # proven at the watch's start
     log = Path(f"{lock}.log")
     wait_for(lambda: log.is_file() and "deleting this VM (queuedResources.delete: HTTP 200)" in log.read_text())
     assert tpu.tokens[-1] == f"Bearer {SA_TOKEN_PREFIX}vm-sa@proj-1.iam.gserviceaccount.com"   # the node's token
@@ -275,15 +276,21 @@ def test_an_idle_node_deletes_its_queued_resource(idle_node: tuple[Env, FakeTpu,
     assert "already gone" in w.doit("vm_down").stdout
 
 
+@pytest.mark.billing
 def test_a_node_that_may_not_delete_itself_powers_off(idle_node: tuple[Env, FakeTpu, Path], tmp_path: Path) -> None:
-    """Its service account lacks tpu.queuedResources.delete (403): it runs idle.poweroff_command; the
-    laptop's vm_down deletes it later."""
+    """Its service account lacks tpu.nodes.delete: the watch finds so at its start (testIamPermissions
+    with the node's token, written beside the lock), and idle, refused (403), it runs
+    idle.poweroff_command saying a stopped node is not known to stop billing; vm_down deletes it."""
     w, tpu, lock = idle_node
     w.doit("vm_up", "--keep")
     tpu.delete_denied = True
+    w.fake.org.permissions = {"compute.instances.delete"}   # not tpu.nodes.delete
     boot_node(tpu)
     wait_for(lambda: (tmp_path / "powered-off").exists())
-    assert "not allowed to delete this VM (HTTP 403): powered off" in Path(f"{lock}.log").read_text()
+    assert Path(f"{lock}{idle_watch.MAY_DELETE}").read_text() == "refused\n"   # its token's testIamPermissions
+    log = Path(f"{lock}.log").read_text()
+    assert "may this VM's service account delete it? refused" in log
+    assert "not allowed to delete this VM (HTTP 403): powered off; a stopped TPU node is not known to stop billing" in log
     assert KEY in tpu.queued and KEY in tpu.nodes
     tpu.delete_denied = False
     w.doit("vm_down")

@@ -83,7 +83,8 @@ def idle_metadata(cfg: Any) -> list[dict[str, str]]:
         return []
     host = str(cfg.run.env.get("GCE_METADATA_HOST") or idle_watch.METADATA_HOST)
     compute = os.environ.get(ENDPOINT_ENV) or idle_watch.COMPUTE_URL
-    return [{"key": "startup-script", "value": idle_watch.startup_script(cfg.idle, host, compute)}]
+    return [{"key": "startup-script", "value": idle_watch.startup_script(
+        cfg.idle, host, compute, resource_manager=os.environ.get(ENDPOINT_ENV) or idle_watch.RESOURCE_MANAGER_URL)}]
 
 
 def instance_body(cfg: Any, name: str, ssh_public_key: str, labels: dict[str, str], model: str) -> dict:

@@ -5,10 +5,12 @@ or a queued resource reads as the VM the lifecycle knows (:class:`TpuVm`, its st
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from mtpipe.cloud.providers.gcp import idle_watch
+from mtpipe.cloud.providers.gcp.api_errors import ENDPOINT_ENV
 from mtpipe.cloud.providers.gcp.bodies import ssh_metadata
 from mtpipe.cloud.providers.interface import WAITING_FOR_CAPACITY, region
 from mtpipe.cloud.providers.gcp.tpu_api.client import endpoint
@@ -97,7 +99,9 @@ def idle_metadata(cfg: Any) -> dict[str, str]:
     if not cfg.idle.delete_after_s:
         return {}
     host = str(cfg.run.env.get("GCE_METADATA_HOST") or idle_watch.METADATA_HOST)
-    return {"startup-script": idle_watch.startup_script(cfg.idle, host, tpu=endpoint(), tpu_name=cfg.name)}
+    resource_manager = os.environ.get(ENDPOINT_ENV) or idle_watch.RESOURCE_MANAGER_URL
+    return {"startup-script": idle_watch.startup_script(cfg.idle, host, tpu=endpoint(), tpu_name=cfg.name,
+                                                        resource_manager=resource_manager)}
 
 
 def reservation_name(cfg: Any) -> str:
