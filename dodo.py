@@ -164,7 +164,7 @@ def vm_run(keep: bool, yes: bool, recreate: bool, target: str | None, set: list[
 @_task_action
 def vm_down(**params: Any) -> None:
     """The VM .vm_state.json records, or the one --name / NAME names; with neither (a fresh clone,
-    another laptop), this user's VMs that Compute lists in the zone by their labels."""
+    another laptop), this user's VMs found by their labels in the zone, or with no zone in every zone."""
     from mtpipe.cloud.settings import vm_state
 
     life = _target(params)
@@ -259,7 +259,8 @@ def task_vm_shell() -> dict:
 def task_vm_down() -> dict:
     """Delete the VM and its firewall rule, or your labelled ones (fine when already gone).
 
-    Without .vm_state.json or a name (a fresh clone, another laptop): your VMs labelled app=mtpipe in the zone."""
+    Without .vm_state.json or a name (a fresh clone, another laptop): your VMs labelled app=mtpipe in the zone
+    (no ZONE: in every zone, on both routes)."""
     return {"actions": [vm_down], "io": NO_CAPTURE, "params": TARGET_PARAMS}
 
 
