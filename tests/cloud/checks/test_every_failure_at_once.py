@@ -14,7 +14,8 @@ import time
 import pytest
 from vm_world import ROOT, Env, sh
 
-from mtpipe.cloud.checks.project import check_remote_writable
+from mtpipe.cloud.checks.project import check_remote_writable, composed_branches
+from mtpipe.errors import ConfigError
 
 pytestmark = [pytest.mark.billing, pytest.mark.checks]
 
@@ -77,7 +78,7 @@ def test_an_unreachable_bucket_costs_seconds_and_one_line(world: Env) -> None:
     config.write_text(config.read_text().replace(endpoint, "http://127.0.0.1:9"))
     sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "dead endpoint"], w.repo, w.env)
     start = time.monotonic()
-    with pytest.raises(Exception) as refused:
+    with pytest.raises(ConfigError) as refused:
         check_remote_writable(w.repo, 60)
     took = time.monotonic() - start
     assert took <= 10 and "cannot reach http://127.0.0.1:9" in str(refused.value) and "\n" not in str(refused.value)
@@ -85,3 +86,11 @@ def test_an_unreachable_bucket_costs_seconds_and_one_line(world: Env) -> None:
     (line,) = [x for x in proc.stdout.splitlines() if "DVC remote:" in x]
     assert "FAILS  DVC remote: remote.gcs.url:" in line and "cannot reach http://127.0.0.1:9" in line, proc.stdout
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_an_rl_preset_given_as_sft_preset_says_use_rl_preset() -> None:
+    """The RL preset on the SFT branch is named as such, with the key to use, not by its train_rl section."""
+    with pytest.raises(ConfigError) as refused:
+        composed_branches(ROOT, ["sft.preset=embedded-rl"])
+    assert refused.value.key == "sft.preset" and "use rl.preset=embedded-rl" in refused.value.fix
+    assert "sft.train_rl" not in str(refused.value)
