@@ -5,7 +5,7 @@
     doit vm_run [--set=steps=2000 ...] [--exp-name NAME] [--target STAGE] [--keep] [--recreate] [--yes]
                 [--queue --set=steps=500 --set=steps=1000 ...] [--provisioning spot]
     doit vm_run --rehearse [--provisioning on-demand] [--keep] [--yes]   (one chip, the embedded default)
-    doit check [--set=...] [--provisioning spot] [--project P ...]   (every prerequisite of vm_run; creates nothing)
+    doit check [--set=...] [--provisioning spot] [--project P ...] [--rehearse]   (every prerequisite of vm_run; creates nothing)
     doit vm_setup        doit vm_status       doit vm_shell        doit vm_down
     doit publish --exp NAME --repo ORG/NAME [--branch rl|sft] [--public]   (HF_TOKEN: a write token)
 
@@ -80,6 +80,9 @@ PROVISIONING = {"name": "provisioning", "long": "provisioning", "type": str, "de
                         "the recorded VM's)"}
 SET = {"name": "set", "long": "set", "type": list, "default": [],
        "help": "`dvc exp run -S VALUE`: --set=steps=2000 (repeatable)"}
+REHEARSE = {"name": "rehearse", "long": "rehearse", "type": bool, "default": False,
+            "help": "the first paid step: the embedded default through every step of the run on a new "
+                    "one-chip VM of the same generation (Spot unless --provisioning), then deleted"}
 QUEUE = {"name": "queue", "long": "queue", "type": bool, "default": False,
          "help": "one experiment per value of a --set key given several times (a grid for "
                  "several such keys), run one after another on one VM"}
@@ -164,7 +167,7 @@ def vm_run(keep: bool, yes: bool, recreate: bool, target: str | None, set: list[
 @_task_action
 def vm_down(**params: Any) -> None:
     """The VM .vm_state.json records, or the one --name / NAME names; with neither (a fresh clone,
-    another laptop), this user's VMs that Compute lists in the zone by their labels."""
+    another laptop), this user's VMs found by their labels in the zone, or with no zone in every zone."""
     from mtpipe.cloud.settings import vm_state
 
     life = _target(params)
@@ -199,15 +202,23 @@ def vm_shell(**params: Any) -> None:
 
 
 @_task_action
-def check(set: list[str], queue: bool, **params: Any) -> None:
+def check(set: list[str], queue: bool, rehearse: bool, **params: Any) -> None:
     from mtpipe.cloud.checks import prerequisites
 
-    prerequisites.check_everything(params, set, queue)
+    if rehearse:   # the rehearsal's VM and the embedded default (mtpipe/cloud/lifecycle/rehearsal.py)
+        from mtpipe.cloud.lifecycle import rehearsal
+        from mtpipe.cloud.on_vm import dvc_experiments
+
+        rehearsal.check_options(set, queue, None)
+        root = dvc_experiments.repo_root()
+        prerequisites.check_everything(params, rehearsal.EMBEDDED, False, lambda p: rehearsal.load_config(p, root))
+    else:
+        prerequisites.check_everything(params, set, queue)
 
 
 def task_check() -> dict:
     """Every prerequisite of `doit vm_run` with the same options, one line each; creates nothing."""
-    return {"actions": [check], "io": NO_CAPTURE, "params": TARGET_PARAMS + [PROVISIONING, SET, QUEUE]}
+    return {"actions": [check], "io": NO_CAPTURE, "params": TARGET_PARAMS + [PROVISIONING, SET, QUEUE, REHEARSE]}
 
 
 def task_vm_up() -> dict:
@@ -239,9 +250,7 @@ def task_vm_run() -> dict:
             QUEUE,
             {"name": "no_preflight", "long": "no-preflight", "type": bool, "default": False,
              "help": "skip the AOT compile that checks the preset fits the TPU (doit preflight)"},
-            {"name": "rehearse", "long": "rehearse", "type": bool, "default": False,
-             "help": "the first paid step: the embedded default through every step of the run on a new "
-                     "one-chip VM of the same generation (Spot unless --provisioning), then deleted"},
+            REHEARSE,
         ],
     }
 
@@ -259,7 +268,8 @@ def task_vm_shell() -> dict:
 def task_vm_down() -> dict:
     """Delete the VM and its firewall rule, or your labelled ones (fine when already gone).
 
-    Without .vm_state.json or a name (a fresh clone, another laptop): your VMs labelled app=mtpipe in the zone."""
+    Without .vm_state.json or a name (a fresh clone, another laptop): your VMs labelled app=mtpipe in the zone
+    (no ZONE: in every zone, on both routes)."""
     return {"actions": [vm_down], "io": NO_CAPTURE, "params": TARGET_PARAMS}
 
 

@@ -71,6 +71,7 @@ def compose(branch: str, params: DictConfig) -> schema.SftBranch:
     branch_params = params[branch]
     preset_name = branch_params.get("preset")
     preset = load_preset(preset_name, f"{branch}.preset")
+    _refuse_other_branch(preset, preset_name, branch)
     defaults = preset.pop("defaults", {})
     parts = {}
     for group in schema.GROUPS:
@@ -85,6 +86,18 @@ def compose(branch: str, params: DictConfig) -> schema.SftBranch:
     cfg.branch = branch
     reject_secrets(cfg, branch)
     return rules.check_branch(OmegaConf.to_container(cfg, resolve=True), preset_name)
+
+
+def _refuse_other_branch(preset: DictConfig, name: str, branch: str) -> None:
+    """A preset with a stage section only another branch has (an RL preset's train_rl as sft.preset) is
+    that branch's: the error names the branch key to use, not the section the user never typed."""
+    for other, stages in BRANCH_STAGES.items():
+        foreign = sorted(set(preset) & set(stages) - set(BRANCH_STAGES[branch]))
+        if other != branch and foreign:
+            raise ConfigError(f"{branch}.preset", f"{name!r} has {', '.join(foreign)}: a preset of the {other} "
+                              f"branch, whose stages {branch} does not run",
+                              f"use {other}.preset={name} (or one of the {branch} presets), or remove "
+                              f"{', '.join(foreign)} from conf/preset/{name}.yaml")
 
 
 def compose_all(params: DictConfig) -> dict[str, schema.SftBranch]:

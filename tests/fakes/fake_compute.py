@@ -41,9 +41,9 @@ gets Compute's 400 (or 404) without reaching the fake, an answer Compute would n
 500, and :func:`running_fake` fails the test that left either behind.
 
 instances.list answers with the zone's instances that match its `filter` (Compute's syntax, the
-forms below in :func:`matches`). :meth:`FakeCompute.hold_inserts` keeps the operation of every
-insert PENDING (its VM PROVISIONING) until :meth:`FakeCompute.release_inserts`, which finishes them
-whether or not anyone polls, as Compute does; a `wait` on a held operation answers PENDING after a
+forms below in :func:`matches`), instances.aggregatedList with those of every zone.
+:meth:`FakeCompute.hold_inserts` keeps the operation of every insert PENDING (its VM PROVISIONING)
+until :meth:`FakeCompute.release_inserts`, which finishes them whether or not anyone polls, as Compute does; a `wait` on a held operation answers PENDING after a
 short while (Compute's own `wait` answers after at most two minutes), so a test can interrupt a
 client in the middle of an insert. ``flex_start_capacity`` makes Flex-start VMs wait for capacity as
 Dynamic Workload Scheduler does: the insert's operation ends DONE with the VM PENDING (no external IP
@@ -324,6 +324,8 @@ class FakeCompute:
                     return self._instance(method, project, zone, name)
                 case [project, "zones", zone, "disks", name] if method in ("GET", "DELETE"):
                     return self._disk(method, project, zone, name)
+                case [project, "aggregated", "instances"] if method == "GET":
+                    return self._aggregated_instances(project, url)
                 case [project, "aggregated", "machineTypes"] if method == "GET":
                     return 200, self._aggregated_machine_types(url)
                 case [project, "zones", zone, "machineTypes", name] if method == "GET":
@@ -417,6 +419,22 @@ class FakeCompute:
             f"zones/{zone}": {"machineTypes": [{"name": wanted, "zone": zone}]} if wanted in types else
             {"warning": {"code": "NO_RESULTS_ON_PAGE", "message": "no results"}}
             for zone, types in sorted(self.machine_types.items())}}
+
+    def _aggregated_instances(self, project: str, url: str) -> tuple[int, dict]:
+        """instances.aggregatedList: every zone (those with machine types or VMs), each with its instances
+        that match the filter or Compute's NO_RESULTS_ON_PAGE warning, in one page."""
+        wanted = parse_qs(urlsplit(url).query).get("filter", [""])[0]
+        zones = sorted(set(self.machine_types) | {z for p, z, _ in self.instances if p == project})
+        try:
+            found = {zone: [i for (p, z, _), i in sorted(self.instances.items())
+                            if (p, z) == (project, zone) and matches(wanted, i)] for zone in zones}
+        except ValueError as e:
+            return _error(400, f"Invalid value for field 'filter': {e}")
+        empty = {"warning": {"code": "NO_RESULTS_ON_PAGE", "message": "There are no results for scope "
+                             "'zones/ZONE' on this page.", "data": [{"key": "scope", "value": "zones/ZONE"}]}}
+        return 200, {"kind": "compute#instanceAggregatedList", "id": f"projects/{project}/aggregated/instances",
+                     "items": {f"zones/{zone}": {"instances": items} if items else
+                               json.loads(json.dumps(empty).replace("ZONE", zone)) for zone, items in found.items()}}
 
     def _insert_instance(self, project: str, zone: str, body: dict) -> tuple[int, dict]:
         if self.on_insert:

@@ -201,8 +201,8 @@ def edit(path: Path, change) -> None:
      "no eval_files", "conf/dataset/gsm8k-tiny.yaml"),
     ("preset/embedded-sft.yaml", lambda d: d["train_sft"].pop("checkpoint_period"), {}, "sft.train_sft.checkpoint_period",
      "is missing", "conf/preset/embedded-sft.yaml"),
-    ("preset/embedded-sft.yaml", lambda d: d.update(train_rl={}), {}, "sft.train_rl", "not a key of sft",
-     "train_sft"),
+    ("preset/embedded-sft.yaml", lambda d: d.update(train_rl={}), {}, "sft.preset", "a preset of the rl branch",
+     "remove train_rl from conf/preset/embedded-sft.yaml"),
 ])
 def test_bad_conf_file_is_rejected_naming_the_key_and_file(conf, file, change, overrides, key, problem, fix):
     edit(conf / file, change)

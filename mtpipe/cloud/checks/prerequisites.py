@@ -26,7 +26,7 @@ from mtpipe.cloud.providers.gcp.google_apis import GoogleApis, Unknown
 from mtpipe.cloud.providers.interface import ProviderError
 from mtpipe.cloud.providers.gcp.tpu_api.client import TpuClient
 from mtpipe.cloud.settings import vm_config
-from mtpipe.cloud.settings.vm_config import VmConfig, VmError
+from mtpipe.cloud.settings.vm_config import ConfigErrors, VmConfig, VmError
 from mtpipe.errors import ConfigError
 from mtpipe.planning import preflight
 
@@ -80,6 +80,11 @@ class Runner:
             result = body()
         except Unknown as err:
             return self._record(name, UNKNOWN, str(err))
+        except ConfigErrors as several:   # one line each, the first under the check's own name
+            for i, err in enumerate(several.errors):
+                self.errors.append(err)
+                self._record(name, FAILS, str(err), key=f"{name} ({i + 1})" if i else name)
+            return None
         except (ConfigError, ProviderError, VmError) as err:
             self.errors.append(err)
             return self._record(name, FAILS, str(err))
@@ -87,8 +92,8 @@ class Runner:
         self._record(name, OK, detail or "")
         return value
 
-    def _record(self, name: str, status: str, detail: str) -> None:
-        self.outcomes[name] = outcome = Outcome(name, status, detail)
+    def _record(self, name: str, status: str, detail: str, key: str | None = None) -> None:
+        self.outcomes[key or name] = outcome = Outcome(name, status, detail)
         if self.say:
             self.say(outcome.line())
 
@@ -131,21 +136,26 @@ def _credentials() -> tuple[str, GoogleApis]:
     return (CREDENTIAL_KINDS.get(module, module) + (f": {email}" if email and email != "default" else "")), apis
 
 
-def check_settings(cfg: VmConfig) -> None:
-    """:func:`settings` alone, before any request: one error naming every missing one."""
+def check_settings(cfg: VmConfig, root: Path, experiments: list[list[str]]) -> None:
+    """:func:`settings` alone, before any request; when one fails, every check that needs no cloud too
+    (what needs one is not checked), then one error naming every failure."""
     run = Runner()
     settings(run, cfg)
+    if run.errors:
+        check_all(run, cfg, root, experiments, settings_failed=True)
     run.raise_failures()
 
 
 def check_all(run: Runner, cfg: VmConfig, root: Path, experiments: list[list[str]],
-              client: Compute | None = None, act: bool = False) -> tuple[VmConfig, list[identity.Target]]:
+              client: Compute | None = None, act: bool = False,
+              settings_failed: bool = False) -> tuple[VmConfig, list[identity.Target]]:
     """Every check, in the order the run would meet them. Returns ``cfg`` as the checks decided it (the
     Flex-start zones, OS Login and its user, the zones with quota) and the buckets only the VM can
     tell it may use (identity.probe_from_vm). ``client``: the zone's Compute client (made here when
     None). ``act``: vm_up's mode, which enables disabled APIs (enable_apis: true) and imports the SSH
-    key into the OS Login profile; without it nothing is changed anywhere."""
-    apis = settings(run, cfg)
+    key into the OS Login profile; without it nothing is changed anywhere. ``settings_failed``:
+    :func:`settings` ran in ``run`` already, and failed: what needs a cloud is not checked."""
+    apis = None if settings_failed else settings(run, cfg)
     run.check("route", lambda: vm_config.check_route(cfg))
     tpu_route = vm_config.route(cfg) == "tpu_api"
     if cfg.provisioning == "flex-start":
@@ -167,7 +177,7 @@ def check_all(run: Runner, cfg: VmConfig, root: Path, experiments: list[list[str
     cfg = run.check("OS Login", lambda: access.check_os_login(cfg, compute, apis, import_key=act),
                     needs=compute_needs) or cfg
     branches = run.check("presets", lambda: _presets(root, experiments), needs=("--set",))
-    run.check("DVC remote", lambda: _dvc_remote(cfg, root))
+    run.check("DVC remote", lambda: _dvc_remote(cfg, root), needs=("credentials",))
     uses_gcs = run.outcomes["DVC remote"].status == OK and bool(identity.targets(cfg, root))
     run.check("APIs", lambda: caller.check_apis(cfg, apis, caller.services(cfg, uses_gcs), enable=act),
               needs=compute_needs)
@@ -286,16 +296,20 @@ def before_spending(cfg: VmConfig, compute: Compute, root: Path,
     return checked
 
 
-def check_everything(params: dict[str, Any], sets: list[str], queue: bool) -> None:
-    """`doit check`: every check of a vm_run with these options (``params``: doit's target options),
-    one line each; a ConfigError when any fails. Nothing is created or changed."""
+def check_everything(params: dict[str, Any], sets: list[str], queue: bool,
+                     load: Callable[[dict[str, Any]], VmConfig] = vm_config.load_config) -> None:
+    """`doit check`: every check of a vm_run with these options (``params``: doit's target options;
+    ``load``: how they make the VM's config, the rehearsal's or the real run's), one line each; a
+    ConfigError when any fails. Nothing is created or changed. A config with wrong values gets a line
+    for each (with where it came from), and the presets are still composed."""
     from mtpipe.cloud.on_vm import dvc_experiments
 
     run, root = Runner(_say), dvc_experiments.repo_root()
-    cfg = run.check("conf/vm.yaml", lambda: ("loads", vm_config.load_config(params)))
+    cfg = run.check("VM config", lambda: ("loads", load(params)))
     experiments = run.check("--set", lambda: _experiments(sets, queue))
     if cfg is None:
-        run.check("the other checks", lambda: None, needs=("conf/vm.yaml",))
+        run.check("presets", lambda: _presets(root, experiments or [[]]), needs=("--set",))
+        run.check("the other checks", lambda: None, needs=("VM config",))
     else:
         check_all(run, cfg, root, experiments or [[]])
     counts = {status: sum(o.status == status for o in run.outcomes.values())

@@ -6,13 +6,16 @@ before code is shipped to a VM that already runs. Each failure is a ConfigError 
 """
 from __future__ import annotations
 
+import logging
 import os
+import socket
 import threading
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from mtpipe.cloud.checks.gcp import identity
 from mtpipe.cloud.settings.vm_config import VmConfig
@@ -83,11 +86,20 @@ def check_hub_repo(repo: HubRepo) -> str:
     return f"gated ({access}); HF_TOKEN's account may download it"
 
 
+# The laptop's write probe waits at most this long (or remote_probe_timeout_s, if shorter): a bucket that
+# answers does so in a second or two, and gcsfs retries an endpoint that does not for most of a minute.
+WRITE_PROBE_S = 8.0
+CONNECT_S = 3.0                        # to open a connection to the remote's endpoint
+GCS_ENDPOINT = "https://storage.googleapis.com"
+
+
 def check_remote_writable(root: Path, timeout_s: float) -> None:
     """Write and delete a small object on the default DVC remote, through DVC's own filesystem.
 
-    The VM pushes its results there. The probe runs in a thread with a deadline: gcsfs retries a
-    dead endpoint for minutes.
+    The VM pushes its results there. The probe runs in a thread with a deadline of at most
+    :data:`WRITE_PROBE_S`, after a connection to the remote's endpoint (a gs:// remote's
+    ``endpointurl``, else Google's) is opened within :data:`CONNECT_S`; meanwhile gcsfs's retry log is
+    held back, so a failure is one line.
     """
     from dvc.config import NoRemoteError
     from dvc.repo import Repo
@@ -99,7 +111,10 @@ def check_remote_writable(root: Path, timeout_s: float) -> None:
         try:
             with Repo(str(root)) as repo:
                 remote["name"] = repo.config["core"].get("remote", "")
-                remote["url"] = repo.config["remote"].get(remote["name"], {}).get("url", "")
+                settings = repo.config["remote"].get(remote["name"], {})
+                remote["url"] = settings.get("url", "")
+                if remote["url"].startswith("gs://"):
+                    _reachable(settings.get("endpointurl") or GCS_ENDPOINT)
                 odb = repo.cloud.get_remote(command="vm_run").odb
                 path = odb.fs.join(odb.path, f".mtpipe-write-probe-{uuid.uuid4().hex}")
                 odb.fs.pipe_file(path, b"mtpipe checks that this remote is writable\n")
@@ -109,18 +124,45 @@ def check_remote_writable(root: Path, timeout_s: float) -> None:
             outcome.append(err)
 
     thread = threading.Thread(target=probe, daemon=True)
+    quiet = _Quiet(thread)
+    logging.getLogger("gcsfs").addFilter(quiet)
     thread.start()
-    thread.join(timeout_s)
+    limit = min(timeout_s, WRITE_PROBE_S)
+    thread.join(limit)
     key = f"remote.{remote.get('name') or '?'}.url"
     fix = ("check the bucket name and endpoint (`dvc remote list`), and that your credentials may "
            "write it (roles/storage.objectAdmin): `dvc push` must work from here")
     if not outcome:
-        raise ConfigError(key, f"writing a probe object to {remote.get('url')} took more than "
-                          f"{timeout_s:.0f} s", fix)
+        raise ConfigError(key, f"writing a probe object to {remote.get('url')} took more than {limit:.0f} s", fix)
     err = outcome[0]
     if isinstance(err, NoRemoteError):
         raise ConfigError("core.remote", "no default DVC remote: the VM pushes its results there",
                           "`dvc remote add -d gcs gs://BUCKET/PATH` and commit .dvc/config")
     if err is not None:
-        raise ConfigError(key, f"{remote.get('url')} is not writable ({type(err).__name__}: {err})",
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise ConfigError(key, f"{remote.get('url')} is not writable ({type(err).__name__}: {first})",
                           fix) from err
+
+
+def _reachable(endpoint: str) -> None:
+    """Open (and close) a TCP connection to ``endpoint`` within CONNECT_S; OSError naming it when it fails."""
+    url = urlsplit(endpoint)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname or "", port), timeout=CONNECT_S).close()
+    except OSError as err:
+        raise OSError(f"cannot reach {endpoint} ({err})") from err
+
+
+class _Quiet(logging.Filter):
+    """Drops gcsfs's log records while ``thread`` (the probe) runs: its retries' tracebacks."""
+
+    def __init__(self, thread: threading.Thread) -> None:
+        super().__init__()
+        self.thread = thread
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.thread.is_alive() or self.thread.ident is None:
+            return False
+        logging.getLogger("gcsfs").removeFilter(self)
+        return True

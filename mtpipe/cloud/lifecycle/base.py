@@ -14,9 +14,9 @@ from typing import Any
 
 from mtpipe.cloud.lifecycle.lines import _say, spend_line
 from mtpipe.cloud.on_vm import run_status, ssh
-from mtpipe.cloud.providers import interrupts
+from mtpipe.cloud.providers import choice, interrupts
 from mtpipe.cloud.providers.choice import provider_for
-from mtpipe.cloud.providers.interface import Provider
+from mtpipe.cloud.providers.interface import Provider, ProviderError
 from mtpipe.cloud.settings import prices, vm_config, vm_state
 from mtpipe.cloud.settings.vm_config import VmConfig
 
@@ -40,6 +40,7 @@ class Vm:
     def __init__(self, cfg: VmConfig, root: Path, keep: bool = False,
                  provider: Callable[[VmConfig], Provider] = provider_for) -> None:
         self._cfg, self.root, self.keep, self.provider = cfg, root, keep, provider
+        self.deleted: list[str] = []   # the VMs vm_down deleted by their labels
 
     @property
     def cfg(self) -> VmConfig:
@@ -47,8 +48,8 @@ class Vm:
 
     @cfg.setter
     def cfg(self, cfg: VmConfig) -> None:
-        """A new config; in another zone (vm_config.in_zone), the cloud's client is made again for it."""
-        if cfg.zone != self._cfg.zone:
+        """A new config; in another zone (vm_config.in_zone) or route, the cloud's client is made again for it."""
+        if (cfg.zone, cfg.route) != (self._cfg.zone, self._cfg.route):
             self.__dict__.pop("cloud", None)   # functools.cached_property
         self._cfg = cfg
 
@@ -110,10 +111,42 @@ class Vm:
         (vm_config.candidate_zones), delete the VM ``cfg`` names (mtpipe-<user> by default) and every
         VM labelled with `labels` and created by this user (label created-by), each with its firewall
         rule; other users' VMs are named, not deleted. Finds what a fresh clone or another laptop has
-        no state file for."""
-        for zone in vm_config.candidate_zones(self.cfg):
+        no state file for; with no zone at all, in every zone (:meth:`delete_labelled_everywhere`)."""
+        zones = vm_config.candidate_zones(self.cfg)
+        if not zones:
+            self.delete_labelled_everywhere()
+        for zone in zones:
             self.move_to(zone)
             self._delete_labelled_here()
+
+    def delete_labelled_everywhere(self) -> None:
+        """:meth:`delete_labelled` in every zone of the project, on each route (choice.EVERYWHERE: Compute
+        Engine's VMs, the Cloud TPU API's nodes and queued resources): says what each route searched and
+        found, a route it could not search (the config's own route's failure stops the task) and the
+        zones it could not read; with nothing of this user's anywhere, says so."""
+        cfg, user = self.cfg, vm_config.label_value(getpass.getuser())
+        vm_config.require(cfg, "project")
+        labels = {k: str(v) for k, v in cfg.labels.items()}
+        deleted_before = len(self.deleted)
+        for route, (where, search) in choice.EVERYWHERE.items():
+            try:
+                found = search(cfg.project, labels)
+            except ProviderError as err:
+                if route == vm_config.route(cfg):
+                    raise
+                _say(f"not searched: {where} ({err})")
+                continue
+            zones = ", ".join(f"{zone} ({len(vms)})" for zone, vms in sorted(found.vms.items()))
+            _say(f"searched {where} of {cfg.project} for VMs labelled {_labels(cfg)}: "
+                 + (f"found in {zones}" if zones else "none"))
+            if found.unread:
+                _say(f"  could not read: {', '.join(found.unread)}")
+            for zone in sorted(found.vms):
+                self.cfg = vm_config.in_zone(cfg.model_copy(update={"route": route}), zone)
+                self._delete_labelled_here()
+        self.cfg = cfg
+        if len(self.deleted) == deleted_before:
+            _say(f"nothing of yours (label {USER_LABEL}={user}) to delete in any zone of {cfg.project}")
 
     def _delete_labelled_here(self) -> None:
         """:meth:`delete_labelled` in ``cfg.zone``."""
@@ -124,6 +157,7 @@ class Vm:
             mine.insert(0, cfg.name)
         if not mine:
             _say(f"no VM {cfg.name}, and none labelled {_labels(cfg)} by {user}, in {cfg.project}/{cfg.zone}")
+        self.deleted += mine
         for name in mine:
             labels = dict(found[name].labels) if name in found else {}
             firewall = labels.get(FIREWALL_LABEL) or (cfg.firewall.name if name == cfg.name else f"{name}-ssh")

@@ -18,7 +18,7 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mtpipe.cloud.checks import tpu
+from mtpipe.cloud.checks import prerequisites, tpu
 from mtpipe.cloud.on_vm import dvc_experiments, ssh
 from mtpipe.cloud.settings import vm_config, vm_state
 from mtpipe.cloud.settings.vm_config import VmConfig
@@ -111,11 +111,12 @@ def checks(cfg: VmConfig, root: Path) -> list[Check]:
 
 
 def run(life: VmLifecycle, exp_name: str | None) -> None:
-    """The rehearsal on a new VM of ``life``'s config (:func:`load_config`): refused when a VM of its name
+    """The rehearsal on a new VM of ``life``'s config (:func:`load_config`): refused without PROJECT, ZONE
+    or credentials (all named at once, with whatever else fails), or when a VM of its name
     exists already (it would be reused, not rehearsed on), else vm_run's run of :data:`EMBEDDED` with
     :func:`checks`. The caller deletes the VM afterwards, as after any vm_run."""
     cfg = life.cfg
-    vm_config.require(cfg, "project", "zone")
+    prerequisites.check_settings(cfg, life.root, [EMBEDDED])   # every missing value named at once
     if life.cloud.get_instance(cfg.name) is not None:
         raise ConfigError("vm.name", f"VM {cfg.name} exists in {cfg.project}/{cfg.zone}, and the rehearsal "
                           "creates a VM of its own", f"delete it with `doit vm_down --name {cfg.name}`, or "

@@ -104,7 +104,7 @@ class VmLifecycle:
         for. `may_create` False refuses to replace a VM that .vm_state.json records but the cloud no
         longer has (vm_run without --recreate).
         """
-        self._check_settings()
+        self._check_settings(experiments)
         state = self._recorded_here()
         instance = self._existing()
         created, unproven = instance is None, []
@@ -125,10 +125,10 @@ class VmLifecycle:
             self.guarded(lambda: identity.probe_from_vm(remote, self.cfg, unproven))
         return remote
 
-    def _check_settings(self) -> None:
+    def _check_settings(self, experiments: list[list[str]]) -> None:
         """The settings, before any request (prerequisites.check_settings, vm_config.check_create),
         each Flex-start zone not known to grant the VM said."""
-        prerequisites.check_settings(self.cfg)
+        prerequisites.check_settings(self.cfg, self.root, experiments)
         self.vm.cfg, warned = vm_config.check_create(self.cfg)
         for line in warned:
             _say(line)

@@ -6,7 +6,7 @@ A second provider is a folder next to gcp/ that implements the same protocol wit
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from mtpipe.cloud.settings.vm_config import VmConfig
 
@@ -48,6 +48,14 @@ class QuotaExceeded(ProviderError):
     def __init__(self, message: str, global_quota: bool, per_zone: bool = False) -> None:
         super().__init__(message)
         self.global_quota, self.per_zone = global_quota, per_zone
+
+
+class Everywhere(NamedTuple):
+    """What a route found in every zone of a project (`doit vm_down` with nothing recorded and no zone):
+    the VMs carrying the labels asked for, by zone, and each zone it could not read, with why."""
+
+    vms: dict[str, list[Any]]
+    unread: list[str]
 
 
 def region(zone: str) -> str:

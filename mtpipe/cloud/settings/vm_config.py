@@ -35,7 +35,7 @@ NAME_MAX = 63
 LABEL_KEY_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
 LABEL_VALUE_RE = re.compile(r"^[a-z0-9_-]{0,63}$")
 # Compute Engine's bounds on params.requestValidForDuration (a Flex-start insert's wait for capacity):
-# it refuses values outside 90-7200 s (the error text a Flex-start report quotes, /work/shared notes)
+# it refuses values outside 90-7200 s (the error text public Flex-start reports quote)
 FLEX_START_WAIT_S = (90, 7200)
 # The two ways to create the VM (conf/vm.yaml `route:`, :func:`route`): Compute Engine's instances.insert,
 # or the Cloud TPU API's queued resources (tpu.googleapis.com/v2). null: by machine type, a generation
@@ -46,6 +46,20 @@ ROUTES = ("compute", "tpu_api")
 
 class VmError(RuntimeError):
     """A failure on or reaching the VM, worded for the user."""
+
+
+class ConfigErrors(ConfigError):
+    """Several wrong values found at once (:attr:`errors`: a ConfigError each), one line each."""
+
+    def __init__(self, errors: list[ConfigError]) -> None:
+        super().__init__("vm", f"{len(errors)} values are wrong", "each fix")
+        self.errors = errors
+
+    def __reduce__(self) -> tuple[type, tuple[list[ConfigError]]]:
+        return ConfigErrors, (self.errors,)
+
+    def __str__(self) -> str:
+        return f"{len(self.errors)} values are wrong:\n" + "\n".join(f"  - {e}" for e in self.errors)
 
 
 class SessionLost(VmError):
@@ -158,67 +172,86 @@ class VmConfig(Section):
 
     @model_validator(mode="after")
     def check_values(self) -> VmConfig:
+        """Every rule of several keys, each broken one named (:class:`ConfigErrors` when several are)."""
+        found = self.problems()
+        if len(found) > 1:
+            raise ConfigErrors(found)
+        if found:
+            raise found[0]
+        return self
+
+    def problems(self) -> list[ConfigError]:
+        """What is wrong with the values, one ConfigError each (the key, the problem, the fix)."""
+        found: list[ConfigError] = []
         if self.provisioning not in PROVISIONING:
-            raise ConfigError("vm.provisioning", f"{self.provisioning!r} is not one of "
-                              f"{', '.join(PROVISIONING)}",
-                              "pass --provisioning=spot (or reservation, on-demand, flex-start), or set "
-                              "provisioning: in conf/vm.yaml")
-        self.check_zones()
+            found.append(ConfigError("vm.provisioning", f"{self.provisioning!r} is not one of "
+                                     f"{', '.join(PROVISIONING)}",
+                                     "pass --provisioning=spot (or reservation, on-demand, flex-start), or set "
+                                     "provisioning: in conf/vm.yaml"))
+        try:
+            self.check_zones()
+        except ConfigError as err:
+            found.append(err)
         if self.route is not None and self.route not in ROUTES:
-            raise ConfigError("vm.route", f"{self.route!r} is not one of {', '.join(ROUTES)}",
-                              "set route: compute (Compute Engine), tpu_api (the Cloud TPU API's queued resources) "
-                              "or null (by machine type) in conf/vm.yaml")
+            found.append(ConfigError("vm.route", f"{self.route!r} is not one of {', '.join(ROUTES)}",
+                                     "set route: compute (Compute Engine), tpu_api (the Cloud TPU API's queued "
+                                     "resources) or null (by machine type) in conf/vm.yaml"))
         if self.provisioning == "flex-start" and not 0 < self.max_run_duration_s <= FLEX_START_MAX_RUN_S:
-            raise ConfigError("vm.max_run_duration_s", f"is {self.max_run_duration_s} with provisioning: "
-                              "flex-start, which Compute runs for a limited time only (its maxRunDuration, at "
-                              "most 7 days)", f"set max_run_duration_s between 1 and {FLEX_START_MAX_RUN_S} in "
-                              "conf/vm.yaml (Compute deletes the VM then)")
+            found.append(ConfigError("vm.max_run_duration_s", f"is {self.max_run_duration_s} with provisioning: "
+                                     "flex-start, which Compute runs for a limited time only (its maxRunDuration, at "
+                                     "most 7 days)", f"set max_run_duration_s between 1 and {FLEX_START_MAX_RUN_S} in "
+                                     "conf/vm.yaml (Compute deletes the VM then)"))
         low, high = FLEX_START_WAIT_S
         if not low <= self.flex_start.request_valid_for_s <= high:
-            raise ConfigError("vm.flex_start.request_valid_for_s", f"is {self.flex_start.request_valid_for_s:g} s, "
-                              f"and Compute takes a request window (requestValidForDuration) of {low}-{high} s "
-                              "only", f"set flex_start.request_valid_for_s between {low} and {high} in conf/vm.yaml")
+            found.append(ConfigError("vm.flex_start.request_valid_for_s", f"is {self.flex_start.request_valid_for_s:g} "
+                                     f"s, and Compute takes a request window (requestValidForDuration) of {low}-{high} "
+                                     f"s only", f"set flex_start.request_valid_for_s between {low} and {high} in "
+                                     "conf/vm.yaml"))
         if problem := name_problem(self.name):
-            raise ConfigError("vm.name", f"{self.name!r} {problem}",
-                              f"use at most {NAME_MAX - len('-ssh')} lowercase letters, digits and dashes, "
-                              "starting with a letter (NAME / --name; the firewall rule adds -ssh)")
-        if self.firewall.name and (problem := name_problem(self.firewall.name)):
-            raise ConfigError("vm.firewall.name", f"{self.firewall.name!r} {problem}",
-                              f"use a NAME of at most {NAME_MAX - len('-ssh')} characters, or set "
-                              "firewall.name: in conf/vm.yaml")
+            found.append(ConfigError("vm.name", f"{self.name!r} {problem}",
+                                     f"use at most {NAME_MAX - len('-ssh')} lowercase letters, digits and dashes, "
+                                     "starting with a letter (NAME / --name; the firewall rule adds -ssh)"))
+        elif self.firewall.name and (problem := name_problem(self.firewall.name)):
+            found.append(ConfigError("vm.firewall.name", f"{self.firewall.name!r} {problem}",
+                                     f"use a NAME of at most {NAME_MAX - len('-ssh')} characters, or set "
+                                     "firewall.name: in conf/vm.yaml"))
         for cidr in self.firewall.source_ranges or []:
             try:
                 ipaddress.ip_network(cidr, strict=False)
             except ValueError:
-                raise ConfigError("vm.firewall.source_ranges", f"{cidr!r} is not an address range",
-                                  "write ranges as ADDRESS/BITS, e.g. 203.0.113.7/32") from None
+                found.append(ConfigError("vm.firewall.source_ranges", f"{cidr!r} is not an address range",
+                                         "write ranges as ADDRESS/BITS, e.g. 203.0.113.7/32"))
         for key, value in self.labels.items():
             if not (LABEL_KEY_RE.match(key) and LABEL_VALUE_RE.match(value)):
-                raise ConfigError(f"vm.labels.{key}", f"{key}={value!r} is not a Compute label",
-                                  "keys: a lowercase letter, then up to 62 lowercase letters, digits, "
-                                  "_ or -; values: up to 63 of those (conf/vm.yaml labels:)")
+                found.append(ConfigError(f"vm.labels.{key}", f"{key}={value!r} is not a Compute label",
+                                         "keys: a lowercase letter, then up to 62 lowercase letters, digits, "
+                                         "_ or -; values: up to 63 of those (conf/vm.yaml labels:)"))
         if self.reservation_model not in RESERVATION_MODELS:
-            raise ConfigError("vm.reservation_model", f"{self.reservation_model!r} is not one of "
-                              f"{', '.join(RESERVATION_MODELS)}",
-                              "set reservation_model: auto (decided from the reservation), bound or standard "
-                              "in conf/vm.yaml")
+            found.append(ConfigError("vm.reservation_model", f"{self.reservation_model!r} is not one of "
+                                     f"{', '.join(RESERVATION_MODELS)}",
+                                     "set reservation_model: auto (decided from the reservation), bound or "
+                                     "standard in conf/vm.yaml"))
         if self.reservation and not (NAME_RE.match(self.reservation)
                                      or SHARED_RESERVATION.fullmatch(self.reservation)):
-            raise ConfigError("vm.reservation", f"{self.reservation!r} is neither a reservation name nor "
-                              "projects/PROJECT/reservations/NAME",
-                              "pass the name of a reservation of this project, or that form for one "
-                              "another project shares with it (RESERVATION / --reservation)")
-        gen, _ = generations.of_machine_type(self.machine_type)
+            found.append(ConfigError("vm.reservation", f"{self.reservation!r} is neither a reservation name nor "
+                                     "projects/PROJECT/reservations/NAME",
+                                     "pass the name of a reservation of this project, or that form for one "
+                                     "another project shares with it (RESERVATION / --reservation)"))
+        if self.max_run_duration_s < 0:
+            found.append(ConfigError("vm.max_run_duration_s", "is negative", "use seconds, or 0 to disable"))
+        if self.max_recoveries < 0:
+            found.append(ConfigError("vm.max_recoveries", "is negative", "use 0 (never recreate a lost VM) or more"))
+        try:
+            gen, _ = generations.of_machine_type(self.machine_type)
+        except ConfigError as err:
+            found.append(err)
+            return found
         disks = gen.compute.boot_disks
         if disks is not None and self.boot_disk_type not in disks:
-            raise ConfigError("vm.boot_disk_type", f"{self.boot_disk_type!r} cannot be the boot disk of a "
-                              f"{self.machine_type} VM ({gen.title} boots from {', '.join(disks)} only: "
-                              f"{generations.TABLE_NAME})", f"set boot_disk_type: {disks[0]} in conf/vm.yaml")
-        if self.max_run_duration_s < 0:
-            raise ConfigError("vm.max_run_duration_s", "is negative", "use seconds, or 0 to disable")
-        if self.max_recoveries < 0:
-            raise ConfigError("vm.max_recoveries", "is negative", "use 0 (never recreate a lost VM) or more")
-        return self
+            found.append(ConfigError("vm.boot_disk_type", f"{self.boot_disk_type!r} cannot be the boot disk of a "
+                                     f"{self.machine_type} VM ({gen.title} boots from {', '.join(disks)} only: "
+                                     f"{generations.TABLE_NAME})", f"set boot_disk_type: {disks[0]} in conf/vm.yaml"))
+        return found
 
     def check_zones(self) -> None:
         """``zones`` holds zone names, each once; a reservation, which is in one zone, gets one."""
@@ -237,7 +270,8 @@ class VmConfig(Section):
 
 def load_config(params: dict[str, Any] | None = None, state: dict | None = None) -> VmConfig:
     """conf/vm.yaml < $MTPIPE_VM_CONFIG < env PROJECT/ZONE/RESERVATION/NAME < doit params, checked
-    against :class:`VmConfig` and frozen: a later change is a new config (``model_copy``).
+    against :class:`VmConfig` and frozen: a later change is a new config (``model_copy``). Every wrong
+    value is named at once (:class:`ConfigErrors` when several are), each with where it came from.
 
     `project` and `name`, still unset after that, are filled from the state file (the VM vm_up
     created), then `name` defaults to mtpipe-<user>; the zone is :func:`first_zone`'s (a `zone` given
@@ -246,36 +280,71 @@ def load_config(params: dict[str, Any] | None = None, state: dict | None = None)
     Login user (:func:`use_recorded_login`).
     """
     raw = OmegaConf.load(ROOT / "conf" / "vm.yaml")
-    if os.environ.get(CONFIG_ENV):
-        raw = OmegaConf.merge(raw, OmegaConf.load(os.environ[CONFIG_ENV]))
+    sources: dict[str, str] = {}   # dotted key -> where its value came from (else conf/vm.yaml)
+    overlay = os.environ.get(CONFIG_ENV)
+    if overlay:
+        layer = OmegaConf.load(overlay)
+        raw = OmegaConf.merge(raw, layer)
+        sources |= dict.fromkeys(_dotted(OmegaConf.to_container(layer)), f"{overlay} (${CONFIG_ENV})")
     for key, var in ENV_KEYS.items():
         if os.environ.get(var):
-            raw[key] = os.environ[var]
+            raw[key], sources[key] = os.environ[var], f"{var} in the environment"
     for key, value in (params or {}).items():
         if value not in (None, ""):
             OmegaConf.update(raw, key, value)
+            sources[key] = f"--{key}" if key in (*ENV_KEYS, "provisioning") else f"the task's {key}"
     for key in ("project", "name"):
         if not raw[key] and state and state.get(key):
-            raw[key] = state[key]
+            raw[key], sources[key] = state[key], RECORD
     if not raw.name:
         raw.name = "mtpipe-" + label_value(getpass.getuser()).replace("_", "-")[:40]
     recorded = bool(state) and state.get("name") == raw.name
     if not (params or {}).get("provisioning") and recorded:
         raw.provisioning = state.get("provisioning", raw.provisioning)   # the recorded VM's kind
+        sources["provisioning"] = RECORD
     if not raw.firewall.name:
         raw.firewall.name = f"{raw.name}-ssh"
-    cfg = validate(VmConfig, OmegaConf.to_container(raw), "vm",
-                   lambda key, requirement: f"set {key.removeprefix('vm.')} {requirement} in conf/vm.yaml")
-    if cfg.zones and cfg.zone and cfg.zone not in cfg.zones:
-        raise ConfigError("vm.zone", f"{cfg.zone!r} (ZONE / --zone) is not one of zones: {list(cfg.zones)}",
-                          "unset ZONE / --zone to try zones in order, or add it to zones: in conf/vm.yaml")
+        sources["firewall.name"] = f"name, from {sources.get('name', 'conf/vm.yaml')}"
+    try:
+        cfg = validate(VmConfig, OmegaConf.to_container(raw), "vm",
+                       lambda key, requirement: f"set {key.removeprefix('vm.')} {requirement} in conf/vm.yaml")
+        if cfg.zones and cfg.zone and cfg.zone not in cfg.zones:
+            raise ConfigError("vm.zone", f"{cfg.zone!r} (ZONE / --zone) is not one of zones: {list(cfg.zones)}",
+                              "unset ZONE / --zone to try zones in order, or add it to zones: in conf/vm.yaml")
+        prices.vm_rate(cfg)   # conf/prices.yaml prices this machine type in this mode
+    except ConfigError as err:
+        raise sourced(err, sources, overlay) from None
     zone = first_zone(cfg, state or {})
     if zone:
         cfg = in_zone(cfg, zone)
     if recorded:
         cfg = use_recorded_login(cfg, state or {})
-    prices.vm_rate(cfg)   # conf/prices.yaml prices this machine type in this mode
     return cfg
+
+
+RECORD = ".vm_state.json (the VM vm_up recorded)"   # a value's source: the state file
+
+
+def _dotted(tree: Any, prefix: str = "") -> list[str]:
+    """The dotted keys of a nested dict's leaves (and of its sections)."""
+    if not isinstance(tree, dict):
+        return [prefix] if prefix else []
+    return [key for name, value in tree.items()
+            for key in ([f"{prefix}{name}"] + _dotted(value, f"{prefix}{name}."))]
+
+
+def sourced(err: ConfigError, sources: dict[str, str], overlay: str | None) -> ConfigError:
+    """``err`` (each of :class:`ConfigErrors`) saying where its value came from (``sources``: the dotted key,
+    or a section above it; else conf/vm.yaml); a fix that names conf/vm.yaml names the overlay file
+    instead where the value came from that file."""
+    if isinstance(err, ConfigErrors):
+        return ConfigErrors([sourced(e, sources, overlay) for e in err.errors])
+    key = err.key.removeprefix("vm.")
+    while key and key not in sources:
+        key = key.rpartition(".")[0]
+    source = sources.get(key, "conf/vm.yaml")
+    fix = err.fix.replace("conf/vm.yaml", overlay) if overlay and source.startswith(overlay) else err.fix
+    return ConfigError(err.key, f"{err.problem} (from {source})", fix)
 
 
 def first_zone(cfg: VmConfig, state: dict) -> str | None:

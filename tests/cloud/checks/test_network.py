@@ -297,8 +297,10 @@ def test_max_run_duration_refused_for_a_reservation_bound_vm(world: Env) -> None
 
 
 @pytest.mark.parametrize("name, message", [
-    ("a" * 64, "vm.name: '" + "a" * 64 + "' has 64 characters; Compute allows at most 63. Fix: use at most 59"),
-    ("a" * 61, "vm.firewall.name: '" + "a" * 61 + "-ssh' has 65 characters; Compute allows at most 63. Fix: use a "
+    ("a" * 64, "vm.name: '" + "a" * 64 + "' has 64 characters; Compute allows at most 63 (from NAME in the "
+               "environment). Fix: use at most 59"),
+    ("a" * 61, "vm.firewall.name: '" + "a" * 61 + "-ssh' has 65 characters; Compute allows at most 63 (from "
+               "name, from NAME in the environment). Fix: use a "
                "NAME of at most 59 characters, or set firewall.name"),
     ("mt-test-", "vm.name: 'mt-test-' is not a Compute resource name"),
 ], ids=["vm", "firewall", "pattern"])

@@ -323,7 +323,7 @@ def test_on_demand_without_time_limit_has_no_termination_action(fake: FakeComput
 @pytest.mark.preemption
 @pytest.mark.parametrize("args, overlay, message", [
     (["--provisioning=spotty"], "",
-     "vm.provisioning: 'spotty' is not one of reservation, spot, on-demand, flex-start. Fix: pass "
+     "vm.provisioning: 'spotty' is not one of reservation, spot, on-demand, flex-start (from --provisioning). Fix: pass "
      "--provisioning=spot"),
     (["--provisioning=flex-start"], "max_run_duration_s: 0\n",
      "vm.max_run_duration_s: is 0 with provisioning: flex-start, which Compute runs for a limited time only"),

@@ -21,8 +21,8 @@ from mtpipe.cloud.providers.gcp.api_errors import (QUOTA_REASONS, GcpError, Perm
                                                    quota_problem)
 from mtpipe.cloud.providers.gcp.bodies import (PROVISIONING_MODELS, firewall_body, instance_body, label_filter,
                                                reservation_path)
-from mtpipe.cloud.providers.interface import (SETTLING, CapacityError, MaxRunDurationRefused, Provider, ProviderError,
-                                              TryAgain, region)
+from mtpipe.cloud.providers.interface import (SETTLING, CapacityError, Everywhere, MaxRunDurationRefused, Provider,
+                                              ProviderError, TryAgain, region)
 from mtpipe.cloud.settings import vm_config
 from mtpipe.cloud.settings.vm_config import VmConfig
 
@@ -367,6 +367,20 @@ def external_ip(instance: compute_v1.Instance) -> str | None:
             if ac.nat_i_p:
                 return ac.nat_i_p
     return None
+
+
+def labelled_everywhere(project: str, labels: dict[str, str]) -> Everywhere:
+    """The VMs of every zone of ``project`` that carry every one of ``labels``, by zone (one
+    instances.aggregatedList, filtered as :meth:`Compute.list_instances` filters one zone's), and the
+    zones its answer says were unreachable."""
+    instances = compute_v1.InstancesClient(**client_kwargs())
+    with explained(f"listing the VMs labelled {label_filter(labels)} in every zone", project):
+        pages = list(instances.aggregated_list(request=compute_v1.AggregatedListInstancesRequest(
+            project=project, filter=label_filter(labels))))
+    return Everywhere({scope.removeprefix("zones/"): list(listed.instances) for scope, listed in pages
+                       if listed.instances},
+                      [f"{scope.removeprefix('zones/')} ({listed.warning.message})" for scope, listed in pages
+                       if listed.warning.code == "UNREACHABLE"])
 
 
 def compute_engine(cfg: VmConfig) -> Provider:

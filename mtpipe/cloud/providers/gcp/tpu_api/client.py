@@ -94,15 +94,19 @@ class TpuClient:
         """acceleratorTypes.get: the zone offers ``name`` (e.g. v5litepod-8); None when it does not."""
         return self._get("acceleratorTypes", name)
 
+    def locations(self) -> list[str]:
+        """The project's TPU API locations (locations.list): its zones."""
+        return [location.get("locationId") or location["name"].rsplit("/", 1)[-1]
+                for location in self._pages(f"projects/{self.project}/locations", "locations")]
+
     def zones_offering(self, accelerator: str) -> list[str]:
         """The project's TPU API locations (locations.list) whose acceleratorTypes.list holds ``accelerator``
         (e.g. v5litepod-8), one list per location; a location that refuses the list (not enabled there,
         not a zone) is left out."""
         with explained(f"listing the zones that offer {accelerator}", self.project):
-            locations = self._pages(f"projects/{self.project}/locations", "locations")
+            locations = self.locations()
         zones = []
-        for location in locations:
-            zone = location.get("locationId") or location["name"].rsplit("/", 1)[-1]
+        for zone in locations:
             try:
                 types = self._pages(f"projects/{self.project}/locations/{zone}/acceleratorTypes", "acceleratorTypes")
             except gexc.GoogleAPICallError:

@@ -17,12 +17,13 @@ rule's target); there is no boot disk left behind by a failed request (``delete_
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
 
 from mtpipe.cloud.providers.gcp.compute import Compute
-from mtpipe.cloud.providers.gcp.api_errors import GcpError
-from mtpipe.cloud.providers.interface import SETTLING, CapacityError, Provider
+from mtpipe.cloud.providers.gcp.api_errors import GcpError, explained
+from mtpipe.cloud.providers.interface import SETTLING, CapacityError, Everywhere, Provider, ProviderError
 from mtpipe.cloud.providers.gcp.tpu_api.bodies import (CAPACITY_CODES, QUEUED, TIERS, TpuVm, as_vm, queued_resource_body,
                                                    queued_state, tier)
 from mtpipe.cloud.providers.gcp.tpu_api.client import TpuClient
@@ -49,14 +50,8 @@ class TpuApi:
 
     def list_instances(self, labels: dict[str, str]) -> list[TpuVm]:
         """The nodes of this zone carrying every one of ``labels``, and the queued resources whose node spec
-        carries them and that have no node yet (nodes.list and queuedResources.list have no filter)."""
-        nodes = {n["name"].rsplit("/", 1)[-1]: n for n in self.tpu.list_nodes()}
-        found = [as_vm(name, node, None) for name, node in nodes.items()]
-        for queued in self.tpu.list_queued_resources():
-            name = queued["name"].rsplit("/", 1)[-1]
-            if name not in nodes:
-                found.append(as_vm(name, None, queued))
-        return [vm for vm in found if vm is not None and all(vm.labels.get(k) == v for k, v in labels.items())]
+        carries them and that have no node yet (:func:`labelled`)."""
+        return labelled(self.tpu, labels)
 
     def provisioning_model(self, cfg: VmConfig) -> str:
         return TIERS.get(cfg.provisioning, cfg.provisioning.upper())
@@ -155,6 +150,37 @@ class TpuApi:
         except (KeyError, ValueError):   # not a TPU the route creates
             return []
         return self.tpu.zones_offering(accelerator)
+
+
+def labelled(tpu: TpuClient, labels: dict[str, str]) -> list[TpuVm]:
+    """The nodes of ``tpu``'s zone carrying every one of ``labels``, and the queued resources whose node
+    spec carries them and that have no node yet (nodes.list and queuedResources.list have no filter)."""
+    nodes = {n["name"].rsplit("/", 1)[-1]: n for n in tpu.list_nodes()}
+    found = [as_vm(name, node, None) for name, node in nodes.items()]
+    for queued in tpu.list_queued_resources():
+        name = queued["name"].rsplit("/", 1)[-1]
+        if name not in nodes:
+            found.append(as_vm(name, None, queued))
+    return [vm for vm in found if vm is not None and all(vm.labels.get(k) == v for k, v in labels.items())]
+
+
+def labelled_everywhere(project: str, labels: dict[str, str]) -> Everywhere:
+    """The nodes and queued resources carrying every one of ``labels`` in each of ``project``'s TPU API
+    locations (locations.list, then :func:`labelled` in each, several at a time), by zone; a location
+    whose lists are refused is named with the reason."""
+    with explained("listing the Cloud TPU API's locations", project):
+        locations = TpuClient(project, "-").locations()
+
+    def search(zone: str) -> list[TpuVm] | str:
+        try:
+            return labelled(TpuClient(project, zone), labels)
+        except ProviderError as err:
+            return str(err)
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        answers = dict(zip(locations, pool.map(search, locations)))
+    return Everywhere({zone: vms for zone, vms in answers.items() if vms and not isinstance(vms, str)},
+                      [f"{zone} ({why})" for zone, why in answers.items() if isinstance(why, str)])
 
 
 def failure(name: str, zone: str, state: str, queued: dict) -> GcpError:
