@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mtpipe.cloud.checks.gcp import access, caller, identity, org_policies
+from mtpipe.cloud.checks.gcp import access, caller, identity, org_policies, quota
 from mtpipe.cloud.checks.gcp.capacity import check_machine_type, check_reservation, check_zones
 from mtpipe.cloud.checks.forecast import cached_forecasts, check_spot_resume
 from mtpipe.cloud.checks.project import check_hub_repo, check_remote_writable, composed_branches, hub_repos
@@ -173,10 +173,8 @@ def check_all(run: Runner, cfg: VmConfig, root: Path, experiments: list[list[str
               needs=compute_needs)
     run.check("permissions", lambda: caller.check_permissions(cfg, apis, caller.permissions(cfg, bool(creates_rule))),
               needs=(*compute_needs, "SSH route"))
-    if tpu_route:   # Compute's TPUS_PER_TPU_FAMILY is not the TPU API's quota, whose metric names are not mapped here
-        run._record("zones and quota", NOT_CHECKED, "the Cloud TPU API route's TPU quota is not read here (its "
-                    "Service Usage metrics per generation are not mapped); a short quota fails the queued resource, "
-                    "which vm_up deletes, naming the reason")
+    if tpu_route:   # the TPU API's own per-zone quotas, from Cloud Quotas
+        cfg = run.check("zones and quota", lambda: quota.tpu_api_zones(cfg, apis), needs=("machine type",)) or cfg
     else:
         cfg = run.check("zones and quota", lambda: _zones(cfg, compute, apis), needs=("machine type",)) or cfg
     for constraint, check in (("compute.requireShieldedVm", org_policies.check_shielded_vm),
