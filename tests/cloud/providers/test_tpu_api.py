@@ -10,6 +10,7 @@ fixture: no MaxText, the embedded pipeline is test_vm_cycle.py's), or the lifecy
 from __future__ import annotations
 
 import getpass
+import json
 import subprocess
 import threading
 import time
@@ -85,15 +86,28 @@ def test_the_route_is_chosen_in_one_place() -> None:
 
 
 @pytest.mark.slow
-def test_vm_run_creates_a_queued_resource_and_deletes_it(tpu_world: tuple[Env, FakeTpu]) -> None:
+@pytest.mark.billing
+def test_vm_run_creates_a_queued_resource_and_deletes_it(tpu_world: tuple[Env, FakeTpu], tmp_path: Path) -> None:
     """vm_run on v5e: a queued resource waits for capacity (said while WAITING_FOR_RESOURCES), its node
     runs the experiment, which comes back; the node and the queued resource are deleted, the firewall
-    rule too; every request passed tpu.v2's discovery document."""
+    rule too; every request passed tpu.v2's discovery document. The node runs as the project's Compute
+    default service account, sent explicitly with its scope; its idle watch found that account may not
+    delete it (<lock>.may-delete, as test_a_node_that_may_not_delete_itself_powers_off shows it written),
+    and vm_run says so after the setup, before training."""
     w, tpu = tpu_world
+    lock = tmp_path / "vm-busy"
+    w.configure(idle__lock_file=str(lock))
+    Path(f"{lock}{idle_watch.MAY_DELETE}").write_text("refused\n")   # the loopback VM's watch verdict
     tpu.outcomes.append(Outcome("ACTIVE", waits=3))
     out = w.doit("vm_run", "--set=steps=5", "--exp-name=five", "--no-preflight").stdout
     assert "queued resource mt-test is WAITING_FOR_RESOURCES in us-east5-b" in out, out
     assert "the Cloud TPU API creates v5litepod-8" in out and "experiment five" in out
+    warning = "WARNING: node mt-test's service account may not delete it (tpu.nodes.delete refused to its own token)"
+    assert warning in out and "a stopped TPU node is not known to stop billing" in out, out
+    assert "if this laptop stops first, only `doit vm_down` does" in out and "vm_run has no detached mode" in out
+    assert out.index("setting up VM mt-test") < out.index(warning) < out.index("running the pipeline on mt-test")
+    account = {"email": w.fake.default_service_account("proj-1"), "scope": ["https://www.googleapis.com/auth/cloud-platform"]}
+    assert json.loads(tpu.calls("POST", "/queuedResources")[0][2])["tpu"]["nodeSpec"][0]["node"]["serviceAccount"] == account
     assert experiments(w)["five"]["metrics"] == {"count.json": {"steps": 5}}
     (create,) = tpu.calls("POST", "/queuedResources")
     assert "queuedResourceId=mt-test" in create[1]

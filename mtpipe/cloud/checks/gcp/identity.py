@@ -39,7 +39,8 @@ from configobj import ConfigObj
 from google.auth.transport.requests import AuthorizedSession
 
 from mtpipe.cloud.on_vm.ssh import Remote, run
-from mtpipe.cloud.providers.gcp.api_errors import client_kwargs, explained
+from mtpipe.cloud.providers.gcp.api_errors import client_kwargs
+from mtpipe.cloud.providers.gcp.compute import ComputeZone
 from mtpipe.cloud.providers.gcp.idle_watch import METADATA_HOST
 from mtpipe.cloud.providers.interface import ProviderError
 from mtpipe.cloud.settings.vm_config import VmConfig, VmError
@@ -162,10 +163,7 @@ def service_account(cfg: VmConfig) -> str:
                               "service account's email", "set service_account: default (the project's Compute "
                               "default service account) or NAME@PROJECT.iam.gserviceaccount.com in conf/vm.yaml")
         return cfg.service_account
-    from google.cloud import compute_v1
-
-    with explained(f"reading project {cfg.project} (its Compute default service account)", cfg.project):
-        return compute_v1.ProjectsClient(**client_kwargs()).get(project=cfg.project).default_service_account
+    return ComputeZone(cfg.project, cfg.zone).default_service_account()
 
 
 def grant_command(target: Target, email: str) -> str:
