@@ -183,6 +183,8 @@ def check_all(run: Runner, cfg: VmConfig, root: Path, experiments: list[list[str
                               ("compute.requireOsLogin", org_policies.check_os_login_policy)):
         run.check(f"policy {constraint}", lambda check=check: check(cfg, apis), needs=compute_needs)
     unproven = run.check("VM's service account", lambda: _identity(cfg, root), needs=(*compute_needs, "DVC remote"))
+    if tpu_route:   # the node's idle watch deletes it with that account's token
+        run.check("node's self-delete", lambda: identity.check_node_self_delete(cfg), needs=compute_needs)
     for repo in hub_repos(branches or []):
         run.check(f"Hub {repo.repo_type} {repo.repo_id}", lambda repo=repo: check_hub_repo(repo))
     forecasts = run.check("preflight", lambda: _preflight(cfg, root, experiments), needs=("presets",))

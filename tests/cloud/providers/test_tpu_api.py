@@ -197,6 +197,7 @@ def test_doit_check_covers_the_tpu_api_route(tpu_world: tuple[Env, FakeTpu]) -> 
     assert "FAILS  permissions:" in out and "tpu.nodes.create (in roles/tpu.admin)" in out
     assert "compute.firewalls.list (in roles/compute.networkViewer)" in out
     assert "unknown  zones and quota: Cloud Quotas knows no quota TPUV5sLitepodPerProjectPerZoneForTPUAPI" in out
+    assert "unknown  node's self-delete: the IAM policy of project proj-1 could not be read here" in out
     assert not tpu.queued and not tpu.calls("POST", "/queuedResources")
     w.fake.org.permissions = None
     w.configure(zones=["us-east5-b", "us-west4-a"])
@@ -338,9 +339,10 @@ def test_a_node_that_may_not_delete_itself_powers_off(idle_node: tuple[Env, Fake
     boot_node(tpu)
     wait_for(lambda: (tmp_path / "powered-off").exists())
     assert Path(f"{lock}{idle_watch.MAY_DELETE}").read_text() == "refused\n"   # its token's testIamPermissions
-    log = Path(f"{lock}.log").read_text()
-    assert "may this VM's service account delete it? refused" in log
-    assert "not allowed to delete this VM (HTTP 403): powered off; a stopped TPU node is not known to stop billing" in log
+    log = Path(f"{lock}.log")   # its last line comes once the power-off command returned
+    wait_for(lambda: "powered off; a stopped TPU node is not known to stop billing" in log.read_text())
+    assert "may this VM's service account delete it? refused" in log.read_text()
+    assert "not allowed to delete this VM (HTTP 403): powered off" in log.read_text()
     assert KEY in tpu.queued and KEY in tpu.nodes
     tpu.delete_denied = False
     w.doit("vm_down")
