@@ -80,9 +80,17 @@ class ComputeRoute(Section):
     quota: Optional[Quota]                # null: none known, not checked
 
 
+class TpuApiQuota(Section):
+    """The Cloud Quotas ids of a generation's per-zone TPU API quotas (in TensorCores)."""
+
+    on_demand: Optional[str]              # a node that is not Spot; null: none known
+    preemptible: Optional[str]            # a Spot node; null: none known
+
+
 class TpuApiRoute(Section):
     runtime_version: str                  # the TPU VM image its nodes boot
     flex_start_version: Optional[str]     # the API version whose queued resources take FLEX_START; null: none
+    quota: Optional[TpuApiQuota]          # null: none known, not checked
 
 
 class Generation(Section):

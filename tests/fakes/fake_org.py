@@ -5,7 +5,8 @@ method for its path (:meth:`FakeOrg.route`; Google tells them apart by host): OS
 (``v2/projects/P/policies/CONSTRAINT:getEffectivePolicy``), Cloud Resource Manager's
 ``v3/projects/P:testIamPermissions``, IAM's ``v1/projects/-/serviceAccounts/EMAIL:testIamPermissions``,
 Service Usage (``v1/projects/P/services:batchGet``, ``:batchEnable`` and its ``v1/operations/X``;
-v1beta1's ``projects/P/services/S/consumerQuotaMetrics/METRIC``, a quota's buckets), and OAuth's token
+v1beta1's ``projects/P/services/S/consumerQuotaMetrics/METRIC``, a quota's buckets), Cloud Quotas
+(``v1/projects/P/locations/global/services/S/quotaInfos/ID``, a quota's limit per zone) and OAuth's token
 endpoint (``POST /token``, named by an ADC file's ``token_uri``).
 
 ``policies`` holds each constraint's effective rules (what the organisation enforces), ``policies_readable``
@@ -17,11 +18,14 @@ asked). A service in ``disabled`` answers SERVICE_DISABLED, and batchGet reports
 batchEnable (its operation done on the first poll) enables it; ``enabled`` lists what was enabled.
 ``quotas`` holds each quota metric's buckets as consumerQuotaMetrics.get answers them (:func:`bucket`:
 the effective limit where its dimensions say, e.g. region and tpu_family; a metric not there is a
-404, as for a project without it); the fake Compute API refuses an insert beyond them.
+404, as for a project without it); the fake Compute API refuses an insert beyond them. ``quota_infos``
+holds Cloud Quotas' limits by quota id, zone by zone (key ``""``: the default of every other zone); an id
+not there is a 404.
 The token endpoint grants a service account's JWT-bearer assertion (a key file's credentials) and
 refuses a refresh token as an expired one (invalid_grant). Every request and answer of the APIs is
 checked against the discovery documents google-api-python-client ships (oslogin.v1, orgpolicy.v2,
-cloudresourcemanager.v3, iam.v1, serviceusage.v1 and v1beta1); the token endpoint has none.
+cloudresourcemanager.v3, iam.v1, serviceusage.v1 and v1beta1), Cloud Quotas' against the contract
+committed from Google's client package (tests/fixtures/gcp/cloudquotas.v1.json); the token endpoint has none.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ from fakes.discovery import Contract, api
 # Each discovery document served here, with the service (host) it describes.
 DOCUMENTS = {"oslogin.v1": "oslogin.googleapis.com", "orgpolicy.v2": "orgpolicy.googleapis.com",
              "cloudresourcemanager.v3": "cloudresourcemanager.googleapis.com", "iam.v1": "iam.googleapis.com",
-             "serviceusage.v1": "serviceusage.googleapis.com", "serviceusage.v1beta1": "serviceusage.googleapis.com"}
+             "serviceusage.v1": "serviceusage.googleapis.com", "serviceusage.v1beta1": "serviceusage.googleapis.com",
+             "cloudquotas.v1": "cloudquotas.googleapis.com"}
 SCOPE = "https://www.googleapis.com/auth/cloud-platform"
 JWT_BEARER = "urn:ietf:params:oauth:grant-type:jwt-bearer"
 
@@ -59,6 +64,7 @@ class FakeOrg:
     enabled: list[str] = field(default_factory=list)  # services batchEnable enabled, in order
     operations: dict[str, list[str]] = field(default_factory=dict)   # batchEnable's, until polled
     quotas: dict[str, list[dict]] = field(default_factory=dict)      # metric -> its buckets (:func:`bucket`)
+    quota_infos: dict[str, dict[str, int]] = field(default_factory=dict)   # Cloud Quotas id -> zone -> limit
     contracts: dict[str, Contract] = field(default_factory=lambda: {
         document: Contract(api(document)) for document in DOCUMENTS})
     _ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
@@ -92,6 +98,8 @@ class FakeOrg:
             return disabled(DOCUMENTS[document])
         if found := re.fullmatch(r"v1beta1/projects/([^/]+)/services/([^/]+)/consumerQuotaMetrics/(.+)", path):
             return self._quota_metric(*found.groups())
+        if found := re.fullmatch(r"v1/projects/([^/]+)/locations/global/services/([^/]+)/quotaInfos/([^/]+)", path):
+            return self._quota_info(*found.groups())
         if found := re.fullmatch(r"v1/users/([^/]+):importSshPublicKey", path):
             return self._import(found[1], body, url)
         if found := re.fullmatch(r"v2/projects/([^/]+)/policies/([^/]+):getEffectivePolicy", path):
@@ -132,6 +140,21 @@ class FakeOrg:
             {"name": f"{name}/limits/{quote('/project' + ''.join(f'/{k}' for k in dimensions), safe='')}",
              "metric": metric, "unit": unit, "isPrecise": True,
              "quotaBuckets": sorted(self.quotas[metric], key=lambda b: len(b.get("dimensions", {})))}]}
+
+    def _quota_info(self, project: str, service: str, quota_id: str) -> tuple[int, dict]:
+        """quotaInfos.get: a per-zone quota as Cloud Quotas answers it (cloudquotas.v1's QuotaInfo), a
+        dimensionsInfos entry for each zone, then the default, most specific first."""
+        if quota_id not in self.quota_infos:
+            return error(404, f"QuotaInfo {quota_id} of service {service} not found.", "NOT_FOUND")
+        limits = self.quota_infos[quota_id]
+        infos = [{"dimensions": {"zone": zone}, "details": {"value": str(limit)}, "applicableLocations": [zone]}
+                 for zone, limit in sorted(limits.items()) if zone]
+        if "" in limits:
+            infos.append({"details": {"value": str(limits[""])}})
+        return 200, {"name": f"projects/{project}/locations/global/services/{service}/quotaInfos/{quota_id}",
+                     "quotaId": quota_id, "service": service,
+                     "isPrecise": True, "containerType": "PROJECT", "dimensions": ["zone"],
+                     "metricUnit": "1/{project}/{zone}", "dimensionsInfos": infos}
 
     def _service(self, project: str, service: str) -> dict:
         """A service as batchGet answers it (serviceusage.v1's GoogleApiServiceusageV1Service)."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mtpipe.cloud.checks.gcp import access, caller, identity, org_policies
+from mtpipe.cloud.checks.gcp import access, caller, identity, org_policies, quota
 from mtpipe.cloud.checks.gcp.capacity import check_machine_type, check_reservation, check_zones
 from mtpipe.cloud.checks.forecast import cached_forecasts, check_spot_resume
 from mtpipe.cloud.checks.project import check_hub_repo, check_remote_writable, composed_branches, hub_repos
@@ -183,10 +183,8 @@ def check_all(run: Runner, cfg: VmConfig, root: Path, experiments: list[list[str
               needs=compute_needs)
     run.check("permissions", lambda: caller.check_permissions(cfg, apis, caller.permissions(cfg, bool(creates_rule))),
               needs=(*compute_needs, "SSH route"))
-    if tpu_route:   # Compute's TPUS_PER_TPU_FAMILY is not the TPU API's quota, whose metric names are not mapped here
-        run._record("zones and quota", NOT_CHECKED, "the Cloud TPU API route's TPU quota is not read here (its "
-                    "Service Usage metrics per generation are not mapped); a short quota fails the queued resource, "
-                    "which vm_up deletes, naming the reason")
+    if tpu_route:   # the TPU API's own per-zone quotas, from Cloud Quotas
+        cfg = run.check("zones and quota", lambda: quota.tpu_api_zones(cfg, apis), needs=("machine type",)) or cfg
     else:
         cfg = run.check("zones and quota", lambda: _zones(cfg, compute, apis), needs=("machine type",)) or cfg
     for constraint, check in (("compute.requireShieldedVm", org_policies.check_shielded_vm),
@@ -195,6 +193,8 @@ def check_all(run: Runner, cfg: VmConfig, root: Path, experiments: list[list[str
                               ("compute.requireOsLogin", org_policies.check_os_login_policy)):
         run.check(f"policy {constraint}", lambda check=check: check(cfg, apis), needs=compute_needs)
     unproven = run.check("VM's service account", lambda: _identity(cfg, root), needs=(*compute_needs, "DVC remote"))
+    if tpu_route:   # the node's idle watch deletes it with that account's token
+        run.check("node's self-delete", lambda: identity.check_node_self_delete(cfg), needs=compute_needs)
     for repo in hub_repos(branches or []):
         run.check(f"Hub {repo.repo_type} {repo.repo_id}", lambda repo=repo: check_hub_repo(repo))
     forecasts = run.check("preflight", lambda: _preflight(cfg, root, experiments), needs=("presets",))

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from mtpipe.cloud.checks import host, prerequisites, tpu
+from mtpipe.cloud.checks import host, prerequisites, self_delete, tpu
 from mtpipe.cloud.checks.forecast import cached_forecasts, check_spot_resume
 from mtpipe.cloud.checks.gcp import identity
 from mtpipe.cloud.checks.project import check_project
@@ -287,6 +287,8 @@ class VmLifecycle:
         cfg, root = self.cfg, self.root
         _say(f"setting up VM {cfg.name} (once per VM)")
         setup.setup(remote, cfg, root)
+        if vm_config.route(cfg) == "tpu_api":   # who deletes the node if this laptop stops watching
+            _say(self_delete.check(remote, cfg, self.vm.keep))
         _say(host.check(remote, cfg, root, experiments))   # before anything is shipped or downloaded
         _say(f"shipping HEAD to VM {cfg.name}")
         commit = dvc_experiments.ship(remote, root, cfg.run.remote_dir)

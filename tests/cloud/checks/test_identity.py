@@ -22,6 +22,7 @@ from fakes.gcs_emulator import GCS_TEST_ENV, GcsEmulator, create_bucket, set_buc
 from vm_world import Env, assert_deleted, sh
 
 from mtpipe.cloud.checks.gcp import identity
+from mtpipe.cloud.providers.gcp.google_apis import Unknown
 from mtpipe.cloud.settings import vm_config, vm_state
 from mtpipe.errors import ConfigError
 
@@ -225,3 +226,26 @@ def test_vm_without_a_token_is_deleted(iw, gcs_emulator: GcsEmulator) -> None:
     out = w.doit("vm_up", ok=False).stdout
     assert "the VM got no token for a service account from its metadata server" in out
     assert_deleted(w)
+
+
+@pytest.mark.billing
+def test_the_tpu_nodes_account_may_delete_it(fake, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The TPU API route's node deletes itself when idle with its service account's token: doit check
+    finds that account (service_account: default: the project's Compute default one) holding
+    tpu.nodes.delete through a role bound on the project, and says unknown, with the grant to make, where
+    the project's policy shows none or cannot be read (folders, the organisation and groups are not read)."""
+    cfg = vm_config.load_config({"machine_type": "ct5lp-hightpu-8t", "boot_disk_type": "pd-balanced"})
+    with running_fake_iam() as iam:
+        monkeypatch.setenv(identity.IAM_ENDPOINT_ENV, iam.url)
+        iam.roles["roles/tpu.admin"] = ["tpu.nodes.create", "tpu.nodes.delete"]
+        iam.roles["roles/tpu.viewer"] = ["tpu.nodes.get"]
+        iam.grant("projects/1234", "roles/tpu.viewer", f"serviceAccount:{DEFAULT_SA}")
+        with pytest.raises(Unknown, match=f"grants {DEFAULT_SA} no role read here with tpu.nodes.delete.*"
+                           f"add-iam-policy-binding proj-1 --member serviceAccount:{DEFAULT_SA} --role roles/tpu.admin"):
+            identity.check_node_self_delete(cfg)
+        iam.grant("projects/1234", "roles/tpu.admin", f"serviceAccount:{DEFAULT_SA}")
+        assert identity.check_node_self_delete(cfg) == (f"{DEFAULT_SA} may delete its node and queued resource "
+                                                        "(tpu.nodes.delete through roles/tpu.admin on proj-1)")
+        iam.unreadable.add("projects/1234")
+        with pytest.raises(Unknown, match="the IAM policy of project proj-1 could not be read here"):
+            identity.check_node_self_delete(cfg)

@@ -10,6 +10,7 @@ fixture: no MaxText, the embedded pipeline is test_vm_cycle.py's), or the lifecy
 from __future__ import annotations
 
 import getpass
+import json
 import subprocess
 import threading
 import time
@@ -25,17 +26,20 @@ from fakes.fake_tpu import FakeTpu, Outcome
 from fakes.gcs_emulator import SA_TOKEN_PREFIX
 from vm_world import Env, add_count_stage, admitted_by_nodes, experiments, idle_limit
 
-from mtpipe.cloud.checks.gcp import caller
+from mtpipe.cloud.checks.gcp import caller, quota
+from mtpipe.cloud.providers.gcp.google_apis import GoogleApis, Unknown
 from mtpipe.cloud.providers.gcp import idle_watch
 from mtpipe.cloud.lifecycle.run import VmLifecycle
 from mtpipe.cloud.providers.gcp.tpu_api import provider
 from mtpipe.cloud.providers.gcp.tpu_api.client import TPU_ENDPOINT_ENV
 from mtpipe.cloud.settings import vm_config, vm_state
 from mtpipe.errors import ConfigError
+from mtpipe.pipeline import generations
 
 pytestmark = [pytest.mark.provisioning, pytest.mark.tpu_api]
 V5E = {"machine_type": "ct5lp-hightpu-8t", "boot_disk_type": "pd-balanced", "provisioning": "on-demand"}
 KEY = ("proj-1", "us-east5-b", "mt-test")
+V5E_QUOTA = generations.load()["v5e"].tpu_api.quota
 
 
 @pytest.fixture
@@ -82,15 +86,28 @@ def test_the_route_is_chosen_in_one_place() -> None:
 
 
 @pytest.mark.slow
-def test_vm_run_creates_a_queued_resource_and_deletes_it(tpu_world: tuple[Env, FakeTpu]) -> None:
+@pytest.mark.billing
+def test_vm_run_creates_a_queued_resource_and_deletes_it(tpu_world: tuple[Env, FakeTpu], tmp_path: Path) -> None:
     """vm_run on v5e: a queued resource waits for capacity (said while WAITING_FOR_RESOURCES), its node
     runs the experiment, which comes back; the node and the queued resource are deleted, the firewall
-    rule too; every request passed tpu.v2's discovery document."""
+    rule too; every request passed tpu.v2's discovery document. The node runs as the project's Compute
+    default service account, sent explicitly with its scope; its idle watch found that account may not
+    delete it (<lock>.may-delete, as test_a_node_that_may_not_delete_itself_powers_off shows it written),
+    and vm_run says so after the setup, before training."""
     w, tpu = tpu_world
+    lock = tmp_path / "vm-busy"
+    w.configure(idle__lock_file=str(lock))
+    Path(f"{lock}{idle_watch.MAY_DELETE}").write_text("refused\n")   # the loopback VM's watch verdict
     tpu.outcomes.append(Outcome("ACTIVE", waits=3))
     out = w.doit("vm_run", "--set=steps=5", "--exp-name=five", "--no-preflight").stdout
     assert "queued resource mt-test is WAITING_FOR_RESOURCES in us-east5-b" in out, out
     assert "the Cloud TPU API creates v5litepod-8" in out and "experiment five" in out
+    warning = "WARNING: node mt-test's service account may not delete it (tpu.nodes.delete refused to its own token)"
+    assert warning in out and "a stopped TPU node is not known to stop billing" in out, out
+    assert "if this laptop stops first, only `doit vm_down` does" in out and "vm_run has no detached mode" in out
+    assert out.index("setting up VM mt-test") < out.index(warning) < out.index("running the pipeline on mt-test")
+    account = {"email": w.fake.default_service_account("proj-1"), "scope": ["https://www.googleapis.com/auth/cloud-platform"]}
+    assert json.loads(tpu.calls("POST", "/queuedResources")[0][2])["tpu"]["nodeSpec"][0]["node"]["serviceAccount"] == account
     assert experiments(w)["five"]["metrics"] == {"count.json": {"steps": 5}}
     (create,) = tpu.calls("POST", "/queuedResources")
     assert "queuedResourceId=mt-test" in create[1]
@@ -164,10 +181,12 @@ def test_vm_down_finds_what_the_state_file_lost(tpu_world: tuple[Env, FakeTpu]) 
     assert set(tpu.nodes) == {("proj-1", "us-east5-b", "mt-other")}
 
 
+@pytest.mark.billing
 def test_doit_check_covers_the_tpu_api_route(tpu_world: tuple[Env, FakeTpu]) -> None:
     """doit check on v5e: the route, the accelerator type the TPU API offers, the Cloud TPU API among the
     APIs and roles/tpu.admin's and roles/compute.networkViewer's permissions among those tested; a missing
-    one is named with its role."""
+    one is named with its role. The TPU API's per-zone quota is read from Cloud Quotas: a quota id it does
+    not know is unknown; a zone whose limit is below the node's cores is said and skipped."""
     w, tpu = tpu_world
     w.fake.org.permissions = (set(caller.TPU_PERMISSIONS) | set(caller.NETWORK_PERMISSIONS)
                               | set(caller.FIREWALL_PERMISSIONS) | {caller.ACT_AS}) - {"tpu.nodes.create", "compute.firewalls.list"}
@@ -177,10 +196,42 @@ def test_doit_check_covers_the_tpu_api_route(tpu_world: tuple[Env, FakeTpu]) -> 
     assert "tpu.googleapis.com" in out.split("APIs: ")[1].splitlines()[0]
     assert "FAILS  permissions:" in out and "tpu.nodes.create (in roles/tpu.admin)" in out
     assert "compute.firewalls.list (in roles/compute.networkViewer)" in out
-    assert "not checked  zones and quota: the Cloud TPU API route's TPU quota is not read here" in out
+    assert "unknown  zones and quota: Cloud Quotas knows no quota TPUV5sLitepodPerProjectPerZoneForTPUAPI" in out
+    assert "unknown  node's self-delete: the IAM policy of project proj-1 could not be read here" in out
     assert not tpu.queued and not tpu.calls("POST", "/queuedResources")
     w.fake.org.permissions = None
-    assert "0 FAILS" in w.doit("check").stdout
+    w.configure(zones=["us-east5-b", "us-west4-a"])
+    w.fake.org.quota_infos[V5E_QUOTA.on_demand] = {"us-east5-b": 4, "": 8}   # in cores, read from Cloud Quotas
+    out = w.doit("check").stdout
+    assert "0 FAILS" in out, out
+    assert (f"ok  zones and quota: quota {V5E_QUOTA.on_demand} allows 4 cores in us-east5-b: skipping us-east5-b; "
+            f"quota {V5E_QUOTA.on_demand} has room for a v5litepod-8 node (8 cores) in us-west4-a") in out, out
+
+
+@pytest.mark.billing
+def test_the_tpu_api_quota_is_read_from_cloud_quotas(fake: FakeCompute) -> None:
+    """quota.tpu_api_zones on its own: a Spot node reads the generation's preemptible quota id, an
+    on-demand one its on_demand id; no zone with room stops before spending, naming the quota, its limits
+    and where to raise it; a reservation's node takes no quota; Cloud Quotas not enabled is unknown. Every
+    request and answer is held to the contract committed from Google's client package (cloudquotas.v1)."""
+    apis, zones = GoogleApis(), ["us-east5-b", "us-west4-a"]
+    assert discovery.api("cloudquotas.v1").methods[0].id.startswith("cloudquotas.projects.locations.services.quotaInfos")
+    fake.org.quota_infos[V5E_QUOTA.preemptible] = {"us-west4-a": 0, "": 16}
+    found, cfg = quota.tpu_api_zones(vm_config.load_config({**V5E, "provisioning": "spot", "zones": zones}), apis)
+    assert cfg.zone == "us-east5-b" and cfg.zones == ["us-east5-b"], found
+    assert f"quota {V5E_QUOTA.preemptible} allows 0 cores in us-west4-a: skipping us-west4-a" in found
+    fake.org.quota_infos[V5E_QUOTA.on_demand] = {"": 4}
+    on_demand = vm_config.load_config({**V5E, "zones": zones})
+    with pytest.raises(ConfigError, match=f"quota {V5E_QUOTA.on_demand} allows 4 cores in us-east5-b; 4 cores in "
+                       "us-west4-a, and a v5litepod-8 node takes 8: the queued resource would be refused .HTTP 429."
+                       ".*request at least 8 at https://console.cloud.google.com/iam-admin/quotas.project=proj-1"):
+        quota.tpu_api_zones(on_demand, apis)
+    reserved = vm_config.load_config({**V5E, "provisioning": "reservation", "reservation": "r1"})
+    assert quota.tpu_api_zones(reserved, apis)[0] == "a reservation's nodes use what it holds, no quota"
+    fake.org.disabled.add("cloudquotas.googleapis.com")
+    with pytest.raises(Unknown, match=f"could not read the quota {V5E_QUOTA.on_demand} from Cloud Quotas"):
+        quota.tpu_api_zones(on_demand, apis)
+    fake.org.check()
 
 
 @pytest.mark.slow
@@ -288,9 +339,10 @@ def test_a_node_that_may_not_delete_itself_powers_off(idle_node: tuple[Env, Fake
     boot_node(tpu)
     wait_for(lambda: (tmp_path / "powered-off").exists())
     assert Path(f"{lock}{idle_watch.MAY_DELETE}").read_text() == "refused\n"   # its token's testIamPermissions
-    log = Path(f"{lock}.log").read_text()
-    assert "may this VM's service account delete it? refused" in log
-    assert "not allowed to delete this VM (HTTP 403): powered off; a stopped TPU node is not known to stop billing" in log
+    log = Path(f"{lock}.log")   # its last line comes once the power-off command returned
+    wait_for(lambda: "powered off; a stopped TPU node is not known to stop billing" in log.read_text())
+    assert "may this VM's service account delete it? refused" in log.read_text()
+    assert "not allowed to delete this VM (HTTP 403): powered off" in log.read_text()
     assert KEY in tpu.queued and KEY in tpu.nodes
     tpu.delete_denied = False
     w.doit("vm_down")

@@ -39,7 +39,9 @@ from configobj import ConfigObj
 from google.auth.transport.requests import AuthorizedSession
 
 from mtpipe.cloud.on_vm.ssh import Remote, run
-from mtpipe.cloud.providers.gcp.api_errors import client_kwargs, explained
+from mtpipe.cloud.providers.gcp.api_errors import client_kwargs
+from mtpipe.cloud.providers.gcp.compute import ComputeZone
+from mtpipe.cloud.providers.gcp.google_apis import Unknown
 from mtpipe.cloud.providers.gcp.idle_watch import METADATA_HOST
 from mtpipe.cloud.providers.interface import ProviderError
 from mtpipe.cloud.settings.vm_config import VmConfig, VmError
@@ -162,10 +164,42 @@ def service_account(cfg: VmConfig) -> str:
                               "service account's email", "set service_account: default (the project's Compute "
                               "default service account) or NAME@PROJECT.iam.gserviceaccount.com in conf/vm.yaml")
         return cfg.service_account
-    from google.cloud import compute_v1
+    return ComputeZone(cfg.project, cfg.zone).default_service_account()
 
-    with explained(f"reading project {cfg.project} (its Compute default service account)", cfg.project):
-        return compute_v1.ProjectsClient(**client_kwargs()).get(project=cfg.project).default_service_account
+
+NODE_DELETE = "tpu.nodes.delete"   # what the Cloud TPU API checks to delete a node, or a queued resource's
+
+
+def check_node_self_delete(cfg: VmConfig) -> str:
+    """The Cloud TPU API route: the node's service account may delete the node and its queued resource
+    (its idle watch does, with that account's token), as far as the project's allow policy shows: a role
+    bound there to the account without a condition that includes ``tpu.nodes.delete`` (IAM roles.get).
+    Unknown (google_apis.Unknown) where that cannot be told here: the policy or a role unreadable, or no
+    such grant on the project (folders, the organisation and groups are not read). The node tests it
+    itself at boot, and vm_run says its answer before training (mtpipe.cloud.checks.self_delete)."""
+    try:
+        email = service_account(cfg)
+    except ProviderError as err:
+        raise Unknown(f"which service account the node runs as cannot be read here ({err})") from err
+    reader = PolicyReader()
+    policy = reader.read(f"{reader.crm}/v3/projects/{cfg.project}:getIamPolicy", {"options": {"requestedPolicyVersion": 3}})
+    if policy is None:
+        raise Unknown(f"the IAM policy of project {cfg.project} could not be read here (getIamPolicy): whether "
+                      f"{email} holds {NODE_DELETE} is tested on the node at boot, and vm_run says it")
+    roles = [b["role"] for b in policy.get("bindings", [])
+             if f"serviceAccount:{email}" in b.get("members", []) and not b.get("condition")]
+    unread = []
+    for role in roles:
+        found = reader.read(f"{reader.iam}/v1/{role}")
+        if found is None:
+            unread.append(role)
+        elif NODE_DELETE in found.get("includedPermissions", []):
+            return f"{email} may delete its node and queued resource ({NODE_DELETE} through {role} on {cfg.project})"
+    raise Unknown(f"project {cfg.project}'s IAM policy grants {email} no role read here with {NODE_DELETE}"
+                  + (f" (roles not readable: {', '.join(unread)})" if unread else "")
+                  + " (folders, the organisation and groups are not read); the node tests it at boot. Without it "
+                  f"the idle node cannot delete itself: `gcloud projects add-iam-policy-binding {cfg.project} "
+                  f"--member serviceAccount:{email} --role roles/tpu.admin`")
 
 
 def grant_command(target: Target, email: str) -> str:

@@ -168,6 +168,12 @@ class ComputeZone:
             project = self.projects.get(project=self.project)
         return {item.key: item.value for item in project.common_instance_metadata.items}
 
+    def default_service_account(self) -> str:
+        """The project's Compute default service account (projects.get's defaultServiceAccount): what a
+        VM with conf/vm.yaml's ``service_account: default`` runs as."""
+        with explained(f"reading project {self.project} (its Compute default service account)", self.project):
+            return self.projects.get(project=self.project).default_service_account
+
 
 class Compute(ComputeZone):
     """The few Compute Engine calls the VM lifecycle needs, each waited on until DONE."""

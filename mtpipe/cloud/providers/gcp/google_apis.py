@@ -1,8 +1,8 @@
 """The Google APIs besides Compute that the checks before spending call: OS Login (import our SSH
 key, get the POSIX user), Organization Policy (the effective policy of a constraint), Cloud
 Resource Manager and IAM (which permissions the caller has on the project, on a service account),
-Service Usage (which APIs the project has enabled; enabling them; a quota's limits) and OAuth's
-tokeninfo (whose credentials these are).
+Service Usage (which APIs the project has enabled; enabling them; a quota's limits), Cloud Quotas (a
+quota's limit in each zone) and OAuth's tokeninfo (whose credentials these are).
 
 Their Python client libraries are not in the lock, so these are plain REST calls through
 google-auth's AuthorizedSession with the credentials every Compute client uses
@@ -35,7 +35,7 @@ class Unknown(Exception):
 ROOTS = {"oslogin": "https://oslogin.googleapis.com", "orgpolicy": "https://orgpolicy.googleapis.com",
          "cloudresourcemanager": "https://cloudresourcemanager.googleapis.com",
          "iam": "https://iam.googleapis.com", "serviceusage": "https://serviceusage.googleapis.com",
-         "tokeninfo": "https://oauth2.googleapis.com"}
+         "cloudquotas": "https://cloudquotas.googleapis.com", "tokeninfo": "https://oauth2.googleapis.com"}
 TIMEOUT_S = 60
 ENABLE_TIMEOUT_S = 300   # Service Usage enables an API within a minute or two ("this may take a minute": sky check)
 
@@ -131,6 +131,17 @@ class GoogleApis:
             except gexc.NotFound:
                 return []
         return [bucket for limit in answer.get("consumerQuotaLimits", []) for bucket in limit.get("quotaBuckets", [])]
+
+    def quota_info(self, project: str, service: str, quota_id: str) -> dict | None:
+        """Cloud Quotas v1 quotaInfos.get: the QuotaInfo of ``quota_id`` of ``service`` for ``project``, its
+        ``dimensionsInfos`` holding the limit (``details.value``) where each one's ``dimensions`` say, the
+        most specific first; None when Cloud Quotas has no such quota."""
+        name = f"projects/{project}/locations/global/services/{service}/quotaInfos/{quota_id}"
+        with explained(f"reading the quota {quota_id} of {service} in project {project}", project):
+            try:
+                return self.call("cloudquotas", "GET", f"v1/{name}")
+            except gexc.NotFound:
+                return None
 
     def enable_services(self, project: str, services: list[str]) -> None:
         """serviceusage.services.batchEnable, then its operation polled until done (at most

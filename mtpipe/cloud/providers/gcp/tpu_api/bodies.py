@@ -59,12 +59,14 @@ def as_vm(name: str, node: dict | None, queued: dict | None) -> TpuVm | None:
     return None
 
 
-def queued_resource_body(cfg: Any, public_key: str, labels: dict[str, str]) -> dict:
+def queued_resource_body(cfg: Any, public_key: str, labels: dict[str, str], service_account: str) -> dict:
     """The queuedResources.create body: one node named ``cfg.name`` (`gcloud compute tpus queued-resources
     create NAME --node-id NAME --accelerator-type ... --runtime-version ...`), tagged with its name (the
     target of the SSH firewall rule, as on the Compute route), an external IP when ``external_ip``; Spot
     (``spot: {}``), the reservation ``reservationName`` names or
-    on-demand; queueing at most ``tpu_api.valid_for_s``."""
+    on-demand; queueing at most ``tpu_api.valid_for_s``. The node runs as ``service_account`` (an email:
+    ``service_account: default`` resolved to the project's Compute default account) with ``scopes``, as
+    gcloud always sends one: the idle watch deletes the node with that account's token."""
     node: dict[str, Any] = {
         "acceleratorType": vm_config.accelerator_type(cfg),
         "runtimeVersion": vm_config.runtime_version(cfg),
@@ -73,12 +75,11 @@ def queued_resource_body(cfg: Any, public_key: str, labels: dict[str, str]) -> d
         "tags": [cfg.name],
         "labels": dict(labels),
         "metadata": {item["key"]: item["value"] for item in ssh_metadata(cfg, public_key)} | idle_metadata(cfg),
+        "serviceAccount": {"email": service_account, "scope": list(cfg.scopes)},
     }
     if cfg.subnetwork:
         node["networkConfig"]["subnetwork"] = f"projects/{cfg.project}/regions/{region(cfg.zone)}/subnetworks/" \
                                               f"{cfg.subnetwork}"
-    if cfg.service_account != "default":   # default: the project's Compute default service account
-        node["serviceAccount"] = {"email": cfg.service_account, "scope": list(cfg.scopes)}
     body: dict[str, Any] = {
         "tpu": {"nodeSpec": [{"parent": f"projects/{cfg.project}/locations/{cfg.zone}", "nodeId": cfg.name,
                               "node": node}]},

@@ -58,7 +58,8 @@ class TpuApi:
 
     def create_vm(self, cfg: VmConfig, public_key: str, labels: dict[str, str]) -> TpuVm:
         """Queue the VM (queuedResources.create) and wait until its node runs (:meth:`_await_active`)."""
-        self.tpu.create_queued_resource(cfg.name, queued_resource_body(cfg, public_key, labels))
+        account = cfg.service_account if cfg.service_account != "default" else self.compute.default_service_account()
+        self.tpu.create_queued_resource(cfg.name, queued_resource_body(cfg, public_key, labels, account))
         return self._await_active(cfg)
 
     def _await_active(self, cfg: VmConfig) -> TpuVm:
