@@ -112,7 +112,7 @@ def test_full_cycle(project_world: Env, pipeline_repo: Path) -> None:
     w = project_world
     outputs = []
     outputs.append(w.doit("vm_up").stdout)
-    assert "paid by reservation v6e-res's commitment (on-demand equivalent 21.60 USD/h)" in outputs[0]
+    assert "paid for by the commitment of reservation v6e-res, instead of 21.60 USD/h on demand" in outputs[0]
     assert "Compute deletes it after 4 h" in outputs[0]
     inst = w.instance()
     assert inst and inst["status"] == "RUNNING"
