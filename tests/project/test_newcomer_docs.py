@@ -109,3 +109,20 @@ def test_an_unknown_preset_is_named_once() -> None:
     assert "preset preset" not in str(err.value)
     with pytest.raises(ConfigError, match="unknown model preset 'nope'"):
         config._load_named("model", "nope", "sft.model")
+
+
+@pytest.mark.billing
+def test_the_setup_page_enables_the_apis_and_names_the_quota_doit_check_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The `gcloud services enable` line is what the APIs check requires of the tutorial's VM (a gs://
+    DVC remote), and the quota named is the one the quota check reads for a v6e VM."""
+    for key in ("MTPIPE_VM_CONFIG", "PROJECT", "ZONE", "RESERVATION", "NAME"):
+        monkeypatch.delenv(key, raising=False)
+    text = (ROOT / "docs" / "quickstart-setup.md").read_text()
+    cfg = vm_config.load_config({"project": "my-project", "zone": "us-east5-b", "reservation": "r", "name": "n"})
+    (enable,) = re.findall(r"^gcloud services enable (.*) --project=my-project$", text, re.MULTILINE)
+    assert enable.split() == list(caller.services(cfg, uses_gcs=True)), enable
+    quota = generations.of_machine_type(cfg.machine_type)[0].compute.quota
+    flat = " ".join(text.split())
+    assert f"`{quota.name}`" in flat and f'"{quota.title}"' in flat, quota
+    assert all(f"{key}={value}" in flat for key, value in quota.dimensions.items()), quota
+    assert "REPOSITORY_URL" not in text and flat.index("make control") < flat.index("`make`")

@@ -255,7 +255,7 @@ def test_vm_run_does_not_silently_recreate(world: Env) -> None:
     proc = w.doit("vm_run", ok=False)
     out = proc.stdout + proc.stderr
     assert "VM mt-test, recorded in .vm_state.json" in out and "no longer exists" in out
-    assert "--recreate" in out and len(w.fake.inserts()) == 1
+    assert "--recreate" in out and "idle.delete_after_s" in out and len(w.fake.inserts()) == 1
     assert not (w.sshd.home / "runs").exists()
     proc = w.doit("vm_run", "--recreate")
     assert len(w.fake.inserts()) == 2
