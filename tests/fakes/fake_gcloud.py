@@ -6,7 +6,9 @@ as; $FAKE_GCLOUD_IMPERSONATE: the service account it impersonates; $FAKE_GCLOUD_
 sign-ins' value, or, as gcloud does for an unset key, nothing on stdout and `(unset)` on stderr; `gcloud storage buckets create gs://B
 [--project=P] [--location=L]` and `gcloud storage buckets add-iam-policy-binding gs://B --member=M
 --role=R` against the GCS emulator at $FAKE_GCS_ENDPOINT (buckets.insert, which fails as gcloud does
-for a bucket that exists; getIamPolicy, then setIamPolicy with the member added to the role's binding).
+for a bucket that exists; getIamPolicy, then setIamPolicy with the member added to the role's binding);
+`gcloud services enable S... [--project=P]` against the fake Service Usage at $MTPIPE_COMPUTE_ENDPOINT
+(batchEnable, then its operation polled until done).
 
 A new user's sign-ins, kept in $CLOUDSDK_CONFIG/fake-gcloud.json (gcloud's own configuration
 directory variable; without it they are not served): `gcloud auth login` (the browser's account:
@@ -56,6 +58,10 @@ def main(argv: list[str]) -> int:
     if argv[:2] == ["storage", "buckets"] and argv[2] in ("create", "add-iam-policy-binding"):
         return storage_buckets(argv[2], argv[3].removeprefix("gs://"),
                                dict(a.removeprefix("--").split("=", 1) for a in argv[4:]))
+    if argv[:2] == ["services", "enable"]:
+        flags = dict(a.removeprefix("--").split("=", 1) for a in argv[2:] if a.startswith("--"))
+        return services_enable([a for a in argv[2:] if not a.startswith("--")],
+                               flags.get("project") or signed_in().get("project", "proj-1"))
     if argv[:2] != ["compute", "start-iap-tunnel"] or "--listen-on-stdin" not in argv:
         print(f"fake gcloud: {' '.join(argv)}: not served", file=sys.stderr)
         return 2
@@ -99,6 +105,22 @@ def storage_buckets(command: str, bucket: str, flags: dict[str, str]) -> int:
     else:
         bindings.append({"role": flags["role"], "members": [flags["member"]]})
     print(json.dumps(call("PUT", f"b/{bucket}/iam", {"bindings": bindings}), indent=2))
+    return 0
+
+
+def services_enable(services: list[str], project: str) -> int:
+    """`gcloud services enable`: serviceusage's batchEnable, then its operation until done."""
+    def call(method: str, path: str, body: dict | None = None) -> dict:
+        request = urllib.request.Request(f"{os.environ['MTPIPE_COMPUTE_ENDPOINT']}/v1/{path}", method=method,
+                                         data=json.dumps(body).encode() if body is not None else None,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=10) as answer:
+            return json.loads(answer.read())
+
+    operation = call("POST", f"projects/{project}/services:batchEnable", {"serviceIds": services})
+    while not operation.get("done"):
+        operation = call("GET", operation["name"])
+    print(f"Operation \"{operation['name']}\" finished successfully.", file=sys.stderr)
     return 0
 
 

@@ -5,7 +5,9 @@ the price of the SFT tutorial are the numbers preflight computes, and the small 
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -109,3 +111,60 @@ def test_an_unknown_preset_is_named_once() -> None:
     assert "preset preset" not in str(err.value)
     with pytest.raises(ConfigError, match="unknown model preset 'nope'"):
         config._load_named("model", "nope", "sft.model")
+
+
+@pytest.mark.billing
+def test_the_setup_page_enables_the_apis_and_names_the_quota_doit_check_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The `gcloud services enable` line is what the APIs check requires of the tutorial's VM (a gs://
+    DVC remote), and the quota named is the one the quota check reads for a v6e VM."""
+    for key in ("MTPIPE_VM_CONFIG", "PROJECT", "ZONE", "RESERVATION", "NAME"):
+        monkeypatch.delenv(key, raising=False)
+    text = (ROOT / "docs" / "quickstart-setup.md").read_text()
+    cfg = vm_config.load_config({"project": "my-project", "zone": "us-east5-b", "reservation": "r", "name": "n"})
+    (enable,) = re.findall(r"^gcloud services enable (.*) --project=my-project$", text, re.MULTILINE)
+    assert enable.split() == list(caller.services(cfg, uses_gcs=True)), enable
+    quota = generations.of_machine_type(cfg.machine_type)[0].compute.quota
+    flat = " ".join(text.split())
+    assert f"`{quota.name}`" in flat and f'"{quota.title}"' in flat, quota
+    assert all(f"{key}={value}" in flat for key, value in quota.dimensions.items()), quota
+    assert "REPOSITORY_URL" not in text and flat.index("make control") < flat.index("`make`")
+
+
+def _preflight_check_line() -> str:
+    """What `doit check` says of the SFT tutorial's preflight, answered from the committed compile."""
+    from mtpipe.cloud.checks import prerequisites
+    cfg = vm_config.load_config({"project": "p", "zone": "us-east5-b", "reservation": "r", "name": "n"})
+    return "ok  preflight: " + prerequisites._preflight(cfg, ROOT, [["sft.preset=gemma3-4b-ultrachat-v6e8"]])[0]
+
+
+def _exp_show_row() -> str:
+    """The metric cells of a row of the quickstart's `dvc exp show` (the committed run's metrics, in
+    DVC's 5 significant digits): gain.loss_gain, trained.loss, gain.flexible_gain,
+    trained.flexible_accuracy."""
+    sft, rl = (json.loads((ROOT / "metrics" / branch / "evaluate.json").read_text()) for branch in ("sft", "rl"))
+    cells = [sft["gain"]["loss_gain"], sft["trained"]["loss"], rl["gain"]["flexible_gain"],
+             rl["trained"]["flexible_accuracy"]]
+    return " | ".join(f"{value:.5g}" for value in cells)
+
+
+# (doc, the figure it quotes from a tool's output, how the figure is made from what the tool reads)
+FIGURES = [("docs/vm-checks.md", "ok  preflight: sft (gemma3-4b-ultrachat-v6e8) fits:", _preflight_check_line),
+           ("docs/quickstart-sft.md", "| workspace | ", _exp_show_row)]
+
+
+@pytest.mark.billing
+@pytest.mark.parametrize(("doc", "quoted", "real"), FIGURES, ids=[f"{doc}:{quoted[:20]}" for doc, quoted, _ in FIGURES])
+def test_a_figure_quoted_from_a_tool_is_what_the_tool_prints(
+        doc: str, quoted: str, real: Callable[[], str], monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("MTPIPE_VM_CONFIG", "PROJECT", "ZONE", "RESERVATION", "NAME"):
+        monkeypatch.delenv(key, raising=False)
+    lines = [re.sub(r" +", " ", line) for line in (ROOT / doc).read_text().splitlines()]
+    quoting = [line for line in lines if re.sub(r" +", " ", quoted) in line]
+    assert quoting, f"{doc} no longer quotes {quoted!r}: update FIGURES"
+    expected = re.sub(r" +", " ", real())   # a markdown table pads its cells
+    for line in quoting:
+        assert expected in line, f"{doc} quotes {line!r}; the tool prints {expected!r}"
+    if doc.endswith("quickstart-sft.md"):   # every row of the sample holds the same numbers (the page says why)
+        rows = [line for line in lines if line.startswith("| ") and "embedded-sft" in line]
+        assert len(rows) == 5 and all(expected in row for row in rows), rows
+        assert "| master " not in "\n".join(lines), "a clone's branch is main"

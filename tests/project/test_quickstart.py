@@ -34,9 +34,7 @@ PAGES = {"sft": ROOT / "docs" / "quickstart-sft.md", "rl": ROOT / "docs" / "quic
 TUTORIAL = {"sft": "gemma3-4b-ultrachat-v6e8", "rl": "llama3.1-8b-gsm8k-v6e8"}
 TUTORIAL_EXP = {"sft": "sft-tutorial", "rl": "grpo-tutorial"}
 NOT_RUN = {   # command prefix -> why the test does not type it
-    "git clone": "the test runs in a clone of the project already",
-    "make": "the environment is the one running the tests",
-    "source .venv/bin/activate": "the environment's bin/ is first on PATH",
+    "make": "the environment is the one running the tests, its bin/ first on PATH",
 }
 # (page, section heading's start) -> why the test skips that section's commands: what the page says
 SKIPPED = {("sft", "6. Teardown"): "the GRPO quickstart follows: the SFT page says to skip its teardown then",
@@ -65,7 +63,8 @@ def commands(page: Path) -> list[str]:
 def test_the_setup_page_holds_what_a_new_user_types_once() -> None:
     typed = commands(SETUP)
     ordered = ["gcloud auth login", "gcloud config set project my-project", "gcloud auth application-default login",
-               "gcloud auth application-default set-quota-project my-project", "gcloud storage buckets create gs://",
+               "gcloud auth application-default set-quota-project my-project", "gcloud services enable",
+               "gcloud storage buckets create gs://",
                "gcloud storage buckets add-iam-policy-binding", "dvc remote add -d", "git commit"]
     at = [next((i for i, line in enumerate(typed) if line.startswith(step)), -1) for step in ordered]
     assert -1 not in at and at == sorted(at), f"{SETUP.name}: {dict(zip(ordered, at))}"
@@ -103,7 +102,11 @@ def test_a_page_holds_every_step_from_a_fresh_laptop_to_a_deleted_vm(branch: str
     assert first_paid == "doit vm_run --rehearse", f"{page.name}: the first paid step is `{first_paid}`"
     for link in ("(quickstart-setup.md)", "(roles.md)", "(maxtext-adapter.md)"):
         assert link in text, f"{page.name} does not link {link}"
-    assert "What can still cost money" in text and "roles/" not in text, "the roles are docs/roles.md's"
+    assert "roles/" not in text, "the roles are docs/roles.md's"
+    teardown = " ".join(text.split("## 6. Teardown")[1].split())
+    for said in ("What else can cost money", "The reservation bills on after the VM is deleted",
+                 "gcloud compute reservations delete my-v6e8-reservation", "cannot be cancelled and ends at its end time"):
+        assert said in teardown, f"{page.name}'s teardown does not say: {said}"
 
 
 @pytest.mark.slow

@@ -176,7 +176,8 @@ class VmLifecycle:
         if not state or may_create:
             return
         cfg = self.cfg
-        why = ("Compute deleted it after max_run_duration_s, or someone else did" if state.get("created")
+        why = ("it deleted itself after idle.delete_after_s with nothing of vm_run running, Compute deleted it "
+               "after max_run_duration_s, or someone else did" if state.get("created")
                else f"its insert, sent {state.get('insert_sent')}, never created it")
         raise vm_config.VmError(
             f"VM {cfg.name}, recorded in {vm_state.STATE_FILE} (created {state.get('created')}), no "

@@ -87,9 +87,9 @@ def load(path: Path = PRICES) -> Prices:
 
 
 def paid_by(reservation: str, on_demand: str) -> str:
-    """How every cost line shows what a reservation's commitment pays (``on_demand``: its on-demand
-    equivalent, e.g. "21.60 USD/h")."""
-    return f"paid by reservation {reservation}'s commitment (on-demand equivalent {on_demand})"
+    """How every cost line shows what a reservation's commitment pays, as one clause (``on_demand``: what
+    the same costs at the on-demand price, for comparison only, e.g. "21.60 USD/h")."""
+    return f"paid for by the commitment of reservation {reservation}, instead of {on_demand} on demand"
 
 
 @dataclass(frozen=True)

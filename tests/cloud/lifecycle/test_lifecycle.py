@@ -144,8 +144,8 @@ def test_the_spend_counts_what_a_reservation_pays_apart() -> None:
 
     reserved = entry("reservation", 21.6, "v6e-res", 0, 1)
     assert spend_line({"vms": [reserved]}) == (
-        "this run's VMs: 1; 1.00 h in all, paid by reservation v6e-res's commitment (on-demand equivalent "
-        "21.60 USD)")
+        "this run's VMs: 1; 1.00 h in all, paid for by the commitment of reservation v6e-res, instead of "
+        "21.60 USD on demand")
     assert spend_line({"vms": [reserved, entry("spot", 4.32, None, 1, 3)]}) == (
         "this run's VMs: 2, 1 of them replaced after being lost; 3.00 h in all: about 8.64 USD, and 1.00 h "
-        "paid by reservation v6e-res's commitment (on-demand equivalent 21.60 USD)")
+        "paid for by the commitment of reservation v6e-res, instead of 21.60 USD on demand")

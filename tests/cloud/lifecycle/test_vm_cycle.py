@@ -112,7 +112,7 @@ def test_full_cycle(project_world: Env, pipeline_repo: Path) -> None:
     w = project_world
     outputs = []
     outputs.append(w.doit("vm_up").stdout)
-    assert "paid by reservation v6e-res's commitment (on-demand equivalent 21.60 USD/h)" in outputs[0]
+    assert "paid for by the commitment of reservation v6e-res, instead of 21.60 USD/h on demand" in outputs[0]
     assert "Compute deletes it after 4 h" in outputs[0]
     inst = w.instance()
     assert inst and inst["status"] == "RUNNING"
@@ -255,7 +255,7 @@ def test_vm_run_does_not_silently_recreate(world: Env) -> None:
     proc = w.doit("vm_run", ok=False)
     out = proc.stdout + proc.stderr
     assert "VM mt-test, recorded in .vm_state.json" in out and "no longer exists" in out
-    assert "--recreate" in out and len(w.fake.inserts()) == 1
+    assert "--recreate" in out and "idle.delete_after_s" in out and len(w.fake.inserts()) == 1
     assert not (w.sshd.home / "runs").exists()
     proc = w.doit("vm_run", "--recreate")
     assert len(w.fake.inserts()) == 2

@@ -69,7 +69,7 @@ def test_each_kind_of_reservation(world: Env, kind: str) -> None:
     body = insert.json()
     assert body["scheduling"]["provisioningModel"] == k.model
     assert body["reservationAffinity"] == {**AFFINITY, "values": [k.name]}
-    assert f"paid by reservation {k.name}'s commitment (on-demand equivalent 21.60 USD/h)" in out, out
+    assert f"paid for by the commitment of reservation {k.name}, instead of 21.60 USD/h on demand" in out, out
     if k.model == "RESERVATION_BOUND":
         assert "not known to be honoured for reservation-bound VMs: delete the VM with `doit vm_down`" in out
     else:
@@ -78,7 +78,7 @@ def test_each_kind_of_reservation(world: Env, kind: str) -> None:
     assert w.fake.calls("GET", f"/projects/{owner}/zones/us-east5-b/futureReservations")
     assert reservation.in_use == reservation.count
     out = w.doit("vm_down").stdout
-    assert f"paid by reservation {k.name}'s commitment (on-demand equivalent" in out
+    assert f"paid for by the commitment of reservation {k.name}, instead of" in out
     assert reservation.in_use == reservation.count - k.takes
     assert_deleted(w)
 
