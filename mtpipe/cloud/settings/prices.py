@@ -122,7 +122,7 @@ class Rate:
         """Where the chip price comes from, as `doit preflight` prints it next to the price."""
         basis = f"{self.where()}, price as of {self.price.as_of}, conf/prices.yaml"
         if self.reservation:
-            return f"{basis}: the on-demand equivalent, reservation {self.reservation}'s commitment pays the VM"
+            return f"{basis}: the on-demand equivalent; the VM is paid for by the commitment of reservation {self.reservation}"
         return basis
 
 
