@@ -275,7 +275,7 @@ def load_config(params: dict[str, Any] | None = None, state: dict | None = None)
                           "unset ZONE / --zone to try zones in order, or add it to zones: in conf/vm.yaml")
     if cfg.zones and not cfg.zone:
         cfg.zone = cfg.zones[0]
-    prices.vm_rate(cfg)   # conf/prices.yaml prices this machine type in this mode
+    prices.mode_prices(cfg)   # conf/prices.yaml prices this machine type in this mode (its region: vm_rate)
     return cfg
 
 
