@@ -116,7 +116,9 @@ def test_vm_run_makes_runs_and_deletes_a_vm_of_an_added_generation(
     Engine): every check passes, the VM is asked for by the table's names, runs the experiment, which
     comes back, and is deleted."""
     w, gen = world, generations.of_machine_type(machine)[0]
-    w.fake.machine_types[ZONE].add(machine)
+    zone = "us-central1-c" if gen.name == "tpu7x" else ZONE   # conf/prices.yaml prices TPU7x in us-central1 only
+    w.env["ZONE"] = zone
+    w.fake.machine_types.setdefault(zone, set()).add(machine)
     w.configure(machine_type=machine, route=route)
     assert " 0 FAILS" in w.doit("check").stdout
     out = w.doit("vm_run", "--set=steps=4", "--exp-name=four", "--no-preflight").stdout
@@ -130,7 +132,7 @@ def test_vm_run_makes_runs_and_deletes_a_vm_of_an_added_generation(
         assert f'"acceleratorType": "{gen.accelerator_type(4)}"' in create[2]
         assert f'"runtimeVersion": "{gen.tpu_api.runtime_version}"' in create[2]
         assert not tpu_api.nodes and not tpu_api.queued
-    region = ZONE.rsplit("-", 1)[0]   # the zone's region prices the VM
+    region = zone.rsplit("-", 1)[0]   # the zone's region prices the VM
     assert f"{4 * prices.load().tpu[gen.name].per_chip_hour.on_demand.usd[region]:.2f} USD per hour" in out
     assert not w.fake.instances and not w.fake.firewalls
 
