@@ -116,7 +116,9 @@ def test_vm_run_makes_runs_and_deletes_a_vm_of_an_added_generation(
     Engine): every check passes, the VM is asked for by the table's names, runs the experiment, which
     comes back, and is deleted."""
     w, gen = world, generations.of_machine_type(machine)[0]
-    w.fake.machine_types[ZONE].add(machine)
+    zone = "us-central1-c" if gen.name == "tpu7x" else ZONE   # conf/prices.yaml prices TPU7x in us-central1 only
+    w.env["ZONE"] = zone
+    w.fake.machine_types.setdefault(zone, set()).add(machine)
     w.configure(machine_type=machine, route=route)
     assert " 0 FAILS" in w.doit("check").stdout
     out = w.doit("vm_run", "--set=steps=4", "--exp-name=four", "--no-preflight").stdout
@@ -130,7 +132,8 @@ def test_vm_run_makes_runs_and_deletes_a_vm_of_an_added_generation(
         assert f'"acceleratorType": "{gen.accelerator_type(4)}"' in create[2]
         assert f'"runtimeVersion": "{gen.tpu_api.runtime_version}"' in create[2]
         assert not tpu_api.nodes and not tpu_api.queued
-    assert f"{4 * prices.load().tpu[gen.name].per_chip_hour.on_demand.usd:.2f} USD per hour" in out
+    region = zone.rsplit("-", 1)[0]   # the zone's region prices the VM
+    assert f"{4 * prices.load().tpu[gen.name].per_chip_hour.on_demand.usd[region]:.2f} USD per hour" in out
     assert not w.fake.instances and not w.fake.firewalls
 
 
@@ -147,6 +150,8 @@ v9z:
   device_kinds: [TPU v9 lite]
   chips_per_host: 4
   chip: {hbm_gib: 64, peak_tflops: 2000, hbm_gbps: 4000, ici_gbits: 6400, source: made up}
+  step: {compute_efficiency: 0.5, step_error: [0.6, 2.1], evidence: assumed, source: made up}
+  best_mfu: {pct: 50.0, run: made up, source: made up}
   host_ram_gb: {4: 720}
   compute:
     refused: null
@@ -159,8 +164,9 @@ v9z:
 """
 MADE_UP_PRICE = """
   v9z:
+    default_region: us-central1
     per_chip_hour:
-      on-demand: {usd: 5.00, as_of: made up, source: https://cloud.google.com/tpu/pricing}
+      on-demand: {usd: {us-central1: 5.00, us-east5: 5.00}, as_of: made up, source: https://cloud.google.com/tpu/pricing}
       spot: null
       flex-start: null
 """
@@ -217,12 +223,12 @@ def test_a_made_up_generation_is_a_row_a_hardware_preset_and_a_price(world: Env)
     (w.repo / "work" / "preflight" / f"{digest.strip()}.json").write_text(json.dumps(stored))
     out = doit_in(w, "preflight", *(f"--set={s}" for s in sets))
     assert "sft     gemma3-4b-ultrachat-v5p8  v9z-4" in out and "/ 64.00" in out, out
-    assert "5.00 USD per chip-hour (v9z on-demand price as of made up" in out and "20.00 USD/h" in out
+    assert "5.00 USD per chip-hour (v9z on-demand in us-east5, price as of made up" in out and "20.00 USD/h" in out
 
     out = doit_in(w, "vm_run", "--set=steps=2", "--exp-name=two", "--no-preflight")
     (insert,) = w.fake.inserts()
     assert insert.json()["machineType"].endswith("/machineTypes/ct9z-standard-4t")
-    assert "about 20.00 USD per hour (4 chips x 5.00 USD, v9z on-demand price as of made up" in out, out
+    assert "about 20.00 USD per hour (4 chips x 5.00 USD, v9z on-demand in us-east5, price as of made up" in out, out
     assert experiments(w)["two"]["metrics"] == {"count.json": {"steps": 2}}
     assert not w.fake.instances and not w.fake.firewalls
     assert sh(["git", "status", "--porcelain", "--untracked-files=no"], w.repo, w.env) == ""

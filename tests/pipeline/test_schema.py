@@ -39,7 +39,7 @@ CASES = {
     "params/unknown-key": ({"step": 100}, "step", "not a key of params.yaml"),
     # preset / model / dataset / hardware names
     "names/type": ({"sft": {"model": 5}}, "sft.model", "must be a string"),
-    "names/range": ({"sft": {"hardware": "v5p-8"}}, "sft.hardware", "unknown hardware preset"),
+    "names/range": ({"sft": {"hardware": "v9-8"}}, "sft.hardware", "unknown hardware preset"),
     "names/combination-chat-data-for-grpo": ({"rl": {"dataset": "ultrachat-tiny"}}, "rl.dataset", "question/answer"),
     "names/combination-vllm-on-cpu": ({"rl": {**TUTORIAL_RL, "hardware": "cpu"}}, "rl.train_rl.rollout_backend",
                                       "vllm needs a TPU"),

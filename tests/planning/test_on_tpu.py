@@ -223,4 +223,7 @@ def test_the_tutorials_implied_mfu_is_at_most_the_best_public(name: str):
 @pytest.mark.price
 def test_a_v6e_32_is_not_faster_per_chip_than_a_v6e_8():
     """The SFT tutorial at the same per-chip batch: FSDP's collectives grow with the chips."""
+    shape = lambda name: {k: json.loads((ROOT / "mtpipe" / "planning" / "compiled" / f"{name}.json").read_text())  # noqa: E731
+                          ["result"]["config"][k] for k in ("per_device_batch_size", "max_target_length")}
+    assert shape("sft-gemma3-4b-ultrachat-v6e32") == shape("sft-gemma3-4b-ultrachat-v6e8")   # the same per-chip batch
     assert _tutorial_step("sft-gemma3-4b-ultrachat-v6e32")[0] >= _tutorial_step("sft-gemma3-4b-ultrachat-v6e8")[0]

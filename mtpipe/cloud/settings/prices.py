@@ -126,23 +126,31 @@ class Rate:
         return basis
 
 
-def vm_rate(cfg: PricedVm) -> Rate:
-    """The rate of the VM ``cfg`` describes: its machine type's chips at its provisioning mode's price in
-    its zone's region (a reservation: the on-demand price, as the equivalent of what the commitment pays).
-    ``cfg`` is read by attribute: machine_type, provisioning, zone, reservation."""
+def mode_prices(cfg: PricedVm) -> tuple[str, int, str, ModePrices]:
+    """The generation, chips and provisioning mode that price ``cfg``'s VM (a reservation: on-demand),
+    and that mode's prices by region; a generation or mode without prices is refused naming its key. Loading
+    the VM's settings checks this; the zone's region is checked where a rate is read (:func:`vm_rate`), after
+    the checks have found that the zone offers the machine type (a zone without it is refused for that)."""
     gen, chips = generations.of_machine_type(cfg.machine_type)
     tpu = gen.name
     if tpu not in load().tpu:
         raise ConfigError(f"prices.tpu.{tpu}", f"is missing: conf/prices.yaml prices no {gen.title} ({cfg.machine_type})",
                           f"add tpu.{tpu}.per_chip_hour (on-demand, spot, flex-start: usd, as_of, source) to {PRICES}")
-    reserved = cfg.provisioning == "reservation"
-    reservation = (cfg.reservation or "(RESERVATION not set)") if reserved else None
-    mode = "on-demand" if reserved else cfg.provisioning
+    mode = "on-demand" if cfg.provisioning == "reservation" else cfg.provisioning
     prices = getattr(load().tpu[tpu].per_chip_hour, mode.replace("-", "_"))
     if prices is None:
         raise ConfigError(f"prices.tpu.{tpu}.per_chip_hour.{mode}", f"is null: no {mode} price of TPU {tpu} is known",
                           f"set its usd (by region), as_of and source in {PRICES}, or use another provisioning")
-    zone = getattr(cfg, "zone", None)
+    return tpu, chips, mode, prices
+
+
+def vm_rate(cfg: PricedVm) -> Rate:
+    """The rate of the VM ``cfg`` describes: its machine type's chips at its provisioning mode's price in
+    its zone's region (a reservation: the on-demand price, as the equivalent of what the commitment pays).
+    ``cfg`` is read by attribute: machine_type, provisioning, zone, reservation."""
+    tpu, chips, mode, prices = mode_prices(cfg)
+    reservation = (cfg.reservation or "(RESERVATION not set)") if cfg.provisioning == "reservation" else None
+    zone = cfg.zone
     region = zone.rsplit("-", 1)[0] if zone else load().tpu[tpu].default_region
     if region not in prices.usd:
         raise ConfigError(f"prices.tpu.{tpu}.per_chip_hour.{mode}.usd.{region}",

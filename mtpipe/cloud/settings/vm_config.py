@@ -311,7 +311,7 @@ def load_config(params: dict[str, Any] | None = None, state: dict | None = None)
         if cfg.zones and cfg.zone and cfg.zone not in cfg.zones:
             raise ConfigError("vm.zone", f"{cfg.zone!r} (ZONE / --zone) is not one of zones: {list(cfg.zones)}",
                               "unset ZONE / --zone to try zones in order, or add it to zones: in conf/vm.yaml")
-        prices.vm_rate(cfg)   # conf/prices.yaml prices this machine type in this mode
+        prices.mode_prices(cfg)   # conf/prices.yaml prices this machine type in this mode (its region: vm_rate)
     except ConfigError as err:
         raise sourced(err, sources, overlay) from None
     zone = first_zone(cfg, state or {})

@@ -29,6 +29,7 @@ from mtpipe.cloud.providers.gcp.api_errors import ENDPOINT_ENV
 from mtpipe.cloud.settings import vm_config, vm_state
 
 from mtpipe.errors import ConfigError
+from mtpipe.pipeline import generations
 from mtpipe.planning import aot, preflight, step_model
 import families
 from vm_world import as_script, hub_with_tutorial_repos
@@ -117,7 +118,7 @@ def world(tmp_path: Path, gcs_emulator: GcsEmulator,
 def test_zone_without_v6e(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ZONE", "us-west2-a")
     out = world.doit("vm_up")
-    assert "vm.zone: zone 'us-west2-a' does not offer ct6e-standard-8t (TPU v6e)" in out
+    assert "vm.zone: zone 'us-west2-a' does not offer ct6e-standard-8t (TPU v6e (Trillium))" in out
     world.nothing_created()
 
 
@@ -270,10 +271,11 @@ def test_spot_run_without_a_work_bucket_is_refused_with_what_a_preemption_costs(
         world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Spot run whose checkpoints would go with a preempted VM stops before anything is created,
     naming the key, the one that accepts it, and each preemption's cost by preflight's forecast (the
-    compile planted: 100 TFLOP per chip and step at 918 TFLOP/s and 4.3 B / 8 parameters' traffic
-    (mtpipe.planning.step_model) is about 0.16 s, 1000 steps
-    + 180 s start-up 5.7 min, 8 chips x 0.54 USD Spot), read from preflight's cache before any compile;
-    vm_up, whose branches have no compile cached, says so."""
+    compile planted: 100 TFLOP per chip and step at v6e's fitted share of 918 TFLOP/s, 4.3 B parameters'
+    HBM traffic and FSDP's collectives (mtpipe.planning.step_model), 1000 steps at the chip's wall-clock
+    factor + 180 s start-up + 5 checkpoint saves (the preset's checkpoint_period 200), 8 chips x 1.215 USD
+    Spot in us-east5), read from preflight's cache before any compile; vm_up, whose branches have no
+    compile cached, says so."""
     monkeypatch.delenv("RESERVATION")
     sets = ["sft.preset=gemma3-4b-ultrachat-v6e8"]
     with HubServer(tmp_path / "hub") as hub:
@@ -282,12 +284,19 @@ def test_spot_run_without_a_work_bucket_is_refused_with_what_a_preemption_costs(
         monkeypatch.setenv("HF_TOKEN", hub.gated["google/gemma-3-4b-it"])
         plant_compile(world, sets, temp_gib=4.5, tflops_per_device=100.0)
         out = world.doit("vm_run", "--provisioning=spot", *(f"--set={s}" for s in sets))
-        step_s = 100 / (918 * step_model.COMPUTE_EFFICIENCY) + 4.3e9 / 8 * step_model.STEP_BYTES_PER_PARAM / 1640e9
-        train_min = round(1000 * step_s + preflight.TRAIN_STARTUP_S, 1) / 60  # as preflight rounds est_train_s
+        # bf16 weights: 32 B per parameter gathered on every chip, the rest of the traffic sharded over 8;
+        # the collectives 7/8 x (2 x 2 + 4) B per parameter at 400 GB/s of ICI
+        step_s = (100 / (918 * generations.load()["v6e"].step.compute_efficiency)
+                  + (4.3e9 * 32 + 4.3e9 / 8 * (step_model.STEP_BYTES_PER_PARAM - 32)) / 1640e9
+                  + 7 / 8 * 4.3e9 * 8 / 400e9)
+        saves_s = preflight.checkpoint_s({"memory": {"argument_size_in_bytes": 6 * 2**30}}, 8, 1000 // 200)[1]
+        train_s = 1000 * step_s * step_model.WALL_CLOCK_FACTOR[1] + preflight.TRAIN_STARTUP_S[1] + saves_s
+        train_min = round(train_s, 1) / 60  # as preflight rounds est_train_s
         assert ("ConfigError: vm.run.env.MTPIPE_WORK_BUCKET: is not set for a Spot run: training keeps its "
                 "checkpoints in /dev/shm/mtpipe-work on the VM") in out, out
         assert (f"each preemption throws away train_sft of the sft branch up to {train_min:.1f} min (1000 steps x "
-                f"{step_s:.3f} s + 180 s start-up), about {train_min / 60 * 4.32:.2f} USD at 4.32 USD/h") in out
+                f"{step_s:.3f} s + start-up and checkpoints), about {train_min / 60 * 9.72:.2f} USD at 9.72 USD/h"
+                ) in out, out
         assert "spot_without_work_bucket: true" in out and "up to max_recoveries = 3 times" in out
         world.nothing_created()
         out = world.doit("vm_up", "--provisioning=spot")   # params.yaml's branches: none compiled for a TPU

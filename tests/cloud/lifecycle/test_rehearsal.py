@@ -53,7 +53,7 @@ def test_the_rehearsal_runs_the_embedded_default_on_one_chip_and_deletes_its_vm(
     assert rehearsed["scheduling"]["maxRunDuration"]["seconds"] == str(rehearsal.MAX_RUN_DURATION_S)
     assert rehearsed["labels"]["mtpipe-provisioning"] == "spot"
     assert comparable(rehearsed) == comparable(real)
-    assert f"creating {ONE_CHIP} VM mt-test (spot) in us-east5-b: about 0.54 USD per hour" in out
+    assert f"creating {ONE_CHIP} VM mt-test (spot) in us-east5-b: about 1.22 USD per hour" in out
 
     # the TPU runtime check asked for the one chip, with the one-chip preset's environment
     calls = (w.sshd.home / "tpu-check-calls").read_text().splitlines()

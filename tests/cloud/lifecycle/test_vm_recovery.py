@@ -133,7 +133,7 @@ def test_spot_run_preempted_twice_completes(spot: Env, monkeypatch: pytest.Monke
     receives the notices: budget passed once, preempted and recovered twice, then finished."""
     w = spot
     monkeypatch.setattr(notify, "BUDGET_POLL_S", 0.2)
-    w.configure(budget_usd=0.001)   # 0.83 s of a 4.32 USD/h Spot VM
+    w.configure(budget_usd=0.001)   # 0.37 s of a 9.72 USD/h Spot VM (us-east5)
     preempter = Preempter(w, [(1, 2, False), (2, 4, True)])
     preempter.start()
     with webhook() as (url, notices):
@@ -159,7 +159,7 @@ def test_spot_run_preempted_twice_completes(spot: Env, monkeypatch: pytest.Monke
     for insert in inserts:
         body = insert.json()
         assert body["scheduling"] == SPOT and "reservationAffinity" not in body
-    assert "(spot) in us-east5-b: about 4.32 USD per hour" in out
+    assert "(spot) in us-east5-b: about 9.72 USD per hour" in out
     # Each VM set up from scratch; the steps ran once each, resuming at the bucket's last step.
     assert (w.sshd.home / "setup-count").read_text() == "ran\n"   # the third VM's disk
     assert out.count("mtpipe: VM set up") == 3
@@ -177,7 +177,7 @@ def test_spot_run_preempted_twice_completes(spot: Env, monkeypatch: pytest.Monke
     assert len(deletes) == 2 and posts[0] < deletes[0] < posts[1] < deletes[1] < posts[2]
 
     status = w.doit("vm_status").stdout
-    assert "RUNNING, ct6e-standard-8t, SPOT" in status and "at 4.32 USD/h" in status
+    assert "RUNNING, ct6e-standard-8t, SPOT" in status and "at 9.72 USD/h" in status
     assert status.count("  replaced: mt-test (spot)") == 2 and "this run's VMs: 3" in status
     down = w.doit("vm_down").stdout
     assert "this run's VMs: 3, 2 of them replaced" in down

@@ -124,8 +124,8 @@ def test_a_flex_start_run(world: Env) -> None:
     out = w.doit("vm_up", "--provisioning=flex-start").stdout
     assert f"zone {EAST_B} is not among those known to grant Flex-start {V6E} VMs" in out, out
     assert f"creating {V6E} VM mt-test (flex-start) in {EAST_A}: about 10.16 USD per hour (8 chips x " \
-           "1.27 USD, v6e flex-start price as of on-demand less 53%, the largest DWS discount (no v6e figure): " \
-           "conf/prices.yaml) while it exists; Compute looks for capacity for up to 1800 s " \
+           "1.27 USD, v6e flex-start in us-east5, price as of assumed: on-demand less 53%, the largest DWS " \
+           "discount (no Flex-start price found): conf/prices.yaml) while it exists; Compute looks for capacity for up to 1800 s " \
            "(flex_start.request_valid_for_s); Compute deletes it after 4 h (at most 40.64 USD)." in out, out
     pending = [line for line in out.splitlines() if f"VM mt-test is PENDING in {EAST_A}: Compute is looking" in line]
     assert len(pending) >= 3 and "at most 1800 s: flex_start.request_valid_for_s); Ctrl-C deletes it" in pending[0]
@@ -157,7 +157,7 @@ def test_a_flex_start_run(world: Env) -> None:
 
     with mock.patch.dict(os.environ, w.env, clear=True):
         cfg = vm_config.load_config({"provisioning": "flex-start"})
-        assert prices.vm_rate(cfg).per_chip().startswith("v6e flex-start price as of on-demand less 53%")  # preflight's
+        assert prices.vm_rate(cfg).per_chip().startswith("v6e flex-start in us-east5, price as of assumed: on-demand less 53%")  # preflight's
         body = instance_body(cfg, cfg.name, "ssh-ed25519 AAAA", {}, "FLEX_START")
         del body["scheduling"]["max_run_duration"]
         with pytest.raises(ProviderError, match="Flex-start VMs need a maxRunDuration of at most 7 days"):

@@ -306,8 +306,8 @@ def test_scheduling_per_provisioning_mode(fake: FakeCompute, mode: str,
         == {k: v for k, v in golden.items() if k not in ("scheduling", "reservationAffinity", "labels")}
     assert instance.status == "RUNNING" and instance.scheduling.provisioning_model == scheduling[
         "provisioningModel"]
-    rate = prices.vm_rate(cfg)   # 8 chips at conf/prices.yaml's v6e price; a reservation: on demand
-    assert rate.usd_per_hour == pytest.approx({"reservation": 21.6, "spot": 4.32, "on-demand": 21.6,
+    rate = prices.vm_rate(cfg)   # 8 chips at conf/prices.yaml's v6e price in us-east5; a reservation: on demand
+    assert rate.usd_per_hour == pytest.approx({"reservation": 21.6, "spot": 9.72, "on-demand": 21.6,
                                                "flex-start": 10.16}[mode])
     assert rate.reservation == ("v6e-res" if mode == "reservation" else None)
 
