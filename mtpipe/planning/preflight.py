@@ -335,7 +335,6 @@ def check(sets: list[str], usd_per_chip_hour: float, machine: budget.Machine, ro
     stages = run_forecast.stages_of(target, root)
     params, composed, views = composed_views(sets, root, branches, committed)
     work = root / "work" / "preflight"
-    work.mkdir(parents=True, exist_ok=True)
     machine_budget(composed, views, machine, root, work, refuse)
     rows = []
     for branch, cfg in views.items():
@@ -366,6 +365,7 @@ def check(sets: list[str], usd_per_chip_hour: float, machine: budget.Machine, ro
         compiled = compile_step(module, args, work, work / f"{branch}-{preset}.log")
         row = report(cfg, preset, compiled, chip, chips, usd_per_hour(chips_of(topo), usd_per_chip_hour), args)
         row["run_phases"] = run_forecast.as_row(run_forecast.branch_phases(composed[branch], row, chip, stages, root))
+        work.mkdir(parents=True, exist_ok=True)
         (work / f"{branch}-{preset}.json").write_text(json.dumps(row, indent=1) + "\n")
         rows.append(row)
     if rows:

@@ -92,6 +92,10 @@ class Runner:
         self._record(name, OK, detail or "")
         return value
 
+    def skip(self, name: str, why: str) -> None:
+        """Record ``name`` as not checked (so what needs it is held back too), saying ``why``."""
+        self._record(name, NOT_CHECKED, why)
+
     def _record(self, name: str, status: str, detail: str, key: str | None = None) -> None:
         self.outcomes[key or name] = outcome = Outcome(name, status, detail)
         if self.say:
@@ -140,28 +144,32 @@ def check_settings(cfg: VmConfig, root: Path, experiments: list[list[str]]) -> N
     """:func:`settings` alone, before any request; when one fails, every check that needs no cloud too
     (what needs one is not checked), then one error naming every failure."""
     run = Runner()
-    settings(run, cfg)
+    apis = settings(run, cfg)
     if run.errors:
-        check_all(run, cfg, root, experiments, settings_failed=True)
+        check_all(run, cfg, root, experiments, settings_failed=True, apis=apis)
     run.raise_failures()
 
 
 def check_all(run: Runner, cfg: VmConfig, root: Path, experiments: list[list[str]],
-              client: Compute | None = None, act: bool = False,
-              settings_failed: bool = False) -> tuple[VmConfig, list[identity.Target]]:
+              client: Compute | None = None, act: bool = False, settings_failed: bool = False,
+              apis: GoogleApis | None = None) -> tuple[VmConfig, list[identity.Target]]:
     """Every check, in the order the run would meet them. Returns ``cfg`` as the checks decided it (the
     Flex-start zones, OS Login and its user, the zones with quota) and the buckets only the VM can
     tell it may use (identity.probe_from_vm). ``client``: the zone's Compute client (made here when
     None). ``act``: vm_up's mode, which enables disabled APIs (enable_apis: true) and imports the SSH
     key into the OS Login profile; without it nothing is changed anywhere. ``settings_failed``:
-    :func:`settings` ran in ``run`` already, and failed: what needs a cloud is not checked."""
-    apis = None if settings_failed else settings(run, cfg)
+    :func:`settings` ran in ``run`` already, and failed (``apis``: what it gave): what needs a cloud is not
+    checked."""
+    apis = apis if settings_failed else settings(run, cfg)
     run.check("route", lambda: vm_config.check_route(cfg))
     tpu_route = vm_config.route(cfg) == "tpu_api"
     if cfg.provisioning == "flex-start":
         cfg = run.check("Flex-start zones", lambda: _flex_start_zones(cfg)) or cfg
     run.check("gcloud", lambda: access.check_gcloud(cfg, apis), needs=("credentials",))
-    compute = run.check("Compute", lambda: _compute(cfg, client), needs=("PROJECT", "ZONE", "credentials"))
+    if settings_failed:   # no request to Compute while a setting is wrong
+        compute = run.skip("Compute", "not asked while a setting above fails")
+    else:
+        compute = run.check("Compute", lambda: _compute(cfg, client), needs=("PROJECT", "ZONE", "credentials"))
     compute_needs = ("Compute",)
     if tpu_route:
         run.check("machine type", lambda: _accelerator_type(cfg), needs=(*compute_needs, "route"))
