@@ -306,15 +306,17 @@ def test_no_environment_variable_of_ours_changes_what_a_stage_computes():
 
 def generation_spellings() -> re.Pattern:
     """Every way conf/generations.yaml spells a generation other than its row's name: machine families,
-    accelerator and MaxText names, device kinds, runtimes, reservation families, quota names."""
+    accelerator and MaxText names, device kinds, runtimes, reservation families, quota names and ids."""
     from mtpipe.pipeline import generations  # pylint: disable=import-outside-toplevel
 
     words: set[str] = set()
     for gen in generations.load().values():
         words |= {gen.machine.family, gen.accelerator, gen.maxtext, gen.compute.reservation_family, *gen.device_kinds}
-        words |= {gen.tpu_api.runtime_version} if gen.tpu_api else set()
+        if gen.tpu_api:
+            quota = gen.tpu_api.quota
+            words |= {gen.tpu_api.runtime_version, *((quota.on_demand, quota.preemptible) if quota else ())}
         words |= {gen.compute.quota.name, gen.compute.quota.metric} if gen.compute.quota else set()
-        words.discard(gen.name)
+        words -= {gen.name, None}
     return re.compile(r"(?<![\w-])(" + "|".join(sorted(map(re.escape, words), key=len, reverse=True)) + r")(?!\w)")
 
 
