@@ -1,6 +1,6 @@
 """No-op `dvc repro` of two commits of this project, timed side by side: prints one table.
 
-Usage: python benchmarks/noop_repro.py --base cb2f1f9 --head HEAD [--rounds 5] [--repo /work/main]
+Usage: python benchmarks/noop_repro.py --base cb2f1f9 --head HEAD [--rounds 5] [--repo CHECKOUT]
 
 Measures the wall time of `dvc repro` on a built pipeline where nothing changed (every stage
 "didn't change, skipping"): what DVC's walk of the pipeline costs, which the commit's dvc.yaml and
