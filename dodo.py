@@ -148,7 +148,7 @@ def vm_run(keep: bool, yes: bool, recreate: bool, target: str | None, set: list[
         rehearsal.check_options(set, queue, target)
         root = dvc_experiments.repo_root()
         life = VmLifecycle(rehearsal.load_config(params, root), root, keep, yes)
-        rehearsal.run(life, exp_name)
+        curves = rehearsal.run(life, exp_name)
     else:
         life = _target(params, keep, yes)
         experiments = dvc_experiments.experiments(set, queue)
@@ -162,6 +162,8 @@ def vm_run(keep: bool, yes: bool, recreate: bool, target: str | None, set: list[
               "(--keep): `doit vm_down` deletes it", flush=True)
     else:
         life.delete()
+    if rehearse:
+        rehearsal.conclude(curves)
 
 
 @_task_action
@@ -208,10 +210,15 @@ def check(set: list[str], queue: bool, rehearse: bool, **params: Any) -> None:
     if rehearse:   # the rehearsal's VM and the embedded default (mtpipe/cloud/lifecycle/rehearsal.py)
         from mtpipe.cloud.lifecycle import rehearsal
         from mtpipe.cloud.on_vm import dvc_experiments
+        from mtpipe.errors import ConfigError
 
         rehearsal.check_options(set, queue, None)
         root = dvc_experiments.repo_root()
-        prerequisites.check_everything(params, rehearsal.EMBEDDED, False, lambda p: rehearsal.load_config(p, root))
+        try:   # a config that does not load is named by the checks, with the embedded default's presets
+            sets = rehearsal.experiments(rehearsal.load_config(params, root), root)[0]
+        except ConfigError:
+            sets = rehearsal.EMBEDDED
+        prerequisites.check_everything(params, sets, False, lambda p: rehearsal.load_config(p, root))
     else:
         prerequisites.check_everything(params, set, queue)
 

@@ -98,11 +98,15 @@ def embedded(group: Path, summary: dict[str, Any], work: Path) -> dict[str, Any]
     if a and b:
         out["repeatable"] = {"params_equal": bool(a.get("params_sha256")) and a.get("params_sha256") == b.get("params_sha256"),
                              "loss_equal": bool(a.get("loss")) and a.get("loss") == b.get("loss")}
-    if "loss" in a:
-        out["sft_vs_cpu"] = beside(a["loss"], cpu_curve(ROOT / "plots" / "sft" / "train_sft.csv", "loss"))
-    if "loss" in out["runs"].get("rl_warmup", {}):
-        out["warmup_vs_cpu"] = beside(out["runs"]["rl_warmup"]["loss"], cpu_curve(ROOT / "plots" / "rl" / "train_sft.csv", "loss"))
-    grpo_log = group / "rl_grpo.log"
+    for key, run_names, plot in (("sft_vs_cpu", ("sft_a", "rehearsal_sft"), "sft"),
+                                 ("warmup_vs_cpu", ("rl_warmup", "rehearsal_warmup"), "rl")):
+        chip = next((out["runs"][n]["loss"] for n in run_names if "loss" in out["runs"].get(n, {})), None)
+        if chip:
+            out[key] = beside(chip, cpu_curve(ROOT / "plots" / plot / "train_sft.csv", "loss"))
+    if summary["runs"] and summary["runs"][0]["name"].startswith("rehearsal"):
+        out["sets"] = json.loads((ROOT / ".tpu-chip" / "plan.json").read_text())["groups"]["rehearsal"][0]["sets"]
+    grpo_name = next((n for n in ("rl_grpo", "rehearsal_grpo") if (group / f"{n}.log").is_file()), "rl_grpo")
+    grpo_log = group / f"{grpo_name}.log"
     if grpo_log.is_file():
         text = grpo_log.read_text(errors="replace")
         out["grpo_eval"] = rl_eval(text)
@@ -112,10 +116,10 @@ def embedded(group: Path, summary: dict[str, Any], work: Path) -> dict[str, Any]
         stamps = [_seconds(t) for t in re.findall(r"^I\d{4} (\d\d:\d\d:\d\d\.\d+) .*Train step \d+ training loss",
                                                    text, re.M)]
         gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-        out["runs"]["rl_grpo"]["median_step_s"] = round(statistics.median(gaps[2:]), 4) if len(gaps) > 3 else None
-        if (group / "rl_grpo.tensorboard").is_dir():
-            curve = rl_curve(read_tensorboard(str(group / "rl_grpo.tensorboard")))
-            out["runs"]["rl_grpo"]["reward"] = {r["step"]: r["reward_mean"] for r in curve if "reward_mean" in r}
+        out["runs"][grpo_name]["median_step_s"] = round(statistics.median(gaps[2:]), 4) if len(gaps) > 3 else None
+        if (group / f"{grpo_name}.tensorboard").is_dir():
+            curve = rl_curve(read_tensorboard(str(group / f"{grpo_name}.tensorboard")))
+            out["runs"][grpo_name]["reward"] = {r["step"]: r["reward_mean"] for r in curve if "reward_mean" in r}
     for branch, name in (("sft", "sft_a"), ("rl", "rl_grpo")):
         if (group / f"{name}.params.tgz").is_file():
             out[f"{branch}_export"] = export_and_score(branch, group / f"{name}.params.tgz", work)
@@ -202,7 +206,7 @@ def main() -> None:
             summary = json.loads((group / "summary.json").read_text())
             record = {"group": name, "smoke": summary["smoke"], "versions": summary["versions"], "nproc": summary["nproc"],
                       "tpu_check": summary.get("tpu_check")}
-            if name.startswith("slices"):
+            if name.startswith(("slices", "own_")):
                 record |= slices(group, summary, plan)
             elif name.startswith("grpo"):
                 record |= grpo(group, summary, plan)

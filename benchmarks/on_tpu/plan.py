@@ -15,8 +15,12 @@ Groups (each fits one call of the chip, 10 minutes):
 * ``slices*``: the SFT tutorial's train_sft (its sequence length, dtypes and remat policy) for both
   tutorial families at real width (Gemma 3 4B, Llama 3.1 8B), the decoder depth and the vocabulary cut
   to fit one v5e chip, at batch 1-4 (:data:`SLICE_GROUPS`), and MaxText's pre-training trainer once;
+* ``own_*``: the slices whose peaks a shared process measured after another slice (``TOGETHER``), each in
+  a process of its own: does a shared process move a peak?
 * ``grpo*``: the GRPO tutorial's train_rl with the JAX rollout, Llama 3.1 8B at real width cut likewise
-  (:data:`GRPO_GROUPS`). tests/planning/test_on_tpu.py compares each record with preflight's forecast for
+  (:data:`GRPO_GROUPS`).
+* ``rehearsal``: the trainings `doit vm_run --rehearse` sends to its one-chip VM
+  (mtpipe.cloud.lifecycle.rehearsal.training_sets), on the one-v5e-chip preset conf/hardware/v5e-1.yaml. tests/planning/test_on_tpu.py compares each record with preflight's forecast for
   topology v5e-1 (:func:`slice_forecast`), fit on the other records.
 
 ``--smoke``: the same commands with a few steps each, for a rehearsal on the CPU (docs/tpu-chip.md);
@@ -36,6 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from mtpipe.cloud.lifecycle import rehearsal  # noqa: E402
 from mtpipe.maxtext import commands, training_commands  # noqa: E402
 from mtpipe.planning import aot, preflight  # noqa: E402
 from mtpipe.pipeline import overrides  # noqa: E402
@@ -89,6 +94,10 @@ SLICE_GROUPS = {
 }
 SLICES = tuple(s for group in SLICE_GROUPS.values() for s in group)
 TOGETHER = ("slices_gemma", "slices_llama", "slices_llama_more", "slices_depths", "slices_llama_deep")
+# Every slice a TOGETHER process measured after another, again in a process of its own (records/own_*.json)
+OWN_GROUPS = {"own_a": ("gemma_d3_b4", "gemma_d4_v48k_b4", "llama_d2_v16k_b1"), "own_b": ("llama_d3_v4k_b1", "llama_d1_b4")}
+SLICE_GROUPS |= {group: tuple(s for s in SLICES if s.name in names) for group, names in OWN_GROUPS.items()}
+REHEARSAL_HARDWARE = "v5e-1"   # the lent chip's one-chip preset
 SLICE_STEPS = 20
 SPLASH_BLOCK = 128  # JAX 0.10.2's splash-attention kernel needs sequence lengths in multiples of this
 
@@ -141,37 +150,49 @@ def set_arg(args: list[str], key: str, value: Any) -> list[str]:
     return [*args, new]
 
 
-def embedded_runs(smoke: bool) -> list[dict[str, Any]]:
-    """train_sft@sft twice, train_sft@rl, train_rl@rl: the stages' views, the inputs copied."""
+def training_runs(sets: tuple[str, ...], sft_names: tuple[str, ...], warmup: str, grpo: str) -> list[dict[str, Any]]:
+    """train_sft@sft (once per name), train_sft@rl (the warm-up ``warmup``), train_rl@rl from its last
+    checkpoint: the stages' views of HEAD's params with ``sets``, the inputs copied."""
     runs = []
     sft_in = copy_inputs("sft")
-    cfg = committed_view("sft", "train_sft")
+    cfg = committed_view("sft", "train_sft", sets)
     train, evals, columns = chat_files(cfg, sft_in / "dataset", CHIP / "artifacts" / "sft")
-    for name in ("sft_a", "sft_b"):
+    for name in sft_names:
         cmd = training_commands.train_sft(
             cfg, ckpt=sft_in / "maxtext" / "0" / "items", train_files=train, eval_files=evals, columns=columns,
             tokenizer_dir=sft_in / "model" / "files", base_output=RUNS, run_name=name,
             metrics_file=RUNS / name / "metrics.jsonl", jax_cache_dir=RUNS / "jax_cache")
         runs.append(on_chip(cmd) | {"name": name, "stage": "train_sft@sft", "steps": cfg.train_sft.steps})
     rl_in = copy_inputs("rl")
-    cfg = committed_view("rl", "train_sft")
+    cfg = committed_view("rl", "train_sft", sets)
     train, evals, columns = chat_files(cfg, rl_in / "dataset", rl_in)
     cmd = training_commands.train_sft(
         cfg, ckpt=rl_in / "maxtext" / "0" / "items", train_files=train, eval_files=evals, columns=columns,
-        tokenizer_dir=rl_in / "model" / "files", base_output=RUNS, run_name="rl_warmup",
-        metrics_file=RUNS / "rl_warmup" / "metrics.jsonl", jax_cache_dir=RUNS / "jax_cache")
-    runs.append(on_chip(cmd) | {"name": "rl_warmup", "stage": "train_sft@rl", "steps": cfg.train_sft.steps})
-    cfg = committed_view("rl", "train_rl")
+        tokenizer_dir=rl_in / "model" / "files", base_output=RUNS, run_name=warmup,
+        metrics_file=RUNS / warmup / "metrics.jsonl", jax_cache_dir=RUNS / "jax_cache")
+    runs.append(on_chip(cmd) | {"name": warmup, "stage": "train_sft@rl", "steps": cfg.train_sft.steps})
+    cfg = committed_view("rl", "train_rl", sets)
     files = rl_in / "dataset" / "files"
     cmd = training_commands.train_rl(
         cfg, ckpt=Path("@START@"), train_files=str(files / cfg.dataset.train_files),
         eval_files=str(files / cfg.dataset.eval_files), tokenizer_dir=rl_in / "model" / "files", base_output=RUNS,
-        run_name="rl_grpo", jax_cache_dir=RUNS / "jax_cache")
-    runs.append(on_chip(cmd) | {"name": "rl_grpo", "stage": "train_rl@rl", "steps": cfg.train_rl.num_batches,
-                                "start_from": "rl_warmup"})
-    if smoke:
-        runs = [smoke_run(r) for r in runs]
-    return [placeholders(r) for r in runs]
+        run_name=grpo, jax_cache_dir=RUNS / "jax_cache")
+    runs.append(on_chip(cmd) | {"name": grpo, "stage": "train_rl@rl", "steps": cfg.train_rl.num_batches,
+                                "start_from": warmup})
+    return runs
+
+
+def embedded_runs(smoke: bool) -> list[dict[str, Any]]:
+    """The embedded default as `dvc repro` trains it: train_sft@sft twice, the warm-up, GRPO."""
+    runs = training_runs((), ("sft_a", "sft_b"), "rl_warmup", "rl_grpo")
+    return [placeholders(smoke_run(r) if smoke else r) for r in runs]
+
+
+def rehearsal_runs() -> list[dict[str, Any]]:
+    """The rehearsal's trainings on the lent chip's one-chip preset (already a few steps: no --smoke cut)."""
+    sets = tuple(rehearsal.training_sets(ROOT, REHEARSAL_HARDWARE))
+    return [placeholders(r | {"sets": list(sets)})
+            for r in training_runs(sets, ("rehearsal_sft",), "rehearsal_warmup", "rehearsal_grpo")]
 
 
 def smoke_run(run: dict[str, Any]) -> dict[str, Any]:
@@ -314,7 +335,7 @@ def main() -> None:
     groups = {}
     if not opts.no_embedded:
         embedded = embedded_runs(smoke)
-        groups = {"sft": embedded[:2], "rl": embedded[2:]}
+        groups = {"sft": embedded[:2], "rl": embedded[2:], "rehearsal": rehearsal_runs()}
     copy_inputs("sft", ("dataset", "model"))
     copy_inputs("rl", ("dataset", "model"))
     groups |= {g: slice_runs(g, smoke) for g in SLICE_GROUPS} | {g: grpo_runs(g, smoke) for g in GRPO_GROUPS}

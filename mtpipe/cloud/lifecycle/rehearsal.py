@@ -10,11 +10,22 @@ before spending, the SSH route, the setup from the VM lock, the TPU runtime chec
 (conf/hardware/<generation>-1.yaml), a download through the Hugging Face Hub client (with HF_TOKEN),
 `dvc pull` / `dvc push` against the DVC remote as the VM's service account, the experiment brought
 back; then the VM is deleted (unless --keep) and the spend line says what it cost.
+
+Its experiment trains on the chip: both branches on the one-chip preset, the first TRAIN_STEPS steps of
+train_sft@sft and of the warm-up train_sft@rl on the learning-rate schedule of their full run, GRPO_STEPS
+of train_rl with the JAX rollout, both exports, and the evaluations on EVAL_PROBLEMS problems. Each
+loss is then set beside the committed CPU record's at the same step (HEAD's plots/). Where the VM's
+setup installs vLLM (MaxText's install_tpu_post_train_extra_deps), a second experiment runs train_rl
+with vLLM's rollout and evaluate@rl with vLLM's server on the chip.
 """
 
 from __future__ import annotations
 
+import csv
+import io
 import shlex
+import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +34,7 @@ from mtpipe.cloud.on_vm import dvc_experiments, ssh
 from mtpipe.cloud.settings import vm_config, vm_state
 from mtpipe.cloud.settings.vm_config import VmConfig
 from mtpipe.errors import ConfigError
-from mtpipe.pipeline import generations
+from mtpipe.pipeline import config, generations, overrides
 
 if TYPE_CHECKING:
     from mtpipe.cloud.lifecycle.run import Check, VmLifecycle
@@ -34,6 +45,19 @@ EMBEDDED = ["sft.preset=embedded-sft", "rl.preset=embedded-rl"]   # what `make d
 # The Hub step: one small file of the SFT tutorial's dataset (an open repo) at its pinned revision
 HUB_DATASET, HUB_FILENAME = "ultrachat-200k", "README.md"
 WHO = "the rehearsal"          # how the TPU check's failure names what runs on the chip
+# What it trains on the chip: the embedded default's first steps, each branch on the learning-rate
+# schedule of its full run (MaxText's learning_rate_schedule_steps), so each step's loss is the CPU record's
+TRAIN_STEPS = 10               # of train_sft@sft and of the warm-up train_sft@rl
+GRPO_STEPS = 2                 # train_rl batches: rollouts and updates on the chip
+EVAL_PROBLEMS = 8              # held-out GSM8K problems evaluate@rl scores each model on
+# |loss on the chip - loss in the CPU record| allowed at each step. The lent v5e chip, JAX 0.10.2, the same
+# commands: at most 0.0050 over 150 SFT steps and 0.073 over 400 warm-up steps (docs/tpu-chip.md); the
+# first TRAIN_STEPS steps: benchmarks/on_tpu/records/rehearsal.json.
+LOSS_TOLERANCE = 0.05
+VLLM_SETUP = "install_tpu_post_train_extra_deps"   # MaxText's command that installs vLLM and tpu-inference
+VLLM = ["rl.train_rl.rollout_backend=vllm", "rl.evaluate.backend=vllm"]
+# The curves compared: (branch, plot file, its stage)
+CURVES = (("sft", "plots/sft/train_sft.csv", "train_sft@sft"), ("rl", "plots/rl/train_sft.csv", "train_sft@rl"))
 
 
 def one_chip(machine_type: str) -> tuple[str, str]:
@@ -41,6 +65,27 @@ def one_chip(machine_type: str) -> tuple[str, str]:
     MaxText names the topology (conf/generations.yaml): ct6e-standard-8t -> (ct6e-standard-1t, v6e-1)."""
     gen, _ = generations.of_machine_type(machine_type)
     return gen.machine_type(1), gen.maxtext_topology(1)
+
+
+def training_sets(root: Path, hardware: str) -> list[str]:
+    """The rehearsal's experiment (``dvc exp run -S`` values): :data:`EMBEDDED` on ``hardware`` (both
+    branches), cut to its steps; each SFT run keeps the schedule of HEAD's full run."""
+    params = overrides.apply_sets(overrides.committed_params(root), EMBEDDED)
+    full = {b: config.stage_view(config.compose(b, params), "train_sft").train_sft.steps for b in ("sft", "rl")}
+    return [*EMBEDDED, f"sft.hardware={hardware}", f"rl.hardware={hardware}",
+            f"steps={min(TRAIN_STEPS, full['sft'])}",
+            f"++sft.train_sft.extra_args.learning_rate_schedule_steps={full['sft']}",
+            f"rl.train_sft.steps={min(TRAIN_STEPS, full['rl'])}",
+            f"++rl.train_sft.extra_args.learning_rate_schedule_steps={full['rl']}",
+            f"rl.train_rl.num_batches={GRPO_STEPS}", "rl.train_rl.num_test_batches=1",
+            f"rl.evaluate.num_problems={EVAL_PROBLEMS}"]
+
+
+def experiments(cfg: VmConfig, root: Path) -> list[list[str]]:
+    """The JAX rollout's experiment on ``cfg.run.hardware``, and vLLM's where the VM's setup installs it."""
+    sets = training_sets(root, cfg.run.hardware)
+    with_vllm = any(VLLM_SETUP in command for command in cfg.setup.commands)
+    return [sets, sets + VLLM] if with_vllm else [sets]
 
 
 def check_options(sets: list[str], queue: bool, target: str | None) -> None:
@@ -110,17 +155,81 @@ def checks(cfg: VmConfig, root: Path) -> list[Check]:
              lambda remote: hub_download(remote, cfg, root))]
 
 
-def run(life: VmLifecycle, exp_name: str | None) -> None:
+@dataclass(frozen=True)
+class Curve:
+    """One training stage's losses on the chip beside the CPU record's at the same steps."""
+
+    stage: str
+    chip: list[float]
+    record: list[float]
+
+    @property
+    def max_diff(self) -> float:
+        return max((abs(a - b) for a, b in zip(self.chip, self.record)), default=float("inf"))
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.chip) and len(self.record) >= len(self.chip) and self.max_diff <= LOSS_TOLERANCE
+
+    def line(self) -> str:
+        if not self.chip:
+            return f"{self.stage}: no loss came back from the chip"
+        verdict = "within" if self.ok else "OUTSIDE"
+        return (f"{self.stage}: steps 1-{len(self.chip)} on the chip, loss {self.chip[0]:.4f} -> {self.chip[-1]:.4f}; "
+                f"the CPU record {self.record[0]:.4f} -> {self.record[len(self.chip) - 1]:.4f}: max |difference| "
+                f"{self.max_diff:.4f}, {verdict} the tolerance {LOSS_TOLERANCE}" if len(self.record) >= len(self.chip)
+                else f"{self.stage}: the CPU record has {len(self.record)} steps, the chip ran {len(self.chip)}")
+
+
+def losses(csv_text: str) -> list[float]:
+    """The ``loss`` column of a training stage's plot file, by step."""
+    return [float(row["loss"]) for row in csv.DictReader(io.StringIO(csv_text))]
+
+
+def _show(root: Path, rev: str, path: str) -> str:
+    shown = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, capture_output=True, text=True)
+    return shown.stdout if shown.returncode == 0 else ""
+
+
+def compare(root: Path, baseline: str, name: str) -> list[Curve]:
+    """Each SFT curve of experiment ``name`` (baseline ``baseline``) beside ``baseline``'s committed record."""
+    ref = f"refs/exps/{baseline[:2]}/{baseline[2:]}/{name}"
+    return [Curve(stage, losses(_show(root, ref, path) or "loss\n"), losses(_show(root, baseline, path) or "loss\n"))
+            for _, path, stage in CURVES]
+
+
+def run(life: VmLifecycle, exp_name: str | None) -> list[Curve]:
     """The rehearsal on a new VM of ``life``'s config (:func:`load_config`): refused without PROJECT, ZONE
     or credentials (all named at once, with whatever else fails), or when a VM of its name
-    exists already (it would be reused, not rehearsed on), else vm_run's run of :data:`EMBEDDED` with
-    :func:`checks`. The caller deletes the VM afterwards, as after any vm_run."""
-    cfg = life.cfg
-    prerequisites.check_settings(cfg, life.root, [EMBEDDED])   # every missing value named at once
+    exists already (it would be reused, not rehearsed on), else vm_run's run of :func:`experiments` with
+    :func:`checks`; each curve that came back beside the CPU record's (:func:`conclude` judges them after
+    the caller deleted the VM, as after any vm_run)."""
+    cfg, root = life.cfg, life.root
+    runs = experiments(cfg, root)
+    prerequisites.check_settings(cfg, root, runs)   # every missing value named at once
     if life.cloud.get_instance(cfg.name) is not None:
         raise ConfigError("vm.name", f"VM {cfg.name} exists in {cfg.project}/{cfg.zone}, and the rehearsal "
                           "creates a VM of its own", f"delete it with `doit vm_down --name {cfg.name}`, or "
                           "rehearse under another name: --name=NAME")
-    dvc_experiments.check_exp_name(life.root, exp_name)
-    life.run_experiments([EMBEDDED], [exp_name], None, may_create=True, preflight=False,
-                         checks=checks(cfg, life.root))
+    names = [exp_name, f"{exp_name}-vllm"][:len(runs)] if exp_name else [None] * len(runs)
+    for name in names:
+        dvc_experiments.check_exp_name(root, name)
+    if len(runs) == 1:
+        print(f"mtpipe: vLLM is not rehearsed: the VM's setup does not run {VLLM_SETUP}", flush=True)
+    baseline = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    got = life.run_experiments(runs, names, None, may_create=True, preflight=False, checks=checks(cfg, root))
+    curves = [curve for name in got for curve in compare(root, baseline, name)]
+    for curve in curves:
+        print(f"mtpipe: rehearsal: {curve.line()}", flush=True)
+    return curves
+
+
+def conclude(curves: list[Curve]) -> None:
+    """VmError when a curve is missing or left the tolerance: the chip trains otherwise than the CPU."""
+    bad = [c for c in curves if not c.ok]
+    if bad or not curves:
+        raise vm_config.VmError("the rehearsal's training on the chip does not match the CPU record: "
+                                + ("; ".join(c.line() for c in bad) or "no experiment came back")
+                                + " (docs/tpu-vm.md, \"The rehearsal\")")
+    print(f"mtpipe: rehearsal: every loss within {LOSS_TOLERANCE} of the CPU record", flush=True)

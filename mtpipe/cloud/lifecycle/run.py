@@ -215,8 +215,9 @@ class VmLifecycle:
                                     "nothing was spent")
 
     def run_experiments(self, experiments: list[list[str]], names: list[str | None], target: str | None,
-                        may_create: bool, preflight: bool, checks: Sequence[Check] = ()) -> None:
-        """Each experiment as a DVC experiment on the VM, brought back into this repository; a
+                        may_create: bool, preflight: bool, checks: Sequence[Check] = ()) -> list[str]:
+        """Each experiment as a DVC experiment on the VM, brought back into this repository (their
+        names are returned); a
         replacement VM runs only what is left. ``checks``: (what, check) pairs run on the VM after the
         TPU checks, before the pipeline (the rehearsal's: mtpipe.cloud.lifecycle.rehearsal), each saying
         its line. The end of the run, a recovery and a spend past budget_usd are notices
@@ -233,6 +234,7 @@ class VmLifecycle:
         notify.send(notify.Event.FINISHED, self.cfg.name,
                     f"experiments {', '.join(got) or '(none made)'} are back in the repository "
                     f"(`dvc exp show`)\n{self._spent()}", _say)
+        return got
 
     def _spent(self) -> str:
         state = vm_state.read_state(self.root)
