@@ -105,9 +105,9 @@ def embedded(group: Path, summary: dict[str, Any], work: Path) -> dict[str, Any]
             out[key] = beside(chip, cpu_curve(ROOT / "plots" / plot / "train_sft.csv", "loss"))
     if summary["runs"] and summary["runs"][0]["name"].startswith("rehearsal"):
         out["sets"] = json.loads((ROOT / ".tpu-chip" / "plan.json").read_text())["groups"]["rehearsal"][0]["sets"]
-    grpo_name = next((n for n in ("rl_grpo", "rehearsal_grpo") if (group / f"{n}.log").is_file()), "rl_grpo")
+    grpo_name = next((n for n in ("rl_grpo", "rehearsal_grpo") if runs.get(n, {}).get("status") == 0), None)
     grpo_log = group / f"{grpo_name}.log"
-    if grpo_log.is_file():
+    if grpo_name and grpo_log.is_file():
         text = grpo_log.read_text(errors="replace")
         out["grpo_eval"] = rl_eval(text)
         out["grpo_eval_cpu"] = {w: {k.removeprefix(f"eval_{w}_"): v for k, v in

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from packaging.utils import canonicalize_name
 
+from mtpipe.cloud.lifecycle import rehearsal
 from mtpipe.maxtext import commands, training_commands
 from mtpipe.pipeline import generations
 from mtpipe.planning import aot, preflight, step_model
@@ -227,3 +228,17 @@ def test_a_v6e_32_is_not_faster_per_chip_than_a_v6e_8():
                           ["result"]["config"][k] for k in ("per_device_batch_size", "max_target_length")}
     assert shape("sft-gemma3-4b-ultrachat-v6e32") == shape("sft-gemma3-4b-ultrachat-v6e8")   # the same per-chip batch
     assert _tutorial_step("sft-gemma3-4b-ultrachat-v6e32")[0] >= _tutorial_step("sft-gemma3-4b-ultrachat-v6e8")[0]
+
+
+@pytest.mark.rehearsal
+def test_the_lent_chip_trained_the_rehearsals_commands_within_its_tolerance():
+    """records/rehearsal.json: the rehearsal's trainings (its -S values today, on the one-v5e-chip preset)
+    ran on the chip, and each SFT curve stayed within the tolerance the rehearsal applies on the VM."""
+    record = json.loads((ON_TPU / "records" / "rehearsal.json").read_text())
+    assert record["sets"] == rehearsal.training_sets(ROOT, plan.REHEARSAL_HARDWARE)
+    assert {n: (r["status"], r["device_kind"]) for n, r in record["runs"].items()} == {
+        n: (0, "TPU v5 lite") for n in ("rehearsal_sft", "rehearsal_warmup", "rehearsal_grpo")}
+    for curve in ("sft_vs_cpu", "warmup_vs_cpu"):
+        assert record[curve]["steps"] == rehearsal.TRAIN_STEPS
+        assert record[curve]["max_abs_diff"] <= rehearsal.LOSS_TOLERANCE / 10, record[curve]
+    assert record["grpo_eval"]["post"]["total"] == 16   # train_rl's own eval ran after its 2 steps

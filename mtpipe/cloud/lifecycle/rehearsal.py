@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from mtpipe.cloud.checks import prerequisites, tpu
 from mtpipe.cloud.on_vm import dvc_experiments, ssh
-from mtpipe.cloud.settings import vm_config, vm_state
+from mtpipe.cloud.settings import prices, vm_config, vm_state
 from mtpipe.cloud.settings.vm_config import VmConfig
 from mtpipe.errors import ConfigError
 from mtpipe.pipeline import config, generations, overrides
@@ -54,6 +54,10 @@ EVAL_PROBLEMS = 8              # held-out GSM8K problems evaluate@rl scores each
 # commands: at most 0.0050 over 150 SFT steps and 0.073 over 400 warm-up steps (docs/tpu-chip.md); the
 # first TRAIN_STEPS steps: benchmarks/on_tpu/records/rehearsal.json.
 LOSS_TOLERANCE = 0.05
+# Its minutes on the VM, as the price line quotes them: the setup (assumed: the package download of
+# requirements-vm.lock, not measured on Google Cloud) and the experiment (measured: the pipeline of the
+# scenario test on the loopback VM's 2 CPU cores, tests/cloud/lifecycle/test_rehearsal.py, docs/vm-checks.md)
+SETUP_MIN, EXPERIMENT_MIN = 15, 12
 VLLM_SETUP = "install_tpu_post_train_extra_deps"   # MaxText's command that installs vLLM and tpu-inference
 VLLM = ["rl.train_rl.rollout_backend=vllm", "rl.evaluate.backend=vllm"]
 # The curves compared: (branch, plot file, its stage)
@@ -198,6 +202,16 @@ def compare(root: Path, baseline: str, name: str) -> list[Curve]:
             for _, path, stage in CURVES]
 
 
+def price_line(cfg: VmConfig, experiments: int) -> str:
+    """What the rehearsal is expected to cost: its minutes (:data:`SETUP_MIN`, :data:`EXPERIMENT_MIN` per
+    experiment) at ``cfg``'s rate."""
+    minutes = SETUP_MIN + EXPERIMENT_MIN * experiments
+    rate = prices.vm_rate(cfg)
+    return (f"about {minutes} minutes on the VM (setup {SETUP_MIN}, assumed; {experiments} x {EXPERIMENT_MIN} for "
+            f"the training, exports and evaluations, measured on 2 CPU cores), about "
+            f"{rate.usd_per_hour * minutes / 60:.2f} USD at {rate.describe()}")
+
+
 def run(life: VmLifecycle, exp_name: str | None) -> list[Curve]:
     """The rehearsal on a new VM of ``life``'s config (:func:`load_config`): refused without PROJECT, ZONE
     or credentials (all named at once, with whatever else fails), or when a VM of its name
@@ -216,6 +230,7 @@ def run(life: VmLifecycle, exp_name: str | None) -> list[Curve]:
         dvc_experiments.check_exp_name(root, name)
     if len(runs) == 1:
         print(f"mtpipe: vLLM is not rehearsed: the VM's setup does not run {VLLM_SETUP}", flush=True)
+    print(f"mtpipe: rehearsal: {price_line(cfg, len(runs))}", flush=True)
     baseline = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                               check=True).stdout.strip()
     got = life.run_experiments(runs, names, None, may_create=True, preflight=False, checks=checks(cfg, root))

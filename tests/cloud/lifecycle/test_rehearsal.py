@@ -2,24 +2,33 @@
 one-chip VM, which is then deleted (mtpipe/cloud/lifecycle/rehearsal.py, docs/vm-checks.md).
 
 The loopback VM is the project's clone whose DVC remote holds the shared pipeline's outputs (the
-`project_world` fixture, as tests/cloud/lifecycle/test_vm_cycle.py's full cycle), so the VM's `dvc exp run` pulls
-rather than trains. Its JAX has only the CPU: the TPU runtime check meets a stand-in `python` first on
-PATH in `run.tpu_check` (as test_vm_cycle's TPU tests do) that records its arguments and hands every
-other command line to the real interpreter; the Hub is tests/fakes/hf_server.py.
+`project_world` fixture, as tests/cloud/lifecycle/test_vm_cycle.py's full cycle): the VM's `dvc exp run` pulls
+what the rehearsal does not change (the conversions) and trains the rest with the one-chip preset's
+commands. Its JAX has only the CPU, which runs those commands as they are (JAX finds no TPU and takes
+the CPU; MaxText picks its attention by the device): the losses then equal the CPU record's. The TPU
+runtime check meets a stand-in `python` first on PATH in `run.tpu_check` (as test_vm_cycle's TPU tests
+do) that records its arguments and hands every other command line to the real interpreter; the Hub is
+tests/fakes/hf_server.py.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 from fakes.hf_server import HubServer
 from pipeline import ran_stages
-from vm_world import ONE_CHIP, TARGET, Env, assert_deleted, experiments, hub_with_tutorial_repos, sh, tpu_stand_in
+from vm_world import ONE_CHIP, TARGET, TOKEN, Env, assert_deleted, experiments, hub_with_tutorial_repos, sh, tpu_stand_in
 
 from mtpipe.cloud.lifecycle import rehearsal
+from mtpipe.cloud.settings import vm_config
 
-pytestmark = pytest.mark.first_run
+pytestmark = [pytest.mark.first_run, pytest.mark.rehearsal]
+ROOT = Path(__file__).resolve().parents[3]
+TRAINED = {"train_sft@sft", "train_sft@rl", "train_rl", "to_huggingface@sft", "to_huggingface@rl", "evaluate@sft",
+           "evaluate@rl"}
 
 # What the rehearsal's VM may differ in from the real run's: its machine type (with the one thread per
 # core that only the 8-chip type takes, bodies.SINGLE_THREADED) and how it is paid for (scheduling, the
@@ -35,7 +44,8 @@ def comparable(body: dict) -> dict:
 
 
 @pytest.mark.slow
-def test_the_rehearsal_runs_the_embedded_default_on_one_chip_and_deletes_its_vm(project_world: Env) -> None:
+@pytest.mark.secrets
+def test_the_rehearsal_trains_the_embedded_default_on_one_chip_and_deletes_its_vm(project_world: Env) -> None:
     w = project_world
     w.doit("vm_up")      # the real run's VM: its insert is the one the rehearsal's must match
     w.doit("vm_down")
@@ -60,14 +70,82 @@ def test_the_rehearsal_runs_the_embedded_default_on_one_chip_and_deletes_its_vm(
     assert calls == ["-m mtpipe.maxtext.tpu_check --devices 1 --device-kind TPU v6 lite|v6e-1"]
     assert "TPU runtime ok: 1 x 'TPU v6 lite' (a stand-in)" in out
     assert "Hub download ok: README.md of dataset HuggingFaceH4/ultrachat_200k at 8049631c405a" in out
-    # the embedded default came from the bucket: no stage trained, and the experiment is here
-    assert not ran_stages(out) & {"train_sft@sft", "train_sft@rl", "train_rl"}, out
+    # the VM trained, exported and evaluated both branches with the one-chip preset's commands
+    assert TRAINED <= ran_stages(out), out
+    argv = (w.sshd.home / "argv.txt").read_text()   # every process of the remote sessions
+    assert "maxtext.trainers.post_train.sft.train_sft" in argv and "maxtext.trainers.post_train.rl.train_rl" in argv
     head = sh(["git", "rev-parse", "HEAD"], w.repo, w.env).strip()
     refs = sh(["git", "for-each-ref", "--format=%(refname)", "refs/exps/"], w.repo, w.env).split()
     assert len(refs) == 1 and refs[0].startswith(f"refs/exps/{head[:2]}/{head[2:]}/"), refs
     assert list(experiments(w)) == [refs[0].rsplit("/", 1)[1]]
+    view = yaml.safe_load(sh(["git", "show", f"{refs[0]}:views/rl/train_sft.yaml"], w.repo, w.env))
+    assert view["hardware"]["env"]["TPU_ACCELERATOR_TYPE"] == "v6e-1" and "JAX_PLATFORMS" not in view["hardware"]["env"]
+    assert view["train_sft"]["steps"] == rehearsal.TRAIN_STEPS
+    full = yaml.safe_load(sh(["git", "show", "HEAD:views/rl/train_sft.yaml"], w.repo, w.env))["train_sft"]["steps"]
+    assert view["train_sft"]["extra_args"]["learning_rate_schedule_steps"] == full
+    rl = json.loads(sh(["git", "show", f"{refs[0]}:metrics/rl/train_rl.json"], w.repo, w.env))
+    assert rl["steps"] == rehearsal.GRPO_STEPS
+    # each loss beside the CPU record's at its step: the loopback VM's CPU computes the same
+    for stage in ("train_sft@sft", "train_sft@rl"):
+        assert (f"rehearsal: {stage}: steps 1-{rehearsal.TRAIN_STEPS} on the chip" in out
+                and f"max |difference| 0.0000, within the tolerance {rehearsal.LOSS_TOLERANCE}" in out), out
+    assert f"every loss within {rehearsal.LOSS_TOLERANCE} of the CPU record" in out
+    assert f"vLLM is not rehearsed: the VM's setup does not run {rehearsal.VLLM_SETUP}" in out
+    minutes = rehearsal.SETUP_MIN + rehearsal.EXPERIMENT_MIN
+    assert f"rehearsal: about {minutes} minutes on the VM" in out and f"about {1.215 * minutes / 60:.2f} USD at" in out
+    assert TOKEN not in argv and TOKEN not in out
     assert_deleted(w)
     assert "mtpipe: this run's VMs: 1; " in out and " USD" in out.split("this run's VMs: 1; ")[1].splitlines()[0]
+
+
+def test_the_rehearsals_training_is_the_embedded_defaults_first_steps_on_the_one_chip_preset() -> None:
+    """Both branches on the preset, each SFT run cut to TRAIN_STEPS on its full run's schedule (HEAD's
+    views), GRPO cut to GRPO_STEPS, the evaluation to EVAL_PROBLEMS problems."""
+    sets = rehearsal.training_sets(ROOT, "v6e-1")
+    full = {b: yaml.safe_load((ROOT / "views" / b / "train_sft.yaml").read_text())["train_sft"]["steps"]
+            for b in ("sft", "rl")}
+    assert sets[:2] == rehearsal.EMBEDDED
+    assert {"sft.hardware=v6e-1", "rl.hardware=v6e-1", f"steps={rehearsal.TRAIN_STEPS}",
+            f"rl.train_sft.steps={rehearsal.TRAIN_STEPS}", f"rl.train_rl.num_batches={rehearsal.GRPO_STEPS}",
+            f"rl.evaluate.num_problems={rehearsal.EVAL_PROBLEMS}",
+            f"++sft.train_sft.extra_args.learning_rate_schedule_steps={full['sft']}",
+            f"++rl.train_sft.extra_args.learning_rate_schedule_steps={full['rl']}"} <= set(sets)
+
+
+def test_vllm_is_rehearsed_where_the_vms_setup_installs_it() -> None:
+    """conf/vm.yaml's setup runs MaxText's install_tpu_post_train_extra_deps: a second experiment with
+    vLLM's rollout and server; a setup without it gets the JAX rollout's alone."""
+    cfg = vm_config.load_config({}).model_copy(update={"run": vm_config.load_config({}).run.model_copy(
+        update={"hardware": "v6e-1"})})
+    assert any(rehearsal.VLLM_SETUP in c for c in cfg.setup.commands)
+    jax_run, vllm_run = rehearsal.experiments(cfg, ROOT)
+    assert vllm_run == jax_run + ["rl.train_rl.rollout_backend=vllm", "rl.evaluate.backend=vllm"]
+    bare = cfg.model_copy(update={"setup": cfg.setup.model_copy(update={"commands": ["true"]})})
+    assert rehearsal.experiments(bare, ROOT) == [jax_run]
+
+
+@pytest.mark.price
+@pytest.mark.parametrize("zone", ["us-central1-b", "us-east5-b", "europe-west4-a"])
+def test_the_rehearsal_with_vllm_costs_under_1_usd_on_spot(zone: str) -> None:
+    cfg = rehearsal.load_config({"zone": zone}, ROOT)
+    line = rehearsal.price_line(cfg, len(rehearsal.experiments(cfg, ROOT)))
+    usd = float(line.split(" USD at ")[0].rsplit("about ", 1)[1])
+    assert cfg.provisioning == "spot" and 0 < usd < 1, line
+
+
+def test_a_loss_off_the_cpu_record_or_missing_fails_the_rehearsal() -> None:
+    record = [6.5, 6.4, 6.2]
+    assert rehearsal.Curve("train_sft@sft", [6.52, 6.38, 6.21], record).ok
+    off = rehearsal.Curve("train_sft@sft", [6.5, 6.4, 6.2 + 2 * rehearsal.LOSS_TOLERANCE], record)
+    assert not off.ok and "OUTSIDE the tolerance" in off.line()
+    assert not rehearsal.Curve("train_sft@rl", [], record).ok
+    assert not rehearsal.Curve("train_sft@rl", [6.5] * 4, record).ok     # more steps than the record holds
+    with pytest.raises(vm_config.VmError, match="does not match the CPU record: train_sft@sft"):
+        rehearsal.conclude([rehearsal.Curve("train_sft@rl", record, record), off])
+    with pytest.raises(vm_config.VmError, match="no experiment came back"):
+        rehearsal.conclude([])
+    rehearsal.conclude([rehearsal.Curve("train_sft@rl", record, record)])
+    assert rehearsal.losses("step,loss,eval_loss\n1,6.46932,\n2,6.51038,2.7\n") == [6.46932, 6.51038]
 
 
 def test_the_rehearsal_refuses_what_it_would_not_rehearse_before_any_request(world: Env) -> None:
