@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import shlex
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import yaml
 
 from mtpipe.cloud.checks import prerequisites, tpu
 from mtpipe.cloud.on_vm import dvc_experiments, ssh
@@ -212,6 +215,19 @@ def price_line(cfg: VmConfig, experiments: int) -> str:
             f"{rate.usd_per_hour * minutes / 60:.2f} USD at {rate.describe()}")
 
 
+def trained(root: Path, baseline: str, name: str) -> str:
+    """Which training stages experiment ``name`` ran, their steps (its metrics) and the accelerator of
+    their hardware preset (its views)."""
+    ref = f"refs/exps/{baseline[:2]}/{baseline[2:]}/{name}"
+    parts = []
+    for branch, stage in (("sft", "train_sft"), ("rl", "train_sft"), ("rl", "train_rl")):
+        env = ((yaml.safe_load(_show(root, ref, f"views/{branch}/{stage}.yaml") or "{}").get("hardware") or {})
+               .get("env") or {})
+        steps = json.loads(_show(root, ref, f"metrics/{branch}/{stage}.json") or "{}").get("steps", "no")
+        parts.append(f"{stage}@{branch} {steps} steps on {env.get('TPU_ACCELERATOR_TYPE', 'no TPU')}")
+    return f"{name} trained on the VM: {', '.join(parts)}"
+
+
 def run(life: VmLifecycle, exp_name: str | None) -> list[Curve]:
     """The rehearsal on a new VM of ``life``'s config (:func:`load_config`): refused without PROJECT, ZONE
     or credentials (all named at once, with whatever else fails), or when a VM of its name
@@ -234,6 +250,8 @@ def run(life: VmLifecycle, exp_name: str | None) -> list[Curve]:
     baseline = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                               check=True).stdout.strip()
     got = life.run_experiments(runs, names, None, may_create=True, preflight=False, checks=checks(cfg, root))
+    for name in got:
+        print(f"mtpipe: rehearsal: {trained(root, baseline, name)}", flush=True)
     curves = [curve for name in got for curve in compare(root, baseline, name)]
     for curve in curves:
         print(f"mtpipe: rehearsal: {curve.line()}", flush=True)

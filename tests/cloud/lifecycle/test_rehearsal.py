@@ -85,6 +85,9 @@ def test_the_rehearsal_trains_the_embedded_default_on_one_chip_and_deletes_its_v
     assert view["train_sft"]["extra_args"]["learning_rate_schedule_steps"] == full
     rl = json.loads(sh(["git", "show", f"{refs[0]}:metrics/rl/train_rl.json"], w.repo, w.env))
     assert rl["steps"] == rehearsal.GRPO_STEPS
+    steps = (rehearsal.TRAIN_STEPS, rehearsal.TRAIN_STEPS, rehearsal.GRPO_STEPS)
+    assert (f"trained on the VM: train_sft@sft {steps[0]} steps on v6e-1, train_sft@rl {steps[1]} steps on "
+            f"v6e-1, train_rl@rl {steps[2]} steps on v6e-1") in out
     # each loss beside the CPU record's at its step: the loopback VM's CPU computes the same
     for stage in ("train_sft@sft", "train_sft@rl"):
         assert (f"rehearsal: {stage}: steps 1-{rehearsal.TRAIN_STEPS} on the chip" in out
