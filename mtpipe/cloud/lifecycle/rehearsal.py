@@ -62,7 +62,8 @@ LOSS_TOLERANCE = 0.05
 # scenario test on the loopback VM's 2 CPU cores, tests/cloud/lifecycle/test_rehearsal.py, docs/vm-checks.md)
 SETUP_MIN, EXPERIMENT_MIN = 15, 12
 VLLM_SETUP = "install_tpu_post_train_extra_deps"   # MaxText's command that installs vLLM and tpu-inference
-VLLM = ["rl.train_rl.rollout_backend=vllm", "rl.evaluate.backend=vllm"]
+VLLM = ["rl.train_rl.rollout_backend=vllm", "++rl.evaluate.backend=vllm",
+        "++rl.evaluate.server_timeout_s=1800"]   # vLLM loads and compiles on the TPU in minutes (the tutorial preset's)
 # The curves compared: (branch, plot file, its stage)
 CURVES = (("sft", "plots/sft/train_sft.csv", "train_sft@sft"), ("rl", "plots/rl/train_sft.csv", "train_sft@rl"))
 

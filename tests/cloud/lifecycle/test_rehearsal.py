@@ -24,6 +24,7 @@ from vm_world import ONE_CHIP, TARGET, TOKEN, Env, assert_deleted, experiments, 
 
 from mtpipe.cloud.lifecycle import rehearsal
 from mtpipe.cloud.settings import vm_config
+from mtpipe.pipeline import config, overrides
 
 pytestmark = [pytest.mark.first_run, pytest.mark.rehearsal]
 ROOT = Path(__file__).resolve().parents[3]
@@ -122,7 +123,13 @@ def test_vllm_is_rehearsed_where_the_vms_setup_installs_it() -> None:
         update={"hardware": "v6e-1"})})
     assert any(rehearsal.VLLM_SETUP in c for c in cfg.setup.commands)
     jax_run, vllm_run = rehearsal.experiments(cfg, ROOT)
-    assert vllm_run == jax_run + ["rl.train_rl.rollout_backend=vllm", "rl.evaluate.backend=vllm"]
+    assert vllm_run == jax_run + rehearsal.VLLM
+    views = {}
+    for name, sets in (("jax", jax_run), ("vllm", vllm_run)):   # each applies as `dvc exp run -S` and composes
+        branch = config.compose("rl", overrides.apply_sets(overrides.committed_params(ROOT), sets))
+        views[name] = (config.stage_view(branch, "train_rl").train_rl, config.stage_view(branch, "evaluate").evaluate)
+    assert (views["jax"][0].rollout_backend, views["jax"][1].backend) == ("cpu_jax", "cpu")
+    assert (views["vllm"][0].rollout_backend, views["vllm"][1].backend) == ("vllm", "vllm")
     bare = cfg.model_copy(update={"setup": cfg.setup.model_copy(update={"commands": ["true"]})})
     assert rehearsal.experiments(bare, ROOT) == [jax_run]
 
