@@ -134,6 +134,16 @@ def test_vllm_is_rehearsed_where_the_vms_setup_installs_it() -> None:
     assert rehearsal.experiments(bare, ROOT) == [jax_run]
 
 
+def test_a_v5e_run_rehearses_on_one_v5e_chip_through_the_tpu_api() -> None:
+    """ct5lp-hightpu-8t (Compute refuses it: the TPU API route) -> one v5litepod-1 node trained with
+    conf/hardware/v5e-1.yaml, whose accelerator is the node's."""
+    cfg = rehearsal.load_config({"machine_type": "ct5lp-hightpu-8t", "boot_disk_type": "pd-balanced"}, ROOT)
+    assert (cfg.machine_type, cfg.run.hardware, vm_config.route(cfg)) == ("ct5lp-hightpu-1t", "v5e-1", "tpu_api")
+    target = rehearsal.tpu_target(cfg, ROOT)
+    assert target.accelerator_type == vm_config.accelerator_type(cfg) == "v5litepod-1"
+    assert {"sft.hardware=v5e-1", "rl.hardware=v5e-1"} <= set(rehearsal.experiments(cfg, ROOT)[0])
+
+
 @pytest.mark.price
 @pytest.mark.parametrize("zone", ["us-central1-b", "us-east5-b", "europe-west4-a"])
 def test_the_rehearsal_with_vllm_costs_under_1_usd_on_spot(zone: str) -> None:
