@@ -29,6 +29,9 @@ from fakes.fake_compute import FakeCompute, running_fake
 from fakes.gcs_emulator import GCS_TEST_ENV, GcsEmulator, add_dvc_remote, local_remote, missing_git_outputs
 from fakes.hf_server import HubServer
 from fakes.sshd import LoopbackSshd
+from pipeline import ran_stages
+
+from mtpipe.cloud.lifecycle import rehearsal
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "hf_" + secrets.token_hex(16)   # made at run time: the shipped sources cannot contain it
@@ -269,6 +272,68 @@ def experiments(w: Env) -> dict[str, dict]:
 
 # The rehearsal's one-chip machine type (doit vm_run --rehearse: mtpipe/cloud/lifecycle/rehearsal.py).
 ONE_CHIP = "ct6e-standard-1t"
+# What the rehearsal's VM may differ in from the real run's: its machine type (with the one thread per
+# core that only the 8-chip type takes, bodies.SINGLE_THREADED) and how it is paid for (scheduling, the
+# reservation it is not in, the label that names the mode); and each creation's run id
+MACHINE_AND_PROVISIONING = ("machineType", "advancedMachineFeatures", "scheduling", "reservationAffinity")
+PER_VM_LABELS = ("mtpipe-provisioning", "mtpipe-run")
+REHEARSAL_RAN = {"train_sft@sft", "train_sft@rl", "train_rl", "to_huggingface@sft", "to_huggingface@rl",
+                 "evaluate@sft", "evaluate@rl"}
+
+
+def comparable(body: dict) -> dict:
+    """An insert's body without what the rehearsal changes on purpose."""
+    labels = {k: v for k, v in body["labels"].items() if k not in PER_VM_LABELS}
+    return {k: v for k, v in body.items() if k not in MACHINE_AND_PROVISIONING} | {"labels": labels}
+
+
+def assert_rehearsed(w: Env, out: str, rehearsed: dict, real: dict, usd_per_hour: float) -> None:
+    """`doit vm_run --rehearse` printed ``out`` in ``w`` (a clone of the shared pipeline, its outputs in
+    the bucket; tpu_stand_in and a Hub): its insert ``rehearsed`` is the real run's ``real`` on one chip,
+    Spot; the TPU check and the Hub step ran; both branches trained, exported and evaluated on the VM with
+    the one-chip preset's commands (the loopback VM's JAX has the CPU only, which runs them as they are:
+    JAX finds no TPU and MaxText picks its attention by the device), so each loss equals the CPU
+    record's; the experiment came back; HF_TOKEN was in no argv; the VM is gone."""
+    assert rehearsed["machineType"].endswith(f"/machineTypes/{ONE_CHIP}") and real["machineType"].endswith("-8t")
+    assert "advancedMachineFeatures" not in rehearsed and real["advancedMachineFeatures"] == {"threadsPerCore": 1}
+    assert rehearsed["scheduling"]["provisioningModel"] == "SPOT"
+    assert rehearsed["scheduling"]["maxRunDuration"]["seconds"] == str(rehearsal.MAX_RUN_DURATION_S)
+    assert rehearsed["labels"]["mtpipe-provisioning"] == "spot"
+    assert comparable(rehearsed) == comparable(real)
+    assert f"creating {ONE_CHIP} VM mt-test (spot) in us-east5-b: about {usd_per_hour:.2f} USD per hour" in out
+    minutes = rehearsal.SETUP_MIN + rehearsal.EXPERIMENT_MIN
+    assert (f"rehearsal: about {minutes} minutes on the VM" in out
+            and f"about {usd_per_hour * minutes / 60:.2f} USD at" in out), out
+    # the TPU runtime check asked for the one chip, with the one-chip preset's environment
+    calls = (w.sshd.home / "tpu-check-calls").read_text().splitlines()
+    assert calls == ["-m mtpipe.maxtext.tpu_check --devices 1 --device-kind TPU v6 lite|v6e-1"]
+    assert "TPU runtime ok: 1 x 'TPU v6 lite' (a stand-in)" in out
+    assert "Hub download ok: README.md of dataset HuggingFaceH4/ultrachat_200k at 8049631c405a" in out
+    # the VM trained, exported and evaluated both branches with the one-chip preset's commands
+    assert REHEARSAL_RAN <= ran_stages(out), out
+    argv = (w.sshd.home / "argv.txt").read_text()   # every process of the remote sessions
+    assert "maxtext.trainers.post_train.sft.train_sft" in argv and "maxtext.trainers.post_train.rl.train_rl" in argv
+    assert TOKEN not in argv and TOKEN not in out
+    (name,) = [line.split("experiment ", 1)[1].split(" trained on the VM")[0] for line in out.splitlines()
+               if " trained on the VM: " in line]
+    (ref,) = [r for r in sh(["git", "for-each-ref", "--format=%(refname)", "refs/exps/"], w.repo, w.env).split()
+              if r.endswith(f"/{name}")]
+    baseline = "".join(ref.split("/")[2:4])   # refs/exps/<2 hex>/<38 hex>/<name>
+    view = yaml.safe_load(sh(["git", "show", f"{ref}:views/rl/train_sft.yaml"], w.repo, w.env))
+    assert view["hardware"]["env"]["TPU_ACCELERATOR_TYPE"] == "v6e-1" and "JAX_PLATFORMS" not in view["hardware"]["env"]
+    full = yaml.safe_load(sh(["git", "show", f"{baseline}:views/rl/train_sft.yaml"], w.repo, w.env))["train_sft"]["steps"]
+    assert (view["train_sft"]["steps"], view["train_sft"]["extra_args"]["learning_rate_schedule_steps"]) == \
+        (rehearsal.TRAIN_STEPS, full)
+    steps = (rehearsal.TRAIN_STEPS, rehearsal.TRAIN_STEPS, rehearsal.GRPO_STEPS)
+    assert (f"trained on the VM: train_sft@sft {steps[0]} steps on v6e-1, train_sft@rl {steps[1]} steps on "
+            f"v6e-1, train_rl@rl {steps[2]} steps on v6e-1") in out
+    # each loss beside the CPU record's at its step: the loopback VM's CPU computes the same
+    for stage in ("train_sft@sft", "train_sft@rl"):
+        assert (f"rehearsal: {stage}: steps 1-{rehearsal.TRAIN_STEPS} on the chip" in out
+                and f"max |difference| 0.0000, within the tolerance {rehearsal.LOSS_TOLERANCE}" in out), out
+    assert f"every loss within {rehearsal.LOSS_TOLERANCE} of the CPU record" in out
+    assert f"vLLM is not rehearsed: the VM's setup does not run {rehearsal.VLLM_SETUP}" in out
+    assert "VM mt-test: deleted" in out
 
 
 def tpu_stand_in(w: Env) -> None:

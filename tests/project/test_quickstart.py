@@ -26,7 +26,8 @@ import pytest
 from fakes import fake_gcloud
 from fakes.gcs_emulator import GcsEmulator
 from fakes.hf_server import HubServer
-from vm_world import ONE_CHIP, ROOT, Env, assert_deleted, hub_with_tutorial_repos, loopback_world, sh, tpu_stand_in
+from vm_world import (ONE_CHIP, ROOT, Env, assert_deleted, assert_rehearsed, hub_with_tutorial_repos, loopback_world, sh,
+                      tpu_stand_in)
 
 pytestmark = [pytest.mark.docs, pytest.mark.first_hour, pytest.mark.first_run]
 SETUP = ROOT / "docs" / "quickstart-setup.md"
@@ -110,6 +111,8 @@ def test_a_page_holds_every_step_from_a_fresh_laptop_to_a_deleted_vm(branch: str
 
 
 @pytest.mark.slow
+@pytest.mark.rehearsal
+@pytest.mark.secrets
 def test_the_setup_and_both_quickstarts_run_in_order_against_the_fakes(
         tmp_path: Path, gcs_emulator: GcsEmulator, local_env: dict[str, str], pipeline_repo: Path) -> None:
     repo = tmp_path / "mtpipe"
@@ -181,8 +184,9 @@ def output(out: dict[tuple[str, str], str], page: str, start: str) -> str:
 
 
 def check_what_the_pages_promised(w: Env, out: dict[tuple[str, str], str], emulator: GcsEmulator) -> None:
-    """The sign-ins, the bucket and its binding, each tutorial's rehearsal, run and results, one VM
-    for both runs, and nothing left of any VM."""
+    """The sign-ins, the bucket and its binding, the rehearsal (the suite's one: it trains both
+    branches' first steps on the loopback VM), each tutorial's run and results, one VM for both runs,
+    and nothing left of any VM."""
     signed_in = json.loads((Path(w.env["CLOUDSDK_CONFIG"]) / "fake-gcloud.json").read_text())
     assert signed_in == {"account": "newcomer@example.com", "project": "proj-1",
                          "adc_account": "newcomer@example.com", "adc_quota_project": "proj-1"}, signed_in
@@ -190,8 +194,8 @@ def check_what_the_pages_promised(w: Env, out: dict[tuple[str, str], str], emula
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     policy = json.loads(opener.open(f"{emulator.endpoint}/storage/v1/b/{BUCKET}/iam", timeout=10).read())
     assert {"role": "roles/storage.objectAdmin", "members": [with_account]} in policy["bindings"]
-    rehearsal = output(out, "sft", "doit vm_run --yes --rehearse")
-    assert f"creating {ONE_CHIP} VM mt-test (spot)" in rehearsal and "VM mt-test: deleted" in rehearsal, rehearsal[-3000:]
+    rehearsed, real = (r.json() for r in w.fake.inserts()[:2])   # the rehearsal's VM, then the SFT run's
+    assert_rehearsed(w, output(out, "sft", "doit vm_run --yes --rehearse"), rehearsed, real, usd_per_hour=1.215)
     for branch in PAGES:
         run = output(out, branch, f"doit vm_run --yes --set={branch}.preset")
         assert f"experiment {TUTORIAL_EXP[branch]}" in run, run[-3000:]

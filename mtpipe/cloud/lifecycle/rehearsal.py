@@ -226,7 +226,7 @@ def trained(root: Path, baseline: str, name: str) -> str:
                .get("env") or {})
         steps = json.loads(_show(root, ref, f"metrics/{branch}/{stage}.json") or "{}").get("steps", "no")
         parts.append(f"{stage}@{branch} {steps} steps on {env.get('TPU_ACCELERATOR_TYPE', 'no TPU')}")
-    return f"{name} trained on the VM: {', '.join(parts)}"
+    return f"experiment {name} trained on the VM: {', '.join(parts)}"
 
 
 def run(life: VmLifecycle, exp_name: str | None) -> list[Curve]:

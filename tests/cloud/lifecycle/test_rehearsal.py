@@ -1,14 +1,9 @@
-"""`doit vm_run --rehearse` against the fakes: the embedded default through every step of a real run on a
-one-chip VM, which is then deleted (mtpipe/cloud/lifecycle/rehearsal.py, docs/vm-checks.md).
+"""`doit vm_run --rehearse`: the embedded default through every step of a real run on a one-chip VM,
+which is then deleted (mtpipe/cloud/lifecycle/rehearsal.py, docs/vm-checks.md).
 
-The loopback VM is the project's clone whose DVC remote holds the shared pipeline's outputs (the
-`project_world` fixture, as tests/cloud/lifecycle/test_vm_cycle.py's full cycle): the VM's `dvc exp run` pulls
-what the rehearsal does not change (the conversions) and trains the rest with the one-chip preset's
-commands. Its JAX has only the CPU, which runs those commands as they are (JAX finds no TPU and takes
-the CPU; MaxText picks its attention by the device): the losses then equal the CPU record's. The TPU
-runtime check meets a stand-in `python` first on PATH in `run.tpu_check` (as test_vm_cycle's TPU tests
-do) that records its arguments and hands every other command line to the real interpreter; the Hub is
-tests/fakes/hf_server.py.
+The whole rehearsal against the fakes runs once in the suite, where the SFT quickstart types it
+(tests/project/test_quickstart.py, which checks it with tests/vm_world.py's :func:`assert_rehearsed`);
+this file holds what it is made of and what it refuses.
 """
 
 from __future__ import annotations
@@ -18,9 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fakes.hf_server import HubServer
-from pipeline import ran_stages
-from vm_world import ONE_CHIP, TARGET, TOKEN, Env, assert_deleted, experiments, hub_with_tutorial_repos, sh, tpu_stand_in
+from vm_world import TARGET, Env
 
 from mtpipe.cloud.lifecycle import rehearsal
 from mtpipe.cloud.settings import vm_config
@@ -28,78 +21,6 @@ from mtpipe.pipeline import config, overrides
 
 pytestmark = [pytest.mark.first_run, pytest.mark.rehearsal]
 ROOT = Path(__file__).resolve().parents[3]
-TRAINED = {"train_sft@sft", "train_sft@rl", "train_rl", "to_huggingface@sft", "to_huggingface@rl", "evaluate@sft",
-           "evaluate@rl"}
-
-# What the rehearsal's VM may differ in from the real run's: its machine type (with the one thread per
-# core that only the 8-chip type takes, bodies.SINGLE_THREADED) and how it is paid for (scheduling, the
-# reservation it is not in, the label that names the mode); and each creation's run id
-MACHINE_AND_PROVISIONING = ("machineType", "advancedMachineFeatures", "scheduling", "reservationAffinity")
-PER_VM_LABELS = ("mtpipe-provisioning", "mtpipe-run")
-
-
-def comparable(body: dict) -> dict:
-    """An insert's body without what the rehearsal changes on purpose."""
-    labels = {k: v for k, v in body["labels"].items() if k not in PER_VM_LABELS}
-    return {k: v for k, v in body.items() if k not in MACHINE_AND_PROVISIONING} | {"labels": labels}
-
-
-@pytest.mark.slow
-@pytest.mark.secrets
-def test_the_rehearsal_trains_the_embedded_default_on_one_chip_and_deletes_its_vm(project_world: Env) -> None:
-    w = project_world
-    w.doit("vm_up")      # the real run's VM: its insert is the one the rehearsal's must match
-    w.doit("vm_down")
-    tpu_stand_in(w)
-    with HubServer(w.repo.parent / "hub") as hub:
-        hub_with_tutorial_repos(hub)
-        w.env["HF_ENDPOINT"] = hub.url
-        w.configure(run__env__HF_ENDPOINT=hub.url)
-        out = w.doit("vm_run", "--rehearse").stdout
-
-    real, rehearsed = (r.json() for r in w.fake.inserts())
-    assert rehearsed["machineType"].endswith(f"/machineTypes/{ONE_CHIP}") and real["machineType"].endswith("-8t")
-    assert "advancedMachineFeatures" not in rehearsed and real["advancedMachineFeatures"] == {"threadsPerCore": 1}
-    assert rehearsed["scheduling"]["provisioningModel"] == "SPOT"
-    assert rehearsed["scheduling"]["maxRunDuration"]["seconds"] == str(rehearsal.MAX_RUN_DURATION_S)
-    assert rehearsed["labels"]["mtpipe-provisioning"] == "spot"
-    assert comparable(rehearsed) == comparable(real)
-    assert f"creating {ONE_CHIP} VM mt-test (spot) in us-east5-b: about 1.22 USD per hour" in out
-
-    # the TPU runtime check asked for the one chip, with the one-chip preset's environment
-    calls = (w.sshd.home / "tpu-check-calls").read_text().splitlines()
-    assert calls == ["-m mtpipe.maxtext.tpu_check --devices 1 --device-kind TPU v6 lite|v6e-1"]
-    assert "TPU runtime ok: 1 x 'TPU v6 lite' (a stand-in)" in out
-    assert "Hub download ok: README.md of dataset HuggingFaceH4/ultrachat_200k at 8049631c405a" in out
-    # the VM trained, exported and evaluated both branches with the one-chip preset's commands
-    assert TRAINED <= ran_stages(out), out
-    argv = (w.sshd.home / "argv.txt").read_text()   # every process of the remote sessions
-    assert "maxtext.trainers.post_train.sft.train_sft" in argv and "maxtext.trainers.post_train.rl.train_rl" in argv
-    head = sh(["git", "rev-parse", "HEAD"], w.repo, w.env).strip()
-    refs = sh(["git", "for-each-ref", "--format=%(refname)", "refs/exps/"], w.repo, w.env).split()
-    assert len(refs) == 1 and refs[0].startswith(f"refs/exps/{head[:2]}/{head[2:]}/"), refs
-    assert list(experiments(w)) == [refs[0].rsplit("/", 1)[1]]
-    view = yaml.safe_load(sh(["git", "show", f"{refs[0]}:views/rl/train_sft.yaml"], w.repo, w.env))
-    assert view["hardware"]["env"]["TPU_ACCELERATOR_TYPE"] == "v6e-1" and "JAX_PLATFORMS" not in view["hardware"]["env"]
-    assert view["train_sft"]["steps"] == rehearsal.TRAIN_STEPS
-    full = yaml.safe_load(sh(["git", "show", "HEAD:views/rl/train_sft.yaml"], w.repo, w.env))["train_sft"]["steps"]
-    assert view["train_sft"]["extra_args"]["learning_rate_schedule_steps"] == full
-    rl = json.loads(sh(["git", "show", f"{refs[0]}:metrics/rl/train_rl.json"], w.repo, w.env))
-    assert rl["steps"] == rehearsal.GRPO_STEPS
-    steps = (rehearsal.TRAIN_STEPS, rehearsal.TRAIN_STEPS, rehearsal.GRPO_STEPS)
-    assert (f"trained on the VM: train_sft@sft {steps[0]} steps on v6e-1, train_sft@rl {steps[1]} steps on "
-            f"v6e-1, train_rl@rl {steps[2]} steps on v6e-1") in out
-    # each loss beside the CPU record's at its step: the loopback VM's CPU computes the same
-    for stage in ("train_sft@sft", "train_sft@rl"):
-        assert (f"rehearsal: {stage}: steps 1-{rehearsal.TRAIN_STEPS} on the chip" in out
-                and f"max |difference| 0.0000, within the tolerance {rehearsal.LOSS_TOLERANCE}" in out), out
-    assert f"every loss within {rehearsal.LOSS_TOLERANCE} of the CPU record" in out
-    assert f"vLLM is not rehearsed: the VM's setup does not run {rehearsal.VLLM_SETUP}" in out
-    minutes = rehearsal.SETUP_MIN + rehearsal.EXPERIMENT_MIN
-    assert f"rehearsal: about {minutes} minutes on the VM" in out and f"about {1.215 * minutes / 60:.2f} USD at" in out
-    assert TOKEN not in argv and TOKEN not in out
-    assert_deleted(w)
-    assert "mtpipe: this run's VMs: 1; " in out and " USD" in out.split("this run's VMs: 1; ")[1].splitlines()[0]
 
 
 def test_the_rehearsals_training_is_the_embedded_defaults_first_steps_on_the_one_chip_preset() -> None:
