@@ -58,9 +58,11 @@ EVAL_PROBLEMS = 8              # held-out GSM8K problems evaluate@rl scores each
 # first TRAIN_STEPS steps: benchmarks/on_tpu/records/rehearsal.json.
 LOSS_TOLERANCE = 0.05
 # Its minutes on the VM, as the price line quotes them: the setup (assumed: the package download of
-# requirements-vm.lock, not measured on Google Cloud) and the experiment (measured: the pipeline of the
-# scenario test on the loopback VM's 2 CPU cores, tests/cloud/lifecycle/test_rehearsal.py, docs/vm-checks.md)
-SETUP_MIN, EXPERIMENT_MIN = 15, 12
+# requirements-vm.lock, not measured on Google Cloud), the JAX rollout's experiment (measured: 5.0 min
+# from the probe to the last evaluation on the loopback VM's 2 busy CPU cores, the suite's rehearsal in
+# tests/project/test_quickstart.py; a chip's steps are faster) and vLLM's (assumed: train_rl and
+# evaluate@rl again, and vLLM's start and compile on the TPU twice)
+SETUP_MIN, EXPERIMENT_MIN, VLLM_MIN = 15, 6, 10
 VLLM_SETUP = "install_tpu_post_train_extra_deps"   # MaxText's command that installs vLLM and tpu-inference
 VLLM = ["rl.train_rl.rollout_backend=vllm", "++rl.evaluate.backend=vllm",
         "++rl.evaluate.server_timeout_s=1800"]   # vLLM loads and compiles on the TPU in minutes (the tutorial preset's)
@@ -207,12 +209,13 @@ def compare(root: Path, baseline: str, name: str) -> list[Curve]:
 
 
 def price_line(cfg: VmConfig, experiments: int) -> str:
-    """What the rehearsal is expected to cost: its minutes (:data:`SETUP_MIN`, :data:`EXPERIMENT_MIN` per
-    experiment) at ``cfg``'s rate."""
-    minutes = SETUP_MIN + EXPERIMENT_MIN * experiments
+    """What the rehearsal is expected to cost: its minutes (:data:`SETUP_MIN`, :data:`EXPERIMENT_MIN` and,
+    with a second experiment, :data:`VLLM_MIN`) at ``cfg``'s rate."""
+    minutes = SETUP_MIN + EXPERIMENT_MIN + (VLLM_MIN if experiments > 1 else 0)
     rate = prices.vm_rate(cfg)
-    return (f"about {minutes} minutes on the VM (setup {SETUP_MIN}, assumed; {experiments} x {EXPERIMENT_MIN} for "
-            f"the training, exports and evaluations, measured on 2 CPU cores), about "
+    vllm = f", vLLM's {VLLM_MIN} assumed" if experiments > 1 else ""
+    return (f"about {minutes} minutes on the VM (setup {SETUP_MIN}, assumed; the training, exports and "
+            f"evaluations {EXPERIMENT_MIN}, measured on 2 CPU cores{vllm}), about "
             f"{rate.usd_per_hour * minutes / 60:.2f} USD at {rate.describe()}")
 
 
