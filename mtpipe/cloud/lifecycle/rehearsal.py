@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from mtpipe.cloud.checks import prerequisites, tpu
+from mtpipe.cloud.checks import prerequisites
 from mtpipe.cloud.on_vm import dvc_experiments, ssh
 from mtpipe.cloud.settings import prices, vm_config, vm_state
 from mtpipe.cloud.settings.vm_config import VmConfig
@@ -47,7 +47,6 @@ MAX_RUN_DURATION_S = 3600      # Compute deletes the VM after this at the latest
 EMBEDDED = ["sft.preset=embedded-sft", "rl.preset=embedded-rl"]   # what `make demo` runs
 # The Hub step: one small file of the SFT tutorial's dataset (an open repo) at its pinned revision
 HUB_DATASET, HUB_FILENAME = "ultrachat-200k", "README.md"
-WHO = "the rehearsal"          # how the TPU check's failure names what runs on the chip
 # What it trains on the chip: the embedded default's first steps, each branch on the learning-rate
 # schedule of its full run (MaxText's learning_rate_schedule_steps), so each step's loss is the CPU record's
 TRAIN_STEPS = 10               # of train_sft@sft and of the warm-up train_sft@rl
@@ -128,12 +127,6 @@ def load_config(params: dict[str, Any], root: Path) -> VmConfig:
                                   "spot_without_work_bucket": True})
 
 
-def tpu_target(cfg: VmConfig, root: Path) -> tpu.Target:
-    """The VM's one chip as run.hardware's preset (e.g. conf/hardware/v6e-1.yaml) describes it."""
-    env = dvc_experiments.hardware_env(root, cfg.run.hardware)
-    return tpu.Target(env["TPU_ACCELERATOR_TYPE"], cfg.run.hardware, env, [WHO])
-
-
 def hub_command() -> str:
     """The Hub step's command line, run on the VM in the shipped repo."""
     return shlex.join(["python", "-m", "mtpipe.data.hub_file", "--dataset", HUB_DATASET, "--filename", HUB_FILENAME])
@@ -156,12 +149,9 @@ def hub_download(remote: ssh.Remote, cfg: VmConfig, root: Path) -> str:
 
 
 def checks(cfg: VmConfig, root: Path) -> list[Check]:
-    """What the rehearsal runs on the VM after shipping HEAD, before the pipeline: the TPU runtime
-    check on its one chip, then the Hub download."""
-    target = tpu_target(cfg, root)
-    return [(f"checking the TPU runtime on VM {cfg.name}: {target.command()}",
-             lambda remote: tpu.check(remote, cfg, root, target)),
-            (f"downloading through the Hugging Face Hub client on VM {cfg.name}: {hub_command()}",
+    """What the rehearsal runs on the VM after shipping HEAD and the TPU runtime check on its one chip
+    (vm_run's own: both branches train on the one-chip preset), before the pipeline: the Hub download."""
+    return [(f"downloading through the Hugging Face Hub client on VM {cfg.name}: {hub_command()}",
              lambda remote: hub_download(remote, cfg, root))]
 
 

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from vm_world import TARGET, Env
 
+from mtpipe.cloud.checks import tpu
 from mtpipe.cloud.lifecycle import rehearsal
 from mtpipe.cloud.settings import vm_config
 from mtpipe.pipeline import config, overrides
@@ -60,9 +61,11 @@ def test_a_v5e_run_rehearses_on_one_v5e_chip_through_the_tpu_api() -> None:
     conf/hardware/v5e-1.yaml, whose accelerator is the node's."""
     cfg = rehearsal.load_config({"machine_type": "ct5lp-hightpu-8t", "boot_disk_type": "pd-balanced"}, ROOT)
     assert (cfg.machine_type, cfg.run.hardware, vm_config.route(cfg)) == ("ct5lp-hightpu-1t", "v5e-1", "tpu_api")
-    target = rehearsal.tpu_target(cfg, ROOT)
+    runs = rehearsal.experiments(cfg, ROOT)
+    assert {"sft.hardware=v5e-1", "rl.hardware=v5e-1"} <= set(runs[0])
+    (target,) = tpu.targets(ROOT, runs)   # what vm_run's TPU runtime check asks the node for
     assert target.accelerator_type == vm_config.accelerator_type(cfg) == "v5litepod-1"
-    assert {"sft.hardware=v5e-1", "rl.hardware=v5e-1"} <= set(rehearsal.experiments(cfg, ROOT)[0])
+    assert target.env["TPU_ACCELERATOR_TYPE"] == "v5litepod-1" and target.branches == ["sft", "rl"]
 
 
 @pytest.mark.price
