@@ -1,5 +1,5 @@
 """`doit vm_run --rehearse`: the real run's every step on the smallest VM of its TPU generation,
-before the first long paid run (docs/tpu-vm.md, "The rehearsal").
+before the first long paid run (docs/vm-checks.md, "The rehearsal").
 
 The rehearsal's VM is the real run's (conf/vm.yaml with the environment and the options: image,
 disk, network, labels, service account, metadata, self-delete) with two changes: the machine type
@@ -258,5 +258,5 @@ def conclude(curves: list[Curve]) -> None:
     if bad or not curves:
         raise vm_config.VmError("the rehearsal's training on the chip does not match the CPU record: "
                                 + ("; ".join(c.line() for c in bad) or "no experiment came back")
-                                + " (docs/tpu-vm.md, \"The rehearsal\")")
+                                + " (docs/vm-checks.md, \"The rehearsal\")")
     print(f"mtpipe: rehearsal: every loss within {LOSS_TOLERANCE} of the CPU record", flush=True)
