@@ -84,13 +84,20 @@ def export_and_score(branch: str, params_tgz: Path, work: Path) -> dict[str, Any
             "gain_over_base": scoring.gain(cfg, committed["base"], scores)}
 
 
+def checkout_relative(command: str) -> str:
+    """A command line the chip ran, its paths in the carried checkout named relative to a checkout (the
+    chip's copy of the working tree sits where this one does)."""
+    return command.replace(f"{ROOT}/", "")
+
+
 def embedded(group: Path, summary: dict[str, Any], work: Path) -> dict[str, Any]:
     runs = {r["name"]: r for r in summary["runs"]}
     out: dict[str, Any] = {"runs": {}}
     for name, run in runs.items():
         row = {k: run.get(k) for k in ("status", "process_s", "wall_s", "jax_open_s", "device_kind", "params_sha256")}
         row["peak_hbm_bytes"] = (run.get("memory") or {}).get("peak_bytes_in_use")
-        row["command"] = (group / f"{name}.command.txt").read_text().strip() if (group / f"{name}.command.txt").is_file() else None
+        row["command"] = checkout_relative((group / f"{name}.command.txt").read_text().strip()) \
+            if (group / f"{name}.command.txt").is_file() else None
         if (group / f"{name}.metrics.jsonl").is_file():
             row |= step_stats(group / f"{name}.metrics.jsonl")
         out["runs"][name] = row
