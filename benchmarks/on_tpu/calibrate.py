@@ -63,8 +63,11 @@ def measured_runs(prefix: str) -> list[dict[str, Any]]:
 
 
 def slices() -> list[dict[str, Any]]:
-    """The measured SFT-tutorial slices (records/slices*.json)."""
-    return measured_runs("slices")
+    """The measured SFT-tutorial slices (records/slices*.json). A slice measured after another in one process
+    (``--together``) and again in a process of its own (records/own_*.json) counts by the latter: a stage's
+    process runs one training, and memory_stats() keeps one peak per process."""
+    own = {run["name"]: run for run in measured_runs("own")}
+    return [own.get(run["name"], run) for run in measured_runs("slices")]
 
 
 def grpo_runs() -> list[dict[str, Any]]:

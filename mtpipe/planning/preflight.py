@@ -44,13 +44,13 @@ Chip = generations.Chip   # one TPU generation's per-chip numbers (conf/generati
 # (benchmarks/on_tpu/records/slices*.json, docs/step-time.md;
 # benchmarks/on_tpu/calibrate.py prints forecast vs measurement, tests/planning/test_on_tpu.py holds them together).
 # The step time: mtpipe.planning.step_model (arithmetic + parameter traffic, fit on the same records).
-SFT_TRAINER_EXTRA_BYTES_PER_PARAM = 3.5  # tunix's SFT trainer holds ~4 B/parameter beyond MaxText's compiled
+SFT_TRAINER_EXTRA_BYTES_PER_PARAM = 3.7  # tunix's SFT trainer holds ~4 B/parameter beyond MaxText's compiled
                                # step (least squares over the SFT slices); one fp32 copy is its
                                # gradient-accumulation buffer (sft.yml: use_tunix_gradient_accumulation)
 GRPO_EXTRA_BYTES_PER_PARAM = 1.9  # train_rl with the JAX rollout, beyond the compiled step, reference and KV cache
-HBM_ERROR = 0.11               # the HBM forecast's largest leave-one-out under-forecast on the chip's records
-                               # (measured 10.3% above it), rounded up: the printed high end holds on every
-                               # record; two over-forecasts miss by 20-22% (docs/step-time.md)
+HBM_ERROR = 0.10               # the HBM forecast's largest leave-one-out under-forecast on the chip's records
+                               # (measured 9.2% above it), rounded up: the printed high end holds on every
+                               # record; two over-forecasts miss by 22-23% (docs/step-time.md)
 HBM_TOLERANCE = 0.10           # a forecast further than this from the chip's peak HBM is a finding
 STEP_TOLERANCE = 0.25          # likewise for the step time
 

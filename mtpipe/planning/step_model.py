@@ -36,7 +36,7 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 # Fit on the lent v5e chip's SFT slices (least squares on relative error, benchmarks/on_tpu/calibrate.py --fit).
-STEP_BYTES_PER_PARAM = 83.5    # HBM bytes moved per parameter per step, whatever the batch
+STEP_BYTES_PER_PARAM = 83.2    # HBM bytes moved per parameter per step, whatever the batch
 GRADIENT_BYTES = 4             # a gradient's bytes in the reduce-scatter (f32)
 GATHER_PASSES = 3              # the weights gathered for the forward, the rematerialised forward and the backward
 
@@ -51,11 +51,11 @@ def gathered_bytes_per_param(weight_bytes: float) -> float:
     return GATHER_PASSES * (2 * weight_bytes + 4) + 2 * GRADIENT_BYTES
 # GRPO with the JAX rollout (records/grpo*.json)
 DECODE_EFFICIENCY = 0.204      # of the HBM bandwidth, reading the rollout's weights once per token
-GRPO_TRAIN_FACTOR = 0.771      # the GRPO train step with its log-prob passes, over the SFT-step model
+GRPO_TRAIN_FACTOR = 0.773      # the GRPO train step with its log-prob passes, over the SFT-step model
 # The wall-clock step over the device-bound one (the lower quartile the fit uses), low, mid, high:
 # measured on the chip, each record's mean step after the first over its lower quartile, leaving out
 # the steps over 10x the median (a checkpoint save: counted on its own); calibrate.wall_clock_factors
-WALL_CLOCK_FACTOR = (1.174, 1.597, 2.482)
+WALL_CLOCK_FACTOR = (1.014, 1.597, 2.322)
 # vLLM's decode on v6e, of the HBM bandwidth per token (low, mid, high): derived from the one absolute
 # vLLM-on-TPU figure found, Llama 3.3 70B on a v6e-8 (tensor parallel 8, vllm-tpu v0.12.0): mean time per
 # output token 35.12 ms at 128 concurrent requests, 25.35 ms at 64 (AI-Hypercomputer/tpu-recipes

@@ -10,6 +10,7 @@ preflight is checked against the real chip).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import statistics
@@ -101,7 +102,7 @@ POINTS = calibrate.points()
 LEAVE_ONE_OUT = calibrate.leave_one_out(POINTS)
 # The records whose HBM the model over-forecasts by more than HBM_TOLERANCE, with their measured miss
 # rounded up (docs/step-time.md): the test holds each to that miss.
-KNOWN_HBM_MISSES = {"gemma_d6_v16k_b1": 0.21, "gemma_d6_v16k_b2": 0.22}
+KNOWN_HBM_MISSES = {"gemma_d6_v16k_b1": 0.22, "gemma_d6_v16k_b2": 0.23}
 
 
 @pytest.mark.forecast
@@ -118,6 +119,25 @@ def test_the_records_span_both_families_batches_1_to_4_and_grpo_at_real_width():
         compiled = calibrate.compiled_for(run)
         assert compiled["config"]["emb_dim"] == 4096 and compiled["config"]["model_name"] == "llama3.1-8b-Instruct"
         assert run["median_rollout_s"] > 0 and run["rollout_new_tokens_max"] == run["new_tokens"]
+
+
+@pytest.mark.forecast
+@pytest.mark.price
+def test_no_slice_measured_after_another_in_its_process_steers_the_fit():
+    """memory_stats() keeps one peak per process, so a slice that ran after another in one process
+    (``--together``) counts by its measurement in a process of its own (records/own_*.json), as a stage
+    runs it; the same compile. Of the five, four peaks came back equal to the byte; gemma_d4_v48k_b4 held
+    1.9 GiB more in use alone than after gemma_d3_b4 (docs/step-time.md)."""
+    used = {run["name"]: run for run in calibrate.slices()}
+    shared = [run for run in calibrate.measured_runs("slices") if run.get("together", [run["name"]])[0] != run["name"]]
+    assert len(shared) == 5
+    for run in shared:
+        own = used[run["name"]]
+        assert own["record"].startswith("own_") and "together" not in own, run["name"]
+        assert own["compile_args"] == run["compile_args"] and own["module"] == run["module"]
+    peaks = {run["name"]: used[run["name"]]["memory"]["peak_bytes_in_use"] - run["memory"]["peak_bytes_in_use"]
+             for run in shared}
+    assert [name for name, more in peaks.items() if more] == ["gemma_d4_v48k_b4"], peaks
 
 
 @pytest.mark.forecast
@@ -170,6 +190,9 @@ def test_the_committed_constants_are_the_fit_on_every_record():
     assert step_model.WALL_CLOCK_FACTOR == pytest.approx((min(wall), statistics.median(wall), max(wall)), abs=0.0005)
     measured = [r for r in LEAVE_ONE_OUT if r["hbm_ratio"] is not None and r["name"] not in KNOWN_HBM_MISSES]
     assert max(abs(r["hbm_ratio"] - 1) for r in measured) <= preflight.HBM_ERROR
+    # the printed ±: the largest leave-one-out under-forecast, rounded up to a whole percent
+    under = max(r["hbm_measured_gib"] / r["hbm_forecast_gib"] - 1 for r in LEAVE_ONE_OUT if r["hbm_ratio"] is not None)
+    assert preflight.HBM_ERROR == math.ceil(under * 100) / 100, under
 
 
 @pytest.mark.forecast
