@@ -319,6 +319,7 @@ def assert_rehearsed(w: Env, out: str, rehearsed: dict, real: dict, usd_per_hour
     (ref,) = [r for r in sh(["git", "for-each-ref", "--format=%(refname)", "refs/exps/"], w.repo, w.env).split()
               if r.endswith(f"/{name}")]
     baseline = "".join(ref.split("/")[2:4])   # refs/exps/<2 hex>/<38 hex>/<name>
+    assert ref == dvc_experiments.experiment_ref(baseline, name)   # where compare and trained read the experiment
     view = yaml.safe_load(sh(["git", "show", f"{ref}:views/rl/train_sft.yaml"], w.repo, w.env))
     assert view["hardware"]["env"]["TPU_ACCELERATOR_TYPE"] == "v6e-1" and "JAX_PLATFORMS" not in view["hardware"]["env"]
     full = yaml.safe_load(sh(["git", "show", f"{baseline}:views/rl/train_sft.yaml"], w.repo, w.env))["train_sft"]["steps"]

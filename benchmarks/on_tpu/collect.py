@@ -213,7 +213,7 @@ def main() -> None:
             summary = json.loads((group / "summary.json").read_text())
             record = {"group": name, "smoke": summary["smoke"], "versions": summary["versions"], "nproc": summary["nproc"],
                       "tpu_check": summary.get("tpu_check")}
-            if name.startswith(("slices", "own_")):
+            if name.startswith(("slices", "own_", "again_")):
                 record |= slices(group, summary, plan)
             elif name.startswith("grpo"):
                 record |= grpo(group, summary, plan)

@@ -16,7 +16,8 @@ Groups (each fits one call of the chip, 10 minutes):
   tutorial families at real width (Gemma 3 4B, Llama 3.1 8B), the decoder depth and the vocabulary cut
   to fit one v5e chip, at batch 1-4 (:data:`SLICE_GROUPS`), and MaxText's pre-training trainer once;
 * ``own_*``: the slices whose peaks a shared process measured after another slice (``TOGETHER``), each in
-  a process of its own: does a shared process move a peak?
+  a process of its own: does a shared process move a peak? ``again_*``: slices measured alone before,
+  alone again: does a process repeat its peak?
 * ``grpo*``: the GRPO tutorial's train_rl with the JAX rollout, Llama 3.1 8B at real width cut likewise
   (:data:`GRPO_GROUPS`).
 * ``rehearsal``: the trainings `doit vm_run --rehearse` sends to its one-chip VM
@@ -96,7 +97,11 @@ SLICES = tuple(s for group in SLICE_GROUPS.values() for s in group)
 TOGETHER = ("slices_gemma", "slices_llama", "slices_llama_more", "slices_depths", "slices_llama_deep")
 # Every slice a TOGETHER process measured after another, again in a process of its own (records/own_*.json)
 OWN_GROUPS = {"own_a": ("gemma_d3_b4", "gemma_d4_v48k_b4", "llama_d2_v16k_b1"), "own_b": ("llama_d3_v4k_b1", "llama_d1_b4")}
-SLICE_GROUPS |= {group: tuple(s for s in SLICES if s.name in names) for group, names in OWN_GROUPS.items()}
+# The two slices whose peak is the low kind (docs/step-time.md), again in a process of their own:
+# does a process of its own repeat its peak? (records/again_*.json)
+AGAIN_GROUPS = {"again_d6": ("gemma_d6_v16k_b1", "gemma_d6_v16k_b2")}
+SLICE_GROUPS |= {group: tuple(s for s in SLICES if s.name in names)
+                 for group, names in (OWN_GROUPS | AGAIN_GROUPS).items()}
 REHEARSAL_HARDWARE = "v5e-1"   # the lent chip's one-chip preset
 SLICE_STEPS = 20
 SPLASH_BLOCK = 128  # JAX 0.10.2's splash-attention kernel needs sequence lengths in multiples of this

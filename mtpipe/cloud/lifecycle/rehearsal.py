@@ -193,7 +193,7 @@ def _show(root: Path, rev: str, path: str) -> str:
 
 def compare(root: Path, baseline: str, name: str) -> list[Curve]:
     """Each SFT curve of experiment ``name`` (baseline ``baseline``) beside ``baseline``'s committed record."""
-    ref = f"refs/exps/{baseline[:2]}/{baseline[2:]}/{name}"
+    ref = dvc_experiments.experiment_ref(baseline, name)
     return [Curve(stage, losses(_show(root, ref, path) or "loss\n"), losses(_show(root, baseline, path) or "loss\n"))
             for _, path, stage in CURVES]
 
@@ -212,7 +212,7 @@ def price_line(cfg: VmConfig, experiments: int) -> str:
 def trained(root: Path, baseline: str, name: str) -> str:
     """Which training stages experiment ``name`` ran, their steps (its metrics) and the accelerator of
     their hardware preset (its views)."""
-    ref = f"refs/exps/{baseline[:2]}/{baseline[2:]}/{name}"
+    ref = dvc_experiments.experiment_ref(baseline, name)
     parts = []
     for branch, stage in (("sft", "train_sft"), ("rl", "train_sft"), ("rl", "train_rl")):
         env = ((yaml.safe_load(_show(root, ref, f"views/{branch}/{stage}.yaml") or "{}").get("hardware") or {})

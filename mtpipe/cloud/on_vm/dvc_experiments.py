@@ -105,13 +105,19 @@ def dvc_command(target: str | None, sets: list[str], exp_name: str | None) -> st
 EXPS_BEFORE = ".git/mtpipe-exps-before"   # in the VM's repo: the experiment refs before the run
 
 
+def experiment_ref(baseline: str, name: str) -> str:
+    """The git ref where DVC keeps experiment ``name`` of the commit ``baseline`` (its full sha); with
+    ``name`` empty, the prefix of all of ``baseline``'s."""
+    return f"refs/exps/{baseline[:2]}/{baseline[2:]}/{name}"
+
+
 def check_exp_name(root: Path, name: str | None) -> None:
     """`--exp-name` must be a valid ref name not yet used by an experiment of HEAD (checked here:
     on the VM, `dvc exp run --name` would fail only after the setup)."""
     if not name:
         return
     head = _git(root, "rev-parse", "HEAD").strip()
-    ref = f"refs/exps/{head[:2]}/{head[2:]}/{name}"
+    ref = experiment_ref(head, name)
     if subprocess.run(["git", "check-ref-format", ref], cwd=root).returncode != 0 or "/" in name:
         raise ConfigError("--exp-name", f"{name!r} is not a valid experiment name",
                           "use letters, digits, dashes and dots")
@@ -183,7 +189,7 @@ def fetch_experiments(remote: Remote, root: Path, remote_dir: str, baseline: str
     has it: it shipped it), the way `dvc exp push` / `dvc exp pull` move experiments through git.
     Locally only refs and objects in .git change; `dvc exp apply NAME` brings one into the workspace.
     """
-    prefix = f"refs/exps/{baseline[:2]}/{baseline[2:]}/"
+    prefix = experiment_ref(baseline, "")
     out = check(remote, "\n".join([
         "set -eo pipefail",
         f'cd "$HOME"/{shlex.quote(remote_dir)}',

@@ -450,9 +450,10 @@ def test_a_stockout_that_lasts_names_the_other_zones(fake: FakeCompute) -> None:
     machineTypes.aggregatedList), and no VM exists."""
     from mtpipe.cloud.lifecycle.run import VmLifecycle
 
-    cfg = vm_config.load_config({"stockout.retry_for_s": 0.2, "stockout.first_wait_s": 0.05})
+    # a window of 1 s with waits from 0.05 s: a second insert even when a loaded machine makes the first slow
+    cfg = vm_config.load_config({"stockout.retry_for_s": 1.0, "stockout.first_wait_s": 0.05})
     fake.insert_failures += [STOCKOUT] * 20
-    with pytest.raises(CapacityError, match=r"no capacity in us-east5-b.*zones tried: us-east5-b, for 0.2 s. "
+    with pytest.raises(CapacityError, match=r"no capacity in us-east5-b.*zones tried: us-east5-b, for 1 s. "
                                                  r"Other zones that offer ct6e-standard-8t: europe-west4-a \(add "
                                                  r"them to zones: in conf/vm.yaml"):
         VmLifecycle(cfg, Path(".")).creation.create_vm(KEY, {})
