@@ -32,6 +32,7 @@ from fakes.sshd import LoopbackSshd
 from pipeline import ran_stages
 
 from mtpipe.cloud.lifecycle import rehearsal
+from mtpipe.cloud.on_vm import dvc_experiments
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "hf_" + secrets.token_hex(16)   # made at run time: the shipped sources cannot contain it

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from mtpipe.cloud.lifecycle import rehearsal  # noqa: E402
 from mtpipe.maxtext import commands, training_commands  # noqa: E402
-from mtpipe.planning import aot, preflight  # noqa: E402
+from mtpipe.planning import aot  # noqa: E402
 from mtpipe.pipeline import overrides  # noqa: E402
 from mtpipe.pipeline.config import stage_view  # noqa: E402
 from mtpipe.pipeline.view import View  # noqa: E402
