@@ -29,7 +29,7 @@ from mtpipe.maxtext import conversion_commands, runner  # noqa: E402
 from mtpipe.maxtext.training_logs import read_steps, read_tensorboard, rl_curve, rl_eval  # noqa: E402
 from mtpipe.pipeline.stage import ROOT, artifact  # noqa: E402
 from mtpipe.evaluation import scoring  # noqa: E402
-from plan import committed_view, slice_forecast  # noqa: E402  (benchmarks/on_tpu/plan.py)
+from plan import GRPO_GROUPS, SLICE_GROUPS, committed_view, slice_forecast  # noqa: E402  (benchmarks/on_tpu/plan.py)
 
 RECORDS = Path(__file__).resolve().parent / "records"
 STEP_TIME = "perf/step_time_seconds"
@@ -213,9 +213,9 @@ def main() -> None:
             summary = json.loads((group / "summary.json").read_text())
             record = {"group": name, "smoke": summary["smoke"], "versions": summary["versions"], "nproc": summary["nproc"],
                       "tpu_check": summary.get("tpu_check")}
-            if name.startswith(("slices", "own_", "again_")):
+            if name in SLICE_GROUPS:
                 record |= slices(group, summary, plan)
-            elif name.startswith("grpo"):
+            elif name in GRPO_GROUPS:
                 record |= grpo(group, summary, plan)
             else:
                 record |= embedded(group, summary, work)
